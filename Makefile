@@ -1,0 +1,29 @@
+# The two set-up commands of the README. Both work on a fresh machine with Python >= 3.10.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: demo test install bench clean
+
+$(BIN)/mirrax: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(BIN)/mirrax
+
+install: $(BIN)/mirrax
+
+# The main job: train the tutorial CNN on the bundled digits over every device
+# (4 fake CPU devices on a machine without an accelerator).
+demo: install
+	$(BIN)/mirrax train
+
+# The test suite, on 8 fake CPU devices (tests/conftest.py sets them up).
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

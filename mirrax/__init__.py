@@ -1,0 +1,65 @@
+"""mirrax: the tf.distribute programming model on JAX.
+
+Three changes turn a one-device training script into an N-device one: create a strategy,
+build the model and optimizer under `strategy.scope()`, distribute the dataset.
+"""
+
+from mirrax import errors as errors
+from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
+from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
+from mirrax._src.distribute.input import InputContext as InputContext
+from mirrax._src.distribute.input import InputOptions as InputOptions
+from mirrax._src.distribute.input import ValueContext as ValueContext
+from mirrax._src.distribute.losses import compute_average_loss as compute_average_loss
+from mirrax._src.distribute.losses import scale_regularization_loss as scale_regularization_loss
+from mirrax._src.distribute.mirrored import CrossDeviceOps as CrossDeviceOps
+from mirrax._src.distribute.mirrored import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from mirrax._src.distribute.mirrored import MirroredStrategy as MirroredStrategy
+from mirrax._src.distribute.mirrored import NcclAllReduce as NcclAllReduce
+from mirrax._src.distribute.mirrored import OneDeviceStrategy as OneDeviceStrategy
+from mirrax._src.distribute.mirrored import ReductionToOneDevice as ReductionToOneDevice
+from mirrax._src.distribute.reduce import ReduceOp as ReduceOp
+from mirrax._src.distribute.reduce import VariableAggregation as VariableAggregation
+from mirrax._src.distribute.replica_context import REPLICA_AXIS as REPLICA_AXIS
+from mirrax._src.distribute.replica_context import ReplicaContext as ReplicaContext
+from mirrax._src.distribute.strategy import Strategy as Strategy
+from mirrax._src.distribute.strategy import StrategyExtended as StrategyExtended
+from mirrax._src.distribute.strategy import get_replica_context as get_replica_context
+from mirrax._src.distribute.strategy import get_strategy as get_strategy
+from mirrax._src.distribute.strategy import has_strategy as has_strategy
+from mirrax._src.distribute.strategy import in_cross_replica_context as in_cross_replica_context
+from mirrax._src.distribute.tpu import TPUStrategy as TPUStrategy
+from mirrax._src.distribute.values import Mirrored as Mirrored
+from mirrax._src.distribute.values import PerReplica as PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "Mirrored",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "TPUStrategy",
+    "ValueContext",
+    "VariableAggregation",
+    "compute_average_loss",
+    "errors",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+]

@@ -1,0 +1,1 @@
+"""mirrax internals. Nothing here is public API; import from `mirrax` instead."""

@@ -1,0 +1,1 @@
+"""The tf.distribute core on JAX: strategies, distributed values, replica context, input, losses."""

@@ -1,0 +1,452 @@
+"""`strategy.run`: one user function, compiled once into ONE `jax.jit(jax.shard_map(...))` program.
+
+Arguments are sorted by what they are: distributed values enter sharded along `REPLICA_AXIS`
+(each replica sees its own row), NNX objects are split into graph and state and enter
+replicated, plain arrays enter replicated, Python scalars and other hashable objects are static
+(as `tf.function` treats Python values). Inside, the NNX objects are merged back, RNG streams are
+folded with the replica id, the user's function runs under a `ReplicaContext`, and the new state
+is aggregated by each variable's `VariableAggregation` before it leaves the program unvarying.
+Outside, the state is written back into the caller's objects, so mutation looks in place as in
+TF. JAX's vma typing tells which outputs vary across replicas: those come back as `PerReplica`,
+the others as `Mirrored`.
+
+The compiled program is cached per (function, argument structure, static values): a second call
+with same-shaped inputs runs without retracing. Finding which outputs vary needs one abstract
+trace before the real one, so the first call traces the function twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import flax.errors
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mirrax import errors
+from mirrax._src.distribute import _compat
+from mirrax._src.distribute.reduce import VariableAggregation
+from mirrax._src.distribute.replica_context import (
+    REPLICA_AXIS,
+    ReplicaContext,
+    current_replica_context,
+    replica_context_scope,
+)
+from mirrax._src.distribute.values import Mirrored, PerReplica
+
+_CACHE_SIZE = 256
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+# Modules whose functions never hold user state; the capture check does not look inside them.
+_LIBRARY_PREFIXES = ("jax", "flax", "optax", "numpy", "mirrax", "builtins", "functools")
+
+
+def is_graph_node(x) -> bool:
+    """True for NNX modules, optimizers, metrics and variables (objects with NNX state)."""
+    return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _is_argument_leaf(x) -> bool:
+    return is_graph_node(x) or isinstance(x, (PerReplica, Mirrored))
+
+
+@dataclasses.dataclass
+class _Program:
+    """A compiled step and what its first trace learned about the outputs."""
+
+    compiled: Any
+    out_treedef: Any
+    out_varying: tuple
+
+
+def run(strategy, fn, args, kwargs):
+    """Implements `Strategy.run` (validated there)."""
+    if current_replica_context() is not None:
+        raise errors.ReplicaContextError(
+            "strategy.run was called inside a function that strategy.run is already running; "
+            "nested run is not supported. Call the inner function directly: it already runs "
+            "once per replica."
+        )
+    fn_node = None
+    if is_graph_node(fn):
+        fn_node = fn
+    elif inspect.ismethod(fn) and is_graph_node(fn.__self__):
+        fn_node = fn.__self__
+    _check_captures(fn, fn_node)
+
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+        (fn_node, tuple(args), dict(kwargs)), is_leaf=_is_argument_leaf
+    )
+    nodes, node_names, node_index = [], [], {}
+    kinds, dynamic = [], []
+    mask_value, lengths = None, None
+    for path, leaf in with_paths:
+        if is_graph_node(leaf):
+            if id(leaf) not in node_index:
+                node_index[id(leaf)] = len(nodes)
+                nodes.append(leaf)
+                node_names.append(_describe_path(path))
+            kinds.append(("node", node_index[id(leaf)]))
+        elif isinstance(leaf, PerReplica):
+            _check_owner(strategy, leaf, _describe_path(path))
+            if leaf._ragged is not None:
+                raise ValueError(
+                    f"strategy.run: {_describe_path(path)} is a PerReplica whose replicas hold "
+                    "values of different shapes that cannot be stacked "
+                    f"({[jax.tree.map(np.shape, v) for v in leaf.values]}); give every replica "
+                    "values with the same shape (pad them) before passing them to run."
+                )
+            value_leaves, value_def = jax.tree.flatten(leaf._value)
+            kinds.append(("sharded", value_def, len(value_leaves)))
+            dynamic.extend(value_leaves)
+            if leaf._mask is not None and mask_value is None:
+                mask_value, lengths = leaf._mask, leaf._lengths
+        elif isinstance(leaf, Mirrored):
+            _check_owner(strategy, leaf, _describe_path(path))
+            value_leaves, value_def = jax.tree.flatten(leaf._value)
+            kinds.append(("mirrored", value_def, len(value_leaves)))
+            dynamic.extend(value_leaves)
+        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            kinds.append(("array",))
+            dynamic.append(_place(strategy, leaf, _describe_path(path)))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TypeError(
+                    f"strategy.run: argument {_describe_path(path)} is a {type(leaf).__name__}, "
+                    "which is neither an array, an NNX object, a distributed value, nor a hashable "
+                    "Python value (those are passed as compile-time constants). Pass arrays, "
+                    "NNX objects, or pytrees (tuples, lists, dicts) of them."
+                ) from None
+            kinds.append(("static", leaf))
+
+    graphdef, state = nnx.split(tuple(nodes))
+    state_leaves, state_def = jax.tree.flatten(state)
+    state_leaves = [
+        _place(strategy, x, f"the state of {node_names[0] if node_names else 'an NNX object'}")
+        for x in state_leaves
+    ]
+    fn_key = (type(fn_node), fn.__func__) if fn_node is not None and fn_node is not fn else fn
+    if fn_node is fn:
+        fn_key = type(fn)
+    key = (fn_key, treedef, tuple(kinds), graphdef, state_def, mask_value is not None)
+    program = strategy._run_cache.get(key)
+    if program is None:
+        spec = _Spec(
+            strategy, fn, fn_node, treedef, tuple(kinds), graphdef, state_def, tuple(node_names)
+        )
+        program = _compile(spec, state_leaves, dynamic, mask_value)
+        strategy._run_cache[key] = program
+        while len(strategy._run_cache) > _CACHE_SIZE:
+            strategy._run_cache.popitem(last=False)
+    else:
+        strategy._run_cache.move_to_end(key)
+
+    new_state, outputs = program.compiled(state_leaves, dynamic, mask_value)
+    if nodes:
+        nnx.update(tuple(nodes), new_state)
+    wrapped = [
+        PerReplica(strategy, x, mask=mask_value, lengths=lengths)
+        if varying
+        else Mirrored(strategy, x)
+        for x, varying in zip(outputs, program.out_varying)
+    ]
+    return jax.tree.unflatten(program.out_treedef, wrapped)
+
+
+def new_cache() -> collections.OrderedDict:
+    """The per-strategy cache of compiled programs (least recently used first)."""
+    return collections.OrderedDict()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything static about one `run` call: what the compiled body must rebuild."""
+
+    strategy: Any
+    fn: Any
+    fn_node: Any
+    treedef: Any
+    kinds: tuple
+    graphdef: Any
+    state_def: Any
+    node_names: tuple
+
+
+def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
+    mesh = spec.strategy.mesh
+    dynamic_specs = []
+    for kind in spec.kinds:
+        if kind[0] == "sharded":
+            dynamic_specs.extend([P(REPLICA_AXIS)] * kind[2])
+        elif kind[0] == "mirrored":
+            dynamic_specs.extend([P()] * kind[2])
+        elif kind[0] == "array":
+            dynamic_specs.append(P())
+    in_specs = (P(), dynamic_specs, None if mask_value is None else P(REPLICA_AXIS))
+    found = {}
+
+    def probe(state_leaves, dynamic, mask):
+        new_state, outputs, found["treedef"] = _body(spec, state_leaves, dynamic, mask)
+        found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
+        return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in outputs]
+
+    jax.eval_shape(
+        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(REPLICA_AXIS))),
+        state_leaves,
+        dynamic,
+        mask_value,
+    )
+    varying = found["varying"]
+
+    def body(state_leaves, dynamic, mask):
+        new_state, outputs, _ = _body(spec, state_leaves, dynamic, mask)
+        return new_state, [x[None] if v else x for x, v in zip(outputs, varying)]
+
+    out_specs = (P(), [P(REPLICA_AXIS) if v else P() for v in varying])
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return _Program(compiled, found["treedef"], varying)
+
+
+def _body(spec: _Spec, state_leaves, dynamic, mask):
+    """The per-replica program: rebuild the arguments, run the user's function, aggregate state."""
+    state = jax.tree.unflatten(spec.state_def, state_leaves)
+    # Read before merging: merge may reuse these Variable objects, which the step then mutates.
+    old_values = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
+    nodes = nnx.merge(spec.graphdef, state)
+    rebuilt, position = [], 0
+    for kind in spec.kinds:
+        if kind[0] == "node":
+            rebuilt.append(nodes[kind[1]])
+        elif kind[0] in ("sharded", "mirrored"):
+            chunk = dynamic[position : position + kind[2]]
+            position += kind[2]
+            if kind[0] == "sharded":
+                chunk = [x[0] for x in chunk]
+            rebuilt.append(jax.tree.unflatten(kind[1], chunk))
+        elif kind[0] == "array":
+            rebuilt.append(dynamic[position])
+            position += 1
+        else:
+            rebuilt.append(kind[1])
+    fn_node, args, kwargs = jax.tree.unflatten(spec.treedef, rebuilt)
+
+    replica_id = jax.lax.axis_index(REPLICA_AXIS)
+    rng_keys = [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    original_keys = [v.get_value() for v in rng_keys]
+    for variable in rng_keys:
+        variable.set_value(jax.random.fold_in(variable.get_value(), replica_id))
+
+    ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0])
+    try:
+        with replica_context_scope(ctx):
+            if spec.fn_node is None:
+                outputs = spec.fn(*args, **kwargs)
+            elif spec.fn_node is spec.fn:
+                outputs = fn_node(*args, **kwargs)
+            else:
+                outputs = spec.fn.__func__(fn_node, *args, **kwargs)
+    except flax.errors.TraceContextError as e:
+        raise errors.CapturedStateError(
+            f"strategy.run: {_fn_name(spec.fn)} mutates an NNX object it reaches through a "
+            "closure, a global or an attribute, not through its arguments; the update would be "
+            "lost. Pass the object in args, e.g. strategy.run(step, args=(model, optimizer, "
+            f"batch)), and use the argument inside the function. (flax said: {e})"
+        ) from e
+
+    for variable, key in zip(rng_keys, original_keys):
+        variable.set_value(key)
+    _, new_state = nnx.split(nodes)
+    new_state = _aggregate(spec, new_state, old_values, replica_id)
+
+    out_leaves = jax.tree.leaves(outputs, is_leaf=is_graph_node)
+    for leaf in out_leaves:
+        if is_graph_node(leaf) or not isinstance(leaf, _ARRAY_LIKE):
+            raise TypeError(
+                f"strategy.run: {_fn_name(spec.fn)} returned a {type(leaf).__name__}; the "
+                "function must return arrays or pytrees (tuples, lists, dicts) of arrays. NNX "
+                "objects passed in args are updated in place and need not be returned."
+            )
+    out_leaves, out_treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, outputs))
+    return new_state, out_leaves, out_treedef
+
+
+def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
+    """Makes every state leaf unvarying, by its variable's aggregation (DESIGN.md §1).
+
+    `old` maps each state path to its value before the step (for SUM: old + sum of updates).
+    """
+    flat = []
+    for path, variable in nnx.to_flat_state(new_state):
+        value = variable.get_value()
+        if not isinstance(value, jax.Array):
+            flat.append((path, variable))
+            continue
+        aggregation = aggregation_of(variable)
+        varying = REPLICA_AXIS in _compat.varying_axes(value)
+        before = old.get(path)
+        if aggregation is VariableAggregation.SUM and before is not None:
+            # Every replica's update counts, as in TF, even when JAX proves they are equal.
+            delta = _compat.pvary(value - before, REPLICA_AXIS)
+            value = before + jax.lax.psum(delta, REPLICA_AXIS)
+            flat.append((path, variable.replace(value)))
+            continue
+        if not varying:
+            flat.append((path, variable))
+            continue
+        if aggregation is VariableAggregation.NONE:
+            name = spec.node_names[path[0]] + "".join(f".{p}" for p in path[1:])
+            raise errors.VaryingVariableError(
+                f"strategy.run: after {_fn_name(spec.fn)}, variable {name} "
+                f"({type(variable).__name__}, aggregation NONE) holds a different value on each "
+                "replica, so there is no single value to write back. Usually it was updated "
+                "from a per-replica quantity: make the update identical on every replica (e.g. "
+                "mirrax.get_replica_context().all_reduce('mean', x)), or declare how replicas "
+                "combine it, e.g. nnx.Variable(value, aggregation=mirrax.VariableAggregation.MEAN)."
+            )
+        if aggregation is VariableAggregation.MEAN:
+            value = jax.lax.pmean(value, REPLICA_AXIS).astype(value.dtype)
+        elif aggregation is VariableAggregation.SUM:  # a variable the step created
+            value = jax.lax.psum(value, REPLICA_AXIS)
+        else:  # ONLY_FIRST_REPLICA
+            first = jnp.where(replica_id == 0, value, jnp.zeros_like(value))
+            value = jax.lax.psum(first.astype(jnp.result_type(value, jnp.int32)), REPLICA_AXIS)
+            value = value.astype(variable.get_value().dtype)
+        flat.append((path, variable.replace(value)))
+    return nnx.from_flat_state(flat)
+
+
+def aggregation_of(variable) -> VariableAggregation:
+    """A variable's aggregation: its `aggregation` metadata, else the default for its type.
+
+    Defaults (DESIGN.md §1): `nnx.BatchStat` → MEAN; metric state (`nnx.metrics.MetricState`) →
+    SUM; everything else (`nnx.Param`, optimizer state, counters) → NONE.
+    """
+    explicit = variable.get_metadata().get("aggregation")
+    if explicit is not None:
+        return VariableAggregation.from_any(explicit, "aggregation metadata")
+    if isinstance(variable, nnx.BatchStat):
+        return VariableAggregation.MEAN
+    if isinstance(variable, nnx.metrics.MetricState):
+        return VariableAggregation.SUM
+    return VariableAggregation.NONE
+
+
+def _place(strategy, x, what: str):
+    """Puts an input array on the strategy's mesh, replicated; refuses another strategy's arrays."""
+    if not isinstance(x, jax.Array):
+        return x
+    target = strategy._replicated
+    sharding = x.sharding
+    if sharding == target:
+        return x
+    if (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh.size > 1
+        and strategy.num_replicas_in_sync > 1
+        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
+    ):
+        raise errors.MixedStrategyError(
+            f"strategy.run: {what} lives on another strategy's devices "
+            f"({_device_names(sharding.mesh.devices.flat)}), but this {type(strategy).__name__} "
+            f"runs on {_device_names(strategy.mesh.devices.flat)}. Objects placed by one "
+            "multi-replica strategy cannot be used by another: create (or restore) them for "
+            "this strategy, e.g. under `with strategy.scope():`."
+        )
+    return jax.device_put(x, target)
+
+
+def _check_owner(strategy, value, what: str):
+    if value._strategy is not strategy:
+        raise errors.MixedStrategyError(
+            f"{what} is a {type(value).__name__} created by another strategy "
+            f"({type(value._strategy).__name__} with {value._strategy.num_replicas_in_sync} "
+            f"replicas), not by this {type(strategy).__name__}. Distribute the dataset or values "
+            "with the strategy that will run them."
+        )
+
+
+def _check_captures(fn, fn_node):
+    """Refuses functions that reach NNX objects through closures, globals or `self` attributes.
+
+    Such state would be baked into the compiled program as constants (stale after the first
+    step) and its updates lost; TF programs often do this, so the message shows the fix.
+    """
+    found = _captured_nodes(fn, fn_node, depth=0, seen=set())
+    if found:
+        names = ", ".join(f"{name!r} ({type(obj).__name__})" for name, obj in found)
+        raise errors.CapturedStateError(
+            f"strategy.run: {_fn_name(fn)} captures NNX state {names} from outside its "
+            "arguments (a closure, a global, or an attribute of self). Its values would be "
+            "compiled in as constants and its updates lost. Pass the object in args and use the "
+            f"argument: def {_fn_name(fn)}(model, optimizer, batch): ... ; "
+            "strategy.run(step, args=(model, optimizer, batch))."
+        )
+
+
+def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
+    if depth > 3 or id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    found = []
+    if isinstance(fn, functools.partial):
+        for value in list(fn.args) + list(fn.keywords.values()):
+            found += [("partial argument", leaf) for leaf in _nodes_in(value)]
+        return found + _captured_nodes(fn.func, fn_node, depth + 1, seen)
+    if inspect.ismethod(fn):
+        owner = fn.__self__
+        if owner is not fn_node and not is_graph_node(owner):
+            for name, value in vars(owner).items() if hasattr(owner, "__dict__") else []:
+                found += [(f"self.{name}", leaf) for leaf in _nodes_in(value)]
+        fn = fn.__func__
+    if not inspect.isfunction(fn):
+        return found
+    module = getattr(fn, "__module__", "") or ""
+    if module.split(".")[0] in _LIBRARY_PREFIXES:
+        return found
+    try:
+        closure = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return found
+    for name, value in {**closure.nonlocals, **closure.globals}.items():
+        if value is fn_node:
+            continue
+        nodes = _nodes_in(value)
+        if nodes:
+            found += [(name, leaf) for leaf in nodes]
+        elif inspect.isfunction(value) or isinstance(value, functools.partial):
+            found += _captured_nodes(value, fn_node, depth + 1, seen)
+    return found
+
+
+def _nodes_in(value) -> list:
+    if is_graph_node(value):
+        return [value]
+    if isinstance(value, (list, tuple, dict)):
+        return [x for x in jax.tree.leaves(value, is_leaf=is_graph_node) if is_graph_node(x)]
+    return []
+
+
+def _describe_path(path) -> str:
+    """'args[0]', "kwargs['model']" or 'the function' for a path into (fn_node, args, kwargs)."""
+    if not path:
+        return "the function"
+    head, rest = path[0], path[1:]
+    root = {0: "the function", 1: "args", 2: "kwargs"}[head.idx]
+    return root + jax.tree_util.keystr(tuple(rest))
+
+
+def _device_names(devices) -> str:
+    names = [f"{d.platform}:{d.id}" for d in devices]
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__

@@ -1,0 +1,353 @@
+"""Distributed input: split global batches over replicas (or deal per-replica batches), pad
+partial batches to a static shape with a mask, and move them to the devices ahead of use.
+
+Accepted sources: a tuple/dict of arrays (ONE batch), any iterable of batches (list, generator,
+Grain loader, PyTorch DataLoader), or an object with `as_numpy_iterator()` (tf.data). Leaves
+may be NumPy or JAX arrays or anything with `.numpy()` (tf.Tensor, torch.Tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from mirrax import errors
+from mirrax._src.distribute.values import (
+    PerReplica,
+    mask_from_lengths,
+    put_stacked,
+    stack_host_values,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """Options for distributed input, as `tf.distribute.InputOptions`.
+
+    Attributes:
+      experimental_fetch_to_device: move batches to the replicas' devices in a background
+        thread ahead of use (True), or when the iterator is advanced (False).
+      experimental_per_replica_buffer_size: how many batches the background thread keeps ready
+        on the devices (an int >= 1; default 2).
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_per_replica_buffer_size: int = 2
+
+    def __post_init__(self):
+        size = self.experimental_per_replica_buffer_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                "InputOptions.experimental_per_replica_buffer_size must be an int >= 1; "
+                f"received {size!r}."
+            )
+
+
+class InputContext:
+    """What an input pipeline needs to know to shard itself, as `tf.distribute.InputContext`.
+
+    Attributes:
+      num_input_pipelines: number of input pipelines (one per worker process).
+      input_pipeline_id: this pipeline's index in [0, num_input_pipelines).
+      num_replicas_in_sync: replicas over all workers.
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """`global_batch_size // num_replicas_in_sync` (examples per replica per step).
+
+        Raises:
+          ValueError: `global_batch_size` is not divisible by `num_replicas_in_sync`.
+        """
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"The global_batch_size {global_batch_size} is not divisible by "
+                f"num_replicas_in_sync {self.num_replicas_in_sync}. Use a multiple of "
+                f"{self.num_replicas_in_sync}, e.g. "
+                f"{math.ceil(global_batch_size / self.num_replicas_in_sync) * self.num_replicas_in_sync}."
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
+            f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """The argument of `experimental_distribute_values_from_function`'s `value_fn`.
+
+    As `tf.distribute.experimental.ValueContext`.
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+def _check_options(options) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(
+            f"options must be a mirrax.InputOptions or None; received {type(options).__name__}."
+        )
+    return options
+
+
+def _batch_source(dataset) -> Callable[[], Iterator]:
+    """A function that starts a fresh pass over `dataset`'s batches."""
+    if hasattr(dataset, "as_numpy_iterator"):
+        return lambda: iter(dataset.as_numpy_iterator())
+    if isinstance(dataset, (tuple, dict, np.ndarray, jax.Array)) and all(
+        _is_array(leaf) for leaf in jax.tree.leaves(dataset)
+    ):
+        return lambda: iter([dataset])
+    if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__"):
+        raise TypeError(
+            "The dataset must be a tuple/dict of arrays (one global batch), an iterable of such "
+            "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
+            f"received {type(dataset).__name__}."
+        )
+    return lambda: iter(dataset)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "numpy") or hasattr(x, "__array__")
+
+
+def to_host_batch(batch):
+    """Converts a batch's leaves to NumPy and checks they share one leading (batch) size.
+
+    Returns:
+      (host_batch, n): the batch with NumPy leaves, and its number of examples.
+
+    Raises:
+      InvalidBatchError: a leaf is not an array, is a scalar, or the leading sizes differ.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    if not with_paths:
+        raise errors.InvalidBatchError(
+            f"A batch must contain at least one array; received {batch!r}."
+        )
+    leaves, sizes = [], {}
+    for path, leaf in with_paths:
+        name = "batch" + jax.tree_util.keystr(path)
+        if hasattr(leaf, "numpy") and not isinstance(leaf, (np.ndarray, jax.Array)):
+            leaf = leaf.numpy()
+        if not isinstance(leaf, (np.ndarray, jax.Array, np.generic)):
+            raise errors.InvalidBatchError(
+                f"{name} is a {type(leaf).__name__} ({leaf!r:.60}); every leaf of a batch must be "
+                "an array whose first axis is the batch (NumPy, JAX, tf.Tensor, torch.Tensor). "
+                "Convert it with np.asarray, or drop it from the batch."
+            )
+        leaf = np.asarray(leaf)
+        if leaf.ndim == 0:
+            raise errors.InvalidBatchError(
+                f"{name} is a scalar ({leaf!r}); every leaf of a batch needs a leading batch "
+                "axis. Give it shape (batch_size, ...), e.g. np.full(batch_size, value)."
+            )
+        leaves.append(leaf)
+        sizes[name] = leaf.shape[0]
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise errors.InvalidBatchError(
+            f"The leaves of a batch have different leading (batch) sizes ({listing}); every "
+            "leaf must hold the same number of examples along its first axis."
+        )
+    return jax.tree.unflatten(treedef, leaves), leaves[0].shape[0]
+
+
+class _Placer:
+    """Pads per-replica shards to a static row count and places them, with the mask."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.rows: int | None = None
+        self._full_masks: dict = {}
+
+    def place(self, shards: list, first_size_name: str) -> PerReplica:
+        lengths = tuple(jax.tree.leaves(s)[0].shape[0] for s in shards)
+        if self.rows is None:
+            if max(lengths) == 0:
+                raise errors.InvalidBatchError(
+                    f"The first batch gives every replica 0 examples ({first_size_name}); "
+                    "nothing can be trained on. Check the batch size and that the dataset is "
+                    "not empty."
+                )
+            self.rows = max(lengths)
+        # A later batch larger than the first grows the static size (one recompilation).
+        self.rows = max(self.rows, max(lengths))
+        stacked, _ = stack_host_values(shards, rows=self.rows)
+        return PerReplica(
+            self.strategy, put_stacked(self.strategy, stacked), self._mask(lengths), lengths
+        )
+
+    def _mask(self, lengths):
+        if all(n == self.rows for n in lengths):
+            key = (self.rows, len(lengths))
+            if key not in self._full_masks:
+                self._full_masks[key] = put_stacked(
+                    self.strategy, mask_from_lengths(lengths, self.rows)
+                )
+            return self._full_masks[key]
+        return put_stacked(self.strategy, mask_from_lengths(lengths, self.rows))
+
+
+def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> list:
+    """TF's split rule: replica r gets examples [r*c, min(n, (r+1)*c)) with c = ceil(n/R)."""
+    per = math.ceil(n / num_replicas)
+    return [
+        jax.tree.map(lambda a: a[min(r * per, n) : min(n, (r + 1) * per)], host_batch)
+        for r in replica_ids
+    ]
+
+
+class DistributedDataset:
+    """A dataset of global batches, split over replicas; iterate it for `PerReplica` batches.
+
+    Made by `strategy.experimental_distribute_dataset`. Iterable any number of times (each
+    pass restarts the source, when the source can restart).
+    """
+
+    def __init__(self, strategy, dataset, options=None):
+        self._strategy = strategy
+        self._options = _check_options(options)
+        self._source = _batch_source(dataset)
+        self._placer = _Placer(strategy)
+
+    def _produce(self) -> Iterator[PerReplica]:
+        strategy = self._strategy
+        for batch in self._source():
+            host, n = to_host_batch(batch)
+            shards = split_global_batch(
+                host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
+            )
+            yield self._placer.place(
+                shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
+            )
+
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self._produce(), self._options)
+
+
+class DistributedDatasetsFromFunction:
+    """Per-worker datasets of per-replica batches, dealt to the local replicas in turn.
+
+    Made by `strategy.distribute_datasets_from_function`; `dataset_fn` is called once, here.
+    When the source ends part-way through a round, the remaining replicas get empty shards.
+    """
+
+    def __init__(self, strategy, dataset_fn, options=None):
+        self._strategy = strategy
+        self._options = _check_options(options)
+        self.input_context = InputContext(
+            num_input_pipelines=jax.process_count(),
+            input_pipeline_id=jax.process_index(),
+            num_replicas_in_sync=strategy.num_replicas_in_sync,
+        )
+        self._source = _batch_source(dataset_fn(self.input_context))
+        self._placer = _Placer(strategy)
+
+    def _produce(self) -> Iterator[PerReplica]:
+        local = len(self._strategy._local_replica_ids)
+        round_: list = []
+        for batch in self._source():
+            round_.append(to_host_batch(batch)[0])
+            if len(round_) == local:
+                yield self._placer.place(round_, "per-replica batch of 0")
+                round_ = []
+        if round_:
+            empty = jax.tree.map(lambda a: a[:0], round_[0])
+            yield self._placer.place(
+                round_ + [empty] * (local - len(round_)), "per-replica batch of 0"
+            )
+
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self._produce(), self._options)
+
+
+class _End:
+    pass
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class DistributedIterator:
+    """Iterator over `PerReplica` batches, prefetched to the devices by a background thread.
+
+    As TF's `DistributedIterator`: `next(it)` / `it.get_next()` return the next batch and raise
+    `StopIteration` at the end. An error in the source is raised here, in the caller's thread.
+    """
+
+    def __init__(self, producer: Iterator, options: InputOptions):
+        self._producer = producer
+        self._thread = None
+        if options.experimental_fetch_to_device:
+            self._queue: queue.Queue = queue.Queue(options.experimental_per_replica_buffer_size)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._fill, daemon=True, name="mirrax-prefetch")
+            self._thread.start()
+
+    def _fill(self):
+        try:
+            for item in self._producer:
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(_End())
+        except BaseException as e:  # handed to the consumer, raised there
+            self._queue.put(_Failure(e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PerReplica:
+        if self._thread is None:
+            return next(self._producer)
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StopIteration from None
+        if isinstance(item, _End):
+            self._queue.put(item)  # later calls also stop
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._queue.put(_End())
+            raise item.error
+        return item
+
+    def get_next(self) -> PerReplica:
+        """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
+        return next(self)
+
+    def close(self):
+        """Stops the prefetch thread (also done when the iterator is garbage-collected)."""
+        if self._thread is not None:
+            self._stop.set()
+
+    def __del__(self):
+        self.close()

@@ -1,0 +1,151 @@
+"""Single-host strategies: `MirroredStrategy`, `OneDeviceStrategy`, and the `CrossDeviceOps` family.
+
+Device names follow TF: a `jax.Device`, or a string "cpu:0", "gpu:1", "/gpu:1",
+"/device:GPU:1" or "/job:localhost/replica:0/task:0/device:CPU:0". The index counts this
+process's devices of that platform.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+from mirrax import errors
+from mirrax._src.distribute.strategy import Strategy, short_device_name
+
+_DEVICE_PATTERN = re.compile(r"(?:.*/)?(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
+
+
+class CrossDeviceOps:
+    """Base of the all-reduce implementations `MirroredStrategy` accepts, as TF's class.
+
+    In mirrax every one of them lowers to the same thing: the gradient sum is an XLA
+    `all-reduce` inside the step's compiled program, which XLA implements with the platform's
+    collective library (NCCL on GPU, the ICI on TPU, in-process copies on CPU) and combines
+    into as few collectives as it can. The classes exist so TF programs run unchanged; the
+    choice does not change the numbers.
+    """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """TF's NCCL all-reduce: here XLA's all-reduce, which uses NCCL on GPU (the default).
+
+    Args:
+      num_packs: accepted for compatibility; XLA's all-reduce combiner decides the packing.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        self.num_packs = num_packs
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """TF's hierarchical copy (for DGX-1 topologies): here the same XLA all-reduce.
+
+    Args:
+      num_packs: accepted for compatibility; XLA's all-reduce combiner decides the packing.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        self.num_packs = num_packs
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """TF's reduce-on-one-device-then-broadcast: here the same XLA all-reduce (same result).
+
+    Args:
+      reduce_to_device: accepted for compatibility; ignored.
+      accumulation_fn: accepted for compatibility; only summation is supported.
+    """
+
+    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+        self.reduce_to_device = reduce_to_device
+        self.accumulation_fn = accumulation_fn
+
+
+def resolve_device(device, argument: str = "devices") -> jax.Device:
+    """A `jax.Device` of this process for a `jax.Device` or a TF-style device string.
+
+    Raises:
+      InvalidDeviceError: the string is malformed or names no local device; the message lists
+        the devices there are.
+    """
+    if isinstance(device, jax.Device):
+        return device
+    if isinstance(device, str):
+        match = _DEVICE_PATTERN.match(device.strip())
+        if match:
+            kind, index = match["kind"].lower(), int(match["index"])
+            try:
+                local = [d for d in jax.local_devices(backend=kind)]
+            except RuntimeError:
+                local = []
+            if index < len(local):
+                return local[index]
+    available = ", ".join(short_device_name(d) for d in jax.local_devices())
+    raise errors.InvalidDeviceError(
+        f"{argument}: {device!r} names no device of this process. Use a jax.Device or a string "
+        f"like 'cpu:0' or 'gpu:1'; this process has: {available}. (For more CPU devices set "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts.)"
+    )
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism on one host, as `tf.distribute.MirroredStrategy`.
+
+    One replica per device; variables are mirrored (identical on every device); gradients are
+    all-reduced inside the compiled step.
+
+    Args:
+      devices: None for every local accelerator (GPUs/TPUs), else every local CPU device; or a
+        list of `jax.Device`s / strings like "gpu:0", "/device:CPU:1".
+      cross_device_ops: None or a `CrossDeviceOps` (`NcclAllReduce`, `HierarchicalCopyAllReduce`,
+        `ReductionToOneDevice`); all map to XLA's all-reduce.
+
+    Raises:
+      InvalidDeviceError: `devices` is empty, names an unknown device, or repeats one.
+      TypeError: `cross_device_ops` is not a `CrossDeviceOps`.
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        if devices is None:
+            resolved = list(jax.local_devices())
+        else:
+            if isinstance(devices, (str, jax.Device)):
+                devices = [devices]
+            resolved = [resolve_device(d) for d in devices]
+            if not resolved:
+                raise errors.InvalidDeviceError(
+                    "MirroredStrategy: devices=[] gives no replicas. Pass None for every local "
+                    "device, or a non-empty list such as ['cpu:0', 'cpu:1']."
+                )
+            if len(set(resolved)) != len(resolved):
+                names = [short_device_name(d) for d in resolved]
+                raise errors.InvalidDeviceError(
+                    f"MirroredStrategy: devices lists a device more than once ({names}); each "
+                    "device holds one replica. Remove the duplicates."
+                )
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                "MirroredStrategy: cross_device_ops must be a mirrax.CrossDeviceOps such as "
+                f"mirrax.NcclAllReduce(); received {type(cross_device_ops).__name__}."
+            )
+        self.cross_device_ops = cross_device_ops or NcclAllReduce()
+        super().__init__(resolved)
+
+
+class OneDeviceStrategy(Strategy):
+    """One replica on one device, as `tf.distribute.OneDeviceStrategy`.
+
+    Args:
+      device: a `jax.Device` or a string like "gpu:0" / "/cpu:0".
+
+    Raises:
+      InvalidDeviceError: `device` names no local device.
+    """
+
+    def __init__(self, device):
+        super().__init__([resolve_device(device, "device")])

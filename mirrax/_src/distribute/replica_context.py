@@ -1,0 +1,125 @@
+"""Where code runs: the thread-local strategy stack and the replica context inside `run`.
+
+As in tf.distribute there are two contexts. Cross-replica context: inside `strategy.scope()` but
+outside `strategy.run`; `get_replica_context()` returns None there. Replica context: inside the
+function given to `strategy.run`, where `get_replica_context()` returns a `ReplicaContext` whose
+collectives are JAX collectives over `REPLICA_AXIS`. Outside every scope, code runs in the
+default strategy's replica context (one replica, collectives are the identity).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mirrax._src.distribute.reduce import ReduceOp
+
+REPLICA_AXIS = "replica"
+"""The name of the strategy mesh's only axis. Pass it as `nnx.BatchNorm(axis_name=REPLICA_AXIS)`
+for batch statistics synchronized over all replicas, or to any `jax.lax` collective inside
+`strategy.run`."""
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.strategy_stack: list = []
+        self.replica_context: ReplicaContext | None = None
+
+
+_state = _ThreadState()
+
+
+class ReplicaContext:
+    """The replica's view inside `strategy.run`, as `tf.distribute.ReplicaContext`.
+
+    Attributes:
+      strategy: the strategy running the function.
+      num_replicas_in_sync: number of replicas (a Python int, all workers together).
+      replica_id_in_sync_group: this replica's index in `[0, num_replicas_in_sync)`, an int32
+        scalar (traced inside `run`; a Python 0 in the default replica context).
+      batch_mask: bool array of shape (per_replica_batch,) marking the real examples of this
+        replica's shard of the current distributed batch (False for the padding that makes every
+        shard the same static size), or None when no input of `run` came from a distributed
+        dataset.
+    """
+
+    def __init__(self, strategy, batch_mask=None, traced: bool = True):
+        self.strategy = strategy
+        self.batch_mask = batch_mask
+        self._traced = traced
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self):
+        if not self._traced:
+            return 0
+        return jax.lax.axis_index(REPLICA_AXIS)
+
+    def all_reduce(self, reduce_op, value):
+        """Combines `value` over all replicas; every replica gets the result.
+
+        As `tf.distribute.ReplicaContext.all_reduce`: SUM adds, MEAN adds and divides by
+        `num_replicas_in_sync`. `value` is any pytree of arrays; shapes and dtypes are kept (MEAN
+        of integers gives floats, as `jnp.mean`).
+
+        Raises:
+          ValueError: `reduce_op` is not SUM or MEAN.
+        """
+        op = ReduceOp.from_any(reduce_op)
+        if not self._traced:
+            return jax.tree.map(jnp.asarray, value)
+        if op is ReduceOp.SUM:
+            return jax.tree.map(lambda x: jax.lax.psum(x, REPLICA_AXIS), value)
+        return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA_AXIS), value)
+
+    def all_gather(self, value, axis: int = 0):
+        """Concatenates every replica's `value` along `axis`, as `ReplicaContext.all_gather`.
+
+        Each leaf of shape (..., n, ...) (n at `axis`) becomes (..., n * num_replicas_in_sync, ...),
+        replica 0's block first. Padding rows of a partial batch are included: gather
+        `batch_mask` alongside to know which rows are real.
+        """
+        if not self._traced:
+            return jax.tree.map(jnp.asarray, value)
+        return jax.tree.map(
+            lambda x: jax.lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True), value
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicaContext(strategy={type(self.strategy).__name__}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+def current_strategy_in_scope():
+    """The innermost strategy whose `scope()` is open on this thread, or None."""
+    return _state.strategy_stack[-1] if _state.strategy_stack else None
+
+
+def current_replica_context() -> ReplicaContext | None:
+    """The replica context of the `strategy.run` being traced on this thread, or None."""
+    return _state.replica_context
+
+
+class replica_context_scope:
+    """Installs a `ReplicaContext` while `strategy.run` traces the user's function."""
+
+    def __init__(self, ctx: ReplicaContext):
+        self._ctx = ctx
+        self._saved: Any = None
+
+    def __enter__(self):
+        self._saved = _state.replica_context
+        _state.replica_context = self._ctx
+        return self._ctx
+
+    def __exit__(self, *exc):
+        _state.replica_context = self._saved
+        return False

@@ -1,0 +1,367 @@
+"""strategy.run: one compiled program, in-place NNX updates, exact gradients, aggregation, RNG."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from tests.conftest import mirrored, named_strategy
+
+# -- the MLP of the issue ------------------------------------------------------------------------
+
+
+def mlp_data():
+    rng = np.random.default_rng(0)
+    w1 = (rng.standard_normal((4, 3)) * 0.5).astype(np.float32)
+    w2 = (rng.standard_normal((3, 2)) * 0.5).astype(np.float32)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    y = rng.integers(0, 2, 16).astype(np.int32)
+    return w1, w2, x, y
+
+
+class MLP(nnx.Module):
+    def __init__(self, w1, w2):
+        self.l1 = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.l2 = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.l1.kernel[...] = jnp.asarray(w1)
+        self.l2.kernel[...] = jnp.asarray(w2)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def sgd_step(model, optimizer, batch):
+    x, y = batch
+
+    def loss_fn(model):
+        per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+        return mirrax.compute_average_loss(per_example, global_batch_size=16)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def numpy_mlp_losses(steps=5, lr=0.1):
+    """Float64 reference: forward, backward and SGD written out by hand."""
+    w1, w2, x, y = (a.astype(np.float64) for a in mlp_data())
+    y = y.astype(int)
+    b1, b2 = np.zeros(3), np.zeros(2)
+    losses = []
+    for _ in range(steps):
+        z = x @ w1 + b1
+        h = np.maximum(z, 0)
+        logits = h @ w2 + b2
+        logp = logits - logits.max(1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+        losses.append(-logp[np.arange(16), y].mean())
+        dlogits = np.exp(logp)
+        dlogits[np.arange(16), y] -= 1
+        dlogits /= 16  # mean over the global batch of 16
+        dw2, db2 = h.T @ dlogits, dlogits.sum(0)
+        dz = (dlogits @ w2.T) * (z > 0)
+        dw1, db1 = x.T @ dz, dz.sum(0)
+        w1, b1, w2, b2 = w1 - lr * dw1, b1 - lr * db1, w2 - lr * dw2, b2 - lr * db2
+    return np.array(losses), w1, w2
+
+
+def train_mlp(strategy, steps=5):
+    w1, w2, x, y = mlp_data()
+    with strategy.scope():
+        model = MLP(w1, w2)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+    losses = [
+        float(strategy.reduce("sum", strategy.run(sgd_step, args=(model, optimizer, batch))))
+        for _ in range(steps)
+    ]
+    return np.array(losses), model
+
+
+def test_mlp_losses_match_float64_numpy_and_the_issue(strategy):
+    losses, model = train_mlp(strategy)
+    expected, w1, w2 = numpy_mlp_losses()
+    np.testing.assert_allclose(losses, expected, atol=1e-5)
+    np.testing.assert_allclose(losses, [0.597392, 0.589593, 0.582181, 0.575144, 0.568381], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.l1.kernel[...]), w1, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.l2.kernel[...]), w2, atol=1e-5)
+
+
+def test_mlp_same_losses_and_weights_for_1_2_4_8_replicas():
+    results = [train_mlp(mirrored(r)) for r in (1, 2, 4, 8)]
+    base_losses, base_model = results[0]
+    for losses, model in results[1:]:
+        np.testing.assert_allclose(losses, base_losses, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(base_model))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+# -- compilation and in-place updates -----------------------------------------------------------
+
+
+def test_run_compiles_once_per_function_and_input_structure(strategy):
+    traces = []
+
+    def step(model, x):
+        traces.append(1)  # a Python side effect runs only while tracing
+        return model(x).sum()
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = np.ones((3, 2), np.float32)
+    strategy.run(step, args=(model, x))
+    after_first = len(traces)
+    strategy.run(step, args=(model, x + 1))
+    strategy.run(step, args=(model, x * 2))
+    assert len(traces) == after_first  # same shapes: no retrace
+    strategy.run(step, args=(model, np.ones((5, 2), np.float32)))
+    assert len(traces) > after_first  # a new shape traces again
+
+
+def test_module_optimizer_and_metric_are_updated_in_place(strategy):
+    model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.ones((1, 1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    metric = nnx.metrics.Average()
+    n = strategy.num_replicas_in_sync
+
+    def step(model, optimizer, metric):
+        # Each replica's share is w / n; the n shares' gradients sum to 1, so w <- 1 - 0.5 * 1.
+        loss_fn = lambda m: mirrax.scale_regularization_loss(m.kernel[...].sum())  # noqa: E731
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        metric.update(values=jnp.full((2,), 3.0))  # every replica adds total 6, count 2
+        return loss
+
+    strategy.run(step, args=(model, optimizer, metric))
+    assert float(model.kernel[...][0, 0]) == pytest.approx(0.5)
+    assert int(optimizer.step[...]) == 1
+    # Metric state is SUM-aggregated: n replicas x (total 6, count 2) -> mean 3.
+    assert float(metric.total[...]) == pytest.approx(6.0 * n)
+    assert int(metric.count[...]) == 2 * n
+    assert float(metric.compute()) == pytest.approx(3.0)
+
+
+def test_closure_capture_of_nnx_state_is_refused_with_the_fix(strategy):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def step(x):
+        return model(x)
+
+    with pytest.raises(mirrax.errors.CapturedStateError, match=r"captures NNX state 'model'.*args=\(model"):
+        strategy.run(step, args=(np.ones((2, 2), np.float32),))
+
+
+class _Registry:
+    """A plain object holding a module: the capture check cannot see inside it."""
+
+
+_registry = _Registry()
+
+
+def test_mutation_through_an_attribute_is_refused(strategy):
+    _registry.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def step(x):
+        _registry.model.kernel[...] = _registry.model.kernel[...] + x.sum()
+        return x
+
+    with pytest.raises(mirrax.errors.CapturedStateError, match="mutates an NNX object.*Pass the object in args"):
+        strategy.run(step, args=(np.ones((2, 2), np.float32),))
+
+
+def test_a_module_can_be_the_function(strategy):
+    model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.array([[1.0], [2.0]])
+    data = np.arange(2 * strategy.num_replicas_in_sync * 2, dtype=np.float32).reshape(-1, 2)
+    batch = next(iter(strategy.experimental_distribute_dataset(data)))
+    out = strategy.run(model, args=(batch,))
+    # Row [a, b] -> a + 2b; gathered over replicas it is every row of `data` in order.
+    np.testing.assert_allclose(np.asarray(strategy.gather(out, axis=0))[:, 0], data @ [1.0, 2.0])
+
+
+def test_non_callable_fn_is_a_type_error():
+    with pytest.raises(TypeError, match=r"fn must be callable.*received 3 of type int"):
+        mirrored(2).run(3)
+    with pytest.raises(TypeError, match="args must be a tuple or list"):
+        mirrored(2).run(lambda x: x, args=np.ones(2))
+
+
+# -- write-back aggregation -------------------------------------------------------------------
+
+
+class Counter(nnx.Module):
+    def __init__(self, aggregation=None):
+        extra = {} if aggregation is None else {"aggregation": aggregation}
+        self.param = nnx.Param(jnp.zeros(()), **extra)
+        self.stat = nnx.BatchStat(jnp.zeros(()))
+
+
+def replica_value(x):
+    """1, 2, ..., R on replicas 0 .. R-1, as a float32 scalar."""
+    return (mirrax.get_replica_context().replica_id_in_sync_group + 1).astype(jnp.float32) + x
+
+
+def test_varying_param_is_an_error_naming_its_path(multi_strategy):
+    counter = Counter()
+
+    def step(counter):
+        counter.param[...] = replica_value(counter.param[...])
+
+    with pytest.raises(mirrax.errors.VaryingVariableError, match=r"args\[0\]\.param \(Param, aggregation NONE\).*aggregation=mirrax.VariableAggregation"):
+        multi_strategy.run(step, args=(counter,))
+
+
+def test_batch_stat_is_averaged_and_override_through_metadata(strategy):
+    n = strategy.num_replicas_in_sync
+    for aggregation, expected in [
+        ("MEAN", (n + 1) / 2),  # mean of 1..n
+        (mirrax.VariableAggregation.SUM, n * (n + 1) / 2),  # 0 + sum of the updates 1..n
+        ("only_first_replica", 1.0),  # replica 0's value
+    ]:
+        counter = Counter(aggregation)
+
+        def step(counter):
+            counter.param[...] = replica_value(counter.param[...])
+            counter.stat[...] = replica_value(counter.stat[...])
+
+        strategy.run(step, args=(counter,))
+        assert float(counter.param[...]) == pytest.approx(expected), aggregation
+        assert float(counter.stat[...]) == pytest.approx((n + 1) / 2)  # BatchStat: MEAN
+
+
+# -- randomness -----------------------------------------------------------------------------------
+
+
+def dropout_masks(strategy, seed, steps=2):
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=seed))
+    ones = np.ones((strategy.num_replicas_in_sync, 64), np.float32)
+    batch = next(iter(strategy.experimental_distribute_dataset(ones)))
+    outs = []
+    for _ in range(steps):
+        out = strategy.run(lambda d, x: d(x), args=(dropout, batch))
+        outs.append([np.asarray(v) for v in strategy.experimental_local_results(out)])
+    return outs
+
+
+def test_dropout_masks_differ_across_replicas_and_steps_and_reproduce(multi_strategy):
+    first = dropout_masks(multi_strategy, seed=3)
+    again = dropout_masks(multi_strategy, seed=3)
+    step0, step1 = first
+    assert not np.array_equal(step0[0], step0[1])  # replicas differ
+    assert not np.array_equal(step0[0], step1[0])  # steps differ
+    for a, b in zip(step0 + step1, again[0] + again[1]):
+        np.testing.assert_array_equal(a, b)  # same seed, same masks
+
+
+def test_dropout_keeps_parameters_identical_on_every_replica(multi_strategy):
+    class Net(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    net = Net()
+    optimizer = nnx.Optimizer(net, optax.sgd(0.1), wrt=nnx.Param)
+    data = np.ones((multi_strategy.num_replicas_in_sync * 2, 4), np.float32)
+    batch = next(iter(multi_strategy.experimental_distribute_dataset(data)))
+
+    def step(net, optimizer, x):
+        loss_fn = lambda n: mirrax.compute_average_loss(n.drop(n.dense(x)).sum(1))  # noqa: E731
+        optimizer.update(net, nnx.grad(loss_fn)(net))
+
+    multi_strategy.run(step, args=(net, optimizer, batch))
+    kernel = net.dense.kernel[...]
+    shards = [np.asarray(s.data) for s in kernel.addressable_shards]
+    assert len(shards) == multi_strategy.num_replicas_in_sync
+    for shard in shards[1:]:
+        np.testing.assert_array_equal(shard, shards[0])
+
+
+# -- synchronized batch norm ----------------------------------------------------------------------
+
+
+def test_sync_batch_norm_uses_global_statistics():
+    strategy = mirrored(2)
+    # Replica batches [0, 2] and [4, 6]: global mean (0+2+4+6)/4 = 3,
+    # variance ((-3)^2 + (-1)^2 + 1^2 + 3^2) / 4 = 5.
+    data = np.array([[0.0], [2.0], [4.0], [6.0]], np.float32)
+    batch = next(iter(strategy.experimental_distribute_dataset(data)))
+    synced = nnx.BatchNorm(1, momentum=0.0, axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0))
+    strategy.run(lambda bn, x: bn(x), args=(synced, batch))
+    assert float(synced.mean[...][0]) == pytest.approx(3.0)
+    assert float(synced.var[...][0]) == pytest.approx(5.0)
+
+
+def test_plain_batch_norm_keeps_per_replica_statistics_averaged_on_write_back():
+    strategy = mirrored(2)
+    data = np.array([[0.0], [2.0], [4.0], [6.0]], np.float32)
+    batch = next(iter(strategy.experimental_distribute_dataset(data)))
+    plain = nnx.BatchNorm(1, momentum=0.0, rngs=nnx.Rngs(0))
+
+    def step(bn, x):
+        bn(x)
+        return bn.mean[...]
+
+    local_means = strategy.run(step, args=(plain, batch))
+    # Inside the step each replica saw its own statistics: means 1 and 5 ...
+    np.testing.assert_allclose([float(v[0]) for v in local_means.values], [1.0, 5.0])
+    # ... written back as their average (BatchStat aggregation MEAN): (1 + 5) / 2 = 3,
+    # variances (1 + 1) / 2 = 1.
+    assert float(plain.mean[...][0]) == pytest.approx(3.0)
+    assert float(plain.var[...][0]) == pytest.approx(1.0)
+
+
+# -- regularization -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_scale_regularization_loss_counts_the_penalty_once(replicas):
+    strategy = mirrored(replicas)
+    w = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+    w.kernel[...] = jnp.full((1, 1), 2.0)
+
+    def step(w):
+        penalty = lambda m: mirrax.scale_regularization_loss(0.5 * 0.01 * (m.kernel[...] ** 2).sum())  # noqa: E731
+        return nnx.grad(penalty)(w).kernel[...]
+
+    grad = strategy.run(step, args=(w,))
+    # d/dw 0.5 * 0.01 * w^2 = 0.01 * w = 0.02, whatever the replica count.
+    assert float(grad.values[0][0, 0]) == pytest.approx(0.02)
+
+
+# -- placement and strategy mixing ----------------------------------------------------------------
+
+
+def test_objects_created_outside_scope_work_as_if_created_inside(strategy):
+    inside_losses, inside_model = train_mlp(strategy)
+    w1, w2, x, y = mlp_data()
+    model = MLP(w1, w2)  # no scope
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+    losses = [
+        float(strategy.reduce("sum", strategy.run(sgd_step, args=(model, optimizer, batch))))
+        for _ in range(5)
+    ]
+    np.testing.assert_allclose(losses, inside_losses, atol=1e-7)
+
+
+def test_mixing_two_multi_replica_strategies_is_refused():
+    first = named_strategy("Mirrored2CPU")
+    second = mirrax.MirroredStrategy(["cpu:2", "cpu:3"])
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = np.ones((2, 2), np.float32)
+    first.run(lambda m, x: m(x), args=(model, x))  # places model on cpu:0, cpu:1
+    with pytest.raises(mirrax.errors.MixedStrategyError, match=r"another strategy's devices \(cpu:0, cpu:1\)"):
+        second.run(lambda m, x: m(x), args=(model, x))
+    batch = next(iter(first.experimental_distribute_dataset(x)))
+    with pytest.raises(mirrax.errors.MixedStrategyError, match="created by another strategy"):
+        second.run(lambda x: x, args=(batch,))
+
+
+def test_nested_scopes_of_different_strategies_are_refused():
+    with mirrored(2).scope():
+        with pytest.raises(mirrax.errors.MixedStrategyError, match="mixing different strategies"):
+            with mirrored(4).scope():
+                pass
