@@ -1,0 +1,81 @@
+"""compute_average_loss and scale_regularization_loss: the arithmetic of each replica's share."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mirrax
+from tests.conftest import mirrored
+
+
+def two_replica_losses():
+    strategy = mirrored(2)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        (np.array([2.0, 3.0, 4.0, 5.0], np.float32), np.array([1.0, 0.0, 1.0, 1.0], np.float32))
+    )))
+    return strategy, batch
+
+
+def test_global_batch_size_divides_each_replicas_sum():
+    strategy, batch = two_replica_losses()
+    shares = strategy.run(lambda b: mirrax.compute_average_loss(b[0], global_batch_size=4), args=(batch,))
+    # Replica 0: (2 + 3) / 4 = 1.25; replica 1: (4 + 5) / 4 = 2.25; SUM 3.5.
+    assert [float(v) for v in shares.values] == [1.25, 2.25]
+    assert float(strategy.reduce("sum", shares)) == 3.5
+
+
+def test_sample_weights_do_not_change_the_divisor():
+    strategy, batch = two_replica_losses()
+    shares = strategy.run(
+        lambda b: mirrax.compute_average_loss(b[0], sample_weight=b[1], global_batch_size=4), args=(batch,)
+    )
+    # (2*1 + 3*0) / 4 + (4*1 + 5*1) / 4 = 0.5 + 2.25 = 2.75 (divide by 4 examples, not the weight sum 3).
+    assert float(strategy.reduce("sum", shares)) == 2.75
+
+
+def test_divisor_defaults_to_the_valid_examples_of_all_replicas():
+    strategy = mirrored(4)
+    data = np.array([2.0, 3.0, 4.0, 5.0, 6.0], np.float32)  # 5 over 4 replicas: 2, 2, 1, 0
+    batch = next(iter(strategy.experimental_distribute_dataset(data)))
+    shares = strategy.run(lambda b: mirrax.compute_average_loss(b), args=(batch,))
+    # Each share divides by the 5 real examples: (2+3)/5, (4+5)/5, 6/5, 0.
+    np.testing.assert_allclose([float(v) for v in shares.values], [1.0, 1.8, 1.2, 0.0])
+    assert float(strategy.reduce("sum", shares)) == pytest.approx(4.0)  # (2+3+4+5+6) / 5
+    # TF would divide by ceil(5/4) * 4 = 8 here and report 20 / 8 = 2.5.
+
+
+def test_empty_shard_gives_zero_not_nan():
+    strategy = mirrored(4)
+    batch = next(iter(strategy.experimental_distribute_dataset(np.array([1.0], np.float32))))
+    for kwargs in ({}, {"global_batch_size": 4}):
+        shares = strategy.run(lambda b, kw=tuple(kwargs.items()): mirrax.compute_average_loss(b, **dict(kw)), args=(batch,))
+        values = [float(v) for v in shares.values]
+        assert values[1:] == [0.0, 0.0, 0.0]
+        assert not any(np.isnan(values))
+
+
+def test_nan_in_padding_rows_is_ignored():
+    strategy = mirrored(2)
+    batch = next(iter(strategy.experimental_distribute_dataset(np.array([1.0, 4.0, 9.0], np.float32))))
+    # log(0) = -inf in the padding row of replica 1 must not reach the loss: (1 + 2 + 3) / 3 = 2.
+    shares = strategy.run(lambda b: mirrax.compute_average_loss(jnp.where(b > 0, jnp.sqrt(b), jnp.log(b))), args=(batch,))
+    assert float(strategy.reduce("sum", shares)) == pytest.approx(2.0)
+
+
+def test_outside_replica_context():
+    strategy = mirrored(2)
+    losses = np.array([1.0, 2.0, 3.0], np.float32)
+    with strategy.scope():
+        with pytest.raises(mirrax.errors.ReplicaContextError, match="cross-replica context.*without global_batch_size"):
+            mirrax.compute_average_loss(losses)
+        assert float(mirrax.compute_average_loss(losses, global_batch_size=6)) == 1.0  # 6 / 6
+        with pytest.raises(mirrax.errors.ReplicaContextError, match="scale_regularization_loss"):
+            mirrax.scale_regularization_loss(1.0)
+    # No scope: the default replica context, one replica: the plain mean 6 / 3 = 2.
+    assert float(mirrax.compute_average_loss(losses)) == 2.0
+    assert float(mirrax.scale_regularization_loss(3.0)) == 3.0
+
+
+def test_scalar_loss_is_refused():
+    with pytest.raises(ValueError, match="leading batch axis.*received a scalar"):
+        mirrax.compute_average_loss(jnp.float32(1.0))
