@@ -41,7 +41,7 @@ def test_divisor_defaults_to_the_valid_examples_of_all_replicas():
     # Each share divides by the 5 real examples: (2+3)/5, (4+5)/5, 6/5, 0.
     np.testing.assert_allclose([float(v) for v in shares.values], [1.0, 1.8, 1.2, 0.0])
     assert float(strategy.reduce("sum", shares)) == pytest.approx(4.0)  # (2+3+4+5+6) / 5
-    # TF would divide by ceil(5/4) * 4 = 8 here and report 20 / 8 = 2.5.
+    # TF divides each sum by its own shard size x 4 replicas: 5/8 + 9/8 + 6/4 = 3.25, not 4.0.
 
 
 def test_empty_shard_gives_zero_not_nan():
