@@ -17,7 +17,6 @@ trace before the real one, so the first call traces the function twice.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import inspect
@@ -63,6 +62,7 @@ class _Program:
     compiled: Any
     out_treedef: Any
     out_varying: tuple
+    same_state: bool  # the new state has the old one's structure: returned as a flat list
 
 
 def run(strategy, fn, args, kwargs):
@@ -144,13 +144,15 @@ def run(strategy, fn, args, kwargs):
         )
         program = _compile(spec, state_leaves, dynamic, mask_value)
         strategy._run_cache[key] = program
-        while len(strategy._run_cache) > _CACHE_SIZE:
-            strategy._run_cache.popitem(last=False)
-    else:
-        strategy._run_cache.move_to_end(key)
+        if len(strategy._run_cache) > _CACHE_SIZE:
+            strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
     new_state, outputs = program.compiled(state_leaves, dynamic, mask_value)
-    if nodes:
+    if program.same_state:
+        # `nnx.split` handed us the caller's own Variable objects: set them directly.
+        for variable, value in zip(jax.tree.leaves(state, is_leaf=_is_variable), new_state):
+            variable.set_value(value)
+    elif nodes:
         nnx.update(tuple(nodes), new_state)
     wrapped = [
         PerReplica(strategy, x, mask=mask_value, lengths=lengths)
@@ -161,9 +163,13 @@ def run(strategy, fn, args, kwargs):
     return jax.tree.unflatten(program.out_treedef, wrapped)
 
 
-def new_cache() -> collections.OrderedDict:
-    """The per-strategy cache of compiled programs (least recently used first)."""
-    return collections.OrderedDict()
+def new_cache() -> dict:
+    """The per-strategy cache of compiled programs (oldest first; the oldest is dropped)."""
+    return {}
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +202,7 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
     def probe(state_leaves, dynamic, mask):
         new_state, outputs, found["treedef"] = _body(spec, state_leaves, dynamic, mask)
         found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
+        found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in outputs]
 
     jax.eval_shape(
@@ -204,15 +211,17 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
         dynamic,
         mask_value,
     )
-    varying = found["varying"]
+    varying, same_state = found["varying"], found["same_state"]
 
     def body(state_leaves, dynamic, mask):
         new_state, outputs, _ = _body(spec, state_leaves, dynamic, mask)
+        if same_state:
+            new_state = jax.tree.leaves(new_state)
         return new_state, [x[None] if v else x for x, v in zip(outputs, varying)]
 
     out_specs = (P(), [P(REPLICA_AXIS) if v else P() for v in varying])
     compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    return _Program(compiled, found["treedef"], varying)
+    return _Program(compiled, found["treedef"], varying, same_state)
 
 
 def _body(spec: _Spec, state_leaves, dynamic, mask):
