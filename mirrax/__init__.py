@@ -4,6 +4,7 @@ Three changes turn a one-device training script into an N-device one: create a s
 build the model and optimizer under `strategy.scope()`, distribute the dataset.
 """
 
+from mirrax import data as data
 from mirrax import errors as errors
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
@@ -56,6 +57,7 @@ __all__ = [
     "ValueContext",
     "VariableAggregation",
     "compute_average_loss",
+    "data",
     "errors",
     "get_replica_context",
     "get_strategy",

@@ -1,0 +1,1 @@
+"""The `mirrax` command line: devices, train."""

@@ -1,0 +1,310 @@
+"""The main job: the data loaders (digits, CIFAR-10 files) and the `mirrax` devices/train commands.
+
+CIFAR-10 is tested on small files written here in the data set's own format (a dict with
+b"data" uint8 (N, 3072) and b"labels" list of ints, pickled with protocol 2). Training runs in
+this process on the bundled digits, over replicas of the conftest's fake CPU devices.
+"""
+
+import contextlib
+import io
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tarfile
+
+import jax
+import numpy as np
+import pytest
+
+from mirrax import errors
+from mirrax._src.cli import main as cli
+from mirrax._src.cli.train import count_correct, train
+from mirrax._src.data.cifar10 import CIFAR10_URL, load_cifar10, restricted_load
+from mirrax._src.data.digits import load_digits
+
+# -- CIFAR-10 files ---------------------------------------------------------------------------
+
+TRAIN_SIZES = (2, 1, 3, 1, 2)  # images in data_batch_1 .. data_batch_5
+TEST_SIZE = 3
+
+
+def _cifar_batch(first: int, count: int) -> dict:
+    """A batch whose image i has every value = (first + i) % 256 except two marked pixels."""
+    data = np.zeros((count, 3072), np.uint8)
+    for i in range(count):
+        data[i] = (first + i) % 256
+        data[i, 1] = 255  # red (plane 0) of row 0, column 1
+        data[i, 1024 + 32] = 51  # green (plane 1) of row 1, column 0
+    return {
+        b"batch_label": b"training batch",
+        b"labels": [(first + i) % 10 for i in range(count)],
+        b"data": data,
+        b"filenames": [b"img_%d.png" % (first + i) for i in range(count)],
+    }
+
+
+def _write_cifar_folder(root) -> str:
+    """Writes cifar-10-batches-py/ under `root` (9 train images, 3 test); returns its path."""
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder)
+    first = 0
+    for index, count in enumerate(TRAIN_SIZES, start=1):
+        with open(os.path.join(folder, f"data_batch_{index}"), "wb") as f:
+            pickle.dump(_cifar_batch(first, count), f, protocol=2)
+        first += count
+    with open(os.path.join(folder, "test_batch"), "wb") as f:
+        pickle.dump(_cifar_batch(100, TEST_SIZE), f, protocol=2)
+    return folder
+
+
+def _check_cifar(train_part, test_part):
+    (x_train, y_train), (x_test, y_test) = train_part, test_part
+    assert x_train.shape == (sum(TRAIN_SIZES), 32, 32, 3) and x_train.dtype == np.float32
+    assert y_train.shape == (sum(TRAIN_SIZES),) and y_train.dtype == np.int32
+    assert x_test.shape == (TEST_SIZE, 32, 32, 3) and y_test.dtype == np.int32
+    # Batches are concatenated in order 1..5: image i has fill value i and label i % 10.
+    np.testing.assert_array_equal(y_train, np.arange(9) % 10)
+    np.testing.assert_array_equal(y_test, [0, 1, 2])  # 100, 101, 102 mod 10
+    assert x_train[4, 10, 10, 2] == np.float32(4 / 255)
+    assert x_test[2, 31, 31, 0] == np.float32(102 / 255)
+    # Channel-major storage becomes (row, column, channel): 255 -> 1.0, 51 -> 0.2.
+    assert x_train[7, 0, 1, 0] == np.float32(1.0)
+    assert x_train[7, 1, 0, 1] == np.float32(51 / 255)
+    assert x_train[7, 0, 1, 1] == np.float32(7 / 255)
+
+
+def test_cifar10_reads_the_extracted_folder_and_its_parent(tmp_path):
+    folder = _write_cifar_folder(tmp_path)
+    _check_cifar(*load_cifar10(folder))
+    _check_cifar(*load_cifar10(tmp_path))
+
+
+def test_cifar10_reads_the_tar_gz_archive_and_its_folder(tmp_path):
+    folder = _write_cifar_folder(tmp_path / "src")
+    archive = tmp_path / "data" / "cifar-10-python.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-10-batches-py")
+    _check_cifar(*load_cifar10(archive))
+    _check_cifar(*load_cifar10(archive.parent))
+
+
+def test_cifar10_accepts_the_numpy_core_spelling_of_the_published_files(tmp_path):
+    # The published files were written by Python 2 NumPy, which names numpy.core.multiarray.
+    folder = _write_cifar_folder(tmp_path)
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        with open(path, "rb") as f:
+            raw = f.read()
+        assert b"numpy._core.multiarray\n_reconstruct" in raw
+        with open(path, "wb") as f:
+            f.write(raw.replace(b"numpy._core.multiarray", b"numpy.core.multiarray"))
+    _check_cifar(*load_cifar10(folder))
+
+
+class _RunsCommand:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_cifar10_loader_refuses_a_pickle_that_would_run_code(tmp_path):
+    folder = _write_cifar_folder(tmp_path)
+    sentinel = tmp_path / "pwned"
+    batch = _cifar_batch(0, 2)
+    batch[b"data"] = _RunsCommand(f"touch {sentinel}")
+    with open(os.path.join(folder, "data_batch_3"), "wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    refused = r"refused to load the global (posix|os|nt)\.system"
+    with pytest.raises(pickle.UnpicklingError, match=refused):
+        load_cifar10(folder)
+    assert not sentinel.exists()
+
+
+def test_restricted_load_refuses_object_arrays_and_other_globals():
+    with pytest.raises(pickle.UnpicklingError, match="holds Python objects"):
+        restricted_load(io.BytesIO(pickle.dumps(np.array([1, "a"], dtype=object), protocol=2)))
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.eval"):
+        restricted_load(io.BytesIO(b"cbuiltins\neval\n(S'1'\ntR."))
+    plain = {b"k": [1, "two", b"three", 4.5, None, True, (1, 2)]}
+    assert restricted_load(io.BytesIO(pickle.dumps(plain, protocol=2))) == plain
+
+
+def test_cifar10_missing_files_say_where_and_what_to_get(tmp_path):
+    with pytest.raises(errors.MissingDatasetError) as caught:
+        load_cifar10(tmp_path)
+    assert isinstance(caught.value, FileNotFoundError)
+    message = str(caught.value)
+    for part in (str(tmp_path), "data_batch_1", "data_batch_5", "test_batch",
+                 "cifar-10-python.tar.gz", CIFAR10_URL, "CIFAR-10 python version"):
+        assert part in message
+    # A folder with only some of the files lists what it found.
+    folder = _write_cifar_folder(tmp_path)
+    os.remove(os.path.join(folder, "test_batch"))
+    with pytest.raises(FileNotFoundError, match="Found only: .*data_batch_1"):
+        load_cifar10(tmp_path)
+
+
+# -- digits -----------------------------------------------------------------------------------
+
+
+def test_digits_split_shapes_ranges_and_strata():
+    (x_train, y_train), (x_test, y_test) = load_digits()
+    # 1797 images; 20% held out, rounded up by scikit-learn: ceil(359.4) = 360.
+    assert x_train.shape == (1437, 8, 8, 1) and x_test.shape == (360, 8, 8, 1)
+    assert x_train.dtype == np.float32 and y_train.dtype == np.int32
+    assert x_train.min() == 0.0 and x_train.max() == 1.0  # pixels 0..16, divided by 16
+    # Stratified: each digit is ~10% of the test set (the smallest class has 174 images).
+    assert np.bincount(y_test, minlength=10).min() >= 34
+    (x_again, _), _ = load_digits()
+    np.testing.assert_array_equal(x_train, x_again)
+
+
+# -- mirrax devices ---------------------------------------------------------------------------
+
+
+def _run_main(argv):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = cli.main(argv)
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+def test_devices_prints_tf_physical_devices():
+    status, out, _ = _run_main(["devices"])
+    assert status == 0
+    count = len(jax.local_devices(backend="cpu"))
+    assert count == 8  # tests/conftest.py makes 8 CPU devices
+    assert out.splitlines() == [
+        f"PhysicalDevice(name='/physical_device:CPU:{i}', device_type='CPU')" for i in range(count)
+    ]
+
+
+def test_devices_cpu_count_is_set_before_jax_starts():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = "import sys; from mirrax._src.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "devices", "--cpu-devices", "3"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert result.stdout.splitlines()[-1] == (
+        "PhysicalDevice(name='/physical_device:CPU:2', device_type='CPU')"
+    )
+    assert len(result.stdout.splitlines()) == 3
+
+
+def test_cpu_device_flag_keeps_an_existing_count_and_replaces_it_on_request(monkeypatch):
+    monkeypatch.setattr(cli, "_jax_backends_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    cli.configure_cpu_devices(None)
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
+    )
+    cli.configure_cpu_devices(None)  # a count already there is kept
+    assert os.environ["XLA_FLAGS"].count("device_count") == 1
+    cli.configure_cpu_devices(2)
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    )
+
+
+def test_cpu_devices_cannot_change_once_jax_runs(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    jax.devices()
+    status, _, err = _run_main(["devices", "--cpu-devices", "2"])
+    assert status == 0 and "--cpu-devices 2 has no effect" in err and "8 CPU devices" in err
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
+# -- mirrax train -----------------------------------------------------------------------------
+
+
+def _train(*argv):
+    args = cli.build_parser().parse_args(["train", *argv])
+    out = io.StringIO()
+    return train(args, out=out), out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def one_and_four_replicas():
+    """3 epochs on digits at global batch 64: 1 replica x 64, and 4 replicas x 16."""
+    return (_train("--epochs", "3", "--replicas", "1", "--batch-per-replica", "64"),
+            _train("--epochs", "3", "--replicas", "4", "--batch-per-replica", "16"))
+
+
+def test_train_one_and_four_replicas_reach_the_same_loss(one_and_four_replicas):
+    (one, _), (four, _) = one_and_four_replicas
+    assert one["strategy"].num_replicas_in_sync == 1 and four["strategy"].num_replicas_in_sync == 4
+    assert one["global_batch_size"] == four["global_batch_size"] == 64
+    # Same data order, same initial weights and the same global-batch gradient each step:
+    # the replica count changes only the order of float additions.
+    for key in ("loss", "test_loss"):
+        assert abs(one["history"][key][-1] - four["history"][key][-1]) < 1e-5
+    assert one["history"]["test_accuracy"] == four["history"]["test_accuracy"]
+
+
+def test_train_test_metrics_match_one_call_on_the_whole_test_set(one_and_four_replicas):
+    x_test, y_test = load_digits()[1]
+    for result, _ in one_and_four_replicas:
+        history = result["history"]
+        # 360 test images: the accuracy is a whole number of them out of 360.
+        correct = round(history["test_accuracy"][-1] * 360)
+        assert abs(history["test_accuracy"][-1] - correct / 360) < 1e-12
+        # The trained model applied to all 360 images at once, on the host: the distributed
+        # evaluation (batches of 64, the last one 40 = 360 - 5 * 64, padded and masked) saw
+        # every image exactly once.
+        logits = np.asarray(result["model"](x_test), np.float64)
+        assert correct == int((np.argmax(logits, axis=-1) == y_test).sum())
+        log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        mean_loss = -log_softmax[np.arange(360), y_test].mean()
+        assert abs(history["test_loss"][-1] - mean_loss) < 1e-5
+        # Far above chance (36 of 360) after 3 epochs of ceil(1437 / 64) = 23 steps.
+        assert correct >= 300
+
+
+def test_count_correct_skips_the_padding_of_a_partial_batch(strategy):
+    # Zero logits predict class 0 and every label is 0, so every row, padding included, would
+    # count; the mask must leave exactly the real rows: 8, then 2.
+    batches = [(np.zeros((n, 10), np.float32), np.zeros(n, np.int32)) for n in (8, 2)]
+
+    def count(batch):
+        return count_correct(*batch)
+
+    counts = [
+        int(strategy.reduce("sum", strategy.run(count, args=(batch,))))
+        for batch in strategy.experimental_distribute_dataset(batches)
+    ]
+    assert counts == [8, 2]
+
+
+def test_train_prints_keras_style_epoch_lines(one_and_four_replicas):
+    _, (_, out) = one_and_four_replicas
+    lines = out.splitlines()
+    number = r"\d+\.\d{4}"
+    for epoch, line in enumerate(lines[1:4], start=1):
+        assert re.fullmatch(
+            rf"Epoch {epoch}/3 - loss: {number} - accuracy: {number} - test_loss: {number} - "
+            rf"test_accuracy: {number} - \d+ images/s",
+            line,
+        ), line
+    assert re.fullmatch(rf"Test accuracy: {number}", lines[4])
+
+
+def test_train_on_cifar10_files_and_missing_cifar10(tmp_path):
+    _write_cifar_folder(tmp_path / "cifar")
+    result, out = _train("--data", "cifar10", "--data-dir", str(tmp_path / "cifar"),
+                         "--epochs", "1", "--replicas", "2", "--batch-per-replica", "4")
+    assert result["model"].conv1.kernel.shape == (3, 3, 3, 32)
+    assert "cifar10: 9 training, 3 test images" in out
+    status, _, err = _run_main(["train", "--data", "cifar10", "--data-dir", str(tmp_path)])
+    assert status == 1 and "mirrax train: error: CIFAR-10 not found" in err
+
+
+def test_train_refuses_more_replicas_than_devices():
+    status, _, err = _run_main(["train", "--replicas", "99"])
+    assert status == 1 and "--replicas 99 asks for more replicas" in err
