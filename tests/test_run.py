@@ -365,3 +365,35 @@ def test_nested_scopes_of_different_strategies_are_refused():
         with pytest.raises(mirrax.errors.MixedStrategyError, match="mixing different strategies"):
             with mirrored(4).scope():
                 pass
+
+
+# -- graphs a pytree cannot express, and graphs that change -------------------------------------
+
+
+def test_shared_variables_are_updated_once(strategy):
+    first = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    second = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    second.kernel = first.kernel  # one Variable in two modules
+    before = np.asarray(first.kernel[...])
+
+    def step(first, second):
+        first.kernel[...] = first.kernel[...] + 1.0
+        return second.kernel[...].sum()
+
+    total = strategy.run(step, args=(first, second))
+    assert second.kernel is first.kernel
+    np.testing.assert_allclose(np.asarray(first.kernel[...]), before + 1.0)
+    assert float(total.values[0]) == pytest.approx(float((before + 1.0).sum()))
+
+
+def test_a_module_that_gains_a_variable_is_retraced(strategy):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def step(model, x):
+        extra = model.extra[...] if hasattr(model, "extra") else 0.0
+        return (model(x) * 0.0).sum() + extra
+
+    x = np.ones((1, 2), np.float32)
+    assert float(strategy.run(step, args=(model, x)).values[0]) == 0.0
+    model.extra = nnx.Param(jnp.float32(5.0))
+    assert float(strategy.run(step, args=(model, x)).values[0]) == 5.0

@@ -17,6 +17,7 @@ trace before the real one, so the first call traces the function twice.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -46,9 +47,16 @@ _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 _LIBRARY_PREFIXES = ("jax", "flax", "optax", "numpy", "mirrax", "builtins", "functools")
 
 
+_GRAPH_NODE_TYPES: dict = {}
+
+
 def is_graph_node(x) -> bool:
     """True for NNX modules, optimizers, metrics and variables (objects with NNX state)."""
-    return isinstance(x, (nnx.Pytree, nnx.Variable))
+    kind = type(x)
+    answer = _GRAPH_NODE_TYPES.get(kind)
+    if answer is None:
+        answer = _GRAPH_NODE_TYPES[kind] = isinstance(x, (nnx.Pytree, nnx.Variable))
+    return answer
 
 
 def _is_argument_leaf(x) -> bool:
@@ -63,6 +71,8 @@ class _Program:
     out_treedef: Any
     out_varying: tuple
     same_state: bool  # the new state has the old one's structure: returned as a flat list
+    # For the fast path: position in the pytree flatten of each state leaf's Variable.
+    order: tuple | None = None
 
 
 def run(strategy, fn, args, kwargs):
@@ -78,27 +88,24 @@ def run(strategy, fn, args, kwargs):
         fn_node = fn
     elif inspect.ismethod(fn) and is_graph_node(fn.__self__):
         fn_node = fn.__self__
-    _check_captures(fn, fn_node)
-
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
-        (fn_node, tuple(args), dict(kwargs)), is_leaf=_is_argument_leaf
-    )
-    nodes, node_names, node_index = [], [], {}
+    structure = (fn_node, tuple(args), dict(kwargs))
+    leaves, treedef = jax.tree.flatten(structure, is_leaf=_is_argument_leaf)
+    names = _LazyNames(structure)
+    nodes, node_index = [], {}
     kinds, dynamic = [], []
     mask_value, lengths = None, None
-    for path, leaf in with_paths:
+    for i, leaf in enumerate(leaves):
         if is_graph_node(leaf):
             if id(leaf) not in node_index:
                 node_index[id(leaf)] = len(nodes)
                 nodes.append(leaf)
-                node_names.append(_describe_path(path))
             kinds.append(("node", node_index[id(leaf)]))
         elif isinstance(leaf, PerReplica):
-            _check_owner(strategy, leaf, _describe_path(path))
+            _check_owner(strategy, leaf, names, i)
             if leaf._ragged is not None:
                 raise ValueError(
-                    f"strategy.run: {_describe_path(path)} is a PerReplica whose replicas hold "
-                    "values of different shapes that cannot be stacked "
+                    f"strategy.run: {names[i]} is a PerReplica whose replicas hold values of "
+                    "different shapes that cannot be stacked "
                     f"({[jax.tree.map(np.shape, v) for v in leaf.values]}); give every replica "
                     "values with the same shape (pad them) before passing them to run."
                 )
@@ -108,50 +115,75 @@ def run(strategy, fn, args, kwargs):
             if leaf._mask is not None and mask_value is None:
                 mask_value, lengths = leaf._mask, leaf._lengths
         elif isinstance(leaf, Mirrored):
-            _check_owner(strategy, leaf, _describe_path(path))
+            _check_owner(strategy, leaf, names, i)
             value_leaves, value_def = jax.tree.flatten(leaf._value)
             kinds.append(("mirrored", value_def, len(value_leaves)))
             dynamic.extend(value_leaves)
         elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             kinds.append(("array",))
-            dynamic.append(_place(strategy, leaf, _describe_path(path)))
+            dynamic.append(_place(strategy, leaf, names, i))
         else:
             try:
                 hash(leaf)
             except TypeError:
                 raise TypeError(
-                    f"strategy.run: argument {_describe_path(path)} is a {type(leaf).__name__}, "
-                    "which is neither an array, an NNX object, a distributed value, nor a hashable "
+                    f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, which is "
+                    "neither an array, an NNX object, a distributed value, nor a hashable "
                     "Python value (those are passed as compile-time constants). Pass arrays, "
                     "NNX objects, or pytrees (tuples, lists, dicts) of them."
                 ) from None
             kinds.append(("static", leaf))
-
-    graphdef, state = nnx.split(tuple(nodes))
-    state_leaves, state_def = jax.tree.flatten(state)
-    state_leaves = [
-        _place(strategy, x, f"the state of {node_names[0] if node_names else 'an NNX object'}")
-        for x in state_leaves
-    ]
-    fn_key = (type(fn_node), fn.__func__) if fn_node is not None and fn_node is not fn else fn
+    kinds = tuple(kinds)
     if fn_node is fn:
         fn_key = type(fn)
-    key = (fn_key, treedef, tuple(kinds), graphdef, state_def, mask_value is not None)
-    program = strategy._run_cache.get(key)
+    elif fn_node is not None:
+        fn_key = (type(fn_node), fn.__func__)
+    else:
+        fn_key = fn
+
+    # Fast path: NNX modules and optimizers are pytrees whose leaves are their Variables, so
+    # JAX's C++ flatten finds the caller's Variables and a hashable structure in microseconds;
+    # `nnx.split` (a Python walk of the object graph) runs only when a program is compiled, or
+    # for graphs a pytree cannot express (shared Variables, non-pytree modules).
+    variables, node_def = jax.tree.flatten(tuple(nodes), is_leaf=_is_variable)
+    fast = len({id(v) for v in variables}) == len(variables) and all(map(_is_variable, variables))
+    if fast:
+        key = (fn_key, treedef, kinds, node_def, tuple(map(type, variables)), mask_value is not None)
+        program = strategy._run_cache.get(key)
+        live = None if program is None or program.order is None else [
+            variables[i] for i in program.order
+        ]
+    if not fast or live is None:
+        graphdef, state = nnx.split(tuple(nodes))
+        state_def = jax.tree.structure(state)
+        live = jax.tree.leaves(state, is_leaf=_is_variable)
+        if not fast:
+            key = (fn_key, treedef, kinds, graphdef, state_def, mask_value is not None)
+            program = strategy._run_cache.get(key)
+    state_leaves = [
+        _place(strategy, x, names, None, nodes)
+        for x in jax.tree.leaves([v.get_raw_value() for v in live])
+    ]
     if program is None:
-        spec = _Spec(
-            strategy, fn, fn_node, treedef, tuple(kinds), graphdef, state_def, tuple(node_names)
-        )
+        _check_captures(fn, fn_node)
+        node_names = tuple(names.of_node(node) for node in nodes)
+        spec = _Spec(strategy, fn, fn_node, treedef, kinds, graphdef, state_def, node_names)
         program = _compile(spec, state_leaves, dynamic, mask_value)
+        per_variable = state_def.num_leaves == len(live)
+        if fast and per_variable:
+            index = {id(v): i for i, v in enumerate(variables)}
+            program.order = tuple(index[id(v)] for v in live)
         strategy._run_cache[key] = program
         if len(strategy._run_cache) > _CACHE_SIZE:
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
     new_state, outputs = program.compiled(state_leaves, dynamic, mask_value)
-    if program.same_state:
-        # `nnx.split` handed us the caller's own Variable objects: set them directly.
-        for variable, value in zip(jax.tree.leaves(state, is_leaf=_is_variable), new_state):
-            variable.set_value(value)
+    _bound_in_flight(strategy, new_state, outputs)
+    if program.same_state and len(live) == len(new_state):
+        # The caller's own Variable objects: set them directly (no graph walk). The first set
+        # checks that we are outside any JAX trace; that holds for the rest too.
+        for i, (variable, value) in enumerate(zip(live, new_state)):
+            variable.set_raw_value(value, _unsafe_bypass_check=i > 0)
     elif nodes:
         nnx.update(tuple(nodes), new_state)
     wrapped = [
@@ -163,13 +195,73 @@ def run(strategy, fn, args, kwargs):
     return jax.tree.unflatten(program.out_treedef, wrapped)
 
 
+# XLA:CPU runs a multi-device program's all-reduce as a rendezvous of host threads; with about
+# 100 such steps queued it deadlocks and aborts the process. On CPU, wait for the oldest step
+# once this many are in flight (accelerators queue steps on their own streams and need no cap).
+_CPU_MAX_IN_FLIGHT = 4
+
+
+def _bound_in_flight(strategy, new_state, outputs):
+    queue_ = strategy._in_flight
+    if queue_ is None:
+        return
+    token = next(iter(jax.tree.leaves((new_state, outputs))), None)
+    if token is None:
+        return
+    queue_.append(token)
+    if len(queue_) > _CPU_MAX_IN_FLIGHT:
+        jax.block_until_ready(queue_.popleft())
+
+
+def new_in_flight(devices):
+    """The per-strategy queue of in-flight steps, or None where no cap is needed."""
+    if len(devices) > 1 and devices[0].platform == "cpu":
+        return collections.deque()
+    return None
+
+
+class _LazyNames:
+    """Human names ('args[0]', "kwargs['model']") of argument leaves, built only for messages."""
+
+    def __init__(self, structure):
+        self._structure = structure
+        self._paths = None
+
+    def _all(self):
+        if self._paths is None:
+            self._paths = [
+                (path, leaf)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(
+                    self._structure, is_leaf=_is_argument_leaf
+                )[0]
+            ]
+        return self._paths
+
+    def __getitem__(self, i) -> str:
+        return _describe_path(self._all()[i][0])
+
+    def of_node(self, node) -> str:
+        for path, leaf in self._all():
+            if leaf is node:
+                return _describe_path(path)
+        return type(node).__name__
+
+
 def new_cache() -> dict:
     """The per-strategy cache of compiled programs (oldest first; the oldest is dropped)."""
     return {}
 
 
+_VARIABLE_TYPES: dict = {}
+
+
 def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
+    # isinstance through NNX's metaclass costs microseconds; cache the answer per type.
+    kind = type(x)
+    answer = _VARIABLE_TYPES.get(kind)
+    if answer is None:
+        answer = _VARIABLE_TYPES[kind] = isinstance(x, nnx.Variable)
+    return answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,8 +440,11 @@ def aggregation_of(variable) -> VariableAggregation:
     return VariableAggregation.NONE
 
 
-def _place(strategy, x, what: str):
-    """Puts an input array on the strategy's mesh, replicated; refuses another strategy's arrays."""
+def _place(strategy, x, names, index, nodes=None):
+    """Puts an input array on the strategy's mesh, replicated; refuses another strategy's arrays.
+
+    `names[index]` (or, with `nodes`, the NNX objects) names the argument in the error.
+    """
     if not isinstance(x, jax.Array):
         return x
     target = strategy._replicated
@@ -362,6 +457,11 @@ def _place(strategy, x, what: str):
         and strategy.num_replicas_in_sync > 1
         and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
     ):
+        what = (
+            names[index]
+            if nodes is None
+            else "the state of " + ", ".join(names.of_node(n) for n in nodes)
+        )
         raise errors.MixedStrategyError(
             f"strategy.run: {what} lives on another strategy's devices "
             f"({_device_names(sharding.mesh.devices.flat)}), but this {type(strategy).__name__} "
@@ -372,8 +472,10 @@ def _place(strategy, x, what: str):
     return jax.device_put(x, target)
 
 
-def _check_owner(strategy, value, what: str):
+def _check_owner(strategy, value, names, index=None):
+    """Refuses a distributed value made by another strategy; `names[index]` names it."""
     if value._strategy is not strategy:
+        what = names if index is None else names[index]
         raise errors.MixedStrategyError(
             f"{what} is a {type(value).__name__} created by another strategy "
             f"({type(value._strategy).__name__} with {value._strategy.num_replicas_in_sync} "

@@ -79,6 +79,7 @@ class Strategy:
             i for i, d in enumerate(devices) if d.process_index == jax.process_index()
         )
         self._run_cache = _run.new_cache()
+        self._in_flight = _run.new_in_flight(devices)
         self.extended = StrategyExtended(self)
 
     @property
