@@ -1,5 +1,6 @@
 """Distributed input: TF's split rule, static shapes with a mask, sources, prefetch, bad input."""
 
+import gc
 import math
 import threading
 import time
@@ -163,6 +164,17 @@ def test_batches_are_prefetched_ahead_of_use():
     assert len(pulled) >= 4
     assert sum(1 for _ in iterator) == 5  # the rest, none lost
     assert [t.name for t in threading.enumerate()].count("mirrax-prefetch") <= 1
+
+
+def test_an_abandoned_iterator_stops_its_thread():
+    strategy = mirrored(2)
+    iterator = iter(strategy.experimental_distribute_dataset(batched_range(40, 2)))
+    next(iterator)  # 19 batches left; the thread blocks on the full buffer
+    thread = iterator._thread
+    del iterator
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def test_source_errors_are_raised_in_the_caller():

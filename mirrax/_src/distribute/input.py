@@ -283,6 +283,27 @@ class _End:
     pass
 
 
+def _fill(producer: Iterator, out: queue.Queue, stop: threading.Event):
+    """The prefetch thread: runs the producer ahead, handing items (or its error) to `out`."""
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in producer:
+            if not put(item):
+                return
+        put(_End())
+    except BaseException as e:  # handed to the consumer, raised there
+        put(_Failure(e))
+
+
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
@@ -293,6 +314,8 @@ class DistributedIterator:
 
     As TF's `DistributedIterator`: `next(it)` / `it.get_next()` return the next batch and raise
     `StopIteration` at the end. An error in the source is raised here, in the caller's thread.
+    The thread holds no reference to the iterator, so an abandoned iterator is collected and
+    its thread stops (or call `close()`).
     """
 
     def __init__(self, producer: Iterator, options: InputOptions):
@@ -301,23 +324,11 @@ class DistributedIterator:
         if options.experimental_fetch_to_device:
             self._queue: queue.Queue = queue.Queue(options.experimental_per_replica_buffer_size)
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._fill, daemon=True, name="mirrax-prefetch")
+            self._thread = threading.Thread(
+                target=_fill, args=(producer, self._queue, self._stop), daemon=True,
+                name="mirrax-prefetch",
+            )
             self._thread.start()
-
-    def _fill(self):
-        try:
-            for item in self._producer:
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._queue.put(_End())
-        except BaseException as e:  # handed to the consumer, raised there
-            self._queue.put(_Failure(e))
 
     def __iter__(self):
         return self
