@@ -255,3 +255,25 @@ def test_not_a_dataset_is_a_type_error():
         mirrored(2).experimental_distribute_dataset([np.zeros(2)], options={"prefetch": 2})
     with pytest.raises(ValueError, match="buffer_size must be an int >= 1; received 0"):
         mirrax.InputOptions(experimental_per_replica_buffer_size=0)
+
+
+def test_batches_unpack_as_in_tf():
+    strategy = mirrored(2)
+    x, y = np.arange(4, dtype=np.float32), np.arange(4, 8)
+    for images, labels in strategy.experimental_distribute_dataset([(x, y)]):
+        assert [v.tolist() for v in images.values] == [[0.0, 1.0], [2.0, 3.0]]
+        assert [v.tolist() for v in labels.values] == [[4, 5], [6, 7]]
+
+
+def test_a_generator_cannot_be_iterated_twice_silently():
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(np.arange(2 * i, 2 * i + 2) for i in range(3))
+    assert len(list(dataset)) == 3
+    with pytest.raises(RuntimeError, match="one-shot iterator.*used up by the previous pass"):
+        list(dataset)
+
+
+def test_non_numeric_leaves_are_named():
+    dataset = mirrored(2).experimental_distribute_dataset([np.array(["a", "b"])])
+    with pytest.raises(mirrax.errors.InvalidBatchError, match=r"batch has dtype <U1, which is not numeric"):
+        next(iter(dataset))

@@ -79,3 +79,13 @@ def test_outside_replica_context():
 def test_scalar_loss_is_refused():
     with pytest.raises(ValueError, match="leading batch axis.*received a scalar"):
         mirrax.compute_average_loss(jnp.float32(1.0))
+
+
+def test_bad_arguments_are_named():
+    strategy, batch = two_replica_losses()
+    with pytest.raises(TypeError, match="per_example_loss is a PerReplica.*inside the function"):
+        mirrax.compute_average_loss(batch[0])
+    with pytest.raises(ValueError, match="global_batch_size must be positive; received 0"):
+        mirrax.compute_average_loss(np.ones(2, np.float32), global_batch_size=0)
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(3,\) does not fit per_example_loss of shape \(4,\)"):
+        mirrax.compute_average_loss(np.ones(4, np.float32), sample_weight=np.ones(3, np.float32))

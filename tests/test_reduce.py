@@ -139,3 +139,9 @@ def test_reduce_op_accepts_strings_in_any_case():
     assert mirrax.ReduceOp.from_any("sUm") is mirrax.ReduceOp.SUM
     assert mirrax.VariableAggregation.from_any("only_first_replica") is mirrax.VariableAggregation.ONLY_FIRST_REPLICA
     assert mirrax.ReduceOp.from_variable_aggregation("mean") is mirrax.ReduceOp.MEAN
+
+
+def test_gather_of_scalars_says_what_to_do():
+    strategy = mirrored(2)
+    with pytest.raises(ValueError, match=r"scalars.*x\[None\]"):
+        strategy.gather(per_replica_scalars(strategy), axis=0)

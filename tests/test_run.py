@@ -397,3 +397,66 @@ def test_a_module_that_gains_a_variable_is_retraced(strategy):
     assert float(strategy.run(step, args=(model, x)).values[0]) == 0.0
     model.extra = nnx.Param(jnp.float32(5.0))
     assert float(strategy.run(step, args=(model, x)).values[0]) == 5.0
+
+
+# -- mistakes a TF user makes -------------------------------------------------------------------
+
+
+def test_wrapping_run_in_jit_says_to_call_it_directly():
+    strategy = mirrored(2)
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def wrapped(model, x):
+        return strategy.run(lambda m, x: m(x), args=(model, x))
+
+    with pytest.raises(mirrax.errors.ReplicaContextError, match="call it directly"):
+        wrapped(model, jnp.ones((2, 2)))
+
+
+def test_passing_the_dataset_instead_of_a_batch():
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(np.ones((4, 2), np.float32))
+    with pytest.raises(TypeError, match=r"args\[0\] is a DistributedDataset, not a batch.*for batch in dist_dataset"):
+        strategy.run(lambda b: b, args=(dataset,))
+
+
+def test_gradients_can_be_returned():
+    strategy = mirrored(2)
+    model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.full((1, 1), 3.0)
+    batch = next(iter(strategy.experimental_distribute_dataset(np.array([[1.0], [2.0]], np.float32))))
+
+    def step(model, x):
+        return nnx.grad(lambda m: mirrax.compute_average_loss(m(x)[:, 0]))(model)
+
+    grads = strategy.run(step, args=(model, batch))
+    # d/dw mean(w * x) over x = [1, 2] is (1 + 2) / 2 = 1.5, summed over both replicas' shares.
+    assert float(strategy.reduce("mean", grads["kernel"])[0, 0]) == pytest.approx(1.5)
+
+
+def test_recompiling_one_function_again_and_again_warns():
+    strategy = mirrored(2)
+
+    def step(x, k):
+        return x * k
+
+    with pytest.warns(UserWarning, match=r"compiled step 6 times.*values: 5\..*jnp.int32\(step\)"):
+        for value in range(6):  # a Python int is a compile-time constant: 6 programs
+            strategy.run(step, args=(np.ones(2, np.float32), value))
+
+
+def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():
+    strategy = mirrored(4)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    data = np.arange(1.0, 11.0, dtype=np.float32).reshape(5, 2)  # 5 over 4 replicas: 2, 2, 1, 0
+
+    def step(model, optimizer, x):
+        # Normalising the input is undefined on an all-zero row.
+        loss_fn = lambda m: mirrax.compute_average_loss(m(x / jnp.linalg.norm(x, axis=1, keepdims=True))[:, 0] ** 2)  # noqa: E731
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    for batch in strategy.experimental_distribute_dataset(data):
+        strategy.run(step, args=(model, optimizer, batch))
+    assert np.isfinite(np.asarray(model.kernel[...])).all()

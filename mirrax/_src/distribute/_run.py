@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import flax.errors
@@ -119,9 +120,17 @@ def run(strategy, fn, args, kwargs):
             value_leaves, value_def = jax.tree.flatten(leaf._value)
             kinds.append(("mirrored", value_def, len(value_leaves)))
             dynamic.extend(value_leaves)
+        elif isinstance(leaf, jax.core.Tracer):
+            raise _inside_transformation(f"argument {names[i]}")
         elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             kinds.append(("array",))
             dynamic.append(_place(strategy, leaf, names, i))
+        elif isinstance(leaf, _DATASET_TYPES()):
+            raise TypeError(
+                f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, not a batch. "
+                "Iterate it and pass each batch: for batch in dist_dataset: "
+                "strategy.run(step, args=(model, optimizer, batch))."
+            )
         else:
             try:
                 hash(leaf)
@@ -166,6 +175,7 @@ def run(strategy, fn, args, kwargs):
     ]
     if program is None:
         _check_captures(fn, fn_node)
+        _warn_on_retracing(strategy, fn_key, fn, kinds)
         node_names = tuple(names.of_node(node) for node in nodes)
         spec = _Spec(strategy, fn, fn_node, treedef, kinds, graphdef, state_def, node_names)
         program = _compile(spec, state_leaves, dynamic, mask_value)
@@ -218,6 +228,41 @@ def new_in_flight(devices):
     if len(devices) > 1 and devices[0].platform == "cpu":
         return collections.deque()
     return None
+
+
+_RETRACE_WARNING_AT = 6
+
+
+def _warn_on_retracing(strategy, fn_key, fn, kinds):
+    """Warns, as tf.function does, when one function keeps being compiled anew."""
+    counts = strategy._compile_counts
+    counts[fn_key] = counts.get(fn_key, 0) + 1
+    if counts[fn_key] == _RETRACE_WARNING_AT:
+        statics = [repr(kind[1]) for kind in kinds if kind[0] == "static"]
+        warnings.warn(
+            f"strategy.run has compiled {_fn_name(fn)} {_RETRACE_WARNING_AT} times. Each new "
+            "input shape, structure or Python value (compile-time constant) makes a new "
+            f"program; this call's Python values: {', '.join(statics) or 'none'}. Pass values "
+            "that change every step as arrays (jnp.int32(step)) and keep batch shapes fixed.",
+            stacklevel=3,
+        )
+
+
+def _inside_transformation(what: str) -> Exception:
+    return errors.ReplicaContextError(
+        f"strategy.run: {what} is a traced value: strategy.run was called inside jax.jit, "
+        "nnx.jit or another JAX transformation, or given a jitted function. strategy.run "
+        "already compiles the step into one program: call it directly with the plain step "
+        "function, without the decorator (the TF habit of wrapping it in @tf.function is not "
+        "needed)."
+    )
+
+
+def _DATASET_TYPES():
+    from mirrax._src.distribute import input as input_lib
+
+    return (input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction,
+            input_lib.DistributedIterator)
 
 
 class _LazyNames:
@@ -297,12 +342,15 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
         found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in outputs]
 
-    jax.eval_shape(
-        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(REPLICA_AXIS))),
-        state_leaves,
-        dynamic,
-        mask_value,
-    )
+    try:
+        jax.eval_shape(
+            jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(REPLICA_AXIS))),
+            state_leaves,
+            dynamic,
+            mask_value,
+        )
+    except jax.errors.UnexpectedTracerError as e:
+        raise _inside_transformation("a value of the step") from e
     varying, same_state = found["varying"], found["same_state"]
 
     def body(state_leaves, dynamic, mask):
@@ -367,6 +415,10 @@ def _body(spec: _Spec, state_leaves, dynamic, mask):
     _, new_state = nnx.split(nodes)
     new_state = _aggregate(spec, new_state, old_values, replica_id)
 
+    # Variables (e.g. the gradients nnx.grad returns) come back as their values.
+    outputs = jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x, outputs, is_leaf=_is_variable
+    )
     out_leaves = jax.tree.leaves(outputs, is_leaf=is_graph_node)
     for leaf in out_leaves:
         if is_graph_node(leaf) or not isinstance(leaf, _ARRAY_LIKE):
@@ -447,6 +499,8 @@ def _place(strategy, x, names, index, nodes=None):
     """
     if not isinstance(x, jax.Array):
         return x
+    if isinstance(x, jax.core.Tracer):
+        raise _inside_transformation("the state of the NNX objects")
     target = strategy._replicated
     sharding = x.sharding
     if sharding == target:

@@ -108,7 +108,11 @@ def _check_options(options) -> InputOptions:
 
 
 def _batch_source(dataset) -> Callable[[], Iterator]:
-    """A function that starts a fresh pass over `dataset`'s batches."""
+    """A function that starts a fresh pass over `dataset`'s batches.
+
+    A one-shot iterator (a generator) can make one pass only; a second pass raises instead of
+    silently yielding nothing (which would train later epochs on no data).
+    """
     if hasattr(dataset, "as_numpy_iterator"):
         return lambda: iter(dataset.as_numpy_iterator())
     if isinstance(dataset, (tuple, dict, np.ndarray, jax.Array)) and all(
@@ -121,7 +125,23 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
             "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
             f"received {type(dataset).__name__}."
         )
-    return lambda: iter(dataset)
+    if iter(dataset) is not dataset:
+        return lambda: iter(dataset)
+    passes = []
+
+    def one_pass():
+        if passes:
+            raise RuntimeError(
+                f"This distributed dataset was made from a one-shot iterator "
+                f"({type(dataset).__name__}), which was used up by the previous pass; a second "
+                "pass would yield no batches. Pass something that can be iterated again (a "
+                "list of batches, a Grain dataset, a tf.data.Dataset), or call "
+                "experimental_distribute_dataset(make_generator()) once per epoch."
+            )
+        passes.append(1)
+        return dataset
+
+    return one_pass
 
 
 def _is_array(x) -> bool:
@@ -154,6 +174,12 @@ def to_host_batch(batch):
                 "Convert it with np.asarray, or drop it from the batch."
             )
         leaf = np.asarray(leaf)
+        if leaf.dtype.kind not in "biufc":
+            raise errors.InvalidBatchError(
+                f"{name} has dtype {leaf.dtype}, which is not numeric; batches must hold "
+                "numbers (bool, int, float, complex). Encode text or objects as numbers before "
+                "distributing the dataset."
+            )
         if leaf.ndim == 0:
             raise errors.InvalidBatchError(
                 f"{name} is a scalar ({leaf!r}); every leaf of a batch needs a leading batch "
@@ -178,7 +204,12 @@ class _Placer:
         self.rows: int | None = None
         self._full_masks: dict = {}
 
-    def place(self, shards: list, first_size_name: str) -> PerReplica:
+    def place(self, shards: list, first_size_name: str):
+        """The batch as its structure with a `PerReplica` per leaf (TF's element structure).
+
+        Every leaf shares one mask and the true lengths, so `for x, y in dist_dataset` works as
+        in TF and `strategy.run` finds the mask on any of them.
+        """
         lengths = tuple(jax.tree.leaves(s)[0].shape[0] for s in shards)
         if self.rows is None:
             if max(lengths) == 0:
@@ -190,9 +221,11 @@ class _Placer:
             self.rows = max(lengths)
         # A later batch larger than the first grows the static size (one recompilation).
         self.rows = max(self.rows, max(lengths))
-        stacked, _ = stack_host_values(shards, rows=self.rows)
-        return PerReplica(
-            self.strategy, put_stacked(self.strategy, stacked), self._mask(lengths), lengths
+        # Padding rows repeat a real example: finite wherever the model is finite on real data.
+        stacked, _ = stack_host_values(shards, rows=self.rows, fill_with_first_row=True)
+        mask = self._mask(lengths)
+        return jax.tree.map(
+            lambda a: PerReplica(self.strategy, a, mask, lengths), put_stacked(self.strategy, stacked)
         )
 
     def _mask(self, lengths):

@@ -13,6 +13,7 @@ from mirrax import errors
 from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 from mirrax._src.distribute.strategy import get_replica_context, in_cross_replica_context
+from mirrax._src.distribute.values import is_distributed
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
@@ -44,6 +45,19 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         without `global_batch_size`, where there is no replica to count examples over.
       ValueError: `per_example_loss` is a scalar, or its first axis does not match the batch.
     """
+    if is_distributed(per_example_loss):
+        raise TypeError(
+            "compute_average_loss: per_example_loss is a "
+            f"{type(per_example_loss).__name__} (a value of all replicas). Call "
+            "compute_average_loss inside the function given to strategy.run, on that replica's "
+            "per-example losses; outside, combine results with strategy.reduce."
+        )
+    if isinstance(global_batch_size, (int, float)) and not global_batch_size > 0:
+        raise ValueError(
+            f"compute_average_loss: global_batch_size must be positive; received "
+            f"{global_batch_size!r}. Pass the number of examples per step over all replicas, "
+            "or omit it to count the real examples."
+        )
     loss = jnp.asarray(per_example_loss)
     if loss.ndim == 0:
         raise ValueError(
@@ -69,7 +83,18 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
             f"batch has {valid.shape[0]}; compute one loss per example of the batch that "
             "strategy.run passed in."
         )
-    weighted = loss if sample_weight is None else loss * jnp.asarray(sample_weight, loss.dtype)
+    if sample_weight is None:
+        weighted = loss
+    else:
+        weight = jnp.asarray(sample_weight, loss.dtype)
+        try:
+            weighted = loss * weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"compute_average_loss: sample_weight of shape {weight.shape} does not fit "
+                f"per_example_loss of shape {loss.shape}; give one weight per example (shape "
+                f"({loss.shape[0]},)) or a scalar."
+            ) from None
     keep = valid.reshape(valid.shape + (1,) * (loss.ndim - 1))
     total = jnp.where(keep, weighted, jnp.zeros((), loss.dtype)).sum()
     if global_batch_size is not None:

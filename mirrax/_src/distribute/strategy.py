@@ -80,6 +80,7 @@ class Strategy:
         )
         self._run_cache = _run.new_cache()
         self._in_flight = _run.new_in_flight(devices)
+        self._compile_counts: dict = {}
         self.extended = StrategyExtended(self)
 
     @property
@@ -290,6 +291,12 @@ class Strategy:
         )
 
     def _gather_stacked(self, value: PerReplica, x, axis):
+        if x.ndim == 1:
+            raise ValueError(
+                "strategy.gather: the per-replica values are scalars, which have no axis to "
+                "concatenate along. Use strategy.experimental_local_results(value), or return "
+                "x[None] (shape (1,)) from the step to gather one value per replica."
+            )
         axis = _normalize_axis(axis, x.ndim - 1)
         if value._masked(x) and axis == 0:
             rows = x.shape[1]

@@ -155,13 +155,16 @@ def local_rows(leaf: jax.Array, strategy, stacked: bool = True) -> list:
     return [row[0] for row in rows] if stacked else rows
 
 
-def stack_host_values(values: Sequence, rows: int | None = None):
+def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first_row=False):
     """Stacks per-replica host values into arrays with a leading replica axis.
 
     Args:
       values: one pytree per local replica, all with the same structure; leaves are array-likes.
       rows: pad every replica's first axis to this many rows (a distributed batch's static
         per-replica size); None pads to the largest replica when first axes differ.
+      fill_with_first_row: pad with copies of the first real row of the first non-empty value
+        instead of zeros (a batch: padding rows then look like real data, so a model that is
+        undefined on all-zero inputs gives finite values, and gradients, there).
 
     Returns:
       (stacked, lengths): `stacked` is a pytree of NumPy arrays of shape (len(values), ...) or
@@ -189,9 +192,12 @@ def stack_host_values(values: Sequence, rows: int | None = None):
             return None, None
         lengths = column_lengths
     target = rows if rows is not None else max(lengths)
+    donor = next((i for i, n in enumerate(lengths) if n), None)
     stacked = []
     for column in columns:
         out = np.zeros((len(column), target) + column[0].shape[1:], np.result_type(*column))
+        if fill_with_first_row and donor is not None:
+            out[...] = column[donor][0]
         for i, a in enumerate(column):
             out[i, : a.shape[0]] = a
         stacked.append(out)
