@@ -4,8 +4,12 @@ Three changes turn a one-device training script into an N-device one: create a s
 build the model and optimizer under `strategy.scope()`, distribute the dataset.
 """
 
+from mirrax import callbacks as callbacks
 from mirrax import data as data
 from mirrax import errors as errors
+from mirrax import losses as losses
+from mirrax import metrics as metrics
+from mirrax import mixed_precision as mixed_precision
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input import InputContext as InputContext
@@ -32,6 +36,7 @@ from mirrax._src.distribute.strategy import in_cross_replica_context as in_cross
 from mirrax._src.distribute.tpu import TPUStrategy as TPUStrategy
 from mirrax._src.distribute.values import Mirrored as Mirrored
 from mirrax._src.distribute.values import PerReplica as PerReplica
+from mirrax._src.training.model import Model as Model
 
 __version__ = "0.1.0"
 
@@ -44,6 +49,7 @@ __all__ = [
     "InputContext",
     "InputOptions",
     "Mirrored",
+    "Model",
     "MirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
@@ -57,11 +63,15 @@ __all__ = [
     "ValueContext",
     "VariableAggregation",
     "compute_average_loss",
+    "callbacks",
     "data",
     "errors",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "losses",
+    "metrics",
+    "mixed_precision",
     "scale_regularization_loss",
 ]

@@ -39,3 +39,11 @@ class ReplicaContextError(MirraxError, RuntimeError):
 
 class MissingDatasetError(MirraxError, FileNotFoundError):
     """The files of a data set that mirrax reads from disk (e.g. CIFAR-10) are not there."""
+
+
+class InvalidIdentifierError(MirraxError, ValueError):
+    """A loss, metric or optimizer identifier (a string, or an object given to `get`) names nothing known."""
+
+
+class InvalidLabelError(MirraxError, ValueError):
+    """Labels outside the range the loss accepts (e.g. a sparse label >= the number of classes)."""

@@ -1,0 +1,1 @@
+"""Keras-style training on top of the distribute runtime: losses, metrics, Model."""

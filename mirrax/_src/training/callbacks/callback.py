@@ -1,0 +1,121 @@
+"""`Callback`: the base class of every callback, with Keras 3's hooks, all no-ops."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class Callback:
+    """Base class for objects that `Model.fit`, `evaluate` and `predict` call back, as
+    `keras.callbacks.Callback`.
+
+    Subclass it and override the hooks you need; the others do nothing. The training loop calls:
+
+    - `on_train_begin(logs)` / `on_train_end(logs)` once per `fit`;
+    - `on_epoch_begin(epoch, logs)` / `on_epoch_end(epoch, logs)`: `epoch` is the 0-based epoch
+      index (as Keras: the first epoch is 0, printed as "Epoch 1/N");
+    - `on_train_batch_begin(batch, logs)` / `on_train_batch_end(batch, logs)`: `batch` is the
+      0-based index of the step within the epoch;
+    - `on_test_begin/end(logs)`, `on_test_batch_begin/end(batch, logs)` in `evaluate` (and in
+      the validation of `fit`); `on_predict_begin/end(logs)`,
+      `on_predict_batch_begin/end(batch, logs)` in `predict`.
+
+    `logs` is a dict of Python floats with Keras's keys: `"loss"`, the metric names
+    (`"accuracy"`), their validation twins (`"val_loss"`, `"val_accuracy"`) in epoch-end logs,
+    and `"learning_rate"` in epoch-end logs when the optimizer has one. Training-batch logs hold
+    the running means over the epoch so far. Epoch-end logs are one dict shared by every
+    callback in order, so a key a callback adds is seen by those after it (as Keras).
+
+    `on_batch_begin` / `on_batch_end` are Keras's older names: the training-batch hooks call
+    them by default.
+
+    Attributes:
+      model: the `mirrax.Model` being trained (set by `set_model`); callbacks read and write
+        `model.stop_training`, `model.optimizer.learning_rate`, `model.get_weights()` /
+        `model.set_weights(...)`.
+      params: `{"epochs": int, "steps": int or None (steps per epoch), "verbose": int}`.
+    """
+
+    def __init__(self):
+        self.model = None
+        self.params: Optional[dict] = None
+
+    def set_params(self, params: dict) -> None:
+        """Receives the run's parameters: `{"epochs", "steps" (per epoch, or None), "verbose"}`."""
+        self.params = params
+
+    def set_model(self, model) -> None:
+        """Receives the model the callback is used with."""
+        self.model = model
+
+    # -- old-style training-batch names -------------------------------------------------------
+
+    def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Older name of `on_train_batch_begin` (as Keras); called by it by default."""
+
+    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Older name of `on_train_batch_end` (as Keras); called by it by default."""
+
+    # -- fit ------------------------------------------------------------------------------------
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Called at the start of epoch `epoch` (0-based index) in `fit`."""
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Called at the end of epoch `epoch` (0-based) with the epoch's training and
+        validation results (`"loss"`, `"val_loss"`, metrics, `"learning_rate"`)."""
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Called once at the start of `fit`."""
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        """Called once at the end of `fit` with the last epoch's logs."""
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called before training step `batch` (0-based index within the epoch)."""
+        self.on_batch_begin(batch, logs=logs)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called after training step `batch` (0-based) with the running means of the epoch."""
+        self.on_batch_end(batch, logs=logs)
+
+    # -- evaluate -------------------------------------------------------------------------------
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        """Called at the start of `evaluate` (and of each validation run in `fit`)."""
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        """Called at the end of `evaluate` with its results (`"loss"`, metrics)."""
+
+    def on_test_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called before evaluation step `batch` (0-based)."""
+
+    def on_test_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called after evaluation step `batch` (0-based)."""
+
+    # -- predict --------------------------------------------------------------------------------
+
+    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+        """Called at the start of `predict`."""
+
+    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+        """Called at the end of `predict`."""
+
+    def on_predict_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called before prediction step `batch` (0-based)."""
+
+    def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Called after prediction step `batch` (0-based); `logs["outputs"]` holds its outputs."""
+
+
+HOOKS = (
+    "on_batch_begin", "on_batch_end",
+    "on_epoch_begin", "on_epoch_end",
+    "on_train_begin", "on_train_end",
+    "on_train_batch_begin", "on_train_batch_end",
+    "on_test_begin", "on_test_end",
+    "on_test_batch_begin", "on_test_batch_end",
+    "on_predict_begin", "on_predict_end",
+    "on_predict_batch_begin", "on_predict_batch_end",
+)
+"""The names of every hook a `Callback` has."""

@@ -1,0 +1,45 @@
+"""`TerminateOnNaN`: stops `fit` at the first training step whose loss is NaN or infinite."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.progbar import print_msg
+
+
+class TerminateOnNaN(Callback):
+    """Stops training when the loss becomes NaN or infinite, as `keras.callbacks.TerminateOnNaN`.
+
+    After each training step, if `logs["loss"]` is NaN or ±inf, it prints
+    `Batch {batch}: Invalid loss, terminating training` (`batch`: the 0-based step index
+    within the epoch) and sets `model.stop_training = True`; `fit` then ends the epoch and calls
+    `on_train_end` as usual. With `raise_error=True` it raises instead,
+    which skips the other callbacks' `on_train_end` (Keras 3's newer option).
+
+    Args:
+      raise_error: raise `RuntimeError` instead of stopping gracefully.
+
+    Raises:
+      RuntimeError: with `raise_error=True`, at the first invalid loss.
+    """
+
+    def __init__(self, raise_error: bool = False):
+        super().__init__()
+        self.raise_error = raise_error
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Checks `logs["loss"]`; stops (or raises) on NaN or inf."""
+        loss = (logs or {}).get("loss")
+        if loss is None:
+            return
+        loss = float(loss)
+        if math.isnan(loss) or math.isinf(loss):
+            if self.raise_error:
+                raise RuntimeError(
+                    f"NaN or Inf loss encountered at batch {batch}. Loss value: {loss}. "
+                    "Terminating training immediately."
+                )
+            print_msg(f"Batch {batch}: Invalid loss, terminating training")
+            self.model.stop_training = True

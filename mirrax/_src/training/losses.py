@@ -1,0 +1,488 @@
+"""Keras-named losses built on optax, whose `__call__` is a replica's share of the global mean.
+
+A `Loss` has two faces. `per_example(y_true, y_pred)` is the float32 loss of each example
+(Keras's `reduction=None`, averaged over trailing axes as Keras's loss functions average the last
+one). `loss(y_true, y_pred, sample_weight)` is `mirrax.compute_average_loss` of that: inside
+`strategy.run` this replica's share of the global mean over the real (unmasked) examples, so the
+replicas' shares add up to Keras's "sum_over_batch_size" of the whole global batch; outside every
+strategy the plain weighted mean over the batch.
+
+Probabilities (`from_logits=False`) are clipped to [1e-7, 1 - 1e-7] before the log, as Keras's
+backend does, so a probability of exactly 0 gives a large finite loss, never inf.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mirrax import errors
+from mirrax._src.distribute.losses import compute_average_loss
+
+EPSILON = 1e-7
+"""Keras's `backend.epsilon()`: probabilities are clipped to [EPSILON, 1 - EPSILON]."""
+
+
+# These two belong in mirrax/errors.py (with the rest of the hierarchy); they live here until
+# that file gains them, and are shared with the metrics module.
+InvalidIdentifierError = errors.InvalidIdentifierError
+InvalidLabelError = errors.InvalidLabelError
+
+
+class Loss:
+    """Base class of the losses, as `keras.losses.Loss` with reduction "sum_over_batch_size".
+
+    Subclasses implement `_elementwise(y_true, y_pred)`, the loss of each element of shape
+    (batch, ...) in float32; `per_example` averages its trailing axes and `__call__` reduces it
+    with `mirrax.compute_average_loss`.
+
+    Attributes:
+      name: the loss's name (Keras's default names, e.g. "sparse_categorical_crossentropy").
+    """
+
+    default_name = "loss"
+
+    def __init__(self, name: str | None = None):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+        self.name = name or self.default_name
+
+    def _elementwise(self, y_true, y_pred):
+        raise NotImplementedError(f"{type(self).__name__} must implement _elementwise.")
+
+    def per_example(self, y_true, y_pred):
+        """The loss of each example, as a Keras loss with `reduction=None`.
+
+        Args:
+          y_true: labels/targets of shape (batch, ...) (see the subclass for the exact shape).
+          y_pred: predictions of shape (batch, ...); cast to float32.
+
+        Returns:
+          float32 array of shape (batch,): each example's loss, averaged over every axis after
+          the batch axis (Keras averages the last axis; "sum_over_batch_size" then averages the
+          rest, so the mean of these values is Keras's reduced loss).
+
+        Raises:
+          ValueError: `y_pred` has no batch axis, or the shapes do not fit the loss.
+        """
+        y_pred = jnp.asarray(y_pred)
+        if y_pred.ndim == 0:
+            raise ValueError(
+                f"{type(self).__name__}: y_pred must have a leading batch axis, but received a "
+                "scalar. Pass the predictions for a batch of examples, shape (batch, ...)."
+            )
+        return _mean_trailing(self._elementwise(y_true, y_pred))
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """The weighted mean loss, as `keras.losses.Loss.__call__` ("sum_over_batch_size").
+
+        Equals `mirrax.compute_average_loss(self.per_example(y_true, y_pred), sample_weight)`:
+        the weighted sum of the real examples' losses divided by the number of real examples
+        over all replicas (weights never divide). Inside `strategy.run` the result is this
+        replica's share (the shares add up to the global mean); outside every strategy, the mean
+        over the batch.
+
+        Args:
+          y_true, y_pred: as `per_example`.
+          sample_weight: None, a scalar, an array of shape (batch,) or (batch, 1), or an array
+            matching the leading axes of the element loss (e.g. (batch, time) for a sequence
+            model): the axes it does not cover are averaged first, then it weighs, then the
+            rest are averaged, as Keras.
+
+        Returns:
+          A float32 scalar.
+
+        Raises:
+          ReplicaContextError: called in cross-replica context (inside `strategy.scope()`,
+            outside `strategy.run`), where there is no replica to count examples over.
+          ValueError: the shapes do not fit the loss or each other.
+        """
+        if sample_weight is None:
+            return compute_average_loss(self.per_example(y_true, y_pred))
+        weight = jnp.asarray(sample_weight, jnp.float32)
+        if weight.ndim > 1 and all(d == 1 for d in weight.shape[1:]):
+            weight = weight.reshape(weight.shape[:1])
+        if weight.ndim <= 1:
+            per_example = self.per_example(y_true, y_pred)
+            if weight.ndim == 1 and weight.shape != per_example.shape:
+                raise ValueError(
+                    f"{self.name}: sample_weight has {weight.shape[0]} entries but the batch has "
+                    f"{per_example.shape[0]} examples; pass one weight per example."
+                )
+            return compute_average_loss(per_example, weight)
+        y_pred = jnp.asarray(y_pred)
+        elementwise = self._elementwise(y_true, y_pred)
+        if weight.ndim > elementwise.ndim or weight.shape != elementwise.shape[:weight.ndim]:
+            raise ValueError(
+                f"{self.name}: sample_weight of shape {weight.shape} fits neither the batch "
+                f"{elementwise.shape[:1]} nor the leading axes of the element loss "
+                f"{elementwise.shape}; pass one weight per example, shape (batch,), or e.g. "
+                "one per time step, shape (batch, time)."
+            )
+        # As Keras: average the axes the weights do not cover, weigh, then average the rest.
+        covered = elementwise.mean(axis=tuple(range(weight.ndim, elementwise.ndim)))
+        return compute_average_loss(_mean_trailing(covered * weight))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class LossFunctionWrapper(Loss):
+    """A `Loss` from a function `fn(y_true, y_pred) -> per-example loss`, as Keras's wrapper.
+
+    `fn` returns an array of shape (batch, ...); trailing axes are averaged. Note the argument
+    order: Keras's (y_true, y_pred), not optax's (predictions, targets).
+
+    Raises (from `per_example`):
+      ValueError: `fn` returned a scalar (a reduced loss) instead of one loss per example.
+    """
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        super().__init__(name=name or getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def _elementwise(self, y_true, y_pred):
+        values = jnp.asarray(self.fn(y_true, y_pred))
+        if values.ndim == 0:
+            raise ValueError(
+                f"loss function {self.name!r} returned a scalar; it must return one loss per "
+                f"example, shape (batch, ...) (Keras's reduction=None), for batch size "
+                f"{y_pred.shape[0]}. Remove the final mean/sum from the function."
+            )
+        return values.astype(jnp.float32)
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Cross-entropy with integer labels, as `keras.losses.SparseCategoricalCrossentropy`.
+
+    Shapes: `y_pred` (batch, ..., num_classes), probabilities or (with `from_logits=True`)
+    logits; `y_true` integer class ids of shape (batch, ...) or (batch, ..., 1). Probabilities
+    are normalised to sum to 1 over the class axis and clipped to [1e-7, 1 - 1e-7] (Keras).
+
+    A label outside [0, num_classes) gives a NaN loss for that example (Keras's JAX backend
+    silently gives 0, TF errors on CPU): no compiled step can raise, so the value says it. Call
+    `check_labels` on the host for an error naming the bad labels (`Model.fit` does for NumPy
+    inputs).
+
+    Args:
+      from_logits: whether `y_pred` holds logits (optax's
+        `softmax_cross_entropy_with_integer_labels`) instead of probabilities.
+      name: defaults to "sparse_categorical_crossentropy".
+    """
+
+    default_name = "sparse_categorical_crossentropy"
+
+    def __init__(self, from_logits: bool = False, name: str | None = None):
+        super().__init__(name=name)
+        self.from_logits = bool(from_logits)
+
+    def _elementwise(self, y_true, y_pred):
+        y_pred = y_pred.astype(jnp.float32)
+        labels = jnp.asarray(y_true)
+        if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
+            labels = labels.reshape(labels.shape[:-1])
+        if y_pred.ndim < 2 or labels.shape != y_pred.shape[:-1]:
+            raise ValueError(
+                f"{self.name}: y_true of shape {jnp.shape(y_true)} does not fit y_pred of shape "
+                f"{y_pred.shape}; expected integer labels of shape {y_pred.shape[:-1]} (or with "
+                "a trailing 1) for predictions of shape (batch, ..., num_classes). For one-hot "
+                "labels use CategoricalCrossentropy."
+            )
+        labels = labels.astype(jnp.int32)
+        num_classes = y_pred.shape[-1]
+        valid = (labels >= 0) & (labels < num_classes)
+        safe = jnp.where(valid, labels, 0)
+        if self.from_logits:
+            loss = optax.losses.softmax_cross_entropy_with_integer_labels(y_pred, safe)
+        else:
+            log_probs = jnp.log(_clip(_normalise(y_pred)))
+            loss = -jnp.take_along_axis(log_probs, safe[..., None], axis=-1)[..., 0]
+        return jnp.where(valid, loss, jnp.nan)
+
+    @staticmethod
+    def check_labels(y_true, num_classes: int) -> None:
+        """Host-side debug check that sparse labels are class ids in [0, num_classes).
+
+        Meant for NumPy inputs before training (`Model.fit` calls it); it reads every label, so
+        it is not for the compiled step.
+
+        Args:
+          y_true: array-like of labels, any shape (e.g. (n,) or (n, 1)), integer or
+            integer-valued float.
+          num_classes: the number of classes (the last axis of `y_pred`), a positive int.
+
+        Raises:
+          InvalidLabelError (a ValueError): some labels are not integers in [0, num_classes);
+            the message names the offending values, how many there are, and the valid range.
+          ValueError: `num_classes` is not a positive integer.
+        """
+        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
+                or num_classes < 1:
+            raise ValueError(
+                f"check_labels: num_classes must be a positive int (the size of y_pred's last "
+                f"axis); received {num_classes!r}."
+            )
+        labels = np.asarray(y_true)
+        if labels.dtype == bool or not np.issubdtype(labels.dtype, np.number):
+            raise InvalidLabelError(
+                f"sparse_categorical_crossentropy: labels must be integer class ids in "
+                f"[0, {num_classes}); received an array of dtype {labels.dtype}."
+            )
+        flat = labels.reshape(-1)
+        bad = ~np.isfinite(flat) | (flat < 0) | (flat >= num_classes) | (flat != np.round(flat))
+        if not bad.any():
+            return
+        values = np.unique(flat[bad])
+        shown = ", ".join(repr(v.item()) for v in values[:10])
+        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
+        first = int(np.flatnonzero(bad)[0])
+        raise InvalidLabelError(
+            f"sparse_categorical_crossentropy: {int(bad.sum())} of {flat.size} labels are not "
+            f"class ids in the valid range [0, {num_classes}): values {shown}{more}; the first "
+            f"is at flat index {first}. The model predicts {num_classes} classes (y_pred's last "
+            "axis): re-map the labels to 0..num_classes-1, or give the model's last layer "
+            "as many outputs as there are classes."
+        )
+
+
+class CategoricalCrossentropy(Loss):
+    """Cross-entropy with one-hot (or soft) labels, as `keras.losses.CategoricalCrossentropy`.
+
+    Shapes: `y_true` and `y_pred` both (batch, ..., num_classes). Probabilities are normalised
+    over the class axis and clipped to [1e-7, 1 - 1e-7]; logits go through optax's
+    `softmax_cross_entropy`.
+
+    Args:
+      from_logits: whether `y_pred` holds logits.
+      label_smoothing: float in [0, 1]; labels become `y * (1 - s) + s / num_classes`
+        (optax's `smooth_labels`, Keras's formula).
+      name: defaults to "categorical_crossentropy".
+
+    Raises:
+      ValueError: `label_smoothing` outside [0, 1].
+    """
+
+    default_name = "categorical_crossentropy"
+
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
+                 name: str | None = None):
+        super().__init__(name=name)
+        self.from_logits = bool(from_logits)
+        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
+
+    def _elementwise(self, y_true, y_pred):
+        y_pred = y_pred.astype(jnp.float32)
+        labels = jnp.asarray(y_true, jnp.float32)
+        if labels.shape != y_pred.shape or y_pred.ndim < 2:
+            raise ValueError(
+                f"{self.name}: y_true of shape {labels.shape} does not match y_pred of shape "
+                f"{y_pred.shape}; both must be (batch, ..., num_classes) with one-hot labels. "
+                "For integer class ids use SparseCategoricalCrossentropy."
+            )
+        if self.label_smoothing:
+            labels = optax.smooth_labels(labels, self.label_smoothing)
+        if self.from_logits:
+            return optax.losses.softmax_cross_entropy(y_pred, labels)
+        return -(labels * jnp.log(_clip(_normalise(y_pred)))).sum(axis=-1)
+
+
+class BinaryCrossentropy(Loss):
+    """Binary cross-entropy, as `keras.losses.BinaryCrossentropy`.
+
+    Shapes: `y_true` and `y_pred` (batch, ...), equal after Keras's rank matching ((batch,) and
+    (batch, 1) fit each other); each element is one binary prediction and `per_example` averages
+    them. Probabilities are clipped to [1e-7, 1 - 1e-7]; logits go through optax's
+    `sigmoid_binary_cross_entropy` (stable for large logits).
+
+    Args:
+      from_logits: whether `y_pred` holds logits.
+      label_smoothing: float in [0, 1]; labels become `y * (1 - s) + 0.5 * s` (Keras).
+      name: defaults to "binary_crossentropy".
+    """
+
+    default_name = "binary_crossentropy"
+
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
+                 name: str | None = None):
+        super().__init__(name=name)
+        self.from_logits = bool(from_logits)
+        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
+
+    def _elementwise(self, y_true, y_pred):
+        labels, y_pred = _same_shape(self.name, y_true, y_pred)
+        if self.label_smoothing:
+            labels = labels * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
+        if self.from_logits:
+            return optax.losses.sigmoid_binary_cross_entropy(y_pred, labels)
+        p = _clip(y_pred)
+        return -(labels * jnp.log(p) + (1.0 - labels) * jnp.log(1.0 - p))
+
+
+class MeanSquaredError(Loss):
+    """Mean of squared errors over the last axis, as `keras.losses.MeanSquaredError`.
+
+    Shapes: `y_true`, `y_pred` (batch, ...), equal after rank matching; optax's `squared_error`.
+    """
+
+    default_name = "mean_squared_error"
+
+    def _elementwise(self, y_true, y_pred):
+        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        return optax.losses.squared_error(y_pred, y_true)
+
+
+class MeanAbsoluteError(Loss):
+    """Mean of absolute errors over the last axis, as `keras.losses.MeanAbsoluteError`.
+
+    Shapes: `y_true`, `y_pred` (batch, ...), equal after rank matching.
+    """
+
+    default_name = "mean_absolute_error"
+
+    def _elementwise(self, y_true, y_pred):
+        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        return jnp.abs(y_pred - y_true)
+
+
+class Huber(Loss):
+    """Huber loss, as `keras.losses.Huber`, of the error e = y_pred - y_true.
+
+    Elementwise `e^2 / 2` where `|e| <= delta`, else `delta * (|e| - delta / 2)`. Shapes:
+    `y_true`, `y_pred` (batch, ...), equal after rank matching; optax's `huber_loss`.
+
+    Args:
+      delta: the positive float where the loss turns from quadratic to linear.
+      name: defaults to "huber_loss" (Keras's name).
+
+    Raises:
+      ValueError: `delta` is not positive.
+    """
+
+    default_name = "huber_loss"
+
+    def __init__(self, delta: float = 1.0, name: str | None = None):
+        super().__init__(name=name)
+        if not delta > 0:
+            raise ValueError(f"Huber: delta must be a positive float; received {delta!r}.")
+        self.delta = float(delta)
+
+    def _elementwise(self, y_true, y_pred):
+        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        return optax.losses.huber_loss(y_pred, y_true, delta=self.delta)
+
+
+_CLASSES = (
+    SparseCategoricalCrossentropy,
+    CategoricalCrossentropy,
+    BinaryCrossentropy,
+    MeanSquaredError,
+    MeanAbsoluteError,
+    Huber,
+)
+# Keras's names: class names, the snake_case function names, and the short aliases.
+_BY_NAME: dict = {cls.__name__: cls for cls in _CLASSES}
+_BY_NAME.update({
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
+    "bce": BinaryCrossentropy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "huber": Huber,
+    "huber_loss": Huber,
+})
+
+
+def get(identifier):
+    """The `Loss` an identifier names, as `keras.losses.get`.
+
+    Args:
+      identifier: a `Loss` (returned as is); a string: a class name ("MeanSquaredError"), a
+        Keras function name ("sparse_categorical_crossentropy", "mean_squared_error", "huber")
+        or alias ("mse", "mae", "bce"; aliases also in upper case, "MSE"); a callable
+        `fn(y_true, y_pred) -> per-example loss of shape (batch, ...)` (wrapped in a
+        `LossFunctionWrapper`); or None (returned as None, as Keras).
+
+    Returns:
+      A `Loss` instance (a new one with default arguments for a string), or None.
+
+    Raises:
+      InvalidIdentifierError (a ValueError): an unknown string (the message lists the known
+        names) or an object that is neither a string, a `Loss` nor a callable.
+    """
+    if identifier is None or isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, str):
+        cls = _BY_NAME.get(identifier) or _BY_NAME.get(identifier.lower())
+        if cls is None:
+            raise InvalidIdentifierError(
+                f"Unknown loss {identifier!r}. Known names: {', '.join(sorted(_BY_NAME))}. "
+                "Pass one of them, a mirrax.losses.Loss instance, or a function "
+                "fn(y_true, y_pred) returning one loss per example."
+            )
+        return cls()
+    if callable(identifier):
+        return LossFunctionWrapper(identifier)
+    raise InvalidIdentifierError(
+        f"Could not interpret loss identifier {identifier!r} (a {type(identifier).__name__}); "
+        "pass a loss name such as 'sparse_categorical_crossentropy', a mirrax.losses.Loss "
+        "instance, or a function fn(y_true, y_pred) returning one loss per example."
+    )
+
+
+def _mean_trailing(values):
+    values = jnp.asarray(values).astype(jnp.float32)
+    if values.ndim > 1:
+        values = values.mean(axis=tuple(range(1, values.ndim)))
+    return values
+
+
+def _normalise(probs):
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def _clip(probs):
+    return jnp.clip(probs, EPSILON, 1.0 - EPSILON)
+
+
+def _check_smoothing(label_smoothing, owner: str) -> float:
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(
+            f"{owner}: label_smoothing must be a float in [0, 1]; received {label_smoothing!r}."
+        )
+    return float(label_smoothing)
+
+
+def match_rank(a, b):
+    """Keras's `squeeze_or_expand_to_same_rank`: ranks that differ by one trailing 1 are matched.
+
+    A rank-1 array next to a (batch, 1) one is expanded to (batch, 1); otherwise the trailing
+    size-1 axis of the higher-rank array is squeezed. Other shapes are returned unchanged.
+    """
+    if a.ndim == b.ndim + 1 and a.shape[-1] == 1:
+        if b.ndim == 1:
+            b = b[:, None]
+        else:
+            a = a.reshape(a.shape[:-1])
+    elif b.ndim == a.ndim + 1 and b.shape[-1] == 1:
+        if a.ndim == 1:
+            a = a[:, None]
+        else:
+            b = b.reshape(b.shape[:-1])
+    return a, b
+
+
+def _same_shape(name: str, y_true, y_pred):
+    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
+    if y_true.shape != y_pred.shape:
+        raise ValueError(
+            f"{name}: y_true of shape {jnp.shape(y_true)} does not match y_pred of shape "
+            f"{jnp.shape(y_pred)}; give targets of the predictions' shape (a trailing axis of "
+            "size 1 may be added or left out)."
+        )
+    return y_true, y_pred

@@ -1,0 +1,792 @@
+"""Keras metrics as NNX objects whose state the replicas add up: Mean, accuracies, Precision, AUC.
+
+A metric holds only sums and counts (float32 `nnx.metrics.MetricState` variables: a total and a
+count, or confusion counts per threshold), and `result()` is computed from them. Pass metrics to
+`strategy.run` in `args` and call `update_state` inside: each replica adds the counts of ITS
+shard, and on write-back the runtime SUM-aggregates metric state (every replica's increment
+new - old is added to the old value, DESIGN.md §1), so the state afterwards holds the counts of
+the whole global batch and `result()` is the metric of all examples — never an average of
+per-replica results (a mean of per-replica precisions is not the precision). The same objects
+work eagerly outside any strategy, as Keras metrics do.
+
+Every update multiplies by the replica's batch mask (`mirrax.get_replica_context().batch_mask`)
+when there is one, so the padding rows of a partial last batch never count and every example
+counts exactly once, whatever the replica count.
+
+Two rules follow from SUM aggregation: call `reset_state()` outside `strategy.run` (inside, every
+replica's reset would be added), and read `result()` outside it (inside, it shows only this
+replica's increment on top of the previous state).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute.replica_context import current_replica_context
+from mirrax._src.distribute.strategy import get_replica_context
+from mirrax._src.training import losses as losses_lib
+from mirrax._src.training.losses import InvalidIdentifierError, match_rank
+
+_NEG_INF = float("-inf")
+
+
+class Metric(nnx.Pytree):
+    """Base class of the metrics, as `keras.metrics.Metric`, holding state the replicas SUM.
+
+    Subclasses keep their state in float32 `nnx.metrics.MetricState` variables (sums, counts,
+    confusion counts), implement `update_state` and `result`, and inherit `reset_state` (which
+    zeroes every `MetricState`). Being an `nnx.Pytree` (as `flax.nnx.metrics.Metric`), a metric
+    passed to `strategy.run` in `args` is updated in place there.
+
+    Args:
+      name: the metric's name (the key of its value in Keras's logs); defaults to the class
+        name in snake_case.
+      dtype: None or "float32" (accepted for Keras's signature; the state is always float32).
+
+    Raises:
+      TypeError: `name` is not a string.
+      ValueError: a `dtype` other than float32.
+    """
+
+    def __init__(self, name: str | None = None, dtype=None):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+        if dtype is not None and jnp.dtype(dtype) != jnp.float32:
+            raise ValueError(
+                f"{type(self).__name__}: mirrax metrics keep float32 state; received "
+                f"dtype={dtype!r}. Leave dtype unset (cast the result if you need another type)."
+            )
+        self.name = name or _snake(type(self).__name__)
+
+    def update_state(self, *args, **kwargs) -> None:
+        """Adds a batch to the state (see the subclass for the arguments)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update_state.")
+
+    def result(self):
+        """The metric's value from the accumulated state: float32, a scalar unless noted."""
+        raise NotImplementedError(f"{type(self).__name__} must implement result.")
+
+    def reset_state(self) -> None:
+        """Zeroes the state, as `keras.metrics.Metric.reset_state` (e.g. at the start of an epoch).
+
+        Raises:
+          ReplicaContextError: called inside `strategy.run`, where every replica's reset would be
+            SUM-aggregated into the state; reset before or after `run`.
+        """
+        if current_replica_context() is not None:
+            raise errors.ReplicaContextError(
+                f"{self.name}.reset_state() was called inside strategy.run; metric state is "
+                "SUM-aggregated over the replicas on write-back, so each replica's reset would be "
+                "added up. Call reset_state() outside strategy.run (e.g. between epochs)."
+            )
+        for value in vars(self).values():
+            if isinstance(value, nnx.metrics.MetricState):
+                value.set_value(jnp.zeros_like(value.get_value()))
+
+    def _add(self, variable, increment) -> None:
+        variable.set_value(variable.get_value() + jnp.asarray(increment, jnp.float32))
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values seen, as `keras.metrics.Mean`.
+
+    State: `total` (sum of weighted per-example values) and `count` (sum of the examples'
+    weights), float32 scalars. `result()` is `total / count`, 0.0 while `count` is 0 (Keras's
+    `divide_no_nan`).
+
+    Args:
+      name: defaults to "mean".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "mean", dtype=None):
+        super().__init__(name=name, dtype=dtype)
+        self.total = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
+        self.count = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
+
+    def update_state(self, values, sample_weight=None) -> None:
+        """Adds a batch of values, as `keras.metrics.Mean.update_state`.
+
+        Each example's value is the mean of its `values` over trailing axes; `count` grows by the
+        examples' weights (1 each when unweighted). Padding rows of the replica's batch (its
+        batch mask) add nothing.
+
+        Args:
+          values: array of shape (batch, ...), or a scalar (one value, counted once; a scalar
+            has no batch axis, so the batch mask does not apply).
+          sample_weight: None, a scalar (every example's weight), or an array aligned with the
+            leading axes of `values`: (batch,), (batch, 1), or e.g. (batch, time) for values of
+            shape (batch, time, ...), as Keras.
+
+        Raises:
+          ValueError: `sample_weight` does not fit `values`, or `values` has a different batch
+            size from the replica's batch mask.
+        """
+        values = jnp.asarray(values, jnp.float32)
+        if values.ndim == 0:
+            weight = jnp.ones((), jnp.float32) if sample_weight is None else _scalar_weight(
+                self.name, sample_weight)
+            self._add(self.total, values * weight)
+            self._add(self.count, weight)
+            return
+        if sample_weight is None:
+            per_example, weight = _mean_trailing(values), None
+        else:
+            weight = _align_weight(self.name, sample_weight, values.shape)
+            if values.ndim > weight.ndim:
+                values = values.mean(axis=tuple(range(weight.ndim, values.ndim)))
+            weight = jnp.broadcast_to(weight, values.shape)
+            per_example, weight = _mean_trailing(values * weight), _mean_trailing(weight)
+        mask = _batch_mask(self.name, values.shape[0])
+        if mask is None:
+            count = values.shape[0] if weight is None else weight.sum()
+        else:
+            per_example = jnp.where(mask, per_example, 0.0)
+            count = mask.sum() if weight is None else jnp.where(mask, weight, 0.0).sum()
+        self._add(self.total, per_example.sum())
+        self._add(self.count, count)
+
+    def result(self):
+        """`total / count` as a float32 scalar (0.0 before any weight was added)."""
+        return _divide_no_nan(self.total.get_value(), self.count.get_value())
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values seen, as `keras.metrics.Sum`.
+
+    State: `total`, a float32 scalar.
+
+    Args:
+      name: defaults to "sum".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "sum", dtype=None):
+        super().__init__(name=name, dtype=dtype)
+        self.total = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
+
+    def update_state(self, values, sample_weight=None) -> None:
+        """Adds `sum(values * sample_weight)` over the real examples, as `keras.metrics.Sum`.
+
+        Args:
+          values: array of shape (batch, ...), or a scalar (added once, no batch mask).
+          sample_weight: None, a scalar, or an array aligned with the leading axes of `values`.
+
+        Raises:
+          ValueError: `sample_weight` does not fit `values`, or the batch size differs from the
+            replica's batch mask.
+        """
+        values = jnp.asarray(values, jnp.float32)
+        if values.ndim == 0:
+            weight = 1.0 if sample_weight is None else _scalar_weight(self.name, sample_weight)
+            self._add(self.total, values * weight)
+            return
+        if sample_weight is not None:
+            weight = _align_weight(self.name, sample_weight, values.shape)
+            weight = weight.reshape(weight.shape + (1,) * (values.ndim - weight.ndim))
+            values = values * jnp.broadcast_to(weight, values.shape)
+        per_example = values.sum(axis=tuple(range(1, values.ndim))) if values.ndim > 1 else values
+        mask = _batch_mask(self.name, values.shape[0])
+        if mask is not None:
+            per_example = jnp.where(mask, per_example, 0.0)
+        self._add(self.total, per_example.sum())
+
+    def result(self):
+        """The accumulated sum, a float32 scalar."""
+        return self.total.get_value()
+
+
+class MeanMetricWrapper(Mean):
+    """The mean of a per-example function of the examples seen, as Keras's `MeanMetricWrapper`.
+
+    Args:
+      fn: `fn(y_true, y_pred, **kwargs) -> values of shape (batch, ...)` (one value per example,
+        or per element; trailing axes are averaged per example).
+      name: defaults to `fn.__name__`.
+      dtype: None or "float32".
+      **kwargs: hashable keyword arguments passed on to `fn` (they are compile-time constants
+        inside `strategy.run`).
+    """
+
+    def __init__(self, fn: Callable, name: str | None = None, dtype=None, **kwargs):
+        super().__init__(name=name or getattr(fn, "__name__", None), dtype=dtype)
+        self.fn = fn
+        self.fn_kwargs = tuple(sorted(kwargs.items()))
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds `fn(y_true, y_pred)` of a batch, weighted, to the mean (see `Mean.update_state`).
+
+        Args:
+          y_true: targets of shape (batch, ...).
+          y_pred: predictions of shape (batch, ...).
+          sample_weight: None, a scalar, or an array of shape (batch,) / (batch, 1) (or aligned
+            with the leading axes of `fn`'s values).
+
+        Raises:
+          ValueError: the shapes do not fit the metric or the replica's batch.
+        """
+        values = self.fn(y_true, y_pred, **dict(self.fn_kwargs))
+        super().update_state(values, sample_weight)
+
+
+class Accuracy(MeanMetricWrapper):
+    """How often predictions equal labels exactly, as `keras.metrics.Accuracy`.
+
+    `y_true` and `y_pred` have the same shape (after Keras's rank matching of a trailing 1);
+    an example's value is the fraction of its elements that match.
+
+    Args:
+      name: defaults to "accuracy".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "accuracy", dtype=None):
+        super().__init__(_accuracy, name=name, dtype=dtype)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often `y_pred > threshold` equals the 0/1 label, as `keras.metrics.BinaryAccuracy`.
+
+    Shapes: `y_true`, `y_pred` (batch, ...) (e.g. (batch, 1) or (batch,)); multi-label rows
+    count the fraction of their labels that match.
+
+    Args:
+      name: defaults to "binary_accuracy".
+      dtype: None or "float32".
+      threshold: float; a prediction above it is class 1 (use 0.0 for logits).
+    """
+
+    def __init__(self, name: str | None = "binary_accuracy", dtype=None, threshold: float = 0.5):
+        super().__init__(_binary_accuracy, name=name, dtype=dtype, threshold=float(threshold))
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """How often the argmax of `y_pred` equals the argmax of one-hot `y_true`, as Keras's.
+
+    Shapes: `y_true`, `y_pred` (batch, ..., num_classes). Ties go to the first index (argmax).
+
+    Args:
+      name: defaults to "categorical_accuracy".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "categorical_accuracy", dtype=None):
+        super().__init__(_categorical_accuracy, name=name, dtype=dtype)
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """How often the argmax of `y_pred` equals the integer label, as Keras's.
+
+    Shapes: `y_pred` (batch, ..., num_classes) probabilities or logits; `y_true` class ids of
+    shape (batch, ...) or (batch, ..., 1).
+
+    Args:
+      name: defaults to "sparse_categorical_accuracy".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "sparse_categorical_accuracy", dtype=None):
+        super().__init__(_sparse_categorical_accuracy, name=name, dtype=dtype)
+
+
+class MeanSquaredError(MeanMetricWrapper):
+    """The mean squared error over the examples seen, as `keras.metrics.MeanSquaredError`.
+
+    Shapes: `y_true`, `y_pred` (batch, ...), equal after rank matching.
+
+    Args:
+      name: defaults to "mean_squared_error".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "mean_squared_error", dtype=None):
+        super().__init__(_squared_error, name=name, dtype=dtype)
+
+
+class MeanAbsoluteError(MeanMetricWrapper):
+    """The mean absolute error over the examples seen, as `keras.metrics.MeanAbsoluteError`.
+
+    Shapes: `y_true`, `y_pred` (batch, ...), equal after rank matching.
+
+    Args:
+      name: defaults to "mean_absolute_error".
+      dtype: None or "float32".
+    """
+
+    def __init__(self, name: str | None = "mean_absolute_error", dtype=None):
+        super().__init__(_absolute_error, name=name, dtype=dtype)
+
+
+class _ConfusionMetric(Metric):
+    """Confusion counts per threshold from every element of a batch (Keras's metrics_utils).
+
+    Each element of `y_pred` is one binary prediction: positive at threshold t when
+    `y_pred > t`; its label is positive when `y_true != 0`. Counts are weighted sums (float32
+    vectors of shape (num_thresholds,)).
+    """
+
+    _COUNTS: tuple = ()
+
+    def __init__(self, thresholds: tuple, top_k, class_id, from_logits: bool, name, dtype):
+        super().__init__(name=name, dtype=dtype)
+        self.thresholds = thresholds
+        self.top_k = top_k
+        self.class_id = class_id
+        self.from_logits = from_logits
+        for count in self._COUNTS:
+            zeros = jnp.zeros((len(thresholds),), jnp.float32)
+            setattr(self, count, nnx.metrics.MetricState(zeros))
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds a batch's weighted confusion counts, as Keras's `update_state`.
+
+        Args:
+          y_true: labels of `y_pred`'s shape (a trailing 1 may differ); nonzero is positive.
+          y_pred: predictions in [0, 1] (or logits with `from_logits=True`), shape (batch, ...).
+          sample_weight: None, a scalar, or an array aligned with the leading axes of `y_pred`
+            ((batch,), (batch, 1), or y_pred's shape).
+
+        Raises:
+          ValueError: the shapes do not fit each other or the replica's batch.
+        """
+        counts = _confusion_counts(self, y_true, y_pred, sample_weight)
+        for name in self._COUNTS:
+            self._add(getattr(self, name), counts[name])
+
+    def _maybe_scalar(self, value):
+        return value[0] if self._scalar else value
+
+
+def _thresholds_argument(owner: str, thresholds, top_k) -> tuple[tuple, bool]:
+    """Keras's thresholds argument as a tuple of floats, and whether `result()` is a scalar."""
+    if thresholds is None:
+        return ((0.5 if top_k is None else _NEG_INF),), True
+    values = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
+    if not values or any(not 0.0 <= float(t) <= 1.0 for t in values):
+        raise ValueError(
+            f"{owner}: thresholds must be a float or a non-empty list of floats in [0, 1]; "
+            f"received thresholds={thresholds!r}."
+        )
+    # As Keras: one threshold (a float or a list of one) gives a scalar result.
+    return tuple(float(t) for t in values), len(values) == 1
+
+
+class Precision(_ConfusionMetric):
+    """Precision `tp / (tp + fp)` from weighted counts, as `keras.metrics.Precision`.
+
+    State: `true_positives`, `false_positives`, float32 of shape (len(thresholds),).
+
+    Args:
+      thresholds: a float in [0, 1] (default 0.5, or -inf with `top_k`), or a list of them; with
+        several, `result()` is a vector with one precision per threshold.
+      top_k: int or None; only the k largest predictions of each row (last axis) can be positive.
+      class_id: int or None; only that class (an index of the last axis) is scored.
+      name: defaults to "precision".
+      dtype: None or "float32".
+
+    Raises:
+      ValueError: a threshold outside [0, 1].
+    """
+
+    _COUNTS = ("true_positives", "false_positives")
+
+    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
+                 name: str | None = None, dtype=None):
+        values, self._scalar = _thresholds_argument("Precision", thresholds, top_k)
+        super().__init__(values, top_k, class_id, False, name, dtype)
+
+    def result(self):
+        """Precision (0.0 where nothing was predicted positive), float32 scalar or (T,) vector."""
+        tp = self.true_positives.get_value()
+        return self._maybe_scalar(_divide_no_nan(tp, tp + self.false_positives.get_value()))
+
+
+class Recall(_ConfusionMetric):
+    """Recall `tp / (tp + fn)` from weighted counts, as `keras.metrics.Recall`.
+
+    State: `true_positives`, `false_negatives`, float32 of shape (len(thresholds),).
+
+    Args:
+      thresholds: a float in [0, 1] (default 0.5, or -inf with `top_k`), or a list of them; with
+        several, `result()` is a vector with one recall per threshold.
+      top_k: int or None; only the k largest predictions of each row can be positive.
+      class_id: int or None; only that class (an index of the last axis) is scored.
+      name: defaults to "recall".
+      dtype: None or "float32".
+
+    Raises:
+      ValueError: a threshold outside [0, 1].
+    """
+
+    _COUNTS = ("true_positives", "false_negatives")
+
+    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
+                 name: str | None = None, dtype=None):
+        values, self._scalar = _thresholds_argument("Recall", thresholds, top_k)
+        super().__init__(values, top_k, class_id, False, name, dtype)
+
+    def result(self):
+        """Recall (0.0 where there were no positive labels), float32 scalar or (T,) vector."""
+        tp = self.true_positives.get_value()
+        return self._maybe_scalar(_divide_no_nan(tp, tp + self.false_negatives.get_value()))
+
+
+class AUC(_ConfusionMetric):
+    """Area under the ROC or PR curve from confusion counts at thresholds, as `keras.metrics.AUC`.
+
+    Thresholds are `num_thresholds` points: -1e-7, i / (num_thresholds - 1) for i = 1 ..
+    num_thresholds - 2, and 1 + 1e-7 (Keras's). The area is a Riemann sum over them (Keras 3):
+    "interpolation" takes the trapezoid for ROC and Davis & Goadrich's interpolation for PR;
+    "minoring"/"majoring" the lower/upper rectangle. Every element of `y_pred` is one prediction
+    (Keras's `multi_label=False`).
+
+    State: `true_positives`, `false_positives`, `true_negatives`, `false_negatives`, float32 of
+    shape (num_thresholds,).
+
+    Args:
+      num_thresholds: int > 1 (default 200).
+      curve: "ROC" (default) or "PR", any case.
+      summation_method: "interpolation" (default), "minoring" or "majoring".
+      name: defaults to "auc".
+      dtype: None or "float32".
+      thresholds: optional list of floats in [0, 1] to use instead of `num_thresholds` evenly
+        spaced ones (the two end points are added, as Keras).
+      from_logits: whether `y_pred` holds logits (a sigmoid is applied first).
+
+    Raises:
+      ValueError: `num_thresholds` < 2, an unknown `curve` or `summation_method`, or thresholds
+        outside [0, 1].
+    """
+
+    _COUNTS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
+
+    def __init__(self, num_thresholds: int = 200, curve: str = "ROC",
+                 summation_method: str = "interpolation", name: str | None = None, dtype=None,
+                 thresholds=None, *, from_logits: bool = False):
+        if thresholds is not None:
+            inner, _ = _thresholds_argument("AUC", list(thresholds), None)
+            inner = tuple(sorted(inner))
+        else:
+            if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) \
+                    or num_thresholds <= 1:
+                raise ValueError(
+                    f"AUC: num_thresholds must be an integer > 1; received {num_thresholds!r}."
+                )
+            inner = tuple((i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2))
+        if not isinstance(curve, str) or curve.upper() not in ("ROC", "PR"):
+            raise ValueError(f"AUC: curve must be 'ROC' or 'PR'; received {curve!r}.")
+        methods = ("interpolation", "minoring", "majoring")
+        if not isinstance(summation_method, str) or summation_method.lower() not in methods:
+            raise ValueError(
+                f"AUC: summation_method must be one of {', '.join(map(repr, methods))}; "
+                f"received {summation_method!r}."
+            )
+        self.curve = curve.upper()
+        self.summation_method = summation_method.lower()
+        edges = (0.0 - losses_lib.EPSILON,) + inner + (1.0 + losses_lib.EPSILON,)
+        super().__init__(edges, None, None, bool(from_logits), name, dtype)
+
+    @property
+    def num_thresholds(self) -> int:
+        return len(self.thresholds)
+
+    def result(self):
+        """The area under the curve, a float32 scalar (0.0 before any update)."""
+        tp = self.true_positives.get_value()
+        fp = self.false_positives.get_value()
+        tn = self.true_negatives.get_value()
+        fn = self.false_negatives.get_value()
+        if self.curve == "PR" and self.summation_method == "interpolation":
+            return _interpolate_pr_auc(tp, fp, fn)
+        recall = _divide_no_nan(tp, tp + fn)
+        if self.curve == "ROC":
+            x, y = _divide_no_nan(fp, fp + tn), recall
+        else:
+            x, y = recall, _divide_no_nan(tp, tp + fp)
+        if self.summation_method == "interpolation":
+            heights = (y[:-1] + y[1:]) / 2.0
+        elif self.summation_method == "minoring":
+            heights = jnp.minimum(y[:-1], y[1:])
+        else:
+            heights = jnp.maximum(y[:-1], y[1:])
+        return ((x[:-1] - x[1:]) * heights).sum()
+
+
+def _interpolate_pr_auc(tp, fp, fn):
+    """Keras's `AUC.interpolate_pr_auc` (Davis & Goadrich 2006, closed form)."""
+    dtp = tp[:-1] - tp[1:]
+    p = tp + fp
+    dp = p[:-1] - p[1:]
+    slope = _divide_no_nan(dtp, jnp.maximum(dp, 0.0))
+    intercept = tp[1:] - slope * p[1:]
+    both = (p[:-1] > 0) & (p[1:] > 0)
+    ratio = jnp.where(both, _divide_no_nan(p[:-1], jnp.maximum(p[1:], 0.0)), 1.0)
+    increment = _divide_no_nan(
+        slope * (dtp + intercept * jnp.log(ratio)), jnp.maximum(tp[1:] + fn[1:], 0.0)
+    )
+    return increment.sum()
+
+
+# -- string resolution -------------------------------------------------------------------------
+
+_CLASSES = (
+    Mean, Sum, Accuracy, BinaryAccuracy, CategoricalAccuracy, SparseCategoricalAccuracy,
+    Precision, Recall, AUC, MeanSquaredError, MeanAbsoluteError,
+)
+_BY_NAME: dict = {cls.__name__: cls for cls in _CLASSES}
+_BY_NAME.update({
+    "binary_accuracy": BinaryAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "precision": Precision,
+    "recall": Recall,
+    "auc": AUC,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+})
+_ACCURACY_NAMES = ("accuracy", "acc")
+
+
+def get(identifier, loss=None):
+    """The `Metric` an identifier names, as Keras's `compile(metrics=[...])` resolves it.
+
+    "accuracy" / "acc" (any case) follow Keras's rule by the loss: `BinaryAccuracy` for a
+    `BinaryCrossentropy` (threshold 0.0 when the loss takes logits — Keras keeps 0.5, which is
+    wrong for logits), `CategoricalAccuracy` for `CategoricalCrossentropy`,
+    `SparseCategoricalAccuracy` for `SparseCategoricalCrossentropy`; for any other or no loss,
+    Keras 3's shape rule at each update (y_pred of shape (batch,) or (batch, 1): binary; labels
+    of lower rank or a trailing 1: sparse; else categorical). A metric made from a string is
+    named by that string ("acc" stays "acc", "mse" stays "mse"), as Keras 3.
+
+    Args:
+      identifier: a `Metric` (returned as is); a string: "accuracy"/"acc", a class name
+        ("AUC", "SparseCategoricalAccuracy"), a snake_case name ("sparse_categorical_accuracy",
+        "precision", "recall", "auc", "mean_squared_error") or alias ("mse", "mae"; also upper
+        case); a callable `fn(y_true, y_pred) -> values of shape (batch, ...)` (wrapped in a
+        `MeanMetricWrapper`); or None (returned as None).
+      loss: the compiled loss (a `mirrax.losses.Loss` or an identifier `mirrax.losses.get`
+        accepts), used only to resolve "accuracy".
+
+    Returns:
+      A `Metric` (a new one for a string or callable), or None.
+
+    Raises:
+      InvalidIdentifierError (a ValueError): an unknown string (the message lists the known
+        names) or an object that is neither a string, a `Metric` nor a callable.
+    """
+    if identifier is None or isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, str):
+        if identifier.lower() in _ACCURACY_NAMES:
+            return _accuracy_for(losses_lib.get(loss), identifier)
+        cls = _BY_NAME.get(identifier) or _BY_NAME.get(identifier.lower())
+        if cls is None:
+            known = sorted(set(_BY_NAME) | set(_ACCURACY_NAMES))
+            raise InvalidIdentifierError(
+                f"Unknown metric {identifier!r}. Known names: {', '.join(known)}. Pass one of "
+                "them, a mirrax.metrics.Metric instance, or a function fn(y_true, y_pred) "
+                "returning one value per example."
+            )
+        return cls(name=identifier)
+    if callable(identifier):
+        return MeanMetricWrapper(identifier)
+    raise InvalidIdentifierError(
+        f"Could not interpret metric identifier {identifier!r} (a {type(identifier).__name__}); "
+        "pass a metric name such as 'accuracy', a mirrax.metrics.Metric instance, or a function "
+        "fn(y_true, y_pred) returning one value per example."
+    )
+
+
+def _accuracy_for(loss, name: str) -> Metric:
+    if isinstance(loss, losses_lib.BinaryCrossentropy):
+        return BinaryAccuracy(name=name, threshold=0.0 if loss.from_logits else 0.5)
+    if isinstance(loss, losses_lib.CategoricalCrossentropy):
+        return CategoricalAccuracy(name=name)
+    if isinstance(loss, losses_lib.SparseCategoricalCrossentropy):
+        return SparseCategoricalAccuracy(name=name)
+    return MeanMetricWrapper(_accuracy_by_shape, name=name)
+
+
+# -- per-example functions (Keras's keras.metrics.* functions) -------------------------------
+
+
+def _accuracy(y_true, y_pred):
+    y_pred = jnp.asarray(y_pred)
+    y_true, y_pred = match_rank(jnp.asarray(y_true).astype(y_pred.dtype), y_pred)
+    _check_same_shape("accuracy", y_true, y_pred)
+    return (y_true == y_pred).astype(jnp.float32)
+
+
+def _binary_accuracy(y_true, y_pred, threshold=0.5):
+    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
+    _check_same_shape("binary_accuracy", y_true, y_pred)
+    return (y_true == (y_pred > threshold).astype(jnp.float32)).astype(jnp.float32)
+
+
+def _categorical_accuracy(y_true, y_pred):
+    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
+    _check_same_shape("categorical_accuracy", y_true, y_pred)
+    return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
+
+
+def _sparse_categorical_accuracy(y_true, y_pred):
+    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
+    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
+        y_true = y_true.reshape(y_true.shape[:-1])
+    if y_pred.ndim < 2 or y_true.shape != y_pred.shape[:-1]:
+        raise ValueError(
+            f"sparse_categorical_accuracy: y_true of shape {y_true.shape} does not fit y_pred of "
+            f"shape {y_pred.shape}; expected class ids of shape {y_pred.shape[:-1]} (or with a "
+            "trailing 1). For one-hot labels use CategoricalAccuracy."
+        )
+    predicted = jnp.argmax(y_pred, axis=-1).astype(jnp.float32)
+    return (y_true.astype(jnp.float32) == predicted).astype(jnp.float32)
+
+
+def _accuracy_by_shape(y_true, y_pred):
+    """Keras 3's resolution of "accuracy" from the shapes (compile_utils.get_metric)."""
+    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
+    if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
+        return _binary_accuracy(y_true, y_pred)
+    if y_true.ndim < y_pred.ndim or y_true.shape[-1] == 1:
+        return _sparse_categorical_accuracy(y_true, y_pred)
+    return _categorical_accuracy(y_true, y_pred)
+
+
+def _squared_error(y_true, y_pred):
+    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
+    _check_same_shape("mean_squared_error", y_true, y_pred)
+    return jnp.square(y_pred - y_true)
+
+
+def _absolute_error(y_true, y_pred):
+    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
+    _check_same_shape("mean_absolute_error", y_true, y_pred)
+    return jnp.abs(y_pred - y_true)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _confusion_counts(metric: _ConfusionMetric, y_true, y_pred, sample_weight) -> dict:
+    y_true = jnp.asarray(y_true)
+    y_pred = jnp.asarray(y_pred, jnp.float32)
+    if metric.from_logits:
+        y_pred = jax.nn.sigmoid(y_pred)
+    if y_pred.ndim == 0:
+        raise ValueError(
+            f"{metric.name}: y_pred must have a leading batch axis, but received a scalar; pass "
+            "the predictions for a batch of examples."
+        )
+    batch = y_pred.shape[0]
+    if metric.top_k is not None:
+        _, top = jax.lax.top_k(y_pred, metric.top_k)
+        keep = jax.nn.one_hot(top, y_pred.shape[-1], dtype=jnp.bool_).any(axis=-2)
+        y_pred = jnp.where(keep, y_pred, _NEG_INF)
+    if metric.class_id is not None:
+        if not 0 <= metric.class_id < y_pred.shape[-1]:
+            raise ValueError(
+                f"{metric.name}: class_id={metric.class_id} is outside y_pred's last axis of "
+                f"size {y_pred.shape[-1]}; pass a class index in [0, {y_pred.shape[-1]})."
+            )
+        y_true = y_true[..., metric.class_id, None]
+        y_pred = y_pred[..., metric.class_id, None]
+    y_true, y_pred = match_rank(y_true, y_pred)
+    _check_same_shape(metric.name, y_true, y_pred)
+    if sample_weight is None:
+        weight = jnp.ones(y_pred.shape, jnp.float32)
+    else:
+        weight = _align_weight(metric.name, sample_weight, y_pred.shape)
+        weight = weight.reshape(weight.shape + (1,) * (y_pred.ndim - weight.ndim))
+        weight = jnp.broadcast_to(weight, y_pred.shape)
+    mask = _batch_mask(metric.name, batch)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask.reshape((batch,) + (1,) * (y_pred.ndim - 1)), y_pred.shape)
+        weight = jnp.where(mask, weight, 0.0)
+    labels = (y_true != 0).reshape(-1)
+    weight = weight.reshape(-1)
+    thresholds = jnp.asarray(metric.thresholds, jnp.float32)
+    above = (y_pred.reshape(-1)[:, None] > thresholds[None, :]).astype(jnp.float32)
+    positive = jnp.where(labels, weight, 0.0)
+    negative = jnp.where(labels, 0.0, weight)
+    return {
+        "true_positives": positive @ above,
+        "false_negatives": positive @ (1.0 - above),
+        "false_positives": negative @ above,
+        "true_negatives": negative @ (1.0 - above),
+    }
+
+
+def _batch_mask(owner: str, batch_size: int):
+    """The replica's batch mask (bool (batch,)), or None outside a run with a distributed batch."""
+    ctx = get_replica_context()
+    mask = None if ctx is None else ctx.batch_mask
+    if mask is None:
+        return None
+    if mask.shape[0] != batch_size:
+        raise ValueError(
+            f"{owner}: update_state received {batch_size} examples but this replica's batch has "
+            f"{mask.shape[0]} rows; update metrics inside strategy.run with the per-example "
+            "values of the batch that run passed in (not gathered or reduced ones)."
+        )
+    return mask
+
+
+def _align_weight(owner: str, sample_weight, shape: tuple):
+    """`sample_weight` as float32, aligned with the leading axes of `shape` (rank matching)."""
+    weight = jnp.asarray(sample_weight, jnp.float32)
+    while weight.ndim > len(shape) and weight.shape[-1] == 1:
+        weight = weight.reshape(weight.shape[:-1])
+    if weight.ndim == 0:
+        return jnp.broadcast_to(weight, shape[:1])
+    lead = shape[:weight.ndim]
+    if weight.ndim > len(shape) or any(w not in (1, s) for w, s in zip(weight.shape, lead)):
+        raise ValueError(
+            f"{owner}: sample_weight of shape {weight.shape} does not fit values of shape "
+            f"{tuple(shape)}; pass a scalar, one weight per example (shape {tuple(shape[:1])}), "
+            "or an array matching the leading axes of the values."
+        )
+    return jnp.broadcast_to(weight, lead)
+
+
+def _scalar_weight(owner: str, sample_weight):
+    weight = jnp.asarray(sample_weight, jnp.float32)
+    if weight.size != 1:
+        raise ValueError(
+            f"{owner}: a scalar value takes a scalar sample_weight; received sample_weight of "
+            f"shape {weight.shape}. Pass per-example values of shape (batch,) to weight each."
+        )
+    return weight.reshape(())
+
+
+def _check_same_shape(owner: str, y_true, y_pred) -> None:
+    if y_true.shape != y_pred.shape:
+        raise ValueError(
+            f"{owner}: y_true of shape {y_true.shape} does not match y_pred of shape "
+            f"{y_pred.shape}; give labels of the predictions' shape (a trailing axis of size 1 "
+            "may be added or left out)."
+        )
+
+
+def _mean_trailing(values):
+    if values.ndim > 1:
+        values = values.mean(axis=tuple(range(1, values.ndim)))
+    return values
+
+
+def _divide_no_nan(numerator, denominator):
+    safe = jnp.where(denominator == 0, 1.0, denominator)
+    return jnp.where(denominator == 0, 0.0, numerator / safe).astype(jnp.float32)
+
+
+def _snake(name: str) -> str:
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()

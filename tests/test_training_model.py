@@ -1,0 +1,249 @@
+"""mirrax.Model: compile / fit / evaluate / predict, distributed and exact."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from tests.conftest import mirrored
+from tests.test_run import MLP, mlp_data
+
+
+def numpy_fit_history(epochs=3, batch=8, lr=0.1):
+    """Float64 reference of fit: per epoch, the mean per-example loss seen during the epoch."""
+    w1, w2, x, y = (a.astype(np.float64) for a in mlp_data())
+    y = y.astype(int)
+    b1, b2 = np.zeros(3), np.zeros(2)
+    history = []
+    for _ in range(epochs):
+        losses = []
+        for start in range(0, 16, batch):
+            xb, yb = x[start : start + batch], y[start : start + batch]
+            z = xb @ w1 + b1
+            h = np.maximum(z, 0)
+            logits = h @ w2 + b2
+            logp = logits - logits.max(1, keepdims=True)
+            logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+            losses.extend(-logp[np.arange(len(yb)), yb])
+            d = np.exp(logp)
+            d[np.arange(len(yb)), yb] -= 1
+            d /= len(yb)
+            dz = (d @ w2.T) * (z > 0)
+            w2, b2 = w2 - lr * h.T @ d, b2 - lr * d.sum(0)
+            w1, b1 = w1 - lr * xb.T @ dz, b1 - lr * dz.sum(0)
+        history.append(np.mean(losses))
+    return np.array(history), w1
+
+
+def fit_mlp(strategy, **fit_kwargs):
+    w1, w2, x, y = mlp_data()
+    with strategy.scope():
+        model = mirrax.Model(MLP(w1, w2))
+        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, **fit_kwargs)
+    return model, history
+
+
+def test_fit_matches_float64_numpy_for_every_replica_count():
+    expected, w1 = numpy_fit_history()
+    results = [fit_mlp(mirrored(r)) for r in (1, 2, 4, 8)]
+    for model, history in results:
+        np.testing.assert_allclose(history.history["loss"], expected, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(model.module.l1.kernel[...]), w1, atol=1e-5)
+    base = results[0][1].history
+    for _, history in results[1:]:
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(history.history[key], base[key], atol=1e-5)
+
+
+class Identity(nnx.Module):
+    """Returns its input (plus 0 * w, so there is a parameter to optimize)."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(()))
+
+    def __call__(self, x):
+        return x + 0.0 * self.w[...]
+
+
+def identity_model(strategy, **compile_kwargs):
+    with strategy.scope():
+        model = mirrax.Model(Identity())
+        model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0], **compile_kwargs)
+    return model
+
+
+def test_logged_loss_is_the_global_mean():
+    model = identity_model(mirrored(2))
+    x = np.array([[2.0], [3.0], [4.0], [5.0]], np.float32)  # replicas hold [2, 3] and [4, 5]
+    history = model.fit(x, np.zeros(4, np.float32), batch_size=4, verbose=0)
+    assert history.history["loss"] == [3.5]  # (2 + 3 + 4 + 5) / 4, not 1.75 or 7.0
+
+
+def test_evaluate_and_predict_see_every_example_once(strategy):
+    model = identity_model(strategy)
+    x = np.arange(1.0, 11.0, dtype=np.float32)[:, None]  # 10 examples, batches of 4: 4, 4, 2
+    assert model.evaluate(x, np.zeros(10, np.float32), batch_size=4, verbose=0) == pytest.approx(5.5)
+    np.testing.assert_array_equal(model.predict(x, batch_size=4, verbose=0), x)  # input order
+    dataset = [x[:3], x[3:]]  # an iterable of batches, the first of 3 examples
+    np.testing.assert_array_equal(model.predict(dataset, verbose=0), x)
+
+
+class Linear1(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(()))
+
+    def __call__(self, x):
+        return x * self.w[...]
+
+
+def test_reduce_lr_on_plateau_changes_the_next_update():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(Linear1())
+        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                      loss=lambda y, y_pred: y_pred[:, 0])
+    weights = []
+    record = mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0])))
+    # loss = w * x with x = 1: the gradient is 1, so each epoch (one step) moves w by -lr.
+    # min_delta=10 makes every epoch "no improvement": with patience 0 the rate halves after
+    # epochs 1 and 2 (Keras's rule), so the steps are 0.1, 0.1, 0.05, 0.025.
+    plateau = mirrax.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0)
+    history = model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=4,
+                        callbacks=[plateau, record], verbose=0)
+    steps = -np.diff([1.0] + weights)
+    np.testing.assert_allclose(steps, [0.1, 0.1, 0.05, 0.025], atol=1e-7)
+    # As Keras, the log holds the rate each epoch trained with.
+    np.testing.assert_allclose(history.history["learning_rate"], [0.1, 0.1, 0.05, 0.025], atol=1e-7)
+
+
+def test_early_stopping_restores_the_best_weights():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(Linear1())
+        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss=lambda y, y_pred: y_pred[:, 0])
+    weights = []
+    record = mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0])))
+    # The loss falls every epoch; with mode="max" the best epoch is the first (w = 0.9), and
+    # with patience 1 training stops after epoch index 1 and goes back to 0.9.
+    stop = mirrax.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
+    history = model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=10,
+                        callbacks=[record, stop], verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert weights == pytest.approx([0.9, 0.8])
+    assert float(model.get_weights()[0]) == pytest.approx(0.9)
+
+
+def test_callbacks_changes_to_weights_are_used_by_the_next_step():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(Linear1())
+        model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
+    seen = []
+    reset = mirrax.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: model.set_weights([np.float32(5.0)]),
+        on_train_batch_begin=lambda batch, logs: seen.append(float(model.get_weights()[0])),
+    )
+    model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=2,
+              callbacks=[reset], verbose=0)
+    assert seen == pytest.approx([1.0, 5.0])  # epoch 2 starts from the weights the callback set
+
+
+def test_terminate_on_nan_stops_after_the_batch(capsys):
+    x = np.array([[1.0], [1.0], [np.nan], [1.0]], np.float32)
+    model = identity_model(mirrored(2))
+    history = model.fit(x, np.zeros(4, np.float32), batch_size=1, epochs=3, shuffle=False,
+                        callbacks=[mirrax.callbacks.TerminateOnNaN()], verbose=0)
+    assert "Batch 2: Invalid loss, terminating training" in capsys.readouterr().out
+    assert np.isnan(history.history["loss"][0]) and len(history.history["loss"]) == 1
+    model = identity_model(mirrored(2))
+    history = model.fit(x, np.zeros(4, np.float32), batch_size=1, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2 and np.isnan(history.history["loss"]).all()
+
+
+def test_progress_output_is_keras_style(capsys):
+    model = identity_model(mirrored(2), metrics=None)
+    model.fit(np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=2, epochs=1, verbose=2)
+    out = capsys.readouterr().out
+    assert "Epoch 1/1" in out and "loss: 1.0000" in out
+
+
+# -- mixed precision -----------------------------------------------------------------------------
+
+
+def test_float16_overflow_on_one_replica_skips_the_step_everywhere():
+    strategy = mirrored(2)
+    mirrax.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            model = mirrax.Model(Linear1())
+            model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
+    finally:
+        mirrax.mixed_precision.set_global_policy("float32")
+    # Replica 1's example overflows float16 (1e6 > 65504): its gradient is inf.
+    x = np.array([[1.0], [1e6]], np.float32)
+    model.fit(x, np.zeros(2, np.float32), batch_size=2, verbose=0)
+    assert float(model.get_weights()[0]) == 1.0  # the step was skipped on every replica
+    assert float(model._dynamic_scale.scale[...]) == 16384.0  # 2**15 / 2
+    model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, verbose=0)
+    assert float(model.get_weights()[0]) == pytest.approx(1.0 - 0.01)  # Keras SGD: lr 0.01, grad 1
+
+
+def test_mixed_bfloat16_trains_close_to_float32():
+    float32_model, float32_history = fit_mlp(mirrored(2))
+    mirrax.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model, history = fit_mlp(mirrored(2))
+    finally:
+        mirrax.mixed_precision.set_global_policy(None)
+    assert model.dtype_policy.compute_dtype == "bfloat16"
+    assert model.module.l1.kernel[...].dtype == jnp.float32  # variables stay float32
+    np.testing.assert_allclose(history.history["loss"], float32_history.history["loss"], atol=2e-2)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_input_gets_clear_errors():
+    model = mirrax.Model(Identity())
+    with pytest.raises(RuntimeError, match=r"not compiled.*model.compile"):
+        model.fit(np.ones((2, 1)), np.ones(2))
+    with pytest.raises(ValueError, match=r"Unknown optimizer 'adamax'.*adam, adamw, rmsprop, sgd"):
+        model.compile("adamax", loss="mse")
+    with pytest.raises(ValueError, match="Unknown loss 'msee'|'msee'"):
+        model.compile("adam", loss="msee")
+    with pytest.raises(ValueError, match="'accuracyy'"):
+        model.compile("adam", loss="mse", metrics=["accuracyy"])
+    model.compile("sgd", loss="mse")
+    with pytest.raises(ValueError, match="x has 3 examples but y has 2"):
+        model.fit(np.ones((3, 1)), np.ones(2), verbose=0)
+    with pytest.raises(ValueError, match="validation_split is only supported for NumPy array inputs"):
+        model.fit((b for b in [(np.ones((2, 1)), np.ones(2))]), validation_split=0.5, verbose=0)
+    with pytest.raises(ValueError, match="batch_size=4 was given with a list"):
+        model.fit([(np.ones((2, 1)), np.ones(2))], batch_size=4, verbose=0)
+
+
+def test_sparse_labels_out_of_range_are_refused():
+    strategy = mirrored(2)
+    w1, w2, x, _ = mlp_data()
+    with strategy.scope():
+        model = mirrax.Model(MLP(w1, w2))
+        model.compile("sgd", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    labels = np.zeros(16, np.int32)
+    labels[5] = 7  # the MLP has 2 classes
+    with pytest.raises(ValueError, match=r"\[0, 2\): values 7; the first is at flat index 5"):
+        model.fit(x, labels, batch_size=8, verbose=0)
+
+
+def test_early_stopping_without_an_inferable_mode_says_to_pass_mode():
+    model = identity_model(mirrored(2))
+    stop = mirrax.callbacks.EarlyStopping(monitor="weird_quantity")
+    with pytest.raises(ValueError, match="mode"):
+        model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), callbacks=[stop], verbose=0)
