@@ -726,13 +726,14 @@ def test_progbar_refuses_inconsistent_arguments():
 
 
 def test_callbacks_do_not_warn_in_a_clean_run(tmp_path, clock):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fit(FakeModel(), [
             callbacks.EarlyStopping(patience=1), callbacks.ReduceLROnPlateau(patience=1),
             callbacks.CSVLogger(tmp_path / "log.csv"), callbacks.TerminateOnNaN(),
             callbacks.TensorBoard(tmp_path / "tb"),
         ], [{"loss": 1.0, "val_loss": 1.0}] * 2, verbose=0)
+    assert [str(w.message) for w in caught] == []
 
 
 def test_tensorboard_profiles_the_requested_steps(tmp_path):
