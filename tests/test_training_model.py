@@ -247,3 +247,41 @@ def test_early_stopping_without_an_inferable_mode_says_to_pass_mode():
     stop = mirrax.callbacks.EarlyStopping(monitor="weird_quantity")
     with pytest.raises(ValueError, match="mode"):
         model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), callbacks=[stop], verbose=0)
+
+
+# -- steps_per_execution and gradient accumulation ----------------------------------------------
+
+
+def test_steps_per_execution_gives_the_same_training():
+    expected, w1 = numpy_fit_history()
+    w1_init, w2, x, y = mlp_data()
+    strategy = mirrored(4)
+    with strategy.scope():
+        model = mirrax.Model(MLP(w1_init, w2))
+        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=2)
+    batches_seen = []
+    record = mirrax.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches_seen.append(batch))
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[record])
+    np.testing.assert_allclose(history.history["loss"], expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.module.l1.kernel[...]), w1, atol=1e-5)
+    assert batches_seen == [1, 1, 1]  # one call per epoch: steps 0 and 1 together
+
+
+def test_gradient_accumulation_equals_one_step_on_the_larger_batch():
+    w1, w2, x, y = mlp_data()
+    strategy = mirrored(2)
+    results = []
+    for batch_size, accumulation in ((16, 1), (4, 4)):
+        with strategy.scope():
+            model = mirrax.Model(MLP(w1, w2))
+            model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                          mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          gradient_accumulation_steps=accumulation)
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+        assert model.optimizer.learning_rate == pytest.approx(0.1)
+    # 4 micro-batches of 4, averaged, applied once == one SGD step on all 16.
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -26,6 +26,7 @@ from mirrax._src.distribute.input import DistributedDataset, DistributedDatasets
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.replica_context import REPLICA_AXIS
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy
+from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metrics as metrics_lib
@@ -79,6 +80,8 @@ class OptimizerHandle:
 
     def _hyperparams(self):
         state = self.nnx_optimizer.opt_state
+        # optax.MultiSteps (gradient accumulation) keeps the wrapped optimizer's state inside.
+        state = getattr(state, "inner_opt_state", state)
         hyperparams = getattr(state, "hyperparams", None)
         if not hyperparams or "learning_rate" not in hyperparams:
             raise AttributeError(
@@ -169,8 +172,11 @@ class Model:
           loss_weights: accepted for single-output models only (a float scales the loss).
 
         The dtype policy is `mirrax.mixed_precision.global_policy()` at this call.
-          steps_per_execution: must be 1 in this version.
-          gradient_accumulation_steps: must be 1 in this version.
+          steps_per_execution: run this many steps in one compiled call (callbacks' batch
+            hooks then run once per call, with the first and last step's index).
+          gradient_accumulation_steps: average the gradients of this many consecutive batches
+            and apply them as one update (`optax.MultiSteps`); with SGD, k batches of b give
+            the update of one batch of k*b.
 
         Raises:
           ValueError: unknown optimizer, loss or metric name; unsupported options.
@@ -180,12 +186,15 @@ class Model:
             raise ValueError("compile: loss is required, e.g. loss='sparse_categorical_crossentropy'.")
         for name, value in (("steps_per_execution", steps_per_execution),
                             ("gradient_accumulation_steps", gradient_accumulation_steps)):
-            if value != 1:
-                raise NotImplementedError(
-                    f"compile: {name}={value!r} is not supported yet; use 1."
-                )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"compile: {name} must be an int >= 1; received {value!r}.")
         self.distribute_strategy = get_strategy()
         tx = _resolve_optimizer(optimizer)
+        self.steps_per_execution = steps_per_execution
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        if gradient_accumulation_steps > 1:
+            # optax's accumulator: the mean of k micro-batch gradients, applied every k-th step.
+            tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
         self.optimizer = OptimizerHandle(tx, nnx.Optimizer(self.module, tx, wrt=nnx.Param))
         self.loss = losses_lib.get(loss)
         self._loss_scale = 1.0 if loss_weights is None else float(loss_weights)
@@ -196,6 +205,7 @@ class Model:
             mixed_precision.LossScale() if self.dtype_policy.uses_loss_scaling else None
         )
         self._train_fn = _make_train_step(self.loss, self._loss_scale, self.dtype_policy)
+        self._train_many_fn = _make_multi_step(self._train_fn)
         self._test_fn = _make_test_step(self.loss, self._loss_scale, self.dtype_policy)
         self._predict_fn = _make_predict_step(self.dtype_policy)
         self._rng = np.random.default_rng(0)
@@ -298,20 +308,25 @@ class Model:
             self._reset_metrics()
             cbs.on_epoch_begin(epoch)
             self.module.train()
-            for step, batch in enumerate(train.batches(steps)):
+            step = 0
+            for group in _groups(train.batches(steps), self.steps_per_execution):
+                last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
-                strategy.run(
-                    self._train_fn,
-                    args=(self.module, self.optimizer.nnx_optimizer, self.metrics, self._tracker,
-                          self._dynamic_scale, batch),
-                )
+                state = (self.module, self.optimizer.nnx_optimizer, self.metrics, self._tracker,
+                         self._dynamic_scale)
+                if len(group) == 1:
+                    strategy.run(self._train_fn, args=state + (group[0],))
+                else:
+                    masks = tuple(PerReplica(strategy, _mask_of(b)) for b in group)
+                    strategy.run(self._train_many_fn, args=state + (tuple(group), masks))
                 logs = self._logs()
-                cbs.on_train_batch_end(step, logs)
+                cbs.on_train_batch_end(last, logs)
+                step = last + 1
                 if self.stop_training:
                     break
             epoch_logs = dict(logs)
             if val is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = self._evaluate(val, validation_steps, callbacks=None)
+                val_logs = self._evaluate(val, validation_steps, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.module.train()
             if _has_learning_rate(self.optimizer):
@@ -339,23 +354,29 @@ class Model:
         self._check_compiled("evaluate")
         data = _Input(self, self.distribute_strategy, x, y, sample_weight, batch_size, False,
                       "evaluate")
-        logs = self._evaluate(data, steps, callbacks)
+        verbose = 1 if verbose == "auto" else int(verbose)
+        cbs = callbacks_lib.CallbackList(
+            callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
+            steps=steps if steps is not None else data.steps,
+        )
+        logs = self._evaluate(data, steps, cbs)
         if return_dict:
             return logs
         values = list(logs.values())
         return values[0] if len(values) == 1 else values
 
-    def _evaluate(self, data, steps, callbacks):
+    def _evaluate(self, data, steps, cbs):
+        """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`."""
         strategy = self.distribute_strategy
         self._reset_metrics()
         self.module.eval()
-        cbs = callbacks_lib.CallbackList(callbacks, model=self, verbose=0, epochs=1, steps=steps)
         cbs.on_test_begin()
+        logs = self._logs()
         for step, batch in enumerate(data.batches(steps)):
             cbs.on_test_batch_begin(step)
             strategy.run(self._test_fn, args=(self.module, self.metrics, self._tracker, batch))
-            cbs.on_test_batch_end(step)
-        logs = self._logs()
+            logs = self._logs()
+            cbs.on_test_batch_end(step, logs)
         cbs.on_test_end(logs)
         return logs
 
@@ -373,7 +394,11 @@ class Model:
         data = _Input(self, strategy, x, None, None, batch_size, False, "predict", inputs_only=True)
         self.module.eval()
         outputs = []
-        cbs = callbacks_lib.CallbackList(callbacks, model=self, verbose=0, epochs=1, steps=steps)
+        verbose = 1 if verbose == "auto" else int(verbose)
+        cbs = callbacks_lib.CallbackList(
+            callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
+            steps=steps if steps is not None else data.steps,
+        )
         cbs.on_predict_begin()
         for step, batch in enumerate(data.batches(steps)):
             cbs.on_predict_batch_begin(step)
@@ -507,6 +532,40 @@ def _make_predict_step(policy):
 
 
 _PREDICT_FLOAT32 = _make_predict_step(mixed_precision.Policy("float32"))
+
+
+def _make_multi_step(train_step):
+    """k training steps in one program: each micro-step sees its own batch mask."""
+
+    def train_steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
+        ctx = get_replica_context()
+        saved = ctx.batch_mask
+        try:
+            for batch, mask in zip(batches, masks):
+                ctx.batch_mask = mask
+                train_step(module, optimizer, metrics, tracker, loss_scale, batch)
+        finally:
+            ctx.batch_mask = saved
+
+    return train_steps
+
+
+def _groups(batches, size: int):
+    """Consecutive groups of `size` batches (the last may be shorter)."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _mask_of(batch):
+    """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
+    return next(leaf for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
+                if isinstance(leaf, PerReplica))._mask
 
 
 # -- input handling ---------------------------------------------------------------------------
