@@ -285,3 +285,20 @@ def test_gradient_accumulation_equals_one_step_on_the_larger_batch():
     # 4 micro-batches of 4, averaged, applied once == one SGD step on all 16.
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_generator_is_read_across_epochs_with_steps_per_epoch():
+    model = identity_model(mirrored(2))
+
+    def endless():
+        value = 0.0
+        while True:
+            value += 1.0
+            yield np.full((2, 1), value, np.float32), np.zeros(2, np.float32)
+
+    history = model.fit(endless(), steps_per_epoch=2, epochs=2, verbose=0)
+    # Epoch 1 sees batches of 1s and 2s (mean 1.5), epoch 2 the 3s and 4s (mean 3.5).
+    assert history.history["loss"] == [1.5, 3.5]
+    finite = ((np.ones((2, 1), np.float32), np.zeros(2, np.float32)) for _ in range(2))
+    with pytest.raises(RuntimeError, match="generator given as x is exhausted.*steps_per_epoch"):
+        identity_model(mirrored(2)).fit(finite, epochs=2, verbose=0)

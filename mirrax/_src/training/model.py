@@ -639,6 +639,10 @@ class _Input:
             self.source = x
             self.steps = len(x) if hasattr(x, "__len__") else None
             self.dataset = None
+            # A generator is consumed across epochs, as Keras does with steps_per_epoch.
+            self.one_shot = iter(x) is x if hasattr(x, "__iter__") else False
+            self._stream = None
+            self._what = what
             return
         n = _num_examples(x)
         for name, other in (("y", y), ("sample_weight", sample_weight)):
@@ -664,6 +668,9 @@ class _Input:
         """Distributed batches for one epoch (or `steps` of them)."""
         if self.dataset is not None:
             iterator = iter(self.dataset)
+        elif getattr(self, "one_shot", False):
+            yield from self._stream_batches(steps)
+            return
         elif self.arrays:
             order = self.model._rng.permutation(self.n) if self.shuffle else np.arange(self.n)
             iterator = iter(self.strategy.experimental_distribute_dataset(
@@ -682,6 +689,27 @@ class _Input:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
+
+
+    def _stream_batches(self, steps):
+        """Up to `steps` batches from the one iterator over a generator, kept across epochs."""
+        first_pass = self._stream is None
+        if first_pass:
+            self._stream = iter(self.strategy.experimental_distribute_dataset(
+                _NormalizedBatches(self.source, self.inputs_only)))
+        count = 0
+        for batch in self._stream:
+            yield batch
+            count += 1
+            if steps is not None and count >= steps:
+                return
+        if count == 0 and not first_pass:
+            raise RuntimeError(
+                f"{self._what}: the generator given as x is exhausted: it yielded no batch for "
+                "this epoch. A generator is read once across all epochs; make it endless and "
+                "pass steps_per_epoch (as Keras), or pass a re-iterable dataset (a list of "
+                "batches, a Grain dataset)."
+            )
 
 
 class _ArrayBatches:
