@@ -302,3 +302,18 @@ def test_a_generator_is_read_across_epochs_with_steps_per_epoch():
     finite = ((np.ones((2, 1), np.float32), np.zeros(2, np.float32)) for _ in range(2))
     with pytest.raises(RuntimeError, match="generator given as x is exhausted.*steps_per_epoch"):
         identity_model(mirrored(2)).fit(finite, epochs=2, verbose=0)
+
+
+def test_save_and_load_weights_round_trip_and_refuse_other_structures(tmp_path):
+    model, _ = fit_mlp(mirrored(4))
+    model.save_weights(tmp_path / "weights")
+    w1, w2, _, _ = mlp_data()
+    fresh = mirrax.Model(MLP(w1, w2))  # untrained, default strategy
+    fresh.load_weights(tmp_path / "weights")
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    other = mirrax.Model(nnx.Linear(4, 5, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"\['kernel'\] is in the checkpoint but not in the model|\['l1'\]"):
+        other.load_weights(tmp_path / "weights")
+    with pytest.raises(FileNotFoundError, match="no weights directory"):
+        fresh.load_weights(tmp_path / "missing")

@@ -11,14 +11,14 @@ input pipeline (padded and masked when partial), so every example counts exactly
 from __future__ import annotations
 
 import math
-import sys
-import time
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from mirrax import errors
@@ -245,6 +245,56 @@ class Model:
                 )
             variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
 
+    def save_weights(self, filepath, overwrite: bool = True) -> None:
+        """Writes the module's variables to the directory `filepath` with Orbax.
+
+        As `keras.Model.save_weights`, but the file is an Orbax checkpoint directory (written
+        atomically; each array once, whatever the replica count). Only process 0 writes in a
+        multi-process run (Orbax coordinates).
+
+        Raises:
+          FileExistsError: `filepath` exists and `overwrite` is False.
+        """
+        path = os.path.abspath(os.fspath(filepath))
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(
+                f"save_weights: {path} exists; pass overwrite=True to replace it."
+            )
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(path, nnx.to_pure_dict(nnx.state(self.module)), force=True)
+        checkpointer.wait_until_finished()
+
+    def load_weights(self, filepath) -> None:
+        """Reads variables written by `save_weights` into the module (placed where they are now).
+
+        Raises:
+          FileNotFoundError: no checkpoint at `filepath`.
+          ValueError: the checkpoint's variables do not match the module's; the message lists
+            the paths and shapes that differ.
+        """
+        path = os.path.abspath(os.fspath(filepath))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"load_weights: no weights directory at {path}; write one with "
+                "model.save_weights(path)."
+            )
+        checkpointer = ocp.StandardCheckpointer()
+        current = nnx.to_pure_dict(nnx.state(self.module))
+        stored = checkpointer.metadata(path).item_metadata.tree
+        mismatches = _mismatches(current, stored)
+        if mismatches:
+            raise ValueError(
+                f"load_weights: the checkpoint at {path} does not fit this model; "
+                + "; ".join(mismatches[:20])
+                + ". Load weights saved from a model with the same structure."
+            )
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), current
+        )
+        state = nnx.state(self.module)
+        nnx.replace_by_pure_dict(state, checkpointer.restore(path, abstract))
+        nnx.update(self.module, state)
+
     # -- fit -------------------------------------------------------------------------------------
 
     def fit(self, x=None, y=None, batch_size=None, epochs: int = 1, verbose="auto",
@@ -439,6 +489,29 @@ class Model:
         for name, kind, shape, size in rows:
             print_fn(f"{name:<{width}}  {kind:<10} {shape:<16} {size:>10,}")
         print_fn(f"Total: {total:,} values")
+
+
+def _mismatches(current: dict, stored: dict) -> list:
+    """Human-readable differences between the module's pure-dict state and stored metadata."""
+    flat_now = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(current)[0]}
+    flat_old = {
+        jax.tree_util.keystr(k): v
+        for k, v in jax.tree_util.tree_flatten_with_path(
+            stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    }
+    out = []
+    for key in sorted(set(flat_now) | set(flat_old)):
+        if key not in flat_old:
+            out.append(f"{key} is missing from the checkpoint")
+        elif key not in flat_now:
+            out.append(f"{key} is in the checkpoint but not in the model")
+        elif tuple(flat_now[key].shape) != tuple(flat_old[key].shape):
+            out.append(f"{key} has shape {tuple(flat_old[key].shape)} in the checkpoint, "
+                       f"{tuple(flat_now[key].shape)} in the model")
+        elif jnp.dtype(flat_now[key].dtype) != jnp.dtype(flat_old[key].dtype):
+            out.append(f"{key} has dtype {flat_old[key].dtype} in the checkpoint, "
+                       f"{flat_now[key].dtype} in the model")
+    return out
 
 
 def _variables(module) -> list:
