@@ -2,7 +2,9 @@
 
 CIFAR-10 is tested on small files written here in the data set's own format (a dict with
 b"data" uint8 (N, 3072) and b"labels" list of ints, pickled with protocol 2). Training runs in
-this process on the bundled digits, over replicas of the conftest's fake CPU devices.
+this process on the bundled digits, over replicas of the conftest's fake CPU devices, with both
+programs: `--loop fit` (examples/keras_fit.py) and `--loop custom`
+(examples/custom_training_loop.py).
 """
 
 import contextlib
@@ -15,12 +17,15 @@ import sys
 import tarfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mirrax
 from mirrax import errors
 from mirrax._src.cli import main as cli
-from mirrax._src.cli.train import count_correct, train
+from mirrax._src.cli.train import train
+from mirrax.examples.custom_training_loop import count_correct
 from mirrax._src.data.cifar10 import CIFAR10_URL, load_cifar10, restricted_load
 from mirrax._src.data.digits import load_digits
 
@@ -225,43 +230,139 @@ def test_cpu_devices_cannot_change_once_jax_runs(monkeypatch):
 
 
 def _train(*argv):
+    """Runs `mirrax train ARGV` in this process: ((model, history, test_accuracy), stdout)."""
     args = cli.build_parser().parse_args(["train", *argv])
     out = io.StringIO()
-    return train(args, out=out), out.getvalue()
+    with contextlib.redirect_stdout(out):
+        result = train(args)
+    return result, out.getvalue()
+
+
+NUMBER = r"\d+\.\d{4}(e-\d\d)?"  # Keras prints %.4f, or %.4e below 1e-3
+
+
+def _host_accuracy_and_loss(module, images, labels):
+    """Accuracy and mean cross-entropy of `module` on all of `images` at once, in float64."""
+    logits = np.asarray(module(images), np.float64)
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    accuracy = (np.argmax(logits, axis=-1) == labels).mean()
+    return accuracy, -log_softmax[np.arange(len(labels)), labels].mean()
+
+
+# -- mirrax train --loop fit (the default) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fit_run():
+    """2 epochs of `mirrax train` (Model.fit) on digits over 4 replicas x 16."""
+    return _train("--epochs", "2", "--replicas", "4")
+
+
+def test_fit_prints_the_header_keras_progress_and_the_test_accuracy(fit_run):
+    (_, history, test_accuracy), out = fit_run
+    lines = out.splitlines()
+    assert lines[0] == (
+        "MirroredStrategy(num_replicas_in_sync=4, devices=[cpu:0, cpu:1, cpu:2, cpu:3]): global "
+        "batch 64 (16 per replica); digits: 1437 training images (10% of them held out for "
+        "validation), 360 test images"
+    )
+    # 1437 - int(1437 * 0.9) = 144 validation images; 1293 left: ceil(1293 / 64) = 21 steps.
+    bar = r"\[=+\] - \d+s \d+[mu]?s/step"
+    for epoch, (title, line) in enumerate(zip(lines[1:5:2], lines[2:5:2]), start=1):
+        assert title == f"Epoch {epoch}/2"
+        assert re.fullmatch(
+            rf"21/21 {bar} - loss: {NUMBER} - accuracy: {NUMBER} - val_loss: {NUMBER} - "
+            rf"val_accuracy: {NUMBER} - learning_rate: 0\.0010",
+            line,
+        ), line
+    # EarlyStopping(restore_best_weights=True) names the epoch it restores; then evaluate's
+    # bar over ceil(360 / 64) = 6 test batches and the final line.
+    assert re.fullmatch(r"Restoring model weights from the end of the best epoch: [12]\.",
+                        lines[5])
+    assert re.fullmatch(rf"6/6 {bar} - loss: {NUMBER} - accuracy: {NUMBER}", lines[6]), lines[6]
+    assert lines[7] == f"Test accuracy: {test_accuracy:.4f}" and len(lines) == 8
+    assert sorted(history) == ["accuracy", "learning_rate", "loss", "val_accuracy", "val_loss"]
+    assert all(len(values) == 2 for values in history.values())
+
+
+def test_fit_test_accuracy_is_the_trained_model_on_every_test_image(fit_run):
+    (model, _, test_accuracy), _ = fit_run
+    x_test, y_test = load_digits()[1]
+    # 360 test images in 6 global batches of 64 (the last 40 = 360 - 5 * 64, padded and
+    # masked): evaluate saw each image exactly once, so its accuracy is the host's, a whole
+    # number of images out of 360.
+    accuracy, _ = _host_accuracy_and_loss(model.module, x_test, y_test)
+    assert abs(test_accuracy - accuracy) < 1e-6
+    assert isinstance(model, mirrax.Model) and model.distribute_strategy.num_replicas_in_sync == 4
+    # Far above chance (36 of 360) after 2 epochs of 21 steps.
+    assert accuracy * 360 >= 250
+
+
+def test_fit_with_mixed_bfloat16_and_tensorboard_logs(tmp_path):
+    (model, history, test_accuracy), _ = _train(
+        "--epochs", "1", "--replicas", "2", "--mixed-precision", "mixed_bfloat16",
+        "--tensorboard", str(tmp_path / "logs"),
+    )
+    assert model.dtype_policy.compute_dtype == "bfloat16"
+    # The policy holds for the run only.
+    assert mirrax.mixed_precision.global_policy().name == "float32"
+    # The variables stay float32; the output layer computes in float32 from bfloat16 inputs.
+    assert model.module.dense2.kernel.dtype == np.float32
+    logits = model.module.dense2(np.ones((3, 64), jnp.bfloat16))
+    assert logits.dtype == np.float32
+    # 1 epoch of ceil(1293 / 32) = 41 steps: far above chance (0.1).
+    assert np.isfinite(history["loss"][0]) and test_accuracy >= 0.5
+    for folder in ("train", "validation"):
+        assert any(name.startswith("events.out.tfevents")
+                   for name in os.listdir(tmp_path / "logs" / folder))
+
+
+def test_custom_loop_refuses_fit_only_options(capsys):
+    for option, value in (("--mixed-precision", "mixed_bfloat16"), ("--tensorboard", "logs")):
+        with pytest.raises(SystemExit) as caught:
+            cli.main(["train", "--loop", "custom", option, value])
+        assert caught.value.code == 2
+        assert f"{option} {value} applies to --loop fit" in capsys.readouterr().err
+
+
+# -- mirrax train --loop custom ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def one_and_four_replicas():
-    """3 epochs on digits at global batch 64: 1 replica x 64, and 4 replicas x 16."""
-    return (_train("--epochs", "3", "--replicas", "1", "--batch-per-replica", "64"),
-            _train("--epochs", "3", "--replicas", "4", "--batch-per-replica", "16"))
+    """3 epochs of the custom loop on digits at global batch 64: 1 replica x 64, 4 x 16."""
+    return (_train("--loop", "custom", "--epochs", "3", "--replicas", "1",
+                   "--batch-size-per-replica", "64"),
+            _train("--loop", "custom", "--epochs", "3", "--replicas", "4",
+                   "--batch-per-replica", "16"))  # the option's older name
 
 
 def test_train_one_and_four_replicas_reach_the_same_loss(one_and_four_replicas):
-    (one, _), (four, _) = one_and_four_replicas
-    assert one["strategy"].num_replicas_in_sync == 1 and four["strategy"].num_replicas_in_sync == 4
-    assert one["global_batch_size"] == four["global_batch_size"] == 64
+    ((_, one, _), one_out), ((_, four, _), four_out) = one_and_four_replicas
+    assert one_out.startswith(
+        "MirroredStrategy(num_replicas_in_sync=1, devices=[cpu:0]): global batch 64 (64 per "
+        "replica); digits: 1437 training images, 360 test images\n"
+    )
+    assert "num_replicas_in_sync=4" in four_out and "global batch 64 (16 per replica)" in four_out
     # Same data order, same initial weights and the same global-batch gradient each step:
     # the replica count changes only the order of float additions.
     for key in ("loss", "test_loss"):
-        assert abs(one["history"][key][-1] - four["history"][key][-1]) < 1e-5
-    assert one["history"]["test_accuracy"] == four["history"]["test_accuracy"]
+        assert abs(one[key][-1] - four[key][-1]) < 1e-5
+    assert one["test_accuracy"] == four["test_accuracy"]
 
 
 def test_train_test_metrics_match_one_call_on_the_whole_test_set(one_and_four_replicas):
     x_test, y_test = load_digits()[1]
-    for result, _ in one_and_four_replicas:
-        history = result["history"]
+    for (model, history, test_accuracy), _ in one_and_four_replicas:
         # 360 test images: the accuracy is a whole number of them out of 360.
-        correct = round(history["test_accuracy"][-1] * 360)
-        assert abs(history["test_accuracy"][-1] - correct / 360) < 1e-12
+        correct = round(test_accuracy * 360)
+        assert test_accuracy == history["test_accuracy"][-1]
+        assert abs(test_accuracy - correct / 360) < 1e-12
         # The trained model applied to all 360 images at once, on the host: the distributed
         # evaluation (batches of 64, the last one 40 = 360 - 5 * 64, padded and masked) saw
         # every image exactly once.
-        logits = np.asarray(result["model"](x_test), np.float64)
-        assert correct == int((np.argmax(logits, axis=-1) == y_test).sum())
-        log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        mean_loss = -log_softmax[np.arange(360), y_test].mean()
+        accuracy, mean_loss = _host_accuracy_and_loss(model, x_test, y_test)
+        assert correct == round(accuracy * 360)
         assert abs(history["test_loss"][-1] - mean_loss) < 1e-5
         # Far above chance (36 of 360) after 3 epochs of ceil(1437 / 64) = 23 steps.
         assert correct >= 300
@@ -292,16 +393,20 @@ def test_train_prints_keras_style_epoch_lines(one_and_four_replicas):
             rf"test_accuracy: {number} - \d+ images/s",
             line,
         ), line
-    assert re.fullmatch(rf"Test accuracy: {number}", lines[4])
+    assert re.fullmatch(rf"Test accuracy: {number}", lines[4]) and len(lines) == 5
 
 
-def test_train_on_cifar10_files_and_missing_cifar10(tmp_path):
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_train_on_cifar10_files_and_missing_cifar10(tmp_path, loop):
     _write_cifar_folder(tmp_path / "cifar")
-    result, out = _train("--data", "cifar10", "--data-dir", str(tmp_path / "cifar"),
-                         "--epochs", "1", "--replicas", "2", "--batch-per-replica", "4")
-    assert result["model"].conv1.kernel.shape == (3, 3, 3, 32)
-    assert "cifar10: 9 training, 3 test images" in out
-    status, _, err = _run_main(["train", "--data", "cifar10", "--data-dir", str(tmp_path)])
+    (model, _, _), out = _train("--loop", loop, "--data", "cifar10", "--data-dir",
+                                str(tmp_path / "cifar"), "--epochs", "1", "--replicas", "2",
+                                "--batch-per-replica", "4")
+    module = model.module if loop == "fit" else model
+    assert module.conv1.kernel.shape == (3, 3, 3, 32)
+    assert "cifar10: 9 training images" in out and "3 test images" in out
+    status, _, err = _run_main(["train", "--loop", loop, "--data", "cifar10", "--data-dir",
+                                str(tmp_path)])
     assert status == 1 and "mirrax train: error: CIFAR-10 not found" in err
 
 

@@ -15,6 +15,7 @@ import re
 import sys
 
 DEFAULT_CPU_DEVICES = 4
+MIXED_PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 _COUNT_PATTERN = re.compile(re.escape(_COUNT_FLAG) + r"=(\S*)")
 
@@ -49,13 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train the TF tutorial CNN with MirroredStrategy and a custom training loop",
+        help="train the TF tutorial CNN over every device: Keras-style fit, or a custom loop",
         description=(
-            "The TensorFlow tutorial 'Custom training with tf.distribute.Strategy' on mirrax: a "
-            "small CNN trained with MirroredStrategy over every device (or the first "
-            "--replicas), strategy.run and compute_average_loss."
+            "TensorFlow's distributed-training tutorials on mirrax: the tutorial CNN trained "
+            "with a MirroredStrategy over every device (or the first --replicas). --loop fit "
+            "(default) runs examples/keras_fit.py (mirrax.Model compile/fit/evaluate, "
+            "EarlyStopping, ReduceLROnPlateau); --loop custom runs "
+            "examples/custom_training_loop.py (strategy.run, compute_average_loss, "
+            "strategy.reduce)."
         ),
     )
+    train.add_argument("--loop", choices=("fit", "custom"), default="fit",
+                       help="fit: Model.fit with 10%% of the training images held out for "
+                       "validation (default); custom: a custom training loop, tested every "
+                       "epoch")
     train.add_argument("--data", choices=("digits", "cifar10"), default="digits",
                        help="digits: scikit-learn's bundled 8x8 digits (default); cifar10: "
                        "CIFAR-10 read from --data-dir")
@@ -63,18 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the CIFAR-10 'python version' files are: the "
                        "cifar-10-python.tar.gz archive, the extracted cifar-10-batches-py "
                        "folder, or a folder holding either (default ~/.mirrax/datasets)")
-    train.add_argument("--epochs", type=_positive_int, default=10, help="default 10")
-    # 16 x 4 fake CPU devices = global batch 64: 23 Adam steps per epoch on the 1437 digits,
-    # enough for >= 0.95 test accuracy in 10 epochs (64 per replica, 6 steps, reaches ~0.92).
-    train.add_argument("--batch-per-replica", type=_positive_int, default=16, metavar="N",
+    train.add_argument("--epochs", type=_positive_int, default=10,
+                       help="epochs (default 10; with --loop fit, EarlyStopping may stop sooner)")
+    # 16 x 4 fake CPU devices = global batch 64: 21 Adam steps per epoch on the 1293 digits
+    # fit trains on (23 on the custom loop's 1437), enough for >= 0.95 test accuracy in 10
+    # epochs; 64 per replica (6 steps per epoch) reaches only 0.91-0.92 (docs/design.md).
+    train.add_argument("--batch-size-per-replica", "--batch-per-replica", type=_positive_int,
+                       default=16, metavar="N", dest="batch_size_per_replica",
                        help="examples per replica per step; the global batch is N times the "
                        "number of replicas (default 16)")
     add_cpu_devices(train)
     train.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
                        help="use only the first N devices (default: all of them)")
     train.add_argument("--seed", type=int, default=0,
-                       help="seed of the initial weights and the shuffling (default 0)")
-    train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+                       help="seed of the initial weights (and, with --loop custom, of the "
+                       "shuffling) (default 0)")
+    train.add_argument("--lr", type=float, default=1e-3,
+                       help="Adam's (initial) learning rate (default 1e-3)")
+    train.add_argument("--mixed-precision", choices=MIXED_PRECISION_POLICIES, default="float32",
+                       metavar="POLICY",
+                       help="Keras dtype policy of --loop fit: " + ", ".join(
+                           MIXED_PRECISION_POLICIES) + " (default float32)")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="with --loop fit, write TensorBoard event files to DIR")
     return parser
 
 
@@ -89,7 +108,17 @@ def main(argv=None) -> int:
       missing data set; the message goes to stderr). Bad arguments exit with status 2, as
       argparse does.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train" and args.loop == "custom":
+        for option, value, default in (("--mixed-precision", args.mixed_precision, "float32"),
+                                       ("--tensorboard", args.tensorboard, None)):
+            if value != default:
+                parser.error(
+                    f"{option} {value} applies to --loop fit (mirrax.Model) only; the custom "
+                    "training loop computes in float32 and writes no TensorBoard logs. Drop "
+                    f"{option} or use --loop fit."
+                )
     configure_cpu_devices(args.cpu_devices)
     # Imported only now: these modules import JAX, which must see XLA_FLAGS first.
     from mirrax import errors
