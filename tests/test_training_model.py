@@ -317,3 +317,13 @@ def test_save_and_load_weights_round_trip_and_refuse_other_structures(tmp_path):
         other.load_weights(tmp_path / "weights")
     with pytest.raises(FileNotFoundError, match="no weights directory"):
         fresh.load_weights(tmp_path / "missing")
+
+
+def test_summary_lists_variables_and_the_total():
+    lines = []
+    w1, w2, _, _ = mlp_data()
+    mirrax.Model(MLP(w1, w2)).summary(print_fn=lines.append)
+    assert lines[0] == 'Model: "MLP"'
+    assert any(line.startswith("l1.kernel") and line.rstrip().endswith("12") for line in lines)
+    # 4*3 + 3 + 3*2 + 2 = 23 values.
+    assert lines[-1] == "Total: 23 values"
