@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import jax
@@ -352,6 +353,8 @@ class Model:
         )
         self.stop_training = False
         self.module.train()
+        # Reading the logs waits for the step; do it per step only when a callback uses them.
+        batch_logs = _needs_batch_logs(cbs, "on_train_batch_end")
         cbs.on_train_begin()
         logs: dict = {}
         for epoch in range(initial_epoch, epochs):
@@ -369,12 +372,12 @@ class Model:
                 else:
                     masks = tuple(PerReplica(strategy, _mask_of(b)) for b in group)
                     strategy.run(self._train_many_fn, args=state + (tuple(group), masks))
-                logs = self._logs()
+                logs = self._logs() if batch_logs else {}
                 cbs.on_train_batch_end(last, logs)
                 step = last + 1
                 if self.stop_training:
                     break
-            epoch_logs = dict(logs)
+            epoch_logs = self._logs() if step else {}
             if val is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = self._evaluate(val, validation_steps, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -421,12 +424,12 @@ class Model:
         self._reset_metrics()
         self.module.eval()
         cbs.on_test_begin()
-        logs = self._logs()
+        batch_logs = _needs_batch_logs(cbs, "on_test_batch_end")
         for step, batch in enumerate(data.batches(steps)):
             cbs.on_test_batch_begin(step)
             strategy.run(self._test_fn, args=(self.module, self.metrics, self._tracker, batch))
-            logs = self._logs()
-            cbs.on_test_batch_end(step, logs)
+            cbs.on_test_batch_end(step, self._logs() if batch_logs else {})
+        logs = self._logs()
         cbs.on_test_end(logs)
         return logs
 
@@ -516,6 +519,24 @@ def _mismatches(current: dict, stored: dict) -> list:
 
 def _variables(module) -> list:
     return [v for _, v in nnx.to_flat_state(nnx.state(module))]
+
+
+def _needs_batch_logs(cbs, hook: str) -> bool:
+    """Whether any callback reads per-batch logs (the live progress bar, a batch hook)."""
+    for callback in cbs.callbacks:
+        if isinstance(callback, callbacks_lib.History):
+            continue
+        if isinstance(callback, callbacks_lib.ProgbarLogger):
+            # Only the live bar on a terminal shows batch values; elsewhere the epoch's line.
+            if callback.verbose == 1 and sys.stdout.isatty():
+                return True
+            continue
+        for name in (hook, "on_batch_end"):
+            if name in vars(callback) or getattr(type(callback), name) is not getattr(
+                callbacks_lib.Callback, name
+            ):
+                return True
+    return False
 
 
 def _has_learning_rate(optimizer) -> bool:
