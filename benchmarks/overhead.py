@@ -45,7 +45,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import platform
@@ -55,20 +54,17 @@ import sys
 import tempfile
 import time
 
-# JAX is imported inside `_measure`, after `_configure_jax_environment`: the device count and
+# JAX is imported inside `_measure`, after `configure_jax_environment`: the device count and
 # platform are read from the environment once, when JAX starts.
 
 CNN_GLOBAL_BATCH = 128
 MLP_GLOBAL_BATCH = 8
-MLP_FEATURES = 32
 TARGET_RATIO = 1.05
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Per-step overhead of mirrax's strategy.run vs a hand-written "
-        "jax.jit(jax.shard_map(...)) train step."
-    )
+def add_common_arguments(parser: argparse.ArgumentParser, steps_per: str) -> None:
+    """The options every benchmark here takes: --devices, --platform, --cnn-steps and
+    --mlp-steps (steps per `steps_per`), --max-in-flight, --skip-cnn, --json."""
     parser.add_argument(
         "--devices",
         default="1,4",
@@ -81,22 +77,40 @@ def _parse_args(argv=None) -> argparse.Namespace:
         choices=["cpu", "gpu", "tpu"],
         help="cpu uses N fake host devices; gpu/tpu use the first N local accelerators",
     )
-    parser.add_argument("--windows", type=int, default=9, help="timed windows per variant")
-    parser.add_argument("--cnn-steps", type=int, default=10, help="CNN steps per timed window")
-    parser.add_argument("--mlp-steps", type=int, default=300, help="MLP steps per timed window")
+    parser.add_argument("--cnn-steps", type=int, default=10, help=f"CNN steps per {steps_per}")
+    parser.add_argument("--mlp-steps", type=int, default=300, help=f"MLP steps per {steps_per}")
     parser.add_argument(
         "--max-in-flight",
         type=int,
         default=2,
         help="steps dispatched ahead of the last finished one (both variants alike; default 2)",
     )
+    parser.add_argument("--skip-cnn", action="store_true", help="only the tiny MLP")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+
+
+def parse_device_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets `args.device_counts` from --devices, or exits with the usage error."""
+    try:
+        args.device_counts = [int(n) for n in args.devices.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--devices must be comma-separated integers like 1,4; got {args.devices!r}")
+    if not args.device_counts or min(args.device_counts) < 1:
+        parser.error(f"--devices needs at least one count >= 1; got {args.devices!r}")
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Per-step overhead of mirrax's strategy.run vs a hand-written "
+        "jax.jit(jax.shard_map(...)) train step."
+    )
+    add_common_arguments(parser, steps_per="timed window")
+    parser.add_argument("--windows", type=int, default=9, help="timed windows per variant")
     parser.add_argument(
         "--no-donate",
         action="store_true",
         help="compile the hand-written step without donate_argnums (mirrax does not donate)",
     )
-    parser.add_argument("--skip-cnn", action="store_true", help="only the tiny MLP step")
-    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -104,18 +118,14 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "functions",
     )
     args = parser.parse_args(argv)
-    try:
-        args.device_counts = [int(n) for n in args.devices.split(",") if n.strip()]
-    except ValueError:
-        parser.error(f"--devices must be comma-separated integers like 1,4; got {args.devices!r}")
-    if not args.device_counts or min(args.device_counts) < 1:
-        parser.error(f"--devices needs at least one count >= 1; got {args.devices!r}")
+    parse_device_counts(parser, args)
     if min(args.windows, args.cnn_steps, args.mlp_steps, args.max_in_flight) < 1:
         parser.error("--windows, --cnn-steps, --mlp-steps and --max-in-flight must be >= 1")
     return args
 
 
-def _configure_jax_environment(platform_name: str, devices: int) -> None:
+def configure_jax_environment(platform_name: str, devices: int) -> None:
+    """Asks JAX for `devices` fake CPU devices (cpu only); call it before JAX is imported."""
     if platform_name == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = " ".join(
@@ -123,60 +133,40 @@ def _configure_jax_environment(platform_name: str, devices: int) -> None:
         ).strip()
 
 
-# -- one device count, in this process ---------------------------------------------------------
-
-
-def _measure(args, devices: int) -> dict:
+def local_devices(platform_name: str, devices: int, script: str) -> list:
+    """The first `devices` local JAX devices, or exit naming what is missing and the fix."""
     import jax
-    import numpy as np
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import mirrax
 
     local = jax.local_devices()
-    if local[0].platform != args.platform:
+    if local[0].platform != platform_name:
         raise SystemExit(
-            f"overhead.py: asked for --platform {args.platform} but JAX's devices are "
+            f"{script}: asked for --platform {platform_name} but JAX's devices are "
             f"{local[0].platform} ({local[0].device_kind}). Install the matching jax extra "
             "(e.g. jax[cuda12]) or pass --platform cpu."
         )
     if len(local) < devices:
         raise SystemExit(
-            f"overhead.py: asked for {devices} devices but this process has {len(local)} "
-            f"{args.platform} device(s)."
+            f"{script}: asked for {devices} devices but this process has {len(local)} "
+            f"{platform_name} device(s)."
         )
+    return local[:devices]
 
-    from mirrax._src.cli.train import TutorialCNN
 
-    def CNN(rngs: nnx.Rngs):
-        """The TF tutorial CNN (the main job's); input (batch, 28, 28, 1), output (batch, 10)."""
-        return TutorialCNN((28, 28, 1), rngs=rngs)
+# -- one device count, in this process ---------------------------------------------------------
 
-    class MLP(nnx.Module):
-        """Two dense layers; input (batch, MLP_FEATURES) float32, output (batch, 10) logits."""
 
-        def __init__(self, rngs: nnx.Rngs):
-            self.dense1 = nnx.Linear(MLP_FEATURES, 64, rngs=rngs)
-            self.dense2 = nnx.Linear(64, 10, rngs=rngs)
+def _measure(args, devices: int) -> dict:
+    import jax
+    import optax
+    from flax import nnx
 
-        def __call__(self, x):
-            return self.dense2(nnx.relu(self.dense1(x)))
+    import mirrax
+    import workloads
 
-    def update(model, optimizer, x, y, reduce_loss):
-        """The train step both variants share; `reduce_loss` maps per-example losses to a scalar."""
-
-        def loss_fn(model):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-            return reduce_loss(per_example)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
+    local = local_devices(args.platform, devices, "overhead.py")
 
     def make_mirrax(module_cls, x, y, global_batch):
-        strategy = mirrax.MirroredStrategy(local[:devices])
+        strategy = mirrax.MirroredStrategy(local)
         with strategy.scope():
             model = module_cls(nnx.Rngs(0))
             optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
@@ -184,15 +174,7 @@ def _measure(args, devices: int) -> dict:
         batch = next(iterator)
         iterator.close()
 
-        def train_step(model, optimizer, batch):
-            images, labels = batch
-            return update(
-                model,
-                optimizer,
-                images,
-                labels,
-                lambda l: mirrax.compute_average_loss(l, global_batch_size=global_batch),
-            )
+        train_step = workloads.strategy_run_step(global_batch)
 
         def step():
             return strategy.run(train_step, args=(model, optimizer, batch))
@@ -205,67 +187,16 @@ def _measure(args, devices: int) -> dict:
 
         return step, block, loss_of
 
-    def make_handwritten(module_cls, x, y, global_batch):
-        mesh = jax.sharding.Mesh(np.array(local[:devices]), ("replica",))
-        model = module_cls(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-        graphdef, state = nnx.split((model, optimizer))
-        leaves, state_def = jax.tree.flatten(state)
-        replicated = NamedSharding(mesh, P())
-        sharded = NamedSharding(mesh, P("replica"))
-        holder = {"state": jax.device_put(leaves, replicated)}
-        x_dev, y_dev = jax.device_put(x, sharded), jax.device_put(y, sharded)
-
-        def per_replica(leaves, x, y):
-            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves))
-            loss = update(model, optimizer, x, y, lambda l: l.sum() / global_batch)
-            return jax.tree.leaves(nnx.state((model, optimizer))), loss[None]
-
-        compiled = jax.jit(
-            jax.shard_map(
-                per_replica,
-                mesh=mesh,
-                in_specs=(P(), P("replica"), P("replica")),
-                out_specs=(P(), P("replica")),
-            ),
-            donate_argnums=() if args.no_donate else 0,
-        )
-
-        def step():
-            holder["state"], loss = compiled(holder["state"], x_dev, y_dev)
-            return loss
-
-        def block(out):
-            jax.block_until_ready((out, holder["state"]))
-
-        def loss_of(out):
-            return float(out.sum())
-
-        return step, block, loss_of
-
     def run_steps(step, block, steps):
-        """Runs `steps` steps; returns the seconds spent inside the `step()` calls (host time)."""
-        # At most `max_in_flight` steps are dispatched ahead of the one that finished: XLA:CPU
-        # deadlocks in the all-reduce rendezvous when ~100 multi-device steps are queued.
-        in_flight = collections.deque()
-        host = 0.0
-        for _ in range(steps):
-            start = time.perf_counter()
-            out = step()
-            host += time.perf_counter() - start
-            in_flight.append(out)
-            if len(in_flight) > args.max_in_flight:
-                jax.block_until_ready(in_flight.popleft())
-        block(in_flight[-1])
-        return host
+        return workloads.run_steps(step, block, steps, args.max_in_flight)
 
     def compare(name, module_cls, x_shape, global_batch, steps):
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((global_batch,) + x_shape).astype(np.float32)
-        y = rng.integers(0, 10, size=(global_batch,)).astype(np.int32)
+        x, y = workloads.random_batch(x_shape, global_batch)
         variants = {
             "mirrax": make_mirrax(module_cls, x, y, global_batch),
-            "handwritten": make_handwritten(module_cls, x, y, global_batch),
+            "handwritten": workloads.make_handwritten(
+                module_cls, x, y, global_batch, local, donate=not args.no_donate
+            ),
         }
         first_loss, compile_s = {}, {}
         for key, (step, block, loss_of) in variants.items():
@@ -327,14 +258,16 @@ def _measure(args, devices: int) -> dict:
 
     rows = []
     if not args.skip_cnn:
-        rows.append(compare("CNN", CNN, (28, 28, 1), CNN_GLOBAL_BATCH, args.cnn_steps)[0])
+        rows.append(
+            compare("CNN", workloads.CNN, (28, 28, 1), CNN_GLOBAL_BATCH, args.cnn_steps)[0]
+        )
     mlp_row, mlp_variants = compare(
-        "MLP", MLP, (MLP_FEATURES,), MLP_GLOBAL_BATCH, args.mlp_steps
+        "MLP", workloads.MLP, (workloads.MLP_FEATURES,), MLP_GLOBAL_BATCH, args.mlp_steps
     )
     rows.append(mlp_row)
     if args.profile:
         _profile(mlp_variants["mirrax"], run_steps, args.mlp_steps)
-    return {"environment": _environment(jax, local[:devices]), "rows": rows}
+    return {"environment": environment(jax, local), "rows": rows}
 
 
 def _profile(variant, run_steps, steps: int) -> None:
@@ -355,7 +288,8 @@ def _profile(variant, run_steps, steps: int) -> None:
         print(text.getvalue(), file=sys.stderr, flush=True)
 
 
-def _environment(jax, devices) -> dict:
+def environment(jax, devices) -> dict:
+    """Versions, platform and host CPU of this run, for the note under a results table."""
     import flax
     import optax
 
@@ -385,41 +319,74 @@ def _processor_name() -> str:
 # -- several device counts, one subprocess each -------------------------------------------------
 
 
-def _run_subprocess(args, devices: int) -> dict:
+def forward_arguments(args, options, flags) -> list:
+    """The command line that passes `options` (valued) and `flags` (on/off) of `args` on."""
+    argv = []
+    for name in options:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv + ["--" + name.replace("_", "-") for name in flags if getattr(args, name)]
+
+
+def _child_argv(args) -> list:
+    return forward_arguments(
+        args,
+        ("platform", "windows", "cnn_steps", "mlp_steps", "max_in_flight"),
+        ("skip_cnn", "no_donate", "profile"),
+    )
+
+
+def _run_subprocess(script: str, child_argv: list, devices: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         command = [
             sys.executable,
-            os.path.abspath(__file__),
+            os.path.abspath(script),
             "--devices",
             str(devices),
-            "--platform",
-            args.platform,
-            "--windows",
-            str(args.windows),
-            "--cnn-steps",
-            str(args.cnn_steps),
-            "--mlp-steps",
-            str(args.mlp_steps),
-            "--max-in-flight",
-            str(args.max_in_flight),
+            *child_argv,
             "--json",
             path,
         ]
-        if args.skip_cnn:
-            command.append("--skip-cnn")
-        if args.no_donate:
-            command.append("--no-donate")
-        if args.profile:
-            command.append("--profile")
         # The child prints its own table on stdout; only its progress lines (stderr) show here.
         done = subprocess.run(command, stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise SystemExit(
-                f"overhead.py: the run with --devices {devices} failed (exit {done.returncode})."
+                f"{os.path.basename(script)}: the run with --devices {devices} failed "
+                f"(exit {done.returncode})."
             )
         with open(path) as f:
             return json.load(f)[0]
+
+
+def run_benchmark(args, measure, markdown, child_argv: list, script: str) -> int:
+    """Measures every count in `args.device_counts`, prints the table, writes --json.
+
+    One count runs here (`measure(args, devices)` after `configure_jax_environment`); several
+    run one fresh subprocess each (`script --devices N *child_argv --json tmp`), because the
+    fake CPU device count is fixed when JAX starts. `markdown(results)` makes the table.
+    """
+    start = time.perf_counter()
+    if len(args.device_counts) == 1:
+        configure_jax_environment(args.platform, args.device_counts[0])
+        results = [measure(args, args.device_counts[0])]
+    else:
+        results = [_run_subprocess(script, child_argv, n) for n in args.device_counts]
+    print(markdown(results))
+    if len(args.device_counts) > 1:
+        print(f"(total {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def environment_note(env: dict) -> str:
+    """The machine and versions of `environment(...)`, as the first words under a table."""
+    return (
+        f"{env['platform']} ({env['device_kind']}), {env['host_cpus']} host CPUs "
+        f"({env['processor']}); jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, "
+        f"Python {env['python']}."
+    )
 
 
 def _markdown(results: list) -> str:
@@ -440,9 +407,7 @@ def _markdown(results: list) -> str:
     first = results[0]["rows"][0]
     lines.append("")
     lines.append(
-        f"{env['platform']} ({env['device_kind']}), {env['host_cpus']} host CPUs "
-        f"({env['processor']}); jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, "
-        f"Python {env['python']}. Median of {first['windows']} interleaved windows, at most "
+        f"{environment_note(env)} Median of {first['windows']} interleaved windows, at most "
         f"{first['max_in_flight']} steps in flight; target ratio <= {TARGET_RATIO} (CNN). Host "
         "µs/call: time inside the step call (dispatch and Python), not waiting for the device."
     )
@@ -451,19 +416,7 @@ def _markdown(results: list) -> str:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    start = time.perf_counter()
-    if len(args.device_counts) == 1:
-        _configure_jax_environment(args.platform, args.device_counts[0])
-        results = [_measure(args, args.device_counts[0])]
-    else:
-        results = [_run_subprocess(args, n) for n in args.device_counts]
-    print(_markdown(results))
-    if len(args.device_counts) > 1:
-        print(f"(total {time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return run_benchmark(args, _measure, _markdown, _child_argv(args), __file__)
 
 
 if __name__ == "__main__":

@@ -327,3 +327,13 @@ def test_summary_lists_variables_and_the_total():
     assert any(line.startswith("l1.kernel") and line.rstrip().endswith("12") for line in lines)
     # 4*3 + 3 + 3*2 + 2 = 23 values.
     assert lines[-1] == "Total: 23 values"
+
+
+def test_fit_and_evaluate_take_an_already_distributed_dataset():
+    strategy = mirrored(2)
+    model = identity_model(strategy)
+    x = np.array([[2.0], [3.0], [4.0], [5.0], [6.0]], np.float32)
+    dataset = strategy.experimental_distribute_dataset([(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(1, np.float32))])
+    history = model.fit(dataset, epochs=1, verbose=0)
+    assert history.history["loss"] == [4.0]  # (2 + 3 + 4 + 5 + 6) / 5, the partial batch counted once
+    assert model.evaluate(dataset, verbose=0) == pytest.approx(4.0)

@@ -570,13 +570,23 @@ def _forward(module, x, policy):
     )
 
 
+def _unpack(batch):
+    """(x, y, sample_weight) of a batch given as (x, y) or (x, y, sample_weight)."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return tuple(batch) + (None,) * (3 - len(batch))
+    raise errors.InvalidBatchError(
+        "fit/evaluate: each batch must be a tuple (x, y) or (x, y, sample_weight); received "
+        f"a {type(batch).__name__}."
+    )
+
+
 # What an optimizer step changes (and a skipped float16 step restores).
 _UPDATED = nnx.Any(nnx.Param, nnx.OptState)
 
 
 def _make_train_step(loss_obj, loss_weight: float, policy):
     def train_step(module, optimizer, metrics, tracker, loss_scale, batch):
-        x, y, sample_weight = batch
+        x, y, sample_weight = _unpack(batch)
         scale = 1.0 if loss_scale is None else loss_scale.scale[...]
 
         def loss_fn(module):
@@ -608,7 +618,7 @@ def _make_train_step(loss_obj, loss_weight: float, policy):
 
 def _make_test_step(loss_obj, loss_weight: float, policy):
     def test_step(module, metrics, tracker, batch):
-        x, y, sample_weight = batch
+        x, y, sample_weight = _unpack(batch)
         y_pred = _forward(module, x, policy)
         per_example = loss_obj.per_example(y, y_pred) * loss_weight
         tracker.update(*_masked_sum(per_example, sample_weight))
