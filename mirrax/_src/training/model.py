@@ -45,22 +45,23 @@ _OPTIMIZERS = {
 
 
 class _LossTracker(nnx.Pytree):
-    """Sum of the real examples' weighted losses and their count (SUM over replicas)."""
+    """[sum of the real examples' weighted losses, their count], SUM-aggregated over replicas.
+
+    One variable, so the write-back adds both over the replicas in one all-reduce.
+    """
 
     def __init__(self):
-        self.total = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
-        self.count = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
+        self.sums = nnx.metrics.MetricState(jnp.zeros((2,), jnp.float32))
 
     def update(self, total, count):
-        self.total[...] += total
-        self.count[...] += count
+        self.sums[...] += jnp.stack([total, count]).astype(jnp.float32)
 
     def reset(self):
-        self.total[...] = jnp.zeros((), jnp.float32)
-        self.count[...] = jnp.zeros((), jnp.float32)
+        self.sums[...] = jnp.zeros((2,), jnp.float32)
 
     def result(self):
-        return self.total[...] / jnp.maximum(self.count[...], 1.0)
+        total, count = self.sums[...]
+        return total / jnp.maximum(count, 1.0)
 
 
 class OptimizerHandle:
@@ -831,9 +832,7 @@ class _ArrayBatches:
                 yield (x,)
                 continue
             y = jax.tree.map(lambda a: np.asarray(a)[index], d.y)
-            w = (np.ones(len(index), np.float32) if d.sample_weight is None
-                 else d.sample_weight[index])
-            yield (x, y, w)
+            yield (x, y) if d.sample_weight is None else (x, y, d.sample_weight[index])
 
 
 class _NormalizedBatches:
@@ -853,10 +852,7 @@ class _NormalizedBatches:
                     "fit/evaluate: each batch of a dataset must be a tuple (x, y) or (x, y, "
                     f"sample_weight); received a {type(batch).__name__}."
                 )
-            x, y = batch[0], batch[1]
-            n = len(jax.tree.leaves(x)[0])
-            w = np.ones(n, np.float32) if len(batch) == 2 else np.asarray(batch[2], np.float32)
-            yield (x, y, w)
+            yield batch if len(batch) == 2 else (batch[0], batch[1], np.asarray(batch[2], np.float32))
 
 
 def _check_sparse_labels(model, x, y):
