@@ -10,6 +10,9 @@ from mirrax import errors as errors
 from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
+from mirrax._src.checkpoint import Checkpoint as Checkpoint
+from mirrax._src.checkpoint import CheckpointLoadStatus as CheckpointLoadStatus
+from mirrax._src.checkpoint import CheckpointManager as CheckpointManager
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input import InputContext as InputContext
@@ -42,6 +45,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedIterator",

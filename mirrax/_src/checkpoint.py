@@ -1,0 +1,372 @@
+"""`mirrax.Checkpoint` and `mirrax.CheckpointManager`: tf.train's checkpoint API on Orbax.
+
+A checkpoint is an Orbax composite checkpoint directory with one item per tracked part (an NNX
+module's state, an optimizer's state, a metric's state, a step counter). mirrax writes no
+format of its own: Orbax writes every array once (whatever the replica count), to a temporary
+directory that it renames when complete, so a reader never sees a half-written checkpoint.
+Restoring reads each array straight onto the CURRENT placement of the object it restores into,
+so a checkpoint written under 4 replicas restores under 1, 2 or 8, or `OneDeviceStrategy`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from mirrax._src.training.model import Model, _mismatches
+
+# Item holding `Checkpoint.save_counter` (TF's name); `read` leaves it alone, as TF's does.
+_SAVE_COUNTER = "save_counter"
+
+
+class _Part:
+    """One Orbax item: how to read a tracked object's state and how to write it back."""
+
+    def __init__(self, item: str, get, set_):
+        self.item = item
+        self.get = get  # () -> pytree of arrays (the current state, on its current placement)
+        self.set = set_  # (restored pytree) -> None
+
+
+def _str_keys(tree):
+    """Orbax stores dict keys as strings; NNX's pure dicts index sequences with ints."""
+    if isinstance(tree, dict):
+        return {str(k): _str_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _nnx_part(item: str, obj) -> _Part:
+    def set_(restored):
+        state = nnx.state(obj)
+        nnx.replace_by_pure_dict(state, nnx.restore_int_paths(restored))
+        nnx.update(obj, state)
+
+    return _Part(item, lambda: _str_keys(nnx.to_pure_dict(nnx.state(obj))), set_)
+
+
+def _value_part(item: str, owner: Checkpoint, name: str) -> _Part:
+    """A plain value (a Python int or float, an array): restoring rebinds `owner.<name>`."""
+
+    def get():
+        return {"value": owner._objects[name]}
+
+    def set_(restored):
+        old = owner._objects[name]
+        new = restored["value"]
+        if isinstance(old, (bool, int, float)):
+            new = type(old)(np.asarray(new).item())
+        owner._objects[name] = new
+
+    return _Part(item, get, set_)
+
+
+def _parts(owner: Checkpoint, name: str, obj) -> list:
+    if isinstance(obj, Model):
+        parts = [_nnx_part(f"{name}.module", obj.module)]
+        if obj.optimizer is not None:
+            parts.append(_nnx_part(f"{name}.optimizer", obj.optimizer.nnx_optimizer))
+        return parts
+    if isinstance(obj, nnx.Variable):
+        return [_Part(name, lambda: {"value": obj.get_value()},
+                      lambda restored: obj.set_value(restored["value"]))]
+    if isinstance(obj, nnx.Pytree):
+        return [_nnx_part(name, obj)]
+    if isinstance(obj, (bool, int, float, np.ndarray, np.generic, jax.Array)):
+        return [_value_part(name, owner, name)]
+    raise TypeError(
+        f"Checkpoint cannot track {name}={type(obj).__name__}; it tracks nnx.Module, "
+        "nnx.Optimizer, mirrax metrics (nnx.Pytree), nnx.Variable, mirrax.Model, and plain "
+        "numbers or arrays (step counters)."
+    )
+
+
+def _abstract(tree):
+    """The restore target: each leaf's shape and dtype, placed where the leaf lives now."""
+
+    def leaf(a):
+        if isinstance(a, jax.Array):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return np.asarray(a)  # a host value restores as a NumPy array
+
+    return jax.tree.map(leaf, tree)
+
+
+def _as_arrays(tree):
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.asarray(a), tree)
+
+
+def _checkpointer(names) -> ocp.Checkpointer:
+    """A composite Orbax checkpointer that reads every named item as a standard pytree item."""
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(**{n: ocp.StandardCheckpointHandler() for n in names})
+    )
+
+
+def _stored_items(path: str, what: str) -> dict:
+    """The checkpoint's item name -> tree metadata, with clear errors for a bad directory."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"Checkpoint.{what}: no checkpoint directory at {path}; write one with "
+            "Checkpoint.save(path) or CheckpointManager.save()."
+        )
+    try:
+        names = [n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))]
+        metadata = _checkpointer(names).metadata(path)
+        items = metadata.item_metadata
+        names = list(items.keys()) if items is not None else []
+        stored = {name: items[name].tree for name in names if items[name] is not None}
+    except (FileNotFoundError, ValueError, KeyError, AttributeError, TypeError, OSError) as e:
+        raise ValueError(
+            f"Checkpoint.{what}: {path} is not a readable mirrax checkpoint (empty, truncated, "
+            f"or written by something else, e.g. Model.save_weights): {type(e).__name__}: {e}"
+        ) from e
+    if not stored:
+        raise ValueError(
+            f"Checkpoint.{what}: {path} holds no checkpoint items (empty or truncated "
+            "directory, or written by Model.save_weights, which Model.load_weights reads)."
+        )
+    return stored
+
+
+class CheckpointLoadStatus:
+    """What a restore matched, as the status `tf.train.Checkpoint.restore` returns.
+
+    Attributes:
+      unused_in_checkpoint: item names stored in the checkpoint that no tracked object took.
+      not_in_checkpoint: tracked items (`name` or `name.module` / `name.optimizer` for a
+        `Model`) that the checkpoint does not hold; they keep their current values.
+    """
+
+    def __init__(self, path: str, unused_in_checkpoint: list, not_in_checkpoint: list):
+        self.path = path
+        self.unused_in_checkpoint = unused_in_checkpoint
+        self.not_in_checkpoint = not_in_checkpoint
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raises AssertionError unless every tracked object and every stored item matched."""
+        self.assert_existing_objects_matched()
+        if self.unused_in_checkpoint:
+            raise AssertionError(
+                f"The checkpoint at {self.path} holds items that nothing tracked took: "
+                f"{self.unused_in_checkpoint}. Track them in the Checkpoint, or call "
+                "expect_partial() if leaving them out is intended."
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Raises AssertionError if a tracked object found nothing in the checkpoint."""
+        if self.not_in_checkpoint:
+            raise AssertionError(
+                f"The checkpoint at {self.path} has nothing for {self.not_in_checkpoint}; "
+                "they kept their current values. Restore from a checkpoint that tracked them "
+                "under the same names."
+            )
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Accepts a partial match (as TF's; mirrax warns about nothing, so this only returns)."""
+        return self
+
+
+class Checkpoint:
+    """Saves and restores training state, as `tf.train.Checkpoint`, written by Orbax.
+
+    Tracked objects are passed by keyword: `nnx.Module`s, `nnx.Optimizer`s, mirrax metrics
+    (any `nnx.Pytree`), `nnx.Variable`s, `mirrax.Model`s (their module and, once compiled,
+    their optimizer state) and plain numbers or arrays such as a step counter (restoring
+    rebinds the attribute: `ckpt.step`). Tracked objects are attributes: `ckpt.model`.
+
+    Each array is written once (not once per replica), so the size does not depend on the
+    replica count. Restoring places every array where the target object's array lives NOW,
+    so a checkpoint saved under any strategy restores under any other. Loading never executes
+    code from the checkpoint: Orbax stores arrays (TensorStore) and JSON metadata, not pickle.
+
+    Example:
+      ckpt = mirrax.Checkpoint(model=model, optimizer=optimizer, step=0)
+      ckpt.save("/tmp/ckpt")
+      ckpt.restore("/tmp/ckpt").assert_consumed()
+
+    Attributes:
+      save_counter: number of `save` calls (restored by `restore`, not by `read`), as TF's.
+    """
+
+    def __init__(self, **objects: Any):
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "save_counter", 0)
+        for name, obj in objects.items():
+            setattr(self, name, obj)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_") or name == _SAVE_COUNTER:
+            if name == _SAVE_COUNTER:
+                object.__setattr__(self, name, value)
+                return
+            raise ValueError(f"Checkpoint cannot track a name that starts with '_': {name!r}.")
+        _parts(self, name, value)  # validates the kind
+        self._objects[name] = value
+
+    def __getattr__(self, name):
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint tracks no object named {name!r}; it tracks {sorted(objects)}.")
+
+    def _all_parts(self) -> list:
+        return [part for name, obj in self._objects.items() for part in _parts(self, name, obj)]
+
+    def save(self, path) -> str:
+        """Writes every tracked object to the directory `path` (replaced if it exists).
+
+        Atomic: Orbax writes to a temporary directory and renames it when complete. In a
+        multi-process run every process calls `save`; Orbax lets process 0 write.
+
+        Returns:
+          The absolute path written.
+        """
+        path = os.path.abspath(os.fspath(path))
+        self.save_counter += 1
+        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        checkpointer.save(path, self._save_args(), force=True)
+        return path
+
+    def _save_args(self) -> ocp.args.Composite:
+        items = {part.item: ocp.args.StandardSave(_as_arrays(part.get())) for part in self._all_parts()}
+        counter = np.asarray(self.save_counter, np.int64)
+        items[_SAVE_COUNTER] = ocp.args.StandardSave({"value": counter})
+        return ocp.args.Composite(**items)
+
+    def restore(self, path) -> CheckpointLoadStatus:
+        """Reads the checkpoint at `path` into the tracked objects, placed where they are now.
+
+        A tracked object whose name is not in the checkpoint keeps its values, and a stored
+        item nothing tracks is left unread; the returned status reports both
+        (`assert_consumed()`, `expect_partial()`), as TF's. Nothing is changed unless every
+        matched item fits.
+
+        Raises:
+          FileNotFoundError: no directory at `path`.
+          ValueError: the directory is not a readable checkpoint; or a tracked object's
+            structure, shapes or dtypes differ from the stored ones (the message lists each
+            path with its stored and current shape or dtype).
+        """
+        return self._restore(path, "restore", with_counter=True)
+
+    def read(self, path) -> CheckpointLoadStatus:
+        """As `restore`, but leaves `save_counter` alone (TF's `read` for `write`'s files)."""
+        return self._restore(path, "read", with_counter=False)
+
+    def _restore(self, path, what: str, with_counter: bool) -> CheckpointLoadStatus:
+        path = os.path.abspath(os.fspath(path))
+        stored = _stored_items(path, what)
+        parts = self._all_parts()
+        matched = [part for part in parts if part.item in stored]
+        problems = []
+        for part in matched:
+            for line in _mismatches(_as_arrays(part.get()), stored[part.item]):
+                problems.append(f"{part.item}{line}")
+        if problems:
+            raise ValueError(
+                f"Checkpoint.{what}: the checkpoint at {path} does not fit the tracked objects; "
+                + "; ".join(problems[:20])
+                + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
+                + ". Restore a checkpoint saved from objects with the same structure and dtypes."
+            )
+        targets = {part.item: ocp.args.StandardRestore(_abstract(_as_arrays(part.get()))) for part in matched}
+        if with_counter and _SAVE_COUNTER in stored:
+            targets[_SAVE_COUNTER] = ocp.args.StandardRestore({"value": np.asarray(0, np.int64)})
+        if targets:
+            restored = _checkpointer(list(targets)).restore(path, ocp.args.Composite(**targets))
+            for part in matched:
+                part.set(restored[part.item])
+            if with_counter and _SAVE_COUNTER in stored:
+                self.save_counter = int(np.asarray(restored[_SAVE_COUNTER]["value"]))
+        tracked = {part.item for part in parts}
+        return CheckpointLoadStatus(
+            path,
+            unused_in_checkpoint=sorted(set(stored) - tracked - {_SAVE_COUNTER}),
+            not_in_checkpoint=sorted(tracked - set(stored)),
+        )
+
+
+class CheckpointManager:
+    """Numbered checkpoints in one directory, as `tf.train.CheckpointManager`, on Orbax's.
+
+    Checkpoint number n is written to `directory/n` by `checkpoint.save`'s machinery (atomic),
+    and only the newest `max_to_keep` are kept (None keeps all).
+
+    Args:
+      checkpoint: the `mirrax.Checkpoint` to save and restore.
+      directory: where the numbered checkpoints live (created if missing).
+      max_to_keep: how many checkpoints to keep, newest first; None keeps every one.
+      checkpoint_interval: with it, `save(checkpoint_number=n)` writes only when n is at least
+        this far past the last saved number (TF's rule); other calls return None.
+      init_fn: called by `restore_or_initialize` when there is no checkpoint yet.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory, max_to_keep: int | None = 5,
+                 checkpoint_interval: int | None = None, init_fn=None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                f"CheckpointManager manages a mirrax.Checkpoint; received {type(checkpoint).__name__}."
+            )
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be a positive int or None; received {max_to_keep}.")
+        self.checkpoint = checkpoint
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self.checkpoint_interval = checkpoint_interval
+        self._init_fn = init_fn
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
+
+    def _path(self, number: int) -> str:
+        return os.path.join(self.directory, str(number))
+
+    @property
+    def checkpoints(self) -> list:
+        """Paths of the kept checkpoints, oldest first."""
+        self._manager.reload()
+        return [self._path(n) for n in sorted(self._manager.all_steps())]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """Path of the newest complete checkpoint, or None when there is none."""
+        self._manager.reload()
+        number = self._manager.latest_step()
+        return None if number is None else self._path(number)
+
+    def save(self, checkpoint_number: int | None = None) -> str | None:
+        """Writes checkpoint number `checkpoint_number` (default: the checkpoint's save_counter
+        after this save, as TF's), drops the oldest beyond `max_to_keep`, returns its path.
+
+        Returns None when `checkpoint_interval` says it is too soon.
+        """
+        self._manager.reload()
+        last = self._manager.latest_step()
+        if checkpoint_number is not None and self.checkpoint_interval is not None and last is not None:
+            if int(checkpoint_number) - last < self.checkpoint_interval:
+                return None
+        ckpt = self.checkpoint
+        ckpt.save_counter += 1
+        number = ckpt.save_counter if checkpoint_number is None else int(checkpoint_number)
+        self._manager.save(number, args=ckpt._save_args(), force=True)
+        self._manager.wait_until_finished()
+        return self._path(number)
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the latest checkpoint and returns its path; with none, calls `init_fn`
+        (if given) and returns None, as TF's."""
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self.checkpoint.restore(latest)
+            return latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
