@@ -114,6 +114,12 @@ def _stored_items(path: str, what: str) -> dict:
             f"Checkpoint.{what}: no checkpoint directory at {path}; write one with "
             "Checkpoint.save(path) or CheckpointManager.save()."
         )
+    if ocp.path.step.TMP_DIR_SUFFIX in os.path.basename(path):
+        raise ValueError(
+            f"Checkpoint.{what}: {path} is an unfinished save (Orbax's temporary directory: the "
+            "save was interrupted before it was committed). Restore an earlier checkpoint "
+            "(CheckpointManager.checkpoints lists the complete ones)."
+        )
     try:
         names = [n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))]
         metadata = _checkpointer(names).metadata(path)
@@ -123,7 +129,8 @@ def _stored_items(path: str, what: str) -> dict:
     except (FileNotFoundError, ValueError, KeyError, AttributeError, TypeError, OSError) as e:
         raise ValueError(
             f"Checkpoint.{what}: {path} is not a readable mirrax checkpoint (empty, truncated, "
-            f"or written by something else, e.g. Model.save_weights): {type(e).__name__}: {e}"
+            f"or written by something else, e.g. Model.save_weights): {type(e).__name__}: {e}. "
+            "Restore an earlier checkpoint (CheckpointManager.checkpoints lists them)."
         ) from e
     if not stored:
         raise ValueError(
@@ -131,6 +138,17 @@ def _stored_items(path: str, what: str) -> dict:
             "directory, or written by Model.save_weights, which Model.load_weights reads)."
         )
     return stored
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's first line: TensorStore's own words (file, byte range), without
+    the pages of TensorStore spec that Orbax's wrapper adds."""
+    seen = set()
+    while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:500]}"
 
 
 class CheckpointLoadStatus:
@@ -280,7 +298,14 @@ class Checkpoint:
         if with_counter and _SAVE_COUNTER in stored:
             targets[_SAVE_COUNTER] = ocp.args.StandardRestore({"value": np.asarray(0, np.int64)})
         if targets:
-            restored = _checkpointer(list(targets)).restore(path, ocp.args.Composite(**targets))
+            try:
+                restored = _checkpointer(list(targets)).restore(path, ocp.args.Composite(**targets))
+            except Exception as e:  # Orbax wraps TensorStore's read errors in a bare Exception
+                raise ValueError(
+                    f"Checkpoint.{what}: could not read the arrays of the checkpoint at {path}; "
+                    f"a data file is truncated or corrupt ({_root_cause(e)}). Nothing was changed. "
+                    "Restore an earlier checkpoint (CheckpointManager.checkpoints lists them)."
+                ) from e
             for part in matched:
                 part.set(restored[part.item])
             if with_counter and _SAVE_COUNTER in stored:
