@@ -11,6 +11,7 @@ Same protocol (`Callback` hooks, `set_model`, `set_params`), names, arguments an
     ])
 """
 
+from mirrax._src.training.callbacks import BackupAndRestore as BackupAndRestore
 from mirrax._src.training.callbacks import CSVLogger as CSVLogger
 from mirrax._src.training.callbacks import Callback as Callback
 from mirrax._src.training.callbacks import CallbackList as CallbackList
@@ -18,12 +19,14 @@ from mirrax._src.training.callbacks import EarlyStopping as EarlyStopping
 from mirrax._src.training.callbacks import History as History
 from mirrax._src.training.callbacks import LambdaCallback as LambdaCallback
 from mirrax._src.training.callbacks import LearningRateScheduler as LearningRateScheduler
+from mirrax._src.training.callbacks import ModelCheckpoint as ModelCheckpoint
 from mirrax._src.training.callbacks import ProgbarLogger as ProgbarLogger
 from mirrax._src.training.callbacks import ReduceLROnPlateau as ReduceLROnPlateau
 from mirrax._src.training.callbacks import TensorBoard as TensorBoard
 from mirrax._src.training.callbacks import TerminateOnNaN as TerminateOnNaN
 
 __all__ = [
+    "BackupAndRestore",
     "CSVLogger",
     "Callback",
     "CallbackList",
@@ -31,6 +34,7 @@ __all__ = [
     "History",
     "LambdaCallback",
     "LearningRateScheduler",
+    "ModelCheckpoint",
     "ProgbarLogger",
     "ReduceLROnPlateau",
     "TensorBoard",

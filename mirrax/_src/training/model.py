@@ -10,6 +10,7 @@ input pipeline (padded and masked when partial), so every example counts exactly
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -356,14 +357,20 @@ class Model:
         self.module.train()
         # Reading the logs waits for the step; do it per step only when a callback uses them.
         batch_logs = _needs_batch_logs(cbs, "on_train_batch_end")
+        self._resume = None
         cbs.on_train_begin()
+        # A callback that restored a backup (BackupAndRestore) says where training resumes:
+        # (epoch index, batches of that epoch already done).
+        first_epoch, first_step = self._resume or (initial_epoch, 0)
+        self._resume = None
         logs: dict = {}
-        for epoch in range(initial_epoch, epochs):
+        for epoch in range(first_epoch, epochs):
             self._reset_metrics()
             cbs.on_epoch_begin(epoch)
             self.module.train()
-            step = 0
-            for group in _groups(train.batches(steps), self.steps_per_execution):
+            step = first_step if epoch == first_epoch else 0
+            batches = itertools.islice(train.batches(steps), step, None)
+            for group in _groups(batches, self.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
                 state = (self.module, self.optimizer.nnx_optimizer, self.metrics, self._tracker,
@@ -389,7 +396,7 @@ class Model:
             if self.stop_training:
                 break
         self.module.eval()
-        cbs.on_train_end(epoch_logs if epochs > initial_epoch else {})
+        cbs.on_train_end(epoch_logs if epochs > first_epoch else {})
         return self.history
 
     # -- evaluate / predict ----------------------------------------------------------------------

@@ -4,6 +4,9 @@ One class per module. Public names are re-exported by `mirrax.callbacks`; the tr
 imports `CallbackList` from here.
 """
 
+from mirrax._src.training.callbacks.backup_and_restore import (
+    BackupAndRestore as BackupAndRestore,
+)
 from mirrax._src.training.callbacks.callback import Callback as Callback
 from mirrax._src.training.callbacks.callback_list import CallbackList as CallbackList
 from mirrax._src.training.callbacks.csv_logger import CSVLogger as CSVLogger
@@ -13,6 +16,7 @@ from mirrax._src.training.callbacks.lambda_callback import LambdaCallback as Lam
 from mirrax._src.training.callbacks.learning_rate_scheduler import (
     LearningRateScheduler as LearningRateScheduler,
 )
+from mirrax._src.training.callbacks.model_checkpoint import ModelCheckpoint as ModelCheckpoint
 from mirrax._src.training.callbacks.progbar_logger import ProgbarLogger as ProgbarLogger
 from mirrax._src.training.callbacks.reduce_lr_on_plateau import (
     ReduceLROnPlateau as ReduceLROnPlateau,
@@ -21,6 +25,7 @@ from mirrax._src.training.callbacks.tensorboard import TensorBoard as TensorBoar
 from mirrax._src.training.callbacks.terminate_on_nan import TerminateOnNaN as TerminateOnNaN
 
 __all__ = [
+    "BackupAndRestore",
     "CSVLogger",
     "Callback",
     "CallbackList",
@@ -28,6 +33,7 @@ __all__ = [
     "History",
     "LambdaCallback",
     "LearningRateScheduler",
+    "ModelCheckpoint",
     "ProgbarLogger",
     "ReduceLROnPlateau",
     "TensorBoard",

@@ -1,0 +1,165 @@
+"""`ModelCheckpoint`: saves the model (or its weights) during `fit`, as Keras 3's."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Optional
+
+from mirrax._src.training.callbacks import _monitor
+from mirrax._src.training.callbacks._chief import is_chief
+from mirrax._src.training.callbacks.backup_and_restore import BatchCounter, check_save_freq
+from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.progbar import print_msg
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model at some frequency during training, as `keras.callbacks.ModelCheckpoint`.
+
+    `filepath` is formatted with `str.format` for each save: `epoch` (1-based, as Keras), the
+    epoch's (or, for batch saves, the batch's) log keys, and, for batch saves, `batch`
+    (1-based), e.g. `"ckpt/weights.{epoch:02d}-{val_loss:.2f}"` gives `ckpt/weights.03-0.41`.
+    Each save is a directory written atomically by Orbax: with `save_weights_only`, what
+    `model.save_weights` writes (read it back with `model.load_weights`); otherwise a
+    `mirrax.Checkpoint(model=model)` (module and optimizer state; read it back with
+    `mirrax.Checkpoint(model=model).restore(path)`). An existing directory is replaced.
+
+    With `save_best_only`, a save happens only when `monitor` improves on the best value so
+    far (strictly: below it in "min" mode, above it in "max"); the first value improves on
+    `initial_value_threshold` when given, else on +inf ("min") / -inf ("max"). With a
+    filepath without formatting, the file then always holds the best model.
+
+    Every process calls the save (Orbax lets process 0 write); only process 0 creates the
+    parent directory and prints.
+
+    Args:
+      filepath: path (a directory, created) of each save, optionally with `{epoch:02d}`,
+        `{batch}` and `{<log key>:.2f}`-style fields.
+      monitor: the log key `save_best_only` compares, e.g. "val_loss", "accuracy".
+      verbose: 1 prints a line per save or skipped save; 0 is silent.
+      save_best_only: save only when `monitor` improves.
+      save_weights_only: save only the module's variables (`model.save_weights`).
+      mode: "min", "max" or "auto" (the direction inferred from the name or from the model's
+        metric, as `EarlyStopping`). An unknown mode warns and falls back to "auto".
+      save_freq: "epoch" (at the end of every epoch) or a positive int: after every that many
+        batches, counted across epochs, with the batch's running logs.
+      initial_value_threshold: the value the first monitored value must beat
+        (`save_best_only`).
+
+    Raises:
+      ValueError: `save_freq` is neither "epoch" nor a positive int; at the start of training,
+        `save_best_only` with `mode="auto"` and a `monitor` whose direction is unknown.
+      KeyError: at a save, `filepath` names a field that the logs do not have.
+
+    Warns:
+      UserWarning: `save_best_only` and the logs lack `monitor`; that save is skipped.
+    """
+
+    def __init__(self, filepath, monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq="epoch",
+                 initial_value_threshold: Optional[float] = None):
+        super().__init__()
+        self.filepath = os.fspath(filepath)
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.mode = _monitor.check_mode(mode, "ModelCheckpoint")
+        self.save_freq = check_save_freq(save_freq, "ModelCheckpoint")
+        self.initial_value_threshold = initial_value_threshold
+        self.monitor_op: Optional[str] = None  # "min" or "max" once resolved
+        self.best: Optional[float] = initial_value_threshold
+        self._epoch = 0
+        self._counter: Optional[BatchCounter] = None
+        if self.save_freq != "epoch":
+            # Bound per instance: `fit` reads the step's logs (waiting for it) only for
+            # callbacks that have a batch hook, and epoch-level saves need none.
+            self.on_train_batch_end = self._on_train_batch_end
+
+    def _resolve_mode(self) -> None:
+        self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(
+            self.monitor, self.model)
+        if self.monitor_op is None:
+            raise ValueError(
+                f"ModelCheckpoint received monitor={self.monitor!r} with mode='auto', but "
+                "cannot tell whether that quantity should be minimized or maximized. Pass "
+                "mode='max' to keep the highest value, or mode='min' to keep the lowest."
+            )
+        if self.best is None:
+            self.best = math.inf if self.monitor_op == "min" else -math.inf
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Resolves `mode="auto"` (with `save_best_only`) and restarts the batch count.
+
+        The best value is kept across `fit` calls, as Keras's.
+        """
+        if self.save_best_only and self.monitor_op is None:
+            self._resolve_mode()
+        self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch = epoch
+        if self._counter is not None:
+            self._counter.start_epoch(0)
+
+    def _on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Saves after every `save_freq` batches (int `save_freq` only)."""
+        if self._counter.due(batch):
+            self._save_model(self._epoch, batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Saves at the end of the epoch (`save_freq="epoch"`)."""
+        if self.save_freq == "epoch":
+            self._save_model(epoch, None, logs)
+
+    def _file_path(self, epoch: int, batch: Optional[int], logs: dict) -> str:
+        fields = dict(logs, epoch=epoch + 1)
+        if batch is not None and "batch" not in logs:
+            fields["batch"] = batch + 1
+        try:
+            return self.filepath.format(**fields)
+        except KeyError as e:
+            raise KeyError(
+                f'Failed to format this callback filepath: "{self.filepath}". Reason: {e}. '
+                f"Available fields: {sorted(fields)}."
+            ) from None
+
+    def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[dict]) -> None:
+        logs = logs or {}
+        path = os.path.abspath(self._file_path(epoch, batch, logs))
+        if self.save_best_only:
+            if self.monitor_op is None:
+                self._resolve_mode()
+            current = logs.get(self.monitor)
+            if current is None:
+                warnings.warn(
+                    f"Can save best model only with {self.monitor} available, skipping. "
+                    + _monitor.missing_monitor_message("ModelCheckpoint", self.monitor, logs),
+                    stacklevel=2,
+                )
+                return
+            current = float(current)
+            improved = current < self.best if self.monitor_op == "min" else current > self.best
+            if not improved:
+                self._print(f"Epoch {epoch + 1}: {self.monitor} did not improve from "
+                            f"{self.best:.5f}")
+                return
+            self._print(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
+                        f"{current:.5f}, saving model to {path}")
+            self.best = current
+        else:
+            self._print(f"Epoch {epoch + 1}: saving model to {path}")
+        if is_chief():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        if self.save_weights_only:
+            self.model.save_weights(path, overwrite=True)
+        else:
+            from mirrax._src.checkpoint import Checkpoint
+
+            Checkpoint(model=self.model).save(path)
+
+    def _print(self, message: str) -> None:
+        if self.verbose > 0 and is_chief():
+            print_msg(f"\n{message}")

@@ -1,0 +1,268 @@
+"""ModelCheckpoint and BackupAndRestore driven by a real `Model.fit` (issue 4, tests 4-6).
+
+The model is a 2 -> 1 linear layer trained with Adam on 5 examples and `shuffle=False`, so a
+run is deterministic and a resumed run can be compared with an uninterrupted one; Adam's
+moments make the comparison fail if the optimizer state were not restored. `iterations` is
+`model.optimizer.iterations`, the number of optimizer steps applied.
+"""
+
+import os
+import re
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from mirrax.callbacks import BackupAndRestore, Callback, LambdaCallback, ModelCheckpoint
+from tests.conftest import mirrored
+
+X = (np.arange(10, dtype=np.float32).reshape(5, 2) / 10.0)
+Y = X @ np.array([[1.0], [-2.0]], np.float32) + 0.5
+
+
+def make_model(replicas: int = 1) -> mirrax.Model:
+    with mirrored(replicas).scope():
+        model = mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+        model.compile(optax.adam(0.05), loss="mse")
+    return model
+
+
+def weights(model) -> list:
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAt(Callback):
+    """Raises `Interrupted` at the start of epoch `epoch` (or of its batch `batch`)."""
+
+    def __init__(self, epoch: int, batch=None):
+        super().__init__()
+        self.epoch, self.batch = epoch, batch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+        if epoch == self.epoch and self.batch is None:
+            raise Interrupted
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current == self.epoch and batch == self.batch:
+            raise Interrupted
+
+
+class Recorder(Callback):
+    """Records iterations and weights at train begin, and every (epoch, batch) trained."""
+
+    def on_train_begin(self, logs=None):
+        self.start_iterations = self.model.optimizer.iterations
+        self.start_weights = weights(self.model)
+        self.batches = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches.append((self.epoch, batch))
+
+
+def fit(model, callbacks, batch_size=1, **kwargs):
+    return model.fit(X, Y, batch_size=batch_size, epochs=10, shuffle=False, verbose=0,
+                     callbacks=callbacks, **kwargs)
+
+
+def epoch_end_weights(model, into: dict):
+    return LambdaCallback(on_epoch_end=lambda epoch, logs: into.__setitem__(epoch, weights(model)))
+
+
+# -- BackupAndRestore --------------------------------------------------------------------------
+
+
+def test_backup_and_restore_resumes_after_the_last_completed_epoch(tmp_path):
+    backup = str(tmp_path / "backup")
+    reference = make_model()
+    fit(reference, [])
+    # Uninterrupted: 10 epochs x 5 steps (5 examples, batch 1) = 50 iterations.
+    assert reference.optimizer.iterations == 50
+
+    model = make_model()
+    saved = {}
+    with pytest.raises(Interrupted):
+        fit(model, [BackupAndRestore(backup), epoch_end_weights(model, saved), InterruptAt(4)])
+    # Epochs 0..3 ran: 4 x 5 = 20 iterations, backed up at the end of epoch index 3.
+    assert model.optimizer.iterations == 20
+    assert os.path.isdir(backup)
+
+    resumed = make_model()  # a fresh process: initial weights, no optimizer state
+    recorder = Recorder()
+    history = fit(resumed, [BackupAndRestore(backup), recorder])
+    assert recorder.start_iterations == 20
+    for got, want in zip(recorder.start_weights, saved[3]):
+        np.testing.assert_array_equal(got, want)
+    # Epoch indices 4..9: 6 epochs, 6 x 5 = 30 more steps, 20 + 30 = 50 iterations.
+    assert history.epoch == [4, 5, 6, 7, 8, 9]
+    assert len(history.history["loss"]) == 6
+    assert resumed.optimizer.iterations == 50
+    for got, want in zip(weights(resumed), weights(reference)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # Success deletes the backup, so a third fit starts afresh and runs all 10 epochs.
+    assert not os.path.exists(backup)
+    third = make_model()
+    history = fit(third, [BackupAndRestore(backup)])
+    assert len(history.history["loss"]) == 10
+    assert third.optimizer.iterations == 50
+
+
+def test_backup_and_restore_resumes_mid_epoch(tmp_path, capsys):
+    backup = str(tmp_path / "backup")
+    reference = make_model()
+    fit(reference, [])
+
+    model = make_model()
+    with pytest.raises(Interrupted):
+        fit(model, [BackupAndRestore(backup, save_freq=2), InterruptAt(2, batch=3)])
+    # Epochs 0, 1 (10 steps) and batches 0..2 of epoch 2: 13 iterations. Backups every 2
+    # batches, counted across epochs: the last after batch 12 = epoch 2, batches 0 and 1.
+    assert model.optimizer.iterations == 13
+
+    resumed = make_model()
+    recorder = Recorder()
+    capsys.readouterr()
+    history = resumed.fit(X, Y, batch_size=1, epochs=10, shuffle=False, verbose=1,
+                          callbacks=[BackupAndRestore(backup, save_freq=2), recorder])
+    assert recorder.start_iterations == 12
+    # Resumes at epoch 2, batch 2: 3 batches left in epoch 2, then 7 epochs x 5 = 35; 38 steps.
+    assert recorder.batches[0] == (2, 2)
+    assert len(recorder.batches) == 38
+    assert resumed.optimizer.iterations == 12 + 38 == 50
+    assert history.epoch == list(range(2, 10))
+    for got, want in zip(weights(resumed), weights(reference)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # The bar counts steps within the epoch: every count is at most 5 (the partial epoch
+    # ends at 5/5, never 13/5).
+    counts = re.findall(r"^\s*(\d+)/(\d+) \[", capsys.readouterr().out, re.MULTILINE)
+    assert len(counts) == 8
+    assert all(int(step) <= int(target) == 5 for step, target in counts)
+    assert not os.path.exists(backup)
+
+
+def test_backup_and_restore_under_two_replicas(tmp_path):
+    backup = str(tmp_path / "backup")
+    replicas = 2
+    # Global batch 2 on 5 examples: ceil(5 / 2) = 3 steps per epoch (the last holds 1 example,
+    # split 1|0 over the 2 replicas).
+    steps = -(-5 // 2)
+    reference = make_model(replicas)
+    fit(reference, [], batch_size=2)
+    assert reference.optimizer.iterations == 10 * steps == 30
+
+    model = make_model(replicas)
+    with pytest.raises(Interrupted):
+        fit(model, [BackupAndRestore(backup), InterruptAt(4)], batch_size=2)
+
+    resumed = make_model(replicas)
+    recorder = Recorder()
+    history = fit(resumed, [BackupAndRestore(backup), recorder], batch_size=2)
+    # Epoch indices 0..3 done: 4 x 3 = 12 at restart; 6 more epochs: 12 + 6 x 3 = 30.
+    assert recorder.start_iterations == 4 * steps == 12
+    assert resumed.optimizer.iterations == 30
+    assert len(history.history["loss"]) == 6
+    for got, want in zip(weights(resumed), weights(reference)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_backup_and_restore_rejects_a_bad_save_freq(tmp_path):
+    with pytest.raises(ValueError, match="save_freq"):
+        BackupAndRestore(str(tmp_path), save_freq="batch")
+    with pytest.raises(ValueError, match="save_freq"):
+        BackupAndRestore(str(tmp_path), save_freq=0)
+
+
+def test_backup_is_kept_when_delete_checkpoint_is_false(tmp_path):
+    backup = str(tmp_path / "backup")
+    model = make_model()
+    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
+              callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
+    # A later fit to epochs=3 resumes after epoch index 1 (2 x 5 = 10 iterations): one epoch.
+    again = make_model()
+    history = again.fit(X, Y, batch_size=1, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
+    assert history.epoch == [2]
+    assert again.optimizer.iterations == 15
+
+
+# -- ModelCheckpoint ---------------------------------------------------------------------------
+
+
+def test_model_checkpoint_formats_the_filepath(tmp_path):
+    model = make_model()
+    pattern = str(tmp_path / "w.{epoch:02d}-{loss:.2f}")
+    history = model.fit(X, Y, batch_size=1, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[ModelCheckpoint(pattern, save_weights_only=True)])
+    # Epoch numbers in names are 1-based, as Keras: 01, 02, 03.
+    expected = {f"w.{e + 1:02d}-{loss:.2f}" for e, loss in enumerate(history.history["loss"])}
+    assert set(os.listdir(tmp_path)) == expected
+    assert len(expected) == 3
+
+
+def test_model_checkpoint_every_n_batches_names_epoch_and_batch(tmp_path):
+    model = make_model()
+    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
+              callbacks=[ModelCheckpoint(str(tmp_path / "{epoch}-{batch}"), save_freq=2,
+                                         save_weights_only=True)])
+    # 5 batches per epoch, a save every 2 counted across epochs: after batches 2, 4 (epoch 1),
+    # 6 = epoch 2 batch 1, 8 = epoch 2 batch 3, 10 = epoch 2 batch 5 (1-based numbers).
+    assert sorted(os.listdir(tmp_path)) == ["1-2", "1-4", "2-1", "2-3", "2-5"]
+
+
+def test_model_checkpoint_save_best_only_keeps_improving_epochs(tmp_path):
+    model = make_model()
+    scores = [3.0, 1.0, 2.0, 0.5, 0.7]
+    inject = LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(score=scores[epoch]))
+    checkpoint = ModelCheckpoint(str(tmp_path / "best.{epoch}"), monitor="score", mode="min",
+                                 save_best_only=True, save_weights_only=True)
+    model.fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0,
+              callbacks=[inject, checkpoint])
+    # 3.0 beats +inf, 1.0 < 3.0, 2.0 no, 0.5 < 1.0, 0.7 no: epochs 1, 2 and 4 (1-based).
+    assert sorted(os.listdir(tmp_path)) == ["best.1", "best.2", "best.4"]
+    assert checkpoint.best == 0.5
+
+    threshold = ModelCheckpoint(str(tmp_path / "t.{epoch}"), monitor="score", mode="min",
+                                save_best_only=True, save_weights_only=True,
+                                initial_value_threshold=0.9)
+    make_model().fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0,
+                     callbacks=[inject, threshold])
+    # Only 0.5 beats the threshold 0.9: epoch 4.
+    assert [n for n in os.listdir(tmp_path) if n.startswith("t.")] == ["t.4"]
+
+
+def test_model_checkpoint_auto_mode_needs_a_known_direction(tmp_path):
+    with pytest.raises(ValueError, match="mode='max'"):
+        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
+            ModelCheckpoint(str(tmp_path / "m"), monitor="score", save_best_only=True)])
+
+
+def test_model_checkpoint_missing_format_field_names_it(tmp_path):
+    with pytest.raises(KeyError, match="val_loss"):
+        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
+            ModelCheckpoint(str(tmp_path / "{val_loss:.2f}"))])
+
+
+def test_model_checkpoint_saves_restore(tmp_path):
+    model = make_model()
+    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, callbacks=[
+        ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
+        ModelCheckpoint(str(tmp_path / "full"))])
+    fresh = make_model()
+    fresh.load_weights(str(tmp_path / "weights"))
+    for got, want in zip(weights(fresh), weights(model)):
+        np.testing.assert_array_equal(got, want)
+    # The full checkpoint also holds the optimizer state: 2 epochs x 5 steps = 10 iterations.
+    full = make_model()
+    mirrax.Checkpoint(model=full).restore(str(tmp_path / "full")).assert_existing_objects_matched()
+    assert full.optimizer.iterations == 10
+    for got, want in zip(weights(full), weights(model)):
+        np.testing.assert_array_equal(got, want)
