@@ -39,6 +39,8 @@ from mirrax._src.distribute.strategy import in_cross_replica_context as in_cross
 from mirrax._src.distribute.tpu import TPUStrategy as TPUStrategy
 from mirrax._src.distribute.values import Mirrored as Mirrored
 from mirrax._src.distribute.values import PerReplica as PerReplica
+from mirrax._src.export import export as export
+from mirrax._src.export import load_exported as load_exported
 from mirrax._src.training.model import Model as Model
 
 __version__ = "0.1.0"
@@ -72,10 +74,12 @@ __all__ = [
     "callbacks",
     "data",
     "errors",
+    "export",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "load_exported",
     "losses",
     "metrics",
     "mixed_precision",

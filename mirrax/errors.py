@@ -47,3 +47,11 @@ class InvalidIdentifierError(MirraxError, ValueError):
 
 class InvalidLabelError(MirraxError, ValueError):
     """Labels outside the range the loss accepts (e.g. a sparse label >= the number of classes)."""
+
+
+class MissingExportError(MirraxError, FileNotFoundError):
+    """`load_exported` found no artifact (or an incomplete one) at the path."""
+
+
+class InvalidExportInputError(MirraxError, ValueError):
+    """The input given to an exported model does not match its input signature."""

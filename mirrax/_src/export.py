@@ -1,0 +1,324 @@
+"""`mirrax.export` / `mirrax.load_exported`: a serving artifact that runs without the model's code.
+
+The artifact is a directory of three files:
+
+- `forward.jax_export`: the forward function serialized with `jax.export` (StableHLO plus its
+  calling convention), taking `(weights, x)` where `weights` is a list of arrays;
+- `weights.npz`: those arrays, `weights_0`, `weights_1`, ... (NumPy's format, read with
+  `allow_pickle=False`: loading never runs code from the file);
+- `metadata.json`: the format version, the platforms the program was lowered for, and the
+  input and output signatures (batch dimension `null`).
+
+Weights travel as arguments rather than as constants baked into the program: the program stays
+small whatever the model size (StableHLO's protobuf cannot exceed 2 GiB), and the weights stay
+readable with plain NumPy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrax import errors
+
+FORMAT = "mirrax.export"
+FORMAT_VERSION = 1
+PROGRAM_FILE = "forward.jax_export"
+WEIGHTS_FILE = "weights.npz"
+METADATA_FILE = "metadata.json"
+# An artifact made on a CPU-only machine should also serve on a GPU.
+DEFAULT_PLATFORMS = ("cpu", "cuda")
+
+
+MissingExportError = errors.MissingExportError
+InvalidExportInputError = errors.InvalidExportInputError
+
+
+def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
+    """Writes a serving artifact of the forward pass into the directory `path`.
+
+    The forward pass is traced once with a symbolic batch dimension "b", lowered with
+    `jax.export` for `platforms` and written with its weights (see this module's docstring for
+    the files). Modules are put in eval mode (`module.eval()`) first, so dropout is off and
+    batch norm uses its running statistics. A `mirrax.Model` is exported as `model.predict`
+    computes (its dtype policy: compute dtype inside, floating outputs in float32). The weights
+    are host copies, so the artifact is bound to no device or mesh: export a model trained on 8
+    replicas and serve it on one device. Only process 0 writes in a multi-process run.
+
+    Args:
+      model_or_fn: a `mirrax.Model`, an `nnx.Module`, or a pure function `fn(x)` (no weights).
+      path: the directory to write (created if missing; files of an earlier export replaced).
+      input_signature: a `jax.ShapeDtypeStruct` or a pytree (tuples, lists, dicts) of them, the
+        shape of ONE call's input. A leading dimension of None or -1 means "any batch size"
+        and becomes the symbolic dimension "b", shared by every leaf, e.g.
+        `jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32)` for images (batch, 8, 8, 1).
+      platforms: the platforms to lower for; default ("cpu", "cuda") plus the current one. If
+        lowering for all of them fails (e.g. a CUDA-only kernel is missing on a CPU machine),
+        the program is lowered for the current platform only; `metadata.json` records which.
+
+    Raises:
+      TypeError: `model_or_fn` is none of the three, or `input_signature` holds a leaf that
+        is not a `jax.ShapeDtypeStruct`.
+      ValueError: a non-leading dimension is None or negative.
+    """
+    forward, weights = _forward_and_weights(model_or_fn)
+    specs = _symbolic_specs(input_signature)
+    weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    requested = list(platforms) if platforms is not None else _default_platforms()
+    try:
+        exported = jax.export.export(jax.jit(forward), platforms=requested)(weight_specs, specs)
+        fallback = None
+    except Exception as error:  # noqa: BLE001 - any lowering failure falls back the same way
+        current = _current_platform()
+        if requested == [current]:
+            raise
+        exported = jax.export.export(jax.jit(forward), platforms=[current])(weight_specs, specs)
+        fallback = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "jax_version": jax.__version__,
+        "platforms": list(exported.platforms),
+        "requested_platforms": requested,
+        "platform_fallback_reason": fallback,
+        "input_signature": _describe(input_signature),
+        "output_signature": _describe(
+            jax.tree.unflatten(exported.out_tree, list(exported.out_avals))),
+        "num_weights": len(weights),
+    }
+    if jax.process_index() != 0:
+        return
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    # Each file is written under a temporary name and renamed: a reader never sees half a file.
+    _write_atomic(os.path.join(path, WEIGHTS_FILE),
+                  lambda f: np.savez(f, **{f"weights_{i}": w for i, w in enumerate(weights)}))
+    _write_atomic(os.path.join(path, PROGRAM_FILE), lambda f: f.write(exported.serialize()))
+    _write_atomic(os.path.join(path, METADATA_FILE),
+                  lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+
+
+class ExportedModel:
+    """The callable `load_exported` returns: `exported(x)` runs the serialized forward pass.
+
+    Attributes:
+      input_signature: the pytree of `jax.ShapeDtypeStruct` the export was made with; the
+        batch dimension is the symbolic dimension "b".
+      platforms: the platforms the program can run on, e.g. ("cpu", "cuda").
+      metadata: the contents of `metadata.json`.
+    """
+
+    def __init__(self, exported, weights: list, metadata: dict, path: str):
+        self._exported = exported
+        self._weights = weights
+        self._call = jax.jit(exported.call)
+        self.metadata = metadata
+        self.path = path
+        self.platforms = tuple(exported.platforms)
+        self.input_signature = jax.tree.unflatten(
+            exported.in_tree.children()[0].children()[1],
+            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[len(weights):]],
+        )
+
+    def __call__(self, x):
+        """The forward pass's output for `x`, a pytree of arrays matching `input_signature`.
+
+        Raises:
+          InvalidExportInputError: `x` differs from the signature in structure, rank, a
+            non-batch dimension, dtype, or the leaves' batch sizes differ.
+        """
+        self._check(x)
+        return self._call(self._weights, x)
+
+    def _check(self, x):
+        expected = self.input_signature
+        want = f"expected {_signature_text(expected)}"
+        try:
+            leaves = jax.tree.leaves(jax.tree.map(lambda _, v: v, expected, x))
+        except (ValueError, TypeError):
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: the input's structure "
+                f"{jax.tree.structure(x)} does not match the signature's; {want}."
+            ) from None
+        batch_sizes = set()
+        for spec, value in zip(jax.tree.leaves(expected), leaves):
+            shape, dtype = tuple(np.shape(value)), _dtype_of(value)
+            dims = _dims(spec)
+            fits = len(shape) == len(dims) and all(
+                want_dim is None or want_dim == got for want_dim, got in zip(dims, shape)
+            )
+            if not fits or dtype != spec.dtype:
+                raise InvalidExportInputError(
+                    f"exported model at {self.path}: received an input of shape {shape} and "
+                    f"dtype {dtype}; {want} (None = any batch size). Reshape the input or "
+                    f"cast it, e.g. x.astype(np.{spec.dtype})."
+                )
+            if shape and dims and dims[0] is None:
+                batch_sizes.add(shape[0])
+        if len(batch_sizes) > 1:
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: the inputs' batch sizes differ "
+                f"({sorted(batch_sizes)}); every leaf shares one batch dimension; {want}."
+            )
+
+    def __repr__(self):
+        return (f"ExportedModel({self.path!r}, input_signature="
+                f"{_signature_text(self.input_signature)}, platforms={self.platforms})")
+
+
+def load_exported(path) -> ExportedModel:
+    """Loads an artifact written by `mirrax.export`; returns an `ExportedModel` to call.
+
+    Needs neither the model's Python code nor any particular device count: the program runs on
+    the default device of the current platform (one of those it was exported for).
+
+    Raises:
+      MissingExportError: `path` is not a directory, or lacks one of the artifact's files.
+      ValueError: the metadata names another format or a newer format version.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise MissingExportError(
+            f"load_exported: no directory at {path}; write one with "
+            "mirrax.export(model, path, input_signature)."
+        )
+    missing = [name for name in (PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE)
+               if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        found = sorted(os.listdir(path))
+        raise MissingExportError(
+            f"load_exported: {path} is not a complete mirrax export: missing "
+            f"{', '.join(missing)} (found {found or 'an empty directory'}). Write it with "
+            "mirrax.export(model, path, input_signature)."
+        )
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        metadata = json.loads(f.read())
+    if metadata.get("format") != FORMAT or metadata.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"load_exported: {path} holds format {metadata.get('format')!r} version "
+            f"{metadata.get('format_version')!r}; this mirrax reads {FORMAT!r} up to version "
+            f"{FORMAT_VERSION}. Upgrade mirrax or re-export."
+        )
+    with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
+        exported = jax.export.deserialize(bytearray(f.read()))
+    with np.load(os.path.join(path, WEIGHTS_FILE), allow_pickle=False) as npz:
+        weights = [npz[f"weights_{i}"] for i in range(metadata["num_weights"])]
+    return ExportedModel(exported, weights, metadata, path)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _forward_and_weights(model_or_fn):
+    """(forward(weights, x), weights): a pure function and the host arrays it takes."""
+    from mirrax._src.training import mixed_precision
+    from mirrax._src.training.model import Model, _forward
+
+    if isinstance(model_or_fn, Model):
+        module = model_or_fn.module
+        policy = getattr(model_or_fn, "dtype_policy", None) or mixed_precision.Policy("float32")
+    elif isinstance(model_or_fn, nnx.Module):
+        module, policy = model_or_fn, mixed_precision.Policy("float32")
+    elif callable(model_or_fn):
+        fn = model_or_fn
+        return (lambda weights, x: fn(x)), []
+    else:
+        raise TypeError(
+            "export: model_or_fn must be a mirrax.Model, an nnx.Module or a function fn(x); "
+            f"received {type(model_or_fn).__name__}."
+        )
+    module.eval()
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    # PRNG keys cannot go into an .npz; their raw uint32 data can, re-wrapped inside the program.
+    key_impls = [jax.random.key_impl(a) if _is_key(a) else None for a in leaves]
+    weights = [_host_copy(jax.random.key_data(a) if impl else a)
+               for a, impl in zip(leaves, key_impls)]
+
+    def forward(weights, x):
+        values = [jax.random.wrap_key_data(w, impl=impl) if impl else w
+                  for w, impl in zip(weights, key_impls)]
+        return _forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, values)), x, policy)
+
+    return forward, weights
+
+
+def _is_key(array) -> bool:
+    return jnp.issubdtype(array.dtype, jax.dtypes.prng_key)
+
+
+def _host_copy(array) -> np.ndarray:
+    """A NumPy copy of a possibly replicated or multi-host array."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        if array.is_fully_replicated:
+            return np.asarray(array.addressable_data(0))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
+
+
+def _symbolic_specs(input_signature):
+    """The signature with each None/-1 leading dimension replaced by the one symbol "b"."""
+    (batch,) = jax.export.symbolic_shape("b")
+
+    def convert(spec):
+        if not isinstance(spec, jax.ShapeDtypeStruct):
+            raise TypeError(
+                "export: input_signature must be a jax.ShapeDtypeStruct or a pytree of them, "
+                f"e.g. jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32); received a leaf "
+                f"{spec!r} of type {type(spec).__name__}."
+            )
+        shape = tuple(spec.shape)
+        for i, dim in enumerate(shape):
+            if _dims(spec)[i] is None and i != 0:
+                raise ValueError(
+                    f"export: only the leading (batch) dimension may be None or -1; the "
+                    f"signature {spec} has {dim} at dimension {i}."
+                )
+        if shape and _dims(spec)[0] is None:
+            shape = (batch,) + shape[1:]
+        return jax.ShapeDtypeStruct(shape, spec.dtype)
+
+    return jax.tree.map(convert, input_signature)
+
+
+def _dims(spec) -> tuple:
+    """The spec's shape with every symbolic, None or negative dimension as None."""
+    return tuple(d if isinstance(d, int) and d >= 0 else None for d in spec.shape)
+
+
+def _describe(specs) -> Any:
+    """A JSON-able pytree of {"shape": [...], "dtype": "..."}, the batch dimension null."""
+    return jax.tree.map(lambda s: {"shape": list(_dims(s)), "dtype": str(s.dtype)}, specs)
+
+
+def _signature_text(specs) -> str:
+    text = lambda s: f"{s.dtype}{list(_dims(s))}"  # noqa: E731
+    return text(specs) if isinstance(specs, jax.ShapeDtypeStruct) else str(
+        jax.tree.map(text, specs))
+
+
+def _dtype_of(value) -> np.dtype:
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
+def _current_platform() -> str:
+    return jax.export.default_export_platform()
+
+
+def _default_platforms() -> list:
+    current = _current_platform()
+    return list(DEFAULT_PLATFORMS) + ([current] if current not in DEFAULT_PLATFORMS else [])
+
+
+def _write_atomic(path: str, write) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)

@@ -1,0 +1,172 @@
+"""mirrax.export / load_exported: a serving artifact that runs without the model's code."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from mirrax.examples.keras_fit import TutorialCNN
+from tests.conftest import mirrored
+
+BATCH_SIZES = (1, 7, 64)
+SIGNATURE = jax.ShapeDtypeStruct((-1, 8, 8, 1), jnp.float32)
+
+# Runs in a fresh interpreter: only mirrax and numpy, never the model's module.
+_SERVE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import mirrax
+
+    export_dir, inputs_path, outputs_path = sys.argv[1:]
+    model = mirrax.load_exported(export_dir)
+    with np.load(inputs_path, allow_pickle=False) as inputs:
+        outputs = {name: np.asarray(model(inputs[name])) for name in inputs.files}
+    np.savez(outputs_path, **outputs)
+    print(json.dumps({
+        "examples_imported": sorted(m for m in sys.modules if "examples" in m.split(".")),
+        "tutorial_cnn_defined": [name for name, m in list(sys.modules.items())
+                                 if m is not None and hasattr(m, "TutorialCNN")],
+        "devices": len(__import__("jax").devices()),
+    }))
+""")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A TutorialCNN fit 4 steps (64 digits, global batch 16) under 2 replicas, and its export."""
+    (x_train, y_train), (x_test, _) = mirrax.data.load_digits()
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(TutorialCNN((8, 8, 1), rngs=nnx.Rngs(0)))
+        model.compile(optimizer=optax.adam(1e-2),
+                      loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    initial = model.get_weights()
+    model.fit(x_train[:64], y_train[:64], batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert model.optimizer.iterations == 4  # 64 examples / global batch 16
+    assert any(not np.allclose(a, b) for a, b in zip(initial, model.get_weights()))
+    path = tmp_path_factory.mktemp("export") / "cnn"
+    mirrax.export(model, path, SIGNATURE)
+    return model, path, x_test
+
+
+def test_exported_cnn_matches_live_model_in_a_fresh_process_without_its_code(trained, tmp_path):
+    model, path, x_test = trained
+    inputs = {f"batch_{n}": x_test[:n] for n in BATCH_SIZES}
+    live = {name: model.predict(x, batch_size=len(x), verbose=0) for name, x in inputs.items()}
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    (tmp_path / "serve.py").write_text(_SERVE)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "serve.py"), str(path), str(tmp_path / "inputs.npz"),
+         str(tmp_path / "outputs.npz")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["examples_imported"] == []
+    assert report["tutorial_cnn_defined"] == []
+    with np.load(tmp_path / "outputs.npz", allow_pickle=False) as served:
+        for name, expected in live.items():
+            assert served[name].shape == expected.shape == (len(inputs[name]), 10)
+            np.testing.assert_allclose(served[name], expected, rtol=0, atol=1e-6)
+
+
+def test_artifact_files_and_metadata(trained):
+    _, path, _ = trained
+    assert sorted(p.name for p in path.iterdir()) == [
+        "forward.jax_export", "metadata.json", "weights.npz"]
+    metadata = json.loads((path / "metadata.json").read_text())
+    assert metadata["input_signature"] == {"shape": [None, 8, 8, 1], "dtype": "float32"}
+    assert metadata["output_signature"] == {"shape": [None, 10], "dtype": "float32"}
+    assert "cpu" in metadata["platforms"]
+    # 3 convs + 2 denses, a kernel and a bias each.
+    assert metadata["num_weights"] == 10
+    with np.load(path / "weights.npz", allow_pickle=False) as weights:
+        assert len(weights.files) == 10
+
+
+@pytest.mark.parametrize("bad, what", [
+    (np.zeros((2, 8, 8, 3), np.float32), r"shape \(2, 8, 8, 3\)"),
+    (np.zeros((2, 64), np.float32), r"shape \(2, 64\)"),
+    (np.zeros((2, 8, 8, 1), np.float64), "dtype float64"),
+])
+def test_wrong_input_names_the_expected_signature(trained, bad, what):
+    _, path, _ = trained
+    served = mirrax.load_exported(path)
+    with pytest.raises(ValueError, match=what) as info:
+        served(bad)
+    assert "expected float32[None, 8, 8, 1]" in str(info.value)
+
+
+def test_missing_empty_and_incomplete_directories_are_reported(trained, tmp_path):
+    _, path, _ = trained
+    with pytest.raises(FileNotFoundError, match="no directory at"):
+        mirrax.load_exported(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty directory"):
+        mirrax.load_exported(tmp_path / "empty")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "metadata.json").write_bytes((path / "metadata.json").read_bytes())
+    with pytest.raises(FileNotFoundError, match="missing forward.jax_export, weights.npz"):
+        mirrax.load_exported(partial)
+
+
+def test_pure_function_with_pytree_input_shares_one_batch_dimension(tmp_path):
+    def fn(x):
+        return {"doubled": x["u"] * 2.0, "row_sum": x["v"].sum(axis=-1)}
+
+    signature = {"u": jax.ShapeDtypeStruct((-1, 3), jnp.float32),
+                 "v": jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 4"), jnp.int32)}
+    mirrax.export(fn, tmp_path, signature)
+    served = mirrax.load_exported(tmp_path)
+    out = served({"u": np.full((5, 3), 1.5, np.float32), "v": np.ones((5, 4), np.int32)})
+    np.testing.assert_array_equal(out["doubled"], np.full((5, 3), 3.0))  # 1.5 * 2
+    np.testing.assert_array_equal(out["row_sum"], np.full((5,), 4))  # 1 + 1 + 1 + 1
+    with pytest.raises(ValueError, match=r"batch sizes differ \(\[2, 3\]\)"):
+        served({"u": np.ones((2, 3), np.float32), "v": np.ones((3, 4), np.int32)})
+    with pytest.raises(ValueError, match="structure"):
+        served(np.ones((2, 3), np.float32))
+
+
+def test_module_is_exported_in_eval_mode(tmp_path):
+    class Dropped(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    module = Dropped()
+    mirrax.export(module, tmp_path, jax.ShapeDtypeStruct((-1, 4), jnp.float32))
+    x = np.ones((3, 4), np.float32)
+    module.eval()
+    # Dropout off: the served output is the linear layer's, identical on every call.
+    np.testing.assert_allclose(mirrax.load_exported(tmp_path)(x), module(x), rtol=0, atol=1e-6)
+
+
+def test_bad_signatures_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="only the leading"):
+        mirrax.export(lambda x: x, tmp_path, jax.ShapeDtypeStruct((4, -1), jnp.float32))
+    with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+        mirrax.export(lambda x: x, tmp_path, np.zeros((4, 2), np.float32))
+    with pytest.raises(TypeError, match="received int"):
+        mirrax.export(3, tmp_path, jax.ShapeDtypeStruct((-1, 2), jnp.float32))
+
+
+def test_none_as_the_batch_dimension_where_jax_allows_it(tmp_path):
+    try:
+        signature = jax.ShapeDtypeStruct((None, 2), jnp.float32)
+    except ValueError:
+        pytest.skip(f"jax {jax.__version__}'s ShapeDtypeStruct refuses None; use -1")
+    mirrax.export(lambda x: x + 1.0, tmp_path, signature)
+    np.testing.assert_array_equal(mirrax.load_exported(tmp_path)(np.zeros((3, 2), np.float32)),
+                                  np.ones((3, 2)))  # 0 + 1
