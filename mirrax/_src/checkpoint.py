@@ -10,7 +10,10 @@ so a checkpoint written under 4 replicas restores under 1, 2 or 8, or `OneDevice
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import os
+import threading
 from typing import Any
 
 import jax
@@ -98,6 +101,29 @@ def _abstract(tree):
 
 def _as_arrays(tree):
     return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.asarray(a), tree)
+
+
+# Orbax managers with an asynchronous save that nobody has waited for yet (held strongly, so
+# a save outlives a dropped CheckpointManager), and whether the exit hook is registered.
+_IN_FLIGHT: set = set()
+_EXIT_HOOK: list = []
+
+
+def _wait_for_all_in_flight() -> None:
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop().wait_until_finished()
+
+
+def _register_exit_hook() -> None:
+    """Waits for in-flight saves at exit BEFORE concurrent.futures shuts its executors down
+    (Orbax's writer thread still needs them; `atexit` runs too late: "cannot schedule new
+    futures after shutdown"). threading's hooks run newest first, so registering after
+    concurrent.futures was imported puts this one ahead of its shutdown."""
+    if _EXIT_HOOK:
+        return
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(_wait_for_all_in_flight)
+    _EXIT_HOOK.append(True)
 
 
 def _checkpointer(names) -> ocp.Checkpointer:
@@ -322,47 +348,84 @@ class CheckpointManager:
     """Numbered checkpoints in one directory, as `tf.train.CheckpointManager`, on Orbax's.
 
     Checkpoint number n is written to `directory/n` by `checkpoint.save`'s machinery (atomic),
-    and only the newest `max_to_keep` are kept (None keeps all).
+    and only the newest `max_to_keep` are kept (None keeps all), plus, with
+    `keep_checkpoint_every_n_hours`, checkpoints at least that far apart in time.
 
     Args:
       checkpoint: the `mirrax.Checkpoint` to save and restore.
       directory: where the numbered checkpoints live (created if missing).
       max_to_keep: how many checkpoints to keep, newest first; None keeps every one.
+      keep_checkpoint_every_n_hours: hours (float); also keep, beyond `max_to_keep`, the oldest
+        kept checkpoint and each one committed at least this long after the previous one so
+        kept (Orbax's `keep_time_interval`, which counts whole seconds: under 1/3600 hours
+        every checkpoint is kept). Unlike TF's, the oldest checkpoint is always kept.
       checkpoint_interval: with it, `save(checkpoint_number=n)` writes only when n is at least
         this far past the last saved number (TF's rule); other calls return None.
       init_fn: called by `restore_or_initialize` when there is no checkpoint yet.
+      async_save: if True, `save` returns once the state is copied, while the arrays are
+        written in the background by Orbax's asynchronous checkpointer; the next `save`,
+        `wait_until_finished`, `restore_or_initialize`, `checkpoints`, `latest_checkpoint`
+        and process exit wait for it. The saved values are those at the time of `save`.
     """
 
     def __init__(self, checkpoint: Checkpoint, directory, max_to_keep: int | None = 5,
-                 checkpoint_interval: int | None = None, init_fn=None):
+                 keep_checkpoint_every_n_hours: float | None = None,
+                 checkpoint_interval: int | None = None, init_fn=None, async_save: bool = False):
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 f"CheckpointManager manages a mirrax.Checkpoint; received {type(checkpoint).__name__}."
             )
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive int or None; received {max_to_keep}.")
+        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            raise ValueError(
+                "keep_checkpoint_every_n_hours must be a positive number of hours or None; "
+                f"received {keep_checkpoint_every_n_hours}."
+            )
         self.checkpoint = checkpoint
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self.checkpoint_interval = checkpoint_interval
+        self.async_save = bool(async_save)
         self._init_fn = init_fn
+        keep_time_interval = (
+            None if keep_checkpoint_every_n_hours is None
+            else datetime.timedelta(hours=keep_checkpoint_every_n_hours)
+        )
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                keep_time_interval=keep_time_interval,
+                # Always Orbax's asynchronous writer (its default); a synchronous save waits
+                # for it at once, which keeps one write path for both modes.
+                enable_async_checkpointing=True,
+                create=True,
+            ),
         )
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an asynchronous save in flight is committed (returns at once if none)."""
+        self._manager.wait_until_finished()
+        _IN_FLIGHT.discard(self._manager)
 
     def _path(self, number: int) -> str:
         return os.path.join(self.directory, str(number))
 
     @property
     def checkpoints(self) -> list:
-        """Paths of the kept checkpoints, oldest first."""
+        """Paths of the kept checkpoints, oldest first (waits for a save in flight)."""
+        # Reloading while a save is in flight would drop it from Orbax's bookkeeping.
+        self.wait_until_finished()
         self._manager.reload()
         return [self._path(n) for n in sorted(self._manager.all_steps())]
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """Path of the newest complete checkpoint, or None when there is none."""
+        """Path of the newest complete checkpoint, or None when there is none (waits for a save
+        in flight)."""
+        self.wait_until_finished()
         self._manager.reload()
         number = self._manager.latest_step()
         return None if number is None else self._path(number)
@@ -371,8 +434,10 @@ class CheckpointManager:
         """Writes checkpoint number `checkpoint_number` (default: the checkpoint's save_counter
         after this save, as TF's), drops the oldest beyond `max_to_keep`, returns its path.
 
-        Returns None when `checkpoint_interval` says it is too soon.
+        Returns None when `checkpoint_interval` says it is too soon. With `async_save`, first
+        waits for the previous save, then returns while this one is written.
         """
+        self.wait_until_finished()
         self._manager.reload()
         last = self._manager.latest_step()
         if checkpoint_number is not None and self.checkpoint_interval is not None and last is not None:
@@ -382,7 +447,12 @@ class CheckpointManager:
         ckpt.save_counter += 1
         number = ckpt.save_counter if checkpoint_number is None else int(checkpoint_number)
         self._manager.save(number, args=ckpt._save_args(), force=True)
-        self._manager.wait_until_finished()
+        if self.async_save:
+            # Orbax registers no exit hook; without one a save in flight at exit is lost.
+            _register_exit_hook()
+            _IN_FLIGHT.add(self._manager)
+        else:
+            self._manager.wait_until_finished()
         return self._path(number)
 
     def restore_or_initialize(self) -> str | None:

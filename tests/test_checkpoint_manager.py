@@ -1,0 +1,123 @@
+"""mirrax.CheckpointManager: keeping checkpoints by age (keep_checkpoint_every_n_hours) and
+asynchronous saving (async_save)."""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mirrax
+
+
+def _numbers(manager) -> list:
+    return [int(os.path.basename(p)) for p in manager.checkpoints]
+
+
+def test_keep_checkpoint_every_n_hours_keeps_old_checkpoints_beyond_max_to_keep(tmp_path):
+    # 1/3600 hours = 1 second (Orbax counts whole seconds). Saves 1 and 2 come at once, then
+    # a 1.2 s pause, then saves 3, 4 and 5 at once (each save takes well under 1 s here).
+    # After each save Orbax keeps the newest (max_to_keep=1), the oldest kept one, and each one
+    # committed >= 1 s after the previous one so kept:
+    #   save 2: 1 (oldest), 2 (newest)                  -> [1, 2]
+    #   save 3: 2 is < 1 s after 1, so it goes; 3 is >= 1 s after 1 -> [1, 3]
+    #   save 4: 4 is newest                             -> [1, 3, 4]
+    #   save 5: 4 is < 1 s after 3, so it goes          -> [1, 3, 5]
+    ckpt = mirrax.Checkpoint(step=0)
+    manager = mirrax.CheckpointManager(
+        ckpt, tmp_path / "run", max_to_keep=1, keep_checkpoint_every_n_hours=1 / 3600
+    )
+    manager.save()
+    manager.save()
+    assert _numbers(manager) == [1, 2]
+    time.sleep(1.2)
+    manager.save()
+    assert _numbers(manager) == [1, 3]
+    manager.save()
+    manager.save()
+    assert _numbers(manager) == [1, 3, 5]
+    assert sorted(os.listdir(tmp_path / "run")) == ["1", "3", "5"]
+
+    # Without it, max_to_keep=1 keeps only the newest.
+    plain = mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "plain", max_to_keep=1)
+    for _ in range(3):
+        plain.save()
+    assert _numbers(plain) == [3]
+
+
+def test_keep_checkpoint_every_n_hours_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match=r"keep_checkpoint_every_n_hours .* received 0"):
+        mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path, keep_checkpoint_every_n_hours=0)
+
+
+def test_async_save_saves_the_values_at_the_time_of_save(tmp_path):
+    weights = nnx.Variable(jnp.arange(4.0))  # 0, 1, 2, 3
+    counts = np.array([10, 20], np.int64)  # a host array, changed in place below
+    ckpt = mirrax.Checkpoint(weights=weights, counts=counts)
+    manager = mirrax.CheckpointManager(ckpt, tmp_path / "run", async_save=True)
+
+    path = manager.save()
+    assert path == str(tmp_path / "run" / "1")
+    # Change everything straight after save: the device array is donated (its buffer freed)
+    # and the host array is overwritten in place.
+    saved_buffer = weights.get_value()
+    weights.set_value(jax.jit(lambda a: a * 100.0, donate_argnums=0)(saved_buffer))
+    assert saved_buffer.is_deleted()
+    counts[:] = -1
+    manager.wait_until_finished()
+    assert manager.latest_checkpoint == path
+    assert os.listdir(tmp_path / "run") == ["1"]  # committed: no temporary directory left
+
+    restored_weights = nnx.Variable(jnp.zeros(4))
+    restored = mirrax.Checkpoint(weights=restored_weights, counts=np.zeros(2, np.int64))
+    restored.restore(path).assert_consumed()
+    np.testing.assert_array_equal(np.asarray(restored_weights[...]), [0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(restored.counts, [10, 20])
+    assert restored.save_counter == 1
+
+
+def test_async_save_waits_for_the_previous_save_and_restore_or_initialize_waits(tmp_path):
+    state = nnx.Variable(jnp.zeros(256 * 1024))  # 1 MiB, so a write takes a moment
+    ckpt = mirrax.Checkpoint(state=state)
+    manager = mirrax.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=5, async_save=True)
+    manager.save()
+    state[...] = jnp.ones(256 * 1024)
+    manager.save()
+    # The second save returned only after the first was committed.
+    assert os.path.isdir(tmp_path / "run" / "1")  # renamed from its temporary name
+    assert not any(n.startswith("1.") for n in os.listdir(tmp_path / "run"))
+
+    fresh_state = nnx.Variable(jnp.full(256 * 1024, 7.0))
+    fresh = mirrax.CheckpointManager(mirrax.Checkpoint(state=fresh_state), tmp_path / "run")
+    # restore_or_initialize on the writing manager waits for save 2, then restores it.
+    state[...] = jnp.zeros(256 * 1024)
+    assert manager.restore_or_initialize() == str(tmp_path / "run" / "2")
+    assert float(jnp.sum(state[...])) == 256 * 1024  # save 2 held ones
+    assert fresh.restore_or_initialize() == str(tmp_path / "run" / "2")
+    assert float(jnp.sum(fresh_state[...])) == 256 * 1024
+    assert manager.checkpoints == [str(tmp_path / "run" / "1"), str(tmp_path / "run" / "2")]
+
+
+_SAVE_THEN_EXIT = """
+import sys
+import jax.numpy as jnp
+from flax import nnx
+import mirrax
+state = nnx.Variable(jnp.full(4 * 1024 * 1024, 3.0))  # 16 MiB: still writing when the script ends
+mirrax.CheckpointManager(mirrax.Checkpoint(state=state), sys.argv[1], async_save=True).save()
+"""
+
+
+def test_process_exit_waits_for_an_async_save(tmp_path):
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _SAVE_THEN_EXIT, str(tmp_path / "run")], check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert os.listdir(tmp_path / "run") == ["1"]  # committed, no temporary directory left
+    state = nnx.Variable(jnp.zeros(4 * 1024 * 1024))
+    mirrax.Checkpoint(state=state).restore(tmp_path / "run" / "1").assert_consumed()
+    assert float(jnp.sum(state[...])) == 3.0 * 4 * 1024 * 1024
