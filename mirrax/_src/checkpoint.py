@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from mirrax._src.distribute.input import DistributedIterator
 from mirrax._src.training.model import Model, _mismatches
 
 # Item holding `Checkpoint.save_counter` (TF's name); `read` leaves it alone, as TF's does.
@@ -30,10 +31,11 @@ _SAVE_COUNTER = "save_counter"
 class _Part:
     """One Orbax item: how to read a tracked object's state and how to write it back."""
 
-    def __init__(self, item: str, get, set_):
+    def __init__(self, item: str, get, set_, check=None):
         self.item = item
         self.get = get  # () -> pytree of arrays (the current state, on its current placement)
         self.set = set_  # (restored pytree) -> None
+        self.check = check  # () -> None; raises ValueError if the object cannot take a restore
 
 
 def _str_keys(tree):
@@ -68,6 +70,17 @@ def _value_part(item: str, owner: Checkpoint, name: str) -> _Part:
     return _Part(item, get, set_)
 
 
+def _iterator_part(item: str, iterator: DistributedIterator) -> _Part:
+    """A data iterator's position: the batches handed to the caller (prefetched ones are not
+    counted). Restoring re-reads that many batches from a fresh iterator and discards them."""
+    return _Part(
+        item,
+        lambda: {"position": np.asarray(iterator._handed, np.int64)},
+        lambda restored: iterator._skip_to(int(np.asarray(restored["position"]))),
+        iterator._check_fresh,
+    )
+
+
 def _parts(owner: Checkpoint, name: str, obj) -> list:
     if isinstance(obj, Model):
         parts = [_nnx_part(f"{name}.module", obj.module)]
@@ -79,12 +92,14 @@ def _parts(owner: Checkpoint, name: str, obj) -> list:
                       lambda restored: obj.set_value(restored["value"]))]
     if isinstance(obj, nnx.Pytree):
         return [_nnx_part(name, obj)]
+    if isinstance(obj, DistributedIterator):
+        return [_iterator_part(name, obj)]
     if isinstance(obj, (bool, int, float, np.ndarray, np.generic, jax.Array)):
         return [_value_part(name, owner, name)]
     raise TypeError(
         f"Checkpoint cannot track {name}={type(obj).__name__}; it tracks nnx.Module, "
-        "nnx.Optimizer, mirrax metrics (nnx.Pytree), nnx.Variable, mirrax.Model, and plain "
-        "numbers or arrays (step counters)."
+        "nnx.Optimizer, mirrax metrics (nnx.Pytree), nnx.Variable, mirrax.Model, a "
+        "DistributedIterator (its position), and plain numbers or arrays (step counters)."
     )
 
 
@@ -224,6 +239,9 @@ class Checkpoint:
     (any `nnx.Pytree`), `nnx.Variable`s, `mirrax.Model`s (their module and, once compiled,
     their optimizer state) and plain numbers or arrays such as a step counter (restoring
     rebinds the attribute: `ckpt.step`). Tracked objects are attributes: `ckpt.model`.
+    A `DistributedIterator` is tracked by its position (batches handed out, not prefetched);
+    restoring into a fresh iterator over the same dataset re-reads and discards that many
+    batches, so the source must be deterministic (a shuffling source seeded alike).
 
     Each array is written once (not once per replica), so the size does not depend on the
     replica count. Restoring places every array where the target object's array lives NOW,
@@ -296,7 +314,8 @@ class Checkpoint:
           FileNotFoundError: no directory at `path`.
           ValueError: the directory is not a readable checkpoint; or a tracked object's
             structure, shapes or dtypes differ from the stored ones (the message lists each
-            path with its stored and current shape or dtype).
+            path with its stored and current shape or dtype); or a tracked
+            `DistributedIterator` has already handed out batches (restore into a fresh one).
         """
         return self._restore(path, "restore", with_counter=True)
 
@@ -320,6 +339,9 @@ class Checkpoint:
                 + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
                 + ". Restore a checkpoint saved from objects with the same structure and dtypes."
             )
+        for part in matched:
+            if part.check is not None:
+                part.check()
         targets = {part.item: ocp.args.StandardRestore(_abstract(_as_arrays(part.get()))) for part in matched}
         if with_counter and _SAVE_COUNTER in stored:
             targets[_SAVE_COUNTER] = ocp.args.StandardRestore({"value": np.asarray(0, np.int64)})

@@ -349,10 +349,14 @@ class DistributedIterator:
     `StopIteration` at the end. An error in the source is raised here, in the caller's thread.
     The thread holds no reference to the iterator, so an abandoned iterator is collected and
     its thread stops (or call `close()`).
+
+    Its position (the batches handed to the caller, not those prefetched) is what
+    `mirrax.Checkpoint(iterator=it)` saves, as TF checkpoints a tf.data iterator.
     """
 
     def __init__(self, producer: Iterator, options: InputOptions):
         self._producer = producer
+        self._handed = 0  # batches returned by __next__: the position a checkpoint saves
         self._thread = None
         if options.experimental_fetch_to_device:
             self._queue: queue.Queue = queue.Queue(options.experimental_per_replica_buffer_size)
@@ -367,6 +371,11 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> PerReplica:
+        item = self._next()
+        self._handed += 1
+        return item
+
+    def _next(self) -> PerReplica:
         if self._thread is None:
             return next(self._producer)
         while True:
@@ -387,6 +396,33 @@ class DistributedIterator:
     def get_next(self) -> PerReplica:
         """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
         return next(self)
+
+    def _check_fresh(self) -> None:
+        """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""
+        if self._handed:
+            raise ValueError(
+                f"Cannot restore an iterator position into a DistributedIterator that has "
+                f"already handed out {self._handed} batches; restore into a fresh one, "
+                "iter(dist_dataset), before taking batches from it."
+            )
+
+    def _skip_to(self, position: int) -> None:
+        """Fast-forwards a fresh iterator to `position` by reading and discarding batches
+        (they are re-read from the source; a shuffling source must be seeded to match).
+
+        Raises:
+          ValueError: this iterator has already handed out batches, or the source ends first.
+        """
+        self._check_fresh()
+        for _ in range(position):
+            try:
+                next(self)
+            except StopIteration:
+                raise ValueError(
+                    f"The checkpoint's iterator position is {position} batches, but the dataset "
+                    f"ended after {self._handed}; restore into an iterator over the same "
+                    "(deterministic) dataset that was saved."
+                ) from None
 
     def close(self):
         """Stops the prefetch thread (also done when the iterator is garbage-collected)."""
