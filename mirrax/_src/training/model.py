@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from mirrax import errors
@@ -249,11 +248,11 @@ class Model:
             variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
 
     def save_weights(self, filepath, overwrite: bool = True) -> None:
-        """Writes the module's variables to the directory `filepath` with Orbax.
+        """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
 
-        As `keras.Model.save_weights`, but the file is an Orbax checkpoint directory (written
-        atomically; each array once, whatever the replica count). Only process 0 writes in a
-        multi-process run (Orbax coordinates).
+        As `keras.Model.save_weights`, but the file is an Orbax checkpoint directory written by
+        `mirrax.Checkpoint(weights=model.module)`: atomic, each array once whatever the replica
+        count, readable back into any replica count.
 
         Raises:
           FileExistsError: `filepath` exists and `overwrite` is False.
@@ -263,9 +262,9 @@ class Model:
             raise FileExistsError(
                 f"save_weights: {path} exists; pass overwrite=True to replace it."
             )
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(path, nnx.to_pure_dict(nnx.state(self.module)), force=True)
-        checkpointer.wait_until_finished()
+        from mirrax._src.checkpoint import Checkpoint  # checkpoint.py imports this module
+
+        Checkpoint(weights=self.module).save(path)
 
     def load_weights(self, filepath) -> None:
         """Reads variables written by `save_weights` into the module (placed where they are now).
@@ -275,28 +274,15 @@ class Model:
           ValueError: the checkpoint's variables do not match the module's; the message lists
             the paths and shapes that differ.
         """
+        from mirrax._src.checkpoint import Checkpoint  # checkpoint.py imports this module
+
         path = os.path.abspath(os.fspath(filepath))
         if not os.path.isdir(path):
             raise FileNotFoundError(
                 f"load_weights: no weights directory at {path}; write one with "
                 "model.save_weights(path)."
             )
-        checkpointer = ocp.StandardCheckpointer()
-        current = nnx.to_pure_dict(nnx.state(self.module))
-        stored = checkpointer.metadata(path).item_metadata.tree
-        mismatches = _mismatches(current, stored)
-        if mismatches:
-            raise ValueError(
-                f"load_weights: the checkpoint at {path} does not fit this model; "
-                + "; ".join(mismatches[:20])
-                + ". Load weights saved from a model with the same structure."
-            )
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), current
-        )
-        state = nnx.state(self.module)
-        nnx.replace_by_pure_dict(state, checkpointer.restore(path, abstract))
-        nnx.update(self.module, state)
+        Checkpoint(weights=self.module).read(path).assert_existing_objects_matched()
 
     # -- fit -------------------------------------------------------------------------------------
 
