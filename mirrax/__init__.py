@@ -13,6 +13,10 @@ from mirrax import mixed_precision as mixed_precision
 from mirrax._src.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpoint import CheckpointLoadStatus as CheckpointLoadStatus
 from mirrax._src.checkpoint import CheckpointManager as CheckpointManager
+from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
+from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
+from mirrax._src.distribute.cluster import SlurmClusterResolver as SlurmClusterResolver
+from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input import InputContext as InputContext
@@ -50,6 +54,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",
+    "ClusterSpec",
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedIterator",
@@ -65,8 +70,11 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
     "Strategy",
     "StrategyExtended",
+    "TFConfigClusterResolver",
     "TPUStrategy",
     "ValueContext",
     "VariableAggregation",

@@ -1,0 +1,498 @@
+"""Cluster resolution: which tasks make up a multi-worker job, and which one this process is.
+
+Pure Python (no `jax.distributed` here): `ClusterSpec` and the resolvers of
+`tf.distribute.cluster_resolver` (TF_CONFIG, SLURM, explicit), plus the facts a multi-worker
+strategy needs from them: the training tasks (chief + workers; the chief counts as a worker,
+evaluator and ps do not), this task's index among them, the chief, and the coordinator address.
+Every error is a `ValueError` raised when the resolver is constructed, never at first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Mapping
+
+# Job names a multi-worker job may use, as tf.distribute's multi_worker_util.
+_KNOWN_JOBS = ("chief", "worker", "evaluator", "ps")
+_TRAINING_JOBS = ("chief", "worker")
+
+
+def _check_address(job: str, index: int, address) -> str:
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not (sep and host and port.isdigit()):
+        raise ValueError(
+            f"ClusterSpec: task {index} of job {job!r} must have a 'host:port' string address; "
+            f"received {address!r}. Write it as e.g. 'localhost:2222'."
+        )
+    return address
+
+
+class ClusterSpec:
+    """The tasks of a cluster by job name, as `tf.train.ClusterSpec`.
+
+    Args:
+      cluster: a dict of job name -> list of "host:port" addresses (task i at position i) or
+        dict of task index -> address (sparse jobs); another `ClusterSpec`; or None (empty).
+
+    Raises:
+      ValueError: a job name that is not a non-empty string, a job that is not a list or dict,
+        a task index that is not an int >= 0, or an address that is not "host:port".
+    """
+
+    def __init__(self, cluster: Mapping | ClusterSpec | None = None):
+        if isinstance(cluster, ClusterSpec):
+            cluster = cluster.as_dict()
+        if cluster is None:
+            cluster = {}
+        if not isinstance(cluster, Mapping):
+            raise ValueError(
+                "ClusterSpec: cluster must be a dict of job name -> list of 'host:port' "
+                f"addresses; received {type(cluster).__name__} {cluster!r}."
+            )
+        self._jobs: dict[str, dict[int, str]] = {}
+        for job, tasks in cluster.items():
+            if not isinstance(job, str) or not job:
+                raise ValueError(
+                    f"ClusterSpec: job names must be non-empty strings; received {job!r}. "
+                    "Use e.g. 'chief', 'worker', 'evaluator' or 'ps'."
+                )
+            if isinstance(tasks, (list, tuple)):
+                tasks = dict(enumerate(tasks))
+            elif not isinstance(tasks, Mapping):
+                raise ValueError(
+                    f"ClusterSpec: job {job!r} must be a list of 'host:port' addresses or a dict "
+                    f"of task index -> address; received {type(tasks).__name__} {tasks!r}."
+                )
+            checked = {}
+            for index, address in tasks.items():
+                if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                    raise ValueError(
+                        f"ClusterSpec: task indices of job {job!r} must be ints >= 0; received "
+                        f"{index!r}."
+                    )
+                checked[index] = _check_address(job, index, address)
+            self._jobs[job] = dict(sorted(checked.items()))
+
+    @property
+    def jobs(self) -> list[str]:
+        """The job names, sorted."""
+        return sorted(self._jobs)
+
+    def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
+        """A copy as a dict: a list for a job with tasks 0..n-1, else a dict index -> address."""
+        out = {}
+        for job, tasks in self._jobs.items():
+            dense = list(tasks) == list(range(len(tasks)))
+            out[job] = list(tasks.values()) if dense else dict(tasks)
+        return out
+
+    def _tasks(self, job: str) -> dict[int, str]:
+        if job not in self._jobs:
+            raise ValueError(
+                f"ClusterSpec: no job named {job!r} in the cluster; its jobs are {self.jobs}."
+            )
+        return self._jobs[job]
+
+    def num_tasks(self, job: str) -> int:
+        """The number of tasks of `job`. Raises ValueError for a job not in the cluster."""
+        return len(self._tasks(job))
+
+    def task_indices(self, job: str) -> list[int]:
+        """The task indices of `job`, sorted. Raises ValueError for a job not in the cluster."""
+        return list(self._tasks(job))
+
+    def task_address(self, job: str, index: int) -> str:
+        """The "host:port" of task `index` of `job`.
+
+        Raises:
+          ValueError: `job` is not in the cluster, or has no task `index`.
+        """
+        tasks = self._tasks(job)
+        if index not in tasks:
+            raise ValueError(
+                f"ClusterSpec: job {job!r} has no task with index {index!r}; its task indices "
+                f"are {list(tasks)}."
+            )
+        return tasks[index]
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+    def __repr__(self) -> str:
+        return f"ClusterSpec({self.as_dict()!r})"
+
+
+class ClusterResolver:
+    """Base of the resolvers: a cluster spec, this task's type and index, and what follows.
+
+    An empty cluster is one local task: one worker, index 0, the chief, no coordinator.
+    Subclasses set `_cluster`, `task_type`, `task_id`, `rpc_layer`, then call `_validate()`.
+    """
+
+    _cluster: ClusterSpec
+    task_type: str | None
+    task_id: int | None
+    rpc_layer: str | None
+
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster, as `tf.distribute.cluster_resolver.ClusterResolver.cluster_spec`."""
+        return self._cluster
+
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
+        """The address of a task (this one by default), prefixed "rpc_layer://" when one is set.
+
+        Returns "" for an empty cluster, as TF.
+        """
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        if not self._cluster or task_type is None:
+            return ""
+        address = self._cluster.task_address(task_type, task_id)
+        layer = rpc_layer or self.rpc_layer
+        return f"{layer}://{address}" if layer else address
+
+    def _training_tasks(self) -> list[tuple[str, int]]:
+        return [(job, index) for job in _TRAINING_JOBS if job in self._cluster.jobs
+                for index in self._cluster.task_indices(job)]
+
+    @property
+    def num_workers(self) -> int:
+        """The number of training tasks: chief + workers (1 for an empty cluster)."""
+        return len(self._training_tasks()) or 1
+
+    @property
+    def worker_index(self) -> int | None:
+        """This task's index among the training tasks, in [0, num_workers).
+
+        The chief, when present, is 0 and worker i is i + 1; with no chief, worker i is i.
+        None for an evaluator or ps task, which do not train.
+        """
+        if not self._cluster:
+            return 0
+        tasks = self._training_tasks()
+        key = (self.task_type, self.task_id)
+        return tasks.index(key) if key in tasks else None
+
+    @property
+    def is_chief(self) -> bool:
+        """This task is the chief: the "chief" task, or worker 0 when there is no chief job."""
+        return self.worker_index == 0
+
+    @property
+    def coordinator_address(self) -> str | None:
+        """The "host:port" of the chief (or of worker 0 with no chief); None for an empty cluster.
+
+        This is where `jax.distributed`'s coordination service will listen.
+        """
+        tasks = self._training_tasks()
+        return self._cluster.task_address(*tasks[0]) if tasks else None
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """One input pipeline per training task: `num_workers`."""
+        return self.num_workers
+
+    @property
+    def input_pipeline_id(self) -> int | None:
+        """This task's input pipeline: `worker_index` (None for a task that does not train)."""
+        return self.worker_index
+
+    def _validate(self, source: str) -> None:
+        cluster = self._cluster
+        if not cluster:
+            return
+        unknown = [job for job in cluster.jobs if job not in _KNOWN_JOBS]
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown job names {unknown} in the cluster {cluster.as_dict()}. "
+                f"Use only {list(_KNOWN_JOBS)}."
+            )
+        for job in ("chief", "evaluator"):
+            if job in cluster.jobs and cluster.num_tasks(job) > 1:
+                raise ValueError(
+                    f"{source}: the cluster may have at most one {job!r} task; received "
+                    f"{cluster.as_dict()[job]!r}. Make the others 'worker' tasks."
+                )
+        if not self._training_tasks():
+            raise ValueError(
+                f"{source}: the cluster {cluster.as_dict()} has no training task. Add a 'chief' "
+                "or 'worker' job."
+            )
+        if self.task_type is None or self.task_id is None:
+            raise ValueError(
+                f"{source}: the cluster has {len(self._training_tasks())} training tasks but "
+                f"this task's type and index are not set (received task_type="
+                f"{self.task_type!r}, task_id={self.task_id!r}). Set both, e.g. "
+                '"task": {"type": "worker", "index": 0} in TF_CONFIG.'
+            )
+        if self.task_type not in cluster.jobs:
+            raise ValueError(
+                f"{source}: unknown task type {self.task_type!r}; the cluster's jobs are "
+                f"{cluster.jobs}. Set the task type to one of them."
+            )
+        if (not isinstance(self.task_id, int) or isinstance(self.task_id, bool)
+                or self.task_id not in cluster.task_indices(self.task_type)):
+            indices = cluster.task_indices(self.task_type)
+            raise ValueError(
+                f"{source}: task index {self.task_id!r} is out of range for job "
+                f"{self.task_type!r}, whose task indices are {indices}. Set the index to one "
+                "of them."
+            )
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(cluster_spec={self._cluster!r}, task_type="
+                f"{self.task_type!r}, task_id={self.task_id!r})")
+
+
+class SimpleClusterResolver(ClusterResolver):
+    """A resolver from explicit arguments.
+
+    As `tf.distribute.cluster_resolver.SimpleClusterResolver`.
+
+    Args:
+      cluster_spec: a `ClusterSpec` or a dict accepted by it.
+      task_type: this task's job ("chief", "worker", "evaluator" or "ps").
+      task_id: this task's index in its job.
+      rpc_layer: e.g. "grpc"; only prefixes `master()`.
+
+    Raises:
+      ValueError: unknown job names or task type, a task index out of range, more than one
+        chief or evaluator, no training task, or type/index unset in a non-empty cluster.
+    """
+
+    def __init__(self, cluster_spec: ClusterSpec | Mapping, task_type: str | None = None,
+                 task_id: int | None = None, rpc_layer: str | None = None):
+        self._cluster = ClusterSpec(cluster_spec)
+        self.task_type = task_type
+        self.task_id = task_id
+        self.rpc_layer = rpc_layer
+        self._validate("SimpleClusterResolver")
+
+
+def _parse_tf_config(tf_config) -> dict:
+    if isinstance(tf_config, Mapping):
+        config = tf_config
+    else:
+        try:
+            config = json.loads(tf_config)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"TF_CONFIG is not valid JSON ({e}); received {tf_config!r}. Set it to e.g. "
+                '\'{"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
+                '"task": {"type": "worker", "index": 0}}\'.'
+            ) from None
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"TF_CONFIG must be a JSON object with keys 'cluster' and 'task'; received "
+            f"{config!r}."
+        )
+    cluster = config.get("cluster") or {}
+    task = config.get("task") or {}
+    if not isinstance(task, Mapping):
+        raise ValueError(
+            f"TF_CONFIG 'task' must be an object like {{\"type\": \"worker\", \"index\": 0}}; "
+            f"received {task!r}."
+        )
+    task_type, task_id = task.get("type"), task.get("index")
+    if task_type is not None and not isinstance(task_type, str):
+        raise ValueError(
+            f"TF_CONFIG task 'type' must be a string such as \"worker\"; received {task_type!r}."
+        )
+    if task_id is not None and (not isinstance(task_id, int) or isinstance(task_id, bool)):
+        raise ValueError(
+            f"TF_CONFIG task 'index' must be an int such as 0; received {task_id!r}."
+        )
+    rpc_layer = config.get("rpc_layer")
+    if rpc_layer is not None and not isinstance(rpc_layer, str):
+        raise ValueError(f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
+    # JSON object keys are strings: a sparse job {"1": "h:2222"} means task index 1.
+    if isinstance(cluster, Mapping):
+        cluster = {job: ({_json_index(job, k): v for k, v in tasks.items()}
+                         if isinstance(tasks, Mapping) else tasks)
+                   for job, tasks in cluster.items()}
+    return {"cluster": cluster, "type": task_type, "index": task_id, "rpc_layer": rpc_layer}
+
+
+def _json_index(job, key):
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    if isinstance(key, int):
+        return key
+    raise ValueError(
+        f"TF_CONFIG: the task indices of sparse job {job!r} must be digit strings such as \"0\"; "
+        f"received {key!r}."
+    )
+
+
+class TFConfigClusterResolver(ClusterResolver):
+    """A resolver from TF's `TF_CONFIG` JSON.
+
+    As `tf.distribute.cluster_resolver.TFConfigClusterResolver`.
+
+    TF_CONFIG is `{"cluster": {job: [addresses]}, "task": {"type": job, "index": i},
+    "rpc_layer": optional}`. Without TF_CONFIG (and `required=False`) the cluster is empty: one
+    local task.
+
+    Args:
+      task_type, task_id, rpc_layer: override TF_CONFIG's values when not None.
+      tf_config: the JSON string or an already-parsed dict; None reads `os.environ["TF_CONFIG"]`.
+      required: raise when there is no TF_CONFIG instead of resolving a one-task cluster.
+
+    Raises:
+      ValueError: TF_CONFIG is missing (with `required=True`), not valid JSON, or has wrong
+        types; or any error of `SimpleClusterResolver` (unknown task type, index out of range).
+    """
+
+    def __init__(self, task_type: str | None = None, task_id: int | None = None,
+                 rpc_layer: str | None = None, *, tf_config: str | Mapping | None = None,
+                 required: bool = False):
+        if tf_config is None:
+            tf_config = os.environ.get("TF_CONFIG", "")
+        if isinstance(tf_config, str) and not tf_config.strip():
+            if required:
+                raise ValueError(
+                    "TF_CONFIG is not set (received an empty or missing TF_CONFIG). Set the "
+                    "TF_CONFIG environment variable on every task, start the job with "
+                    "`mirrax launch`, or use SlurmClusterResolver / SimpleClusterResolver."
+                )
+            tf_config = {}
+        config = _parse_tf_config(tf_config)
+        try:
+            self._cluster = ClusterSpec(config["cluster"])
+        except ValueError as e:
+            raise ValueError(f"TF_CONFIG 'cluster': {e}") from None
+        self.task_type = config["type"] if task_type is None else task_type
+        self.task_id = config["index"] if task_id is None else task_id
+        self.rpc_layer = config["rpc_layer"] if rpc_layer is None else rpc_layer
+        self._validate("TFConfigClusterResolver")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compact host list to host names.
+
+    "node[01-03,07],gpu5" -> node01, node02, node03, node07, gpu5.
+
+    Zero padding of a range is kept; several bracket groups in one name expand as a product.
+    """
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(hostlist + ","):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            if hostlist[start:i].strip():
+                names.extend(_expand_name(hostlist[start:i].strip(), hostlist))
+            start = i + 1
+        if depth < 0 or depth > 1:
+            break
+    if depth != 0:
+        raise ValueError(
+            f"SLURM node list has unbalanced or nested brackets; received {hostlist!r}. Expected "
+            "a form such as 'node[01-03,07],gpu5'."
+        )
+    return names
+
+
+def _expand_name(name: str, hostlist: str) -> list[str]:
+    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\](.*)", name)
+    if match is None:
+        return [name]
+    prefix, ranges, rest = match.groups()
+    heads = []
+    for item in ranges.split(","):
+        bounds = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
+        if bounds is None or (bounds[2] is not None and int(bounds[2]) < int(bounds[1])):
+            raise ValueError(
+                f"SLURM node list has a malformed range {item!r} in {hostlist!r}. Expected "
+                "numbers or increasing ranges such as '01-03,07'."
+            )
+        low, high = bounds[1], bounds[2] or bounds[1]
+        width = len(low)
+        heads.extend(f"{prefix}{n:0{width}d}" for n in range(int(low), int(high) + 1))
+    return [head + tail for head in heads for tail in _expand_name(rest, hostlist)]
+
+
+def _expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for item in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise ValueError(
+                f"SLURM tasks-per-node value is malformed; received {spec!r}. Expected a form "
+                "such as '2(x3),1'."
+            )
+        counts.extend([int(match[1])] * int(match[2] or 1))
+    return counts
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """A resolver from SLURM's variables, as `tf.distribute.cluster_resolver.SlurmClusterResolver`.
+
+    Every SLURM task is a "worker"; task SLURM_PROCID is this one and task 0 is the chief.
+    Tasks are laid out over the nodes of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) in
+    blocks, SLURM's default: SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE) when set,
+    else SLURM_NTASKS split evenly. The k-th task on a node listens on `port + k`.
+
+    Args:
+      port: the first port on each node.
+      rpc_layer: e.g. "grpc"; only prefixes `master()`.
+      environ: the variables to read; None reads `os.environ`.
+
+    Raises:
+      ValueError: a SLURM variable is missing or malformed, or the tasks do not fit the nodes.
+    """
+
+    def __init__(self, port: int = 8888, rpc_layer: str | None = None,
+                 environ: Mapping[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"SlurmClusterResolver: port must be an int in 1..65535; received "
+                             f"{port!r}.")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS") if not env.get(name)]
+        if not nodelist:
+            missing.append("SLURM_STEP_NODELIST or SLURM_JOB_NODELIST")
+        if missing:
+            raise ValueError(
+                f"SlurmClusterResolver: SLURM variables {missing} are not set. Start the program "
+                "with `srun`, or use TFConfigClusterResolver / SimpleClusterResolver."
+            )
+        procid, ntasks = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        if not (procid.isdigit() and ntasks.isdigit() and int(ntasks) >= 1):
+            raise ValueError(
+                f"SlurmClusterResolver: SLURM_PROCID and SLURM_NTASKS must be integers (NTASKS "
+                f">= 1); received SLURM_PROCID={procid!r}, SLURM_NTASKS={ntasks!r}."
+            )
+        procid, ntasks = int(procid), int(ntasks)
+        nodes = expand_hostlist(nodelist)
+        per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if per_node_spec:
+            per_node = _expand_tasks_per_node(per_node_spec)
+        elif ntasks % len(nodes) == 0:
+            per_node = [ntasks // len(nodes)] * len(nodes)
+        else:
+            per_node = []
+        if len(per_node) != len(nodes) or sum(per_node) != ntasks:
+            raise ValueError(
+                f"SlurmClusterResolver: {ntasks} tasks do not fit the {len(nodes)} nodes {nodes} "
+                f"(tasks per node received: {per_node_spec!r}). Use --ntasks-per-node, or set "
+                "SLURM_TASKS_PER_NODE such as '2(x3)'."
+            )
+        addresses = [f"{node}:{port + k}" for node, count in zip(nodes, per_node)
+                     for k in range(count)]
+        if port + max(per_node) - 1 > 65535:
+            raise ValueError(f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} "
+                             "go past 65535; pass a lower port.")
+        self._cluster = ClusterSpec({"worker": addresses})
+        self.task_type = "worker"
+        self.task_id = procid
+        self.rpc_layer = rpc_layer
+        self._validate("SlurmClusterResolver")
