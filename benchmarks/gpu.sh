@@ -33,7 +33,12 @@ if [ -x "$VENV/bin/python" ]; then
     py="$VENV/bin/python"
 elif command -v python3 >/dev/null && has_gpu_jax python3; then
     py=python3
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # mirrax.examples is mapped from examples/ at install time (pyproject.toml); lay out the
+    # same package in a scratch folder (no install, no network) instead of using the tree.
+    site="${TMPDIR:-/tmp}/mirrax-site"
+    rm -rf "$site" && mkdir -p "$site"
+    cp -r mirrax "$site/" && cp -r examples "$site/mirrax/examples"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 else
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
