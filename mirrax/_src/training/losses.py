@@ -155,6 +155,25 @@ class LossFunctionWrapper(Loss):
         return values.astype(jnp.float32)
 
 
+def sparse_labels(name: str, y_true, y_pred, one_hot_class: str):
+    """Integer class ids (int32, shape y_pred.shape[:-1]) from labels with or without a trailing 1.
+
+    Raises:
+      ValueError: the labels' shape does not fit predictions of shape (batch, ..., classes).
+    """
+    labels = jnp.asarray(y_true)
+    if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
+        labels = labels.reshape(labels.shape[:-1])
+    if y_pred.ndim < 2 or labels.shape != y_pred.shape[:-1]:
+        raise ValueError(
+            f"{name}: y_true of shape {jnp.shape(y_true)} does not fit y_pred of shape "
+            f"{y_pred.shape}; expected integer labels of shape {y_pred.shape[:-1]} (or with "
+            "a trailing 1) for predictions of shape (batch, ..., num_classes). For one-hot "
+            f"labels use {one_hot_class}."
+        )
+    return labels.astype(jnp.int32)
+
+
 class SparseCategoricalCrossentropy(Loss):
     """Cross-entropy with integer labels, as `keras.losses.SparseCategoricalCrossentropy`.
 
@@ -181,17 +200,7 @@ class SparseCategoricalCrossentropy(Loss):
 
     def _elementwise(self, y_true, y_pred):
         y_pred = y_pred.astype(jnp.float32)
-        labels = jnp.asarray(y_true)
-        if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
-            labels = labels.reshape(labels.shape[:-1])
-        if y_pred.ndim < 2 or labels.shape != y_pred.shape[:-1]:
-            raise ValueError(
-                f"{self.name}: y_true of shape {jnp.shape(y_true)} does not fit y_pred of shape "
-                f"{y_pred.shape}; expected integer labels of shape {y_pred.shape[:-1]} (or with "
-                "a trailing 1) for predictions of shape (batch, ..., num_classes). For one-hot "
-                "labels use CategoricalCrossentropy."
-            )
-        labels = labels.astype(jnp.int32)
+        labels = sparse_labels(self.name, y_true, y_pred, "CategoricalCrossentropy")
         num_classes = y_pred.shape[-1]
         valid = (labels >= 0) & (labels < num_classes)
         safe = jnp.where(valid, labels, 0)
@@ -248,7 +257,17 @@ class SparseCategoricalCrossentropy(Loss):
         )
 
 
-class CategoricalCrossentropy(Loss):
+class _SmoothedCrossentropy(Loss):
+    """The arguments shared by the categorical and binary cross-entropies."""
+
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
+                 name: str | None = None):
+        super().__init__(name=name)
+        self.from_logits = bool(from_logits)
+        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
+
+
+class CategoricalCrossentropy(_SmoothedCrossentropy):
     """Cross-entropy with one-hot (or soft) labels, as `keras.losses.CategoricalCrossentropy`.
 
     Shapes: `y_true` and `y_pred` both (batch, ..., num_classes). Probabilities are normalised
@@ -267,12 +286,6 @@ class CategoricalCrossentropy(Loss):
 
     default_name = "categorical_crossentropy"
 
-    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
-                 name: str | None = None):
-        super().__init__(name=name)
-        self.from_logits = bool(from_logits)
-        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
-
     def _elementwise(self, y_true, y_pred):
         y_pred = y_pred.astype(jnp.float32)
         labels = jnp.asarray(y_true, jnp.float32)
@@ -289,7 +302,7 @@ class CategoricalCrossentropy(Loss):
         return -(labels * jnp.log(_clip(_normalise(y_pred)))).sum(axis=-1)
 
 
-class BinaryCrossentropy(Loss):
+class BinaryCrossentropy(_SmoothedCrossentropy):
     """Binary cross-entropy, as `keras.losses.BinaryCrossentropy`.
 
     Shapes: `y_true` and `y_pred` (batch, ...), equal after Keras's rank matching ((batch,) and
@@ -304,12 +317,6 @@ class BinaryCrossentropy(Loss):
     """
 
     default_name = "binary_crossentropy"
-
-    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
-                 name: str | None = None):
-        super().__init__(name=name)
-        self.from_logits = bool(from_logits)
-        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
 
     def _elementwise(self, y_true, y_pred):
         labels, y_pred = _same_shape(self.name, y_true, y_pred)

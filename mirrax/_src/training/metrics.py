@@ -31,7 +31,7 @@ from mirrax import errors
 from mirrax._src.distribute.replica_context import current_replica_context
 from mirrax._src.distribute.strategy import get_replica_context
 from mirrax._src.training import losses as losses_lib
-from mirrax._src.training.losses import InvalidIdentifierError, match_rank
+from mirrax._src.training.losses import InvalidIdentifierError, match_rank, sparse_labels
 
 _NEG_INF = float("-inf")
 
@@ -638,15 +638,8 @@ def _categorical_accuracy(y_true, y_pred):
 
 
 def _sparse_categorical_accuracy(y_true, y_pred):
-    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
-    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
-        y_true = y_true.reshape(y_true.shape[:-1])
-    if y_pred.ndim < 2 or y_true.shape != y_pred.shape[:-1]:
-        raise ValueError(
-            f"sparse_categorical_accuracy: y_true of shape {y_true.shape} does not fit y_pred of "
-            f"shape {y_pred.shape}; expected class ids of shape {y_pred.shape[:-1]} (or with a "
-            "trailing 1). For one-hot labels use CategoricalAccuracy."
-        )
+    y_pred = jnp.asarray(y_pred)
+    y_true = sparse_labels("sparse_categorical_accuracy", y_true, y_pred, "CategoricalAccuracy")
     predicted = jnp.argmax(y_pred, axis=-1).astype(jnp.float32)
     return (y_true.astype(jnp.float32) == predicted).astype(jnp.float32)
 
