@@ -30,6 +30,13 @@ from mirrax._src.distribute.mirrored import MirroredStrategy as MirroredStrategy
 from mirrax._src.distribute.mirrored import NcclAllReduce as NcclAllReduce
 from mirrax._src.distribute.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from mirrax._src.distribute.mirrored import ReductionToOneDevice as ReductionToOneDevice
+from mirrax._src.distribute.multi_worker import (
+    CommunicationImplementation as CommunicationImplementation,
+)
+from mirrax._src.distribute.multi_worker import CommunicationOptions as CommunicationOptions
+from mirrax._src.distribute.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from mirrax._src.distribute.reduce import ReduceOp as ReduceOp
 from mirrax._src.distribute.reduce import VariableAggregation as VariableAggregation
 from mirrax._src.distribute.replica_context import REPLICA_AXIS as REPLICA_AXIS
@@ -55,6 +62,8 @@ __all__ = [
     "CheckpointLoadStatus",
     "CheckpointManager",
     "ClusterSpec",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedIterator",
@@ -64,6 +73,7 @@ __all__ = [
     "Mirrored",
     "Model",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",

@@ -18,8 +18,10 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.distribute import multihost
 from mirrax._src.distribute.values import (
     PerReplica,
+    by_replica,
     mask_from_lengths,
     put_stacked,
     stack_host_values,
@@ -204,28 +206,39 @@ class _Placer:
         self.rows: int | None = None
         self._full_masks: dict = {}
 
-    def place(self, shards: list, first_size_name: str):
+    def place(self, shards: list, first_size_name: str, lengths=None, all_lengths=None):
         """The batch as its structure with a `PerReplica` per leaf (TF's element structure).
 
         Every leaf shares one mask and the true lengths, so `for x, y in dist_dataset` works as
         in TF and `strategy.run` finds the mask on any of them.
+
+        Args:
+          shards: one host pytree per local replica.
+          first_size_name: how the first batch is described when it is empty.
+          lengths: the true rows of each local shard; None reads them from `shards` (given
+            when `shards` are filler rows of a worker whose data has ended).
+          all_lengths: the true rows of EVERY replica (all processes), agreed between the
+            processes; None in a single-process run (then `lengths`).
         """
-        lengths = tuple(jax.tree.leaves(s)[0].shape[0] for s in shards)
+        if lengths is None:
+            lengths = tuple(jax.tree.leaves(s)[0].shape[0] for s in shards)
+        all_lengths = tuple(lengths) if all_lengths is None else tuple(all_lengths)
         if self.rows is None:
-            if max(lengths) == 0:
+            if max(all_lengths) == 0:
                 raise errors.InvalidBatchError(
                     f"The first batch gives every replica 0 examples ({first_size_name}); "
                     "nothing can be trained on. Check the batch size and that the dataset is "
                     "not empty."
                 )
-            self.rows = max(lengths)
+            self.rows = max(all_lengths)
         # A later batch larger than the first grows the static size (one recompilation).
-        self.rows = max(self.rows, max(lengths))
+        self.rows = max(self.rows, max(all_lengths))
         # Padding rows repeat a real example: finite wherever the model is finite on real data.
         stacked, _ = stack_host_values(shards, rows=self.rows, fill_with_first_row=True)
-        mask = self._mask(lengths)
+        mask = self._mask(tuple(lengths))
         return jax.tree.map(
-            lambda a: PerReplica(self.strategy, a, mask, lengths), put_stacked(self.strategy, stacked)
+            lambda a: PerReplica(self.strategy, a, mask, all_lengths),
+            put_stacked(self.strategy, stacked),
         )
 
     def _mask(self, lengths):
@@ -260,20 +273,23 @@ class DistributedDataset:
         self._options = _check_options(options)
         self._source = _batch_source(dataset)
         self._placer = _Placer(strategy)
+        self._uid = _new_dataset_uid(strategy, "experimental_distribute_dataset")
+        self._passes = 0
 
-    def _produce(self) -> Iterator[PerReplica]:
+    def _local_batches(self) -> Iterator[tuple[list, str]]:
         strategy = self._strategy
         for batch in self._source():
             host, n = to_host_batch(batch)
             shards = split_global_batch(
                 host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
             )
-            yield self._placer.place(
-                shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
-            )
+            yield shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self._produce(), self._options)
+        producer = place_agreed(self._strategy, self._placer, self._local_batches(),
+                                self._uid, self._passes)
+        self._passes += 1
+        return DistributedIterator(producer, self._options)
 
 
 class DistributedDatasetsFromFunction:
@@ -293,23 +309,87 @@ class DistributedDatasetsFromFunction:
         )
         self._source = _batch_source(dataset_fn(self.input_context))
         self._placer = _Placer(strategy)
+        self._uid = _new_dataset_uid(strategy, "distribute_datasets_from_function")
+        self._passes = 0
 
-    def _produce(self) -> Iterator[PerReplica]:
+    def _local_batches(self) -> Iterator[tuple[list, str]]:
         local = len(self._strategy._local_replica_ids)
         round_: list = []
         for batch in self._source():
             round_.append(to_host_batch(batch)[0])
             if len(round_) == local:
-                yield self._placer.place(round_, "per-replica batch of 0")
+                yield round_, "per-replica batch of 0"
                 round_ = []
         if round_:
             empty = jax.tree.map(lambda a: a[:0], round_[0])
-            yield self._placer.place(
-                round_ + [empty] * (local - len(round_)), "per-replica batch of 0"
-            )
+            yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0"
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self._produce(), self._options)
+        producer = place_agreed(self._strategy, self._placer, self._local_batches(),
+                                self._uid, self._passes)
+        self._passes += 1
+        return DistributedIterator(producer, self._options)
+
+
+def _new_dataset_uid(strategy, kind: str) -> str:
+    """A name for a distributed dataset, the same on every process of an SPMD program."""
+    strategy._datasets_made += 1
+    return f"{kind}#{strategy._datasets_made}"
+
+
+def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
+                 pass_index: int) -> Iterator:
+    """Places each local batch; with several processes, first agrees with the peers on it.
+
+    Multi-worker (DESIGN.md §2): before each step every process publishes the true lengths of
+    its local shards, or that its data has ended. The step happens while ANY process still has
+    data; a process whose data has ended feeds fully masked filler rows (copies of its last real
+    example), so no worker blocks in a collective its peers never join, and every example is
+    counted exactly once. All processes then know every replica's length (for `gather`) and
+    the same static row count.
+    """
+    if jax.process_count() == 1:
+        for shards, name in local_batches:
+            yield placer.place(shards, name)
+        return
+    local = len(strategy._local_replica_ids)
+    last = None  # one row of this process's last batch (a real example when it had one)
+    ended = False
+    step = 0
+    while True:
+        item = None if ended else next(local_batches, None)
+        ended = item is None
+        lengths = None if ended else [int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
+        name = f"input/{uid}/{pass_index}/{step}"
+        votes = multihost.exchange(name, {"dataset": uid, "lengths": lengths,
+                                          "had_data": last is not None or not ended})
+        if step >= 3:
+            multihost.forget(f"input/{uid}/{pass_index}/{step - 3}")
+        multihost.check_same(name, "which distributed dataset is read",
+                             [v["dataset"] for v in votes])
+        if all(v["lengths"] is None for v in votes):
+            return
+        empty = [p for p, v in enumerate(votes) if not v["had_data"]]
+        if empty:
+            raise errors.InvalidBatchError(
+                f"The input pipelines of process(es) {empty} yielded no batch at all while the "
+                "others have data; a worker needs at least one batch (its examples set the "
+                "shapes it feeds once its data has ended). Give every worker data, e.g. shard "
+                "with fewer, larger pieces."
+            )
+        all_lengths = by_replica(strategy, [v["lengths"] or [0] * local for v in votes])
+        if ended:
+            yield placer.place([last] * local, "filler", lengths=(0,) * local,
+                               all_lengths=all_lengths)
+        else:
+            shards, first_name = item
+            real = next((s for s in shards if jax.tree.leaves(s)[0].shape[0]), None)
+            if real is not None:
+                last = jax.tree.map(lambda a: a[:1], real)
+            elif last is None:
+                last = jax.tree.map(lambda a: np.zeros((1,) + a.shape[1:], a.dtype), shards[0])
+            yield placer.place(shards, first_name, all_lengths=all_lengths)
+        step += 1
 
 
 class _End:

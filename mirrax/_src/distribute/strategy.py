@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mirrax import errors
 from mirrax._src.distribute import _run
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import multihost
 from mirrax._src.distribute.reduce import ReduceOp
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
@@ -31,6 +32,7 @@ from mirrax._src.distribute.values import (
     DistributedValues,
     Mirrored,
     PerReplica,
+    by_replica,
     is_distributed,
     mask_from_lengths,
     put_stacked,
@@ -81,6 +83,7 @@ class Strategy:
         self._run_cache = _run.new_cache()
         self._in_flight = _run.new_in_flight(devices)
         self._compile_counts: dict = {}
+        self._datasets_made = 0  # names distributed datasets alike on every process
         self.extended = StrategyExtended(self)
 
     @property
@@ -303,8 +306,14 @@ class Strategy:
             keep = np.concatenate(
                 [r * rows + np.arange(n) for r, n in enumerate(value._lengths)]
             ).astype(np.int32)
-            return x.reshape((-1,) + x.shape[2:])[keep]
-        return jnp.concatenate(list(x), axis)
+            return self._on_every_process(lambda x: x.reshape((-1,) + x.shape[2:])[keep], x)
+        return self._on_every_process(lambda x: jnp.concatenate(list(x), axis), x)
+
+    def _on_every_process(self, fn, *args):
+        """`fn(*args)` as a program whose result is replicated, so every process can read it."""
+        if jax.process_count() == 1:
+            return fn(*args)
+        return jax.jit(fn, out_shardings=self._replicated)(*args)
 
     def experimental_local_results(self, value) -> tuple:
         """The values of this process's replicas, as `Strategy.experimental_local_results`.
@@ -392,6 +401,10 @@ class Strategy:
             for r in self._local_replica_ids
         ]
         stacked, lengths = stack_host_values(values)
+        if jax.process_count() > 1:
+            lengths = self._agree_value_lengths(values, stacked, lengths)
+            if lengths is not None:
+                stacked, _ = stack_host_values(values, rows=max(lengths))
         if stacked is None:
             placed = tuple(
                 jax.device_put(v, self._devices[r]) for v, r in zip(values, self._local_replica_ids)
@@ -399,8 +412,33 @@ class Strategy:
             return PerReplica(self, None, ragged=placed)
         if lengths is None:
             return PerReplica(self, put_stacked(self, stacked))
-        mask = put_stacked(self, mask_from_lengths(lengths, max(lengths)))
+        local_lengths = [lengths[r] for r in self._local_replica_ids]
+        mask = put_stacked(self, mask_from_lengths(local_lengths, max(lengths)))
         return PerReplica(self, put_stacked(self, stacked), mask=mask, lengths=lengths)
+
+    def _agree_value_lengths(self, values, stacked, lengths):
+        """Every replica's first-axis length (all processes), or None when no padding is needed.
+
+        Raises:
+          ValueError: some process's values cannot be stacked (trailing shapes differ), which
+            a multi-process PerReplica cannot hold.
+        """
+        self._values_made = getattr(self, "_values_made", 0) + 1
+        mine = None if stacked is None else [
+            int(jax.tree.leaves(v)[0].shape[0]) if jax.tree.leaves(v)[0].ndim else -1
+            for v in values
+        ]
+        votes = multihost.exchange(f"values/{self._values_made}", mine)
+        if any(v is None for v in votes):
+            raise ValueError(
+                "experimental_distribute_values_from_function: the replicas' values have "
+                "different trailing shapes on some process, which a multi-process PerReplica "
+                "cannot hold. Return values of one shape (first axis may differ)."
+            )
+        every = by_replica(self, votes)
+        if len(set(every)) == 1 and lengths is None:
+            return None
+        return tuple(every)
 
 
 def _normalize_axis(axis, ndim: int) -> int:

@@ -71,7 +71,7 @@ class PerReplica(DistributedValues):
         self._strategy = strategy
         self._value = value
         self._mask = mask  # bool (num_replicas, rows) or None
-        self._lengths = lengths  # true rows of each LOCAL replica, or None
+        self._lengths = lengths  # true rows of EVERY replica (all processes), or None
         self._ragged = ragged  # tuple of per-local-replica values when they cannot be stacked
 
     def _masked(self, leaf) -> bool:
@@ -88,7 +88,7 @@ class PerReplica(DistributedValues):
         def per_replica(leaf):
             rows = local_rows(leaf, strategy)
             if self._masked(leaf):
-                rows = [row[:length] for row, length in zip(rows, self._lengths)]
+                rows = [row[: self._lengths[r]] for row, r in zip(rows, replicas)]
             return rows
 
         leaves, treedef = jax.tree.flatten(self._value)
@@ -216,6 +216,18 @@ def put_stacked(strategy, host):
         ),
         host,
     )
+
+
+def by_replica(strategy, per_process: Sequence[Sequence]) -> tuple:
+    """Lays out per-process lists (one entry per LOCAL replica of that process, in replica
+    order) as one tuple over all of `strategy`'s replicas."""
+    taken: dict = {}
+    out = []
+    for device in strategy._devices:
+        p = device.process_index
+        out.append(per_process[p][taken.get(p, 0)])
+        taken[p] = taken.get(p, 0) + 1
+    return tuple(out)
 
 
 def mask_from_lengths(lengths: Sequence[int], rows: int) -> np.ndarray:

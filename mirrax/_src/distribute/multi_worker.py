@@ -1,0 +1,300 @@
+"""`MultiWorkerMirroredStrategy` on `jax.distributed`, and `CommunicationOptions`.
+
+One process per training task (the chief and the workers of the cluster spec); the mesh spans
+every device of every process, so `strategy.run` is one SPMD program whose gradient all-reduce
+crosses hosts (NCCL on GPU, Gloo on CPU: XLA's collectives, no transport of our own). The
+cluster comes from a resolver (`TF_CONFIG` by default, as TF); the chief's address is where
+jax.distributed's coordination service listens, and only there.
+
+Failure handling: the start-up barrier is bounded (`CommunicationOptions.timeout_seconds`,
+default 300 s) by a watchdog that names the tasks being waited for, and a peer that dies later
+is detected by the coordination service's heartbeat (timeout `timeout_seconds`, default 30 s),
+which ends every surviving process with a non-zero status instead of a hang.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import sys
+import threading
+
+import jax
+
+from mirrax import errors
+from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
+from mirrax._src.distribute.strategy import Strategy, StrategyExtended, local_index
+
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 300
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 30
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective library carries the all-reduce, as TF's enum of that name.
+
+    AUTO: NCCL on GPUs, Gloo on CPUs (XLA's choice). RING: TF's ring all-reduce; on CPU that is
+    Gloo (whose all-reduce is a ring); on GPU XLA always uses NCCL. NCCL: requires GPUs.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+class CommunicationOptions:
+    """Options of the cross-worker collectives, as `tf.distribute.experimental.CommunicationOptions`.
+
+    Args:
+      bytes_per_pack: accepted for compatibility; XLA's all-reduce combiner decides the packing.
+      timeout_seconds: None or a number > 0 (seconds). Bounds the start-up barrier (every
+        training task must join within it, default 300 s) and the detection of a dead peer
+        (heartbeat timeout, default 30 s).
+      implementation: a `CommunicationImplementation` or its name ("AUTO", "RING", "NCCL").
+
+    Raises:
+      ValueError: a non-positive timeout or an unknown implementation.
+    """
+
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
+                 implementation=CommunicationImplementation.AUTO):
+        if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float))
+            or not timeout_seconds > 0
+        ):
+            raise ValueError(
+                f"CommunicationOptions: timeout_seconds must be None or a number > 0 (seconds); "
+                f"received {timeout_seconds!r}."
+            )
+        if isinstance(implementation, str):
+            try:
+                implementation = CommunicationImplementation[implementation.upper()]
+            except KeyError:
+                implementation = None
+        if not isinstance(implementation, CommunicationImplementation):
+            raise ValueError(
+                "CommunicationOptions: implementation must be one of "
+                f"{[m.name for m in CommunicationImplementation]}; received {implementation!r}."
+            )
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+        self.implementation = implementation
+
+    def __repr__(self) -> str:
+        return (
+            f"CommunicationOptions(timeout_seconds={self.timeout_seconds!r}, "
+            f"implementation={self.implementation.name})"
+        )
+
+
+class MultiWorkerExtended(StrategyExtended):
+    """Task facts of a multi-worker strategy, as TF's `strategy.extended`.
+
+    Attributes:
+      task_type: this task's job ("chief" or "worker"); "worker" for a one-task cluster.
+      task_id: this task's index within its job.
+      should_checkpoint: True on the chief only (as TF): the chief writes checkpoints.
+      should_save_summary: True on the chief only (as TF): the chief writes summaries.
+      should_init: True (every task initializes its variables, identically).
+      experimental_between_graph: True (one program per task).
+    """
+
+    def __init__(self, strategy: "MultiWorkerMirroredStrategy"):
+        super().__init__(strategy)
+        resolver = strategy.cluster_resolver
+        self.task_type = resolver.task_type or "worker"
+        self.task_id = resolver.task_id or 0
+        self.should_init = True
+        self.experimental_between_graph = True
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return self._strategy.cluster_resolver.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._strategy.cluster_resolver.is_chief
+
+    @property
+    def worker_devices(self) -> tuple:
+        s = self._strategy
+        return tuple(
+            f"/job:{self.task_type}/replica:0/task:{self.task_id}/device:"
+            f"{s._devices[r].platform.upper()}:{local_index(s._devices[r])}"
+            for r in s._local_replica_ids
+        )
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of several processes (hosts).
+
+    As `tf.distribute.MultiWorkerMirroredStrategy`: every training task (the chief and the
+    workers) runs this same program; one replica per device of every task; variables are
+    mirrored; gradients are all-reduced across all of them inside the compiled step. Create it
+    at the start of the program, before any other JAX call (it initializes `jax.distributed`,
+    which must come first). A one-task cluster (or none) is a `MirroredStrategy` on the local
+    devices.
+
+    Args:
+      cluster_resolver: a `ClusterResolver` (`TFConfigClusterResolver`,
+        `SlurmClusterResolver`, `SimpleClusterResolver`); None reads `TF_CONFIG`.
+      communication_options: a `CommunicationOptions` or None.
+
+    Attributes:
+      cluster_resolver: the resolver.
+      num_replicas_in_sync: devices over all training tasks (e.g. 3 tasks x 2 devices = 6).
+      extended: `MultiWorkerExtended` (task_type, task_id, should_checkpoint, ...).
+
+    Raises:
+      ValueError: a malformed or inconsistent cluster (TF_CONFIG not JSON, task index out of
+        range, unknown task type); this task does not train (an evaluator or ps task); NCCL
+        requested without GPUs.
+      TypeError: arguments of the wrong type.
+      RuntimeError: JAX was already used in this process with a different process layout, or
+        before the strategy could initialize jax.distributed.
+
+    Security: the coordination service (on the chief) has no authentication; run the cluster
+    on a private network only.
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None):
+        if cluster_resolver is None:
+            cluster_resolver = TFConfigClusterResolver()
+        if not isinstance(cluster_resolver, ClusterResolver):
+            raise TypeError(
+                "MultiWorkerMirroredStrategy: cluster_resolver must be a mirrax ClusterResolver "
+                "(TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver) or None; "
+                f"received {type(cluster_resolver).__name__}."
+            )
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        if not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(
+                "MultiWorkerMirroredStrategy: communication_options must be a "
+                f"mirrax.CommunicationOptions or None; received "
+                f"{type(communication_options).__name__}."
+            )
+        if cluster_resolver.worker_index is None:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy: this task is {cluster_resolver.task_type!r}:"
+                f"{cluster_resolver.task_id}, which does not train (only 'chief' and 'worker' "
+                "tasks do). Run the evaluator's own program without this strategy (e.g. read "
+                "the chief's checkpoints and call Model.evaluate)."
+            )
+        self.cluster_resolver = cluster_resolver
+        self.communication_options = communication_options
+        if cluster_resolver.num_workers > 1:
+            _initialize(cluster_resolver, communication_options)
+        if (communication_options.implementation is CommunicationImplementation.NCCL
+                and jax.default_backend() != "gpu"):
+            raise ValueError(
+                "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
+                f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
+            )
+        super().__init__(jax.devices())
+        self.extended = MultiWorkerExtended(self)
+
+    def __repr__(self) -> str:
+        r = self.cluster_resolver
+        return (
+            f"MultiWorkerMirroredStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
+            f"num_workers={r.num_workers}, task={self.extended.task_type}:"
+            f"{self.extended.task_id})"
+        )
+
+
+def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> None:
+    """Initializes jax.distributed for `resolver`'s task (once per process).
+
+    Raises:
+      RuntimeError: jax.distributed is already initialized with another layout, or JAX's
+        backends started before it (jax.distributed must come first).
+    """
+    from jax._src import distributed
+
+    count, index = resolver.num_workers, resolver.worker_index
+    state = distributed.global_state
+    if state.client is not None:
+        if (state.num_processes, state.process_id) != (count, index):
+            raise RuntimeError(
+                "MultiWorkerMirroredStrategy: jax.distributed is already initialized as process "
+                f"{state.process_id} of {state.num_processes}, but the cluster says this task is "
+                f"{index} of {count}. Create the strategy once per process, with one cluster."
+            )
+        return
+    if _backends_started():
+        raise RuntimeError(
+            "MultiWorkerMirroredStrategy: JAX was already used in this process (its devices are "
+            "initialized), so jax.distributed can no longer join the cluster. Create the "
+            "strategy first thing in the program, before any jax call (jax.devices(), creating "
+            "arrays, building models)."
+        )
+    # Gloo carries cross-process collectives on CPU; GPUs use NCCL whatever this says.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    startup = options.timeout_seconds or DEFAULT_STARTUP_TIMEOUT_SECONDS
+    heartbeat = options.timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    coordinator = resolver.coordinator_address
+    done = threading.Event()
+    watchdog = threading.Thread(
+        target=_startup_watchdog, args=(resolver, startup, done), daemon=True,
+        name="mirrax-startup-watchdog",
+    )
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=count,
+            process_id=index,
+            # JAX's own deadline comes after the watchdog's, which says which tasks are missing.
+            initialization_timeout=int(math.ceil(startup)) + 30,
+            heartbeat_timeout_seconds=max(1, int(math.ceil(heartbeat))),
+            coordinator_bind_address=coordinator,
+        )
+    finally:
+        done.set()
+
+
+def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading.Event):
+    """Ends the process with a clear message when the cluster has not formed within `timeout`.
+
+    jax.distributed.initialize blocks in C++ (Python cannot interrupt it) and, at its own
+    deadline, aborts with a bare "Deadline Exceeded"; this names the tasks instead.
+    """
+    if done.wait(timeout):
+        return
+    spec = resolver.cluster_spec()
+    me = (resolver.task_type, resolver.task_id)
+    others = [
+        f"{job}:{i} ({spec.task_address(job, i)})"
+        for job, i in resolver._training_tasks() if (job, i) != me
+    ]
+    if resolver.is_chief:
+        what = (
+            f"this task ({me[0]}:{me[1]}) runs the coordinator at "
+            f"{resolver.coordinator_address} and waited {timeout:g} s for the other training "
+            f"tasks to join; still missing: {', '.join(others)} (at least one of them did not "
+            "start, crashed, or cannot reach the coordinator)"
+        )
+    else:
+        what = (
+            f"this task ({me[0]}:{me[1]}) could not join the cluster within {timeout:g} s: the "
+            f"coordinator (chief) at {resolver.coordinator_address} is not reachable, or one of "
+            f"the other tasks ({', '.join(others)}) did not join"
+        )
+    print(
+        f"mirrax: MultiWorkerMirroredStrategy: {what}. Start every task of the cluster (same "
+        "TF_CONFIG cluster, each with its own task index), check the addresses and the "
+        "firewall, or raise CommunicationOptions(timeout_seconds=...). Exiting with status 1.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _backends_started() -> bool:
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else False
