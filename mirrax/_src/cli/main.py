@@ -21,10 +21,11 @@ _COUNT_PATTERN = re.compile(re.escape(_COUNT_FLAG) + r"=(\S*)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the `mirrax` command (subcommands `devices` and `train`)."""
+    """The argument parser of the `mirrax` command (subcommands `devices`, `train`, `launch`)."""
     parser = argparse.ArgumentParser(
         prog="mirrax",
-        description="The tf.distribute programming model on JAX: list devices, run the demo job.",
+        description="The tf.distribute programming model on JAX: list devices, run the demo job, "
+        "launch local workers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -94,6 +95,42 @@ def build_parser() -> argparse.ArgumentParser:
                            MIXED_PRECISION_POLICIES) + " (default float32)")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="with --loop fit, write TensorBoard event files to DIR")
+
+    launch = commands.add_parser(
+        "launch",
+        help="run a program as N local worker processes of a multi-worker job (TF_CONFIG)",
+        description=(
+            "Run PROGRAM as --nproc worker processes on this node, each with a TF_CONFIG "
+            "(worker 0 is the chief; its address is the coordinator of jax.distributed), its "
+            "output lines prefixed '[worker i] '. Signals are forwarded; when a worker fails, "
+            "the others are stopped and the launcher exits with the worker's code. For several "
+            "nodes, run the same command on each with --nnodes, --node-rank and --coordinator. "
+            "See docs/launch.md."
+        ),
+        usage="%(prog)s [options] -- PROGRAM [ARGS ...]",
+    )
+    launch.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                        help="worker processes on this node (default 1)")
+    launch.add_argument("--cpu-devices", type=_positive_int, default=None, metavar="K",
+                        help=f"(fake) CPU devices per worker, through the workers' XLA_FLAGS="
+                        f"{_COUNT_FLAG}=K (default: XLA_FLAGS as inherited)")
+    launch.add_argument("--port", type=int, default=None, metavar="P",
+                        help="single node: the coordinator's port on 127.0.0.1 (worker i's "
+                        "address is 127.0.0.1:P+i, only worker 0's is used) (default: a free "
+                        "port)")
+    launch.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
+                        help="nodes running this same command (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="R",
+                        help="this node's index in [0, M); its workers are R*N .. R*N+N-1 of "
+                        "M*N (default 0)")
+    launch.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="address of worker 0 on node 0, reachable from every node; "
+                        "required with --nnodes > 1")
+    launch.add_argument("--grace-period", type=float, default=None, metavar="SECONDS",
+                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL "
+                        "(default 10)")
+    launch.add_argument("program", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS ...]",
+                        help="the program and its arguments, run as given (no shell)")
     return parser
 
 
@@ -106,10 +143,14 @@ def main(argv=None) -> int:
     Returns:
       The exit status: 0 on success, 1 when the command failed with a mirrax error (e.g. a
       missing data set; the message goes to stderr). Bad arguments exit with status 2, as
-      argparse does.
+      argparse does. `launch` returns its workers' status (see `mirrax._src.cli.launch.launch`).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        # Before configure_cpu_devices and the JAX-importing modules: the launcher passes
+        # --cpu-devices to its workers and never touches devices itself.
+        return _launch(parser, args)
     if args.command == "train" and args.loop == "custom":
         for option, value, default in (("--mixed-precision", args.mixed_precision, "float32"),
                                        ("--tensorboard", args.tensorboard, None)):
@@ -136,6 +177,20 @@ def main(argv=None) -> int:
         print(f"mirrax {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from mirrax._src.cli import launch
+
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    grace_period = launch.GRACE_PERIOD_S if args.grace_period is None else args.grace_period
+    arguments = (program, args.nproc, args.cpu_devices, args.port, args.nnodes, args.node_rank,
+                 args.coordinator, grace_period)
+    try:
+        launch.check_arguments(*arguments)
+    except ValueError as e:
+        parser.error(str(e))
+    return launch.launch(*arguments)
 
 
 def configure_cpu_devices(count: int | None) -> None:

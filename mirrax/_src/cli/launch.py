@@ -1,0 +1,361 @@
+"""`mirrax launch`: run one program as N local worker processes of a multi-worker job.
+
+Each worker gets a `TF_CONFIG` (a "worker" job, no "chief": worker 0 is the chief, and its
+address is the coordinator where `jax.distributed`'s coordination service listens), its output
+prefixed `[worker i] ` line by line, the launcher's SIGINT/SIGTERM/SIGHUP, and is stopped when
+another worker fails. Standard library only: the launcher never imports or starts JAX, so the
+workers own every device and `--cpu-devices` reaches them through their `XLA_FLAGS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping, Sequence, TextIO
+
+GRACE_PERIOD_S = 10.0
+# Written independently of main.configure_cpu_devices (same flag, same pattern) so this module
+# imports nothing from mirrax.
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_COUNT_PATTERN = re.compile(re.escape(_COUNT_FLAG) + r"=(\S*)")
+_LOCALHOST = "127.0.0.1"
+_MAX_PORT = 65535
+_POLL_S = 0.1
+# After SIGKILL a process dies at once unless it is stuck in the kernel; never wait forever.
+_KILL_WAIT_S = 5.0
+# Output still buffered in a pipe when the workers are gone (or held open by a grandchild).
+_DRAIN_S = 5.0
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What a POSIX shell returns for a command it cannot find / cannot execute.
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
+
+def parse_address(address: str, what: str = "--coordinator") -> tuple[str, int]:
+    """Splits "host:port" (IPv6 as "[::1]:port") into (host, port).
+
+    Raises:
+      ValueError: no host, or a port that is not an integer in [1, 65535]; the message names
+        `what` and echoes `address`.
+    """
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= _MAX_PORT):
+        raise ValueError(
+            f"{what} must be 'host:port' with a port in [1, {_MAX_PORT}]; received "
+            f"{address!r}. Write it as e.g. '10.0.0.1:1234' (the first node's address)."
+        )
+    return host, int(port)
+
+
+def check_arguments(argv_command: Sequence[str], nproc: int, cpu_devices: int | None,
+                    port: int | None, nnodes: int, node_rank: int, coordinator: str | None,
+                    grace_period: float) -> None:
+    """Validates `launch`'s arguments (see there) without starting anything.
+
+    Raises:
+      ValueError: an empty command; nproc, nnodes or cpu_devices < 1; node_rank outside
+        [0, nnodes); nnodes > 1 without a coordinator; a coordinator that is not "host:port";
+        both port and coordinator; a port outside [1, 65535] or whose worker ports
+        port .. port + nnodes * nproc - 1 pass 65535; a negative grace period.
+    """
+    if not argv_command:
+        raise ValueError(
+            "no program to run: put it after '--', e.g. mirrax launch --nproc 2 -- python "
+            "train.py"
+        )
+    for name, value in (("--nproc", nproc), ("--nnodes", nnodes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; received {value}.")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise ValueError(f"--cpu-devices must be >= 1; received {cpu_devices}.")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f"--node-rank must be in [0, --nnodes) = [0, {nnodes}); received {node_rank}. "
+            "Number the nodes 0, 1, ..., nnodes - 1; node 0 runs the coordinator."
+        )
+    if nnodes > 1 and coordinator is None:
+        raise ValueError(
+            f"--nnodes {nnodes} needs --coordinator HOST:PORT, an address of node 0 that every "
+            "node can reach (where worker 0 runs jax.distributed's coordination service)."
+        )
+    total = nnodes * nproc
+    if coordinator is not None:
+        if port is not None:
+            raise ValueError(
+                f"--port {port} and --coordinator {coordinator} both set the coordinator's "
+                "port; give only --coordinator HOST:PORT."
+            )
+        _, port = parse_address(coordinator)
+    elif port is not None and not 1 <= port <= _MAX_PORT:
+        raise ValueError(f"--port must be in [1, {_MAX_PORT}]; received {port}.")
+    if port is not None and port + total - 1 > _MAX_PORT:
+        raise ValueError(
+            f"the {total} workers' addresses use ports {port} .. {port + total - 1}, past "
+            f"{_MAX_PORT}; choose a port <= {_MAX_PORT - total + 1}."
+        )
+    if grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0 seconds; received {grace_period}.")
+
+
+def free_port(host: str = _LOCALHOST) -> int:
+    """A TCP port that is free on `host` now (the kernel's pick for port 0).
+
+    Another process may take it before the coordinator binds it; pass --port to choose.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cluster_addresses(total: int, coordinator: str) -> list[str]:
+    """The "host:port" of each of the `total` workers: worker k is the coordinator's port + k.
+
+    Only worker 0's address (the coordinator) is ever bound or contacted; the others fill the
+    cluster spec, which lists every task, and are informational.
+    """
+    host, port = parse_address(coordinator)
+    return [f"{host}:{port + k}" for k in range(total)]
+
+
+def tf_config(addresses: Sequence[str], index: int) -> dict:
+    """The TF_CONFIG of worker `index`: a "worker" job only, so worker 0 is the chief."""
+    return {"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": index}}
+
+
+def local_tf_configs(nproc: int, nnodes: int, node_rank: int, coordinator: str) -> list[dict]:
+    """The TF_CONFIG of each of this node's `nproc` workers, in order.
+
+    Node `node_rank` runs the workers with global indices node_rank * nproc .. + nproc - 1 of
+    nnodes * nproc; worker 0 (on node 0) is the chief, at `coordinator`.
+    """
+    addresses = cluster_addresses(nnodes * nproc, coordinator)
+    return [tf_config(addresses, node_rank * nproc + i) for i in range(nproc)]
+
+
+def worker_env(base: Mapping[str, str], config: dict, cpu_devices: int | None) -> dict[str, str]:
+    """The environment of one worker: `base` plus TF_CONFIG and the launcher's variables.
+
+    Sets TF_CONFIG (JSON of `config`), MIRRAX_LAUNCH_RANK (the global worker index),
+    MIRRAX_LAUNCH_WORLD_SIZE (the number of workers on all nodes), PYTHONUNBUFFERED=1 (lines
+    reach the launcher as they are printed) and, when `cpu_devices` is set, XLA_FLAGS with
+    `--xla_force_host_platform_device_count=cpu_devices` in place of any count already there
+    (the other flags are kept).
+    """
+    env = dict(base)
+    env["TF_CONFIG"] = json.dumps(config)
+    env["MIRRAX_LAUNCH_RANK"] = str(config["task"]["index"])
+    env["MIRRAX_LAUNCH_WORLD_SIZE"] = str(len(config["cluster"]["worker"]))
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu_devices is not None:
+        flags = _COUNT_PATTERN.sub("", env.get("XLA_FLAGS", "")).split()
+        env["XLA_FLAGS"] = " ".join(flags + [f"{_COUNT_FLAG}={cpu_devices}"])
+    return env
+
+
+def exit_code(returncode: int) -> int:
+    """A Popen return code as a shell reports it: a death by signal S is 128 + S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"was killed by signal {name}"
+
+
+class _Output:
+    """Whole lines to the launcher's streams, one at a time, flushed: never two half lines."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO):
+        self.stdout, self.stderr = stdout, stderr
+        self._lock = threading.Lock()
+        self._broken: set[int] = set()
+
+    def line(self, stream: TextIO, text: str) -> None:
+        with self._lock:
+            if id(stream) in self._broken:
+                return
+            try:
+                try:
+                    stream.write(text + "\n")
+                except UnicodeEncodeError:  # e.g. U+FFFD on an ASCII terminal
+                    stream.write(text.encode("ascii", "backslashreplace").decode("ascii") + "\n")
+                stream.flush()
+            except (OSError, ValueError):
+                # A closed stream (`mirrax launch ... | head`): keep draining the workers' pipes
+                # so they never block, but write no more.
+                self._broken.add(id(stream))
+
+    def message(self, text: str) -> None:
+        self.line(self.stderr, f"mirrax launch: {text}")
+
+
+def _relay(pipe, prefix: str, output: _Output, stream: TextIO) -> None:
+    """Copies `pipe` (bytes) to `stream` line by line, each line after `prefix`."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            if raw.endswith(b"\n"):
+                raw = raw[:-1]
+            output.line(stream, prefix + raw.decode("utf-8", errors="replace"))
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    """Sends `signum` to a worker's process group (the worker and anything it started)."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None = None,
+           port: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           coordinator: str | None = None, grace_period: float = GRACE_PERIOD_S) -> int:
+    """Runs `argv_command` as this node's `nproc` workers of a multi-worker job; waits for them.
+
+    Worker i of this node (global index g = node_rank * nproc + i, of nnodes * nproc) runs
+    `argv_command` (an argv list, no shell) with the environment of `worker_env`: TF_CONFIG
+    names g and every worker's address, worker 0's being the coordinator (`coordinator`, else
+    127.0.0.1:`port`, else 127.0.0.1 and a free port). Each line a worker prints goes to the
+    launcher's stdout (stderr for stderr lines) after `[worker g] `. Workers read no stdin.
+
+    SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker (each runs
+    in its own process group, which receives the signal); a second one kills them at once. When
+    a worker exits non-zero or by a signal, the others get SIGTERM. Either way, workers still
+    running `grace_period` seconds later get SIGKILL.
+
+    Args:
+      argv_command: the program and its arguments, e.g. ["python", "train.py", "--epochs", "2"].
+      nproc: worker processes on this node (>= 1).
+      cpu_devices: (fake) CPU devices per worker, through XLA_FLAGS; None keeps XLA_FLAGS.
+      port: the coordinator's port on a single node (workers' addresses are 127.0.0.1:port+k).
+      nnodes: nodes running `mirrax launch` with the same arguments (>= 1).
+      node_rank: this node's index, in [0, nnodes); node 0 runs worker 0, the coordinator.
+      coordinator: "host:port" of worker 0 on node 0; required when nnodes > 1.
+      grace_period: seconds between SIGTERM (or a forwarded signal) and SIGKILL (>= 0).
+
+    Returns:
+      The exit status: 0 when every worker exited 0; else the first failed worker's code (128 +
+      S for a death by signal S); 128 + S when the launcher received signal S (and no worker
+      had failed before); 127 when the program is not found, 126 when it cannot be executed.
+
+    Raises:
+      ValueError: invalid arguments, as `check_arguments` (nothing started).
+    """
+    check_arguments(argv_command, nproc, cpu_devices, port, nnodes, node_rank, coordinator,
+                    grace_period)
+    if coordinator is None:
+        coordinator = f"{_LOCALHOST}:{port if port is not None else free_port()}"
+    configs = local_tf_configs(nproc, nnodes, node_rank, coordinator)
+    output = _Output(sys.stdout, sys.stderr)
+    received: list[int] = []
+    previous_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        # Installed before any worker starts, so no signal can kill the launcher alone.
+        for signum in _FORWARDED_SIGNALS:
+            previous_handlers[signum] = signal.signal(
+                signum, lambda signum, frame: received.append(signum))
+    workers: list[tuple[int, subprocess.Popen]] = []
+    relays: list[threading.Thread] = []
+    try:
+        for config in configs:
+            index = config["task"]["index"]
+            try:
+                process = subprocess.Popen(
+                    list(argv_command), env=worker_env(os.environ, config, cpu_devices),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True)
+            except OSError as e:
+                code = EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+                output.message(
+                    f"error: cannot start worker {index}: {argv_command[0]!r}: {e.strerror}. "
+                    "Check the program after '--' (a path, or a name on PATH, that is "
+                    "executable)."
+                )
+                for _, started in workers:
+                    _signal_group(started, signal.SIGKILL)
+                    started.wait()
+                return code
+            workers.append((index, process))
+            prefix = f"[worker {index}] "
+            for pipe, stream in ((process.stdout, output.stdout),
+                                 (process.stderr, output.stderr)):
+                relay = threading.Thread(target=_relay, args=(pipe, prefix, output, stream),
+                                         daemon=True)
+                relay.start()
+                relays.append(relay)
+        return _supervise(workers, received, output, grace_period)
+    finally:
+        for _, process in workers:  # only on an unexpected error: _supervise reaps them all
+            _signal_group(process, signal.SIGKILL)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        drain_until = time.monotonic() + _DRAIN_S
+        for relay in relays:
+            relay.join(max(0.0, drain_until - time.monotonic()))
+
+
+def _supervise(workers: list[tuple[int, subprocess.Popen]], received: list[int],
+               output: _Output, grace_period: float) -> int:
+    """Polls the workers until all have exited; returns the launcher's exit status."""
+    failure: int | None = None
+    stop_signal: int | None = None
+    forwarded = 0
+    kill_at: float | None = None
+    why_kill = f"still running {grace_period:g} s after being asked to stop"
+    killed_at: float | None = None
+    while True:
+        running = [(i, p) for i, p in workers if p.poll() is None]
+        while forwarded < len(received):
+            signum, forwarded = received[forwarded], forwarded + 1
+            name = signal.Signals(signum).name
+            if stop_signal is None and failure is None:
+                stop_signal = signum
+            if kill_at is None:
+                output.message(f"received {name}; forwarding it to {len(running)} worker(s)")
+                for _, process in running:
+                    _signal_group(process, signum)
+                kill_at = time.monotonic() + grace_period
+            elif killed_at is None:  # a signal while stopping: do not wait any longer
+                kill_at = time.monotonic()
+                why_kill = f"still running at {name}, received while stopping"
+        if failure is None and stop_signal is None:
+            failed = [(i, p.returncode) for i, p in workers if p.returncode not in (None, 0)]
+            if failed:
+                index, returncode = failed[0]
+                failure = exit_code(returncode)
+                output.message(f"worker {index} {_describe(returncode)}; stopping the other "
+                               f"{len(running)} worker(s)")
+                for _, process in running:
+                    _signal_group(process, signal.SIGTERM)
+                kill_at = time.monotonic() + grace_period
+        if not running:
+            break
+        now = time.monotonic()
+        if kill_at is not None and now >= kill_at and killed_at is None:
+            for index, process in running:
+                output.message(f"worker {index} {why_kill}; sending SIGKILL")
+                _signal_group(process, signal.SIGKILL)
+            killed_at = now
+        if killed_at is not None and now - killed_at > _KILL_WAIT_S:
+            output.message("worker(s) " + ", ".join(str(i) for i, _ in running) + " survived "
+                           f"SIGKILL for {_KILL_WAIT_S:g} s (stuck in the kernel?); giving up")
+            break
+        time.sleep(_POLL_S)
+    if failure is not None:
+        return failure
+    if stop_signal is not None:
+        return 128 + stop_signal
+    return 0
