@@ -17,6 +17,7 @@ from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
 from mirrax._src.distribute.cluster import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from mirrax._src.distribute.input import AutoShardPolicy as AutoShardPolicy
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input import InputContext as InputContext
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "AutoShardPolicy",
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",

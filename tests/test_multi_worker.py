@@ -115,3 +115,133 @@ def test_communication_options_are_checked():
     with pytest.raises(ValueError, match="NCCL needs GPUs"):
         mirrax.MultiWorkerMirroredStrategy(
             communication_options=mirrax.CommunicationOptions(implementation="NCCL"))
+
+
+def test_auto_shard_policies_split_files_and_batches_as_tf(tmp_path):
+    # 2 workers x 1 replica, global batch 4, examples 0..11, no shuffling.
+    worker0, worker1 = harness.run("autoshard", tmp_path, num_workers=2, cpu_devices=1)
+    # FILE: files [0..5] and [6..11]; each worker reads its own file, 4 / 2 = 2 per step.
+    assert worker0["FILE"] == [[0, 1], [2, 3], [4, 5]]
+    assert worker1["FILE"] == [[6, 7], [8, 9], [10, 11]]
+    assert worker0["AUTO_two_files"] == worker0["FILE"]
+    # DATA on one file: every worker reads each global batch and keeps its half.
+    assert worker0["DATA"] == [[0, 1], [4, 5], [8, 9]]
+    assert worker1["DATA"] == [[2, 3], [6, 7], [10, 11]]
+    assert worker1["AUTO_one_file"] == worker1["DATA"]
+    assert worker1["numpy_batches_DATA"] == worker1["DATA"]
+    # OFF: both workers see all six batches of 2.
+    assert worker0["OFF"] == worker1["OFF"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert "1 file(s) for 2 workers" in worker0["FILE_one_file_error"]
+    assert "Use AutoShardPolicy.DATA" in worker0["FILE_one_file_error"]
+    # distribute_datasets_from_function is not sharded again: range(20i, 20i + 20) in 4s.
+    assert worker0["from_function"] == [list(range(j, j + 4)) for j in range(0, 20, 4)]
+    assert worker1["from_function"] == [list(range(j, j + 4)) for j in range(20, 40, 4)]
+
+
+def test_uneven_data_never_hangs_and_every_example_counts_once(tmp_path):
+    # Worker 0: 5 per-replica batches of 4 (ids 0..19); worker 1: 3 (ids 100..111); 2 local
+    # replicas each, so worker 0 needs ceil(5 / 2) = 3 steps and worker 1 needs 2.
+    worker0, worker1 = harness.run("uneven", tmp_path, num_workers=2, cpu_devices=2)
+    assert worker0["steps"] == worker1["steps"] == 3
+    ids = list(range(20)) + list(range(100, 112))
+    assert sorted(worker0["gathered"]) == sorted(worker1["gathered"]) == ids
+    assert sum(worker0["totals"]) == sum(ids) == 190 + 1266
+    # Evaluation: mean of x**2 over the 32 examples = (2470 + 133706) / 32.
+    assert worker0["evaluate_mse"] == worker1["evaluate_mse"] == (2470 + 133706) / 32
+
+
+def test_callbacks_take_the_same_decision_on_every_worker(tmp_path):
+    worker0, worker1 = harness.run("decisions", tmp_path, num_workers=2, cpu_devices=1)
+    # Each worker trains on its own data, but the logs are all-reduced: one history, so one
+    # decision. SGD at 3.0 diverges: loss up at epoch 2, so the learning rate halves there and
+    # EarlyStopping (patience 1) stops after it.
+    assert worker0 == worker1
+    assert worker0["loss"][1] > worker0["loss"][0]
+    assert worker0["rates"] == [3.0, 1.5]
+    assert worker0["stopped_epoch"] == 1
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_checkpoints_are_written_once_and_only_the_chief_prints(tmp_path):
+    results = harness.run("chief_writes", tmp_path, num_workers=3, cpu_devices=1)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch01", "epoch02", "final"]
+    assert not [p for p in _tree(ckpt) if "tmp" in p.lower()]
+    for name in ("epoch01", "epoch02", "final"):
+        assert (ckpt / name / "commit_success.txt").exists()
+    # The final checkpoint holds the weights every worker ended with.
+    strategy = mirrax.OneDeviceStrategy("cpu:0")
+    from tests.multiprocess.scenarios import _mlp, _mlp_problem
+
+    w1, w2, _, _ = _mlp_problem()
+    with strategy.scope():
+        model = mirrax.Model(_mlp(np.zeros_like(w1), np.zeros_like(w2)))
+    model.load_weights(str(ckpt / "final"))
+    for worker in results:
+        np.testing.assert_array_equal(np.asarray(model.module.l1.kernel[...]),
+                                      worker["weights"][0])
+    chief_log = (tmp_path / "log0.txt").read_text()
+    assert "Epoch 2/2" in chief_log and "Epoch 2: saving model to" in chief_log
+    for index in (1, 2):
+        log = (tmp_path / f"log{index}.txt").read_text()
+        assert "Epoch" not in log and "loss" not in log
+
+
+def test_missing_peer_is_named_within_the_timeout(tmp_path):
+    # Only the chief of a 2-task cluster starts; CommunicationOptions(timeout_seconds=10).
+    workers = harness.start("facts", tmp_path, num_workers=2, cpu_devices=1, only=[0],
+                            env={"MIRRAX_TEST_TIMEOUT": "10"})
+    codes = harness.wait(workers, timeout=60)
+    assert codes == [1]
+    output = workers[0].output
+    assert "waited 10 s for the other training tasks to join" in output
+    assert "still missing: worker:1 (127.0.0.1:" in output
+
+
+def test_killed_worker_makes_the_others_exit_and_the_rerun_resumes_from_the_backup(tmp_path):
+    plain = harness.run("killed", tmp_path / "plain", num_workers=2, cpu_devices=1,
+                        args=["plain"])
+    # Worker 1 SIGKILLs itself after batch 3 of epoch 3 (0-based epoch 2); worker 0 is ended by
+    # the coordination service's heartbeat (timeout_seconds=15): non-zero, no hang.
+    workers = harness.start("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
+                            args=["kill"])
+    codes = harness.wait(workers, timeout=90)
+    assert codes[1] == -9 and codes[0] != 0
+    assert "stopped sending heartbeats" in workers[0].output
+    # The chief's backup holds the end of epoch 2 (epoch index 1): resume at epoch index 2.
+    assert [p.name for p in (tmp_path / "run" / "backup").iterdir()] == ["2"]
+    resumed = harness.run("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
+                          args=["resume"])
+    for worker in resumed:
+        # Epochs 2 and 3 again, 5 steps each: every worker at the same epoch and step.
+        assert worker["seen"] == [[e, b] for e in (2, 3) for b in range(5)]
+        for mine, reference in zip(worker["weights"], plain[0]["weights"]):
+            np.testing.assert_allclose(mine, reference, atol=1e-6)
+    assert not (tmp_path / "run" / "backup").exists()
+
+
+def test_with_default_options_a_dead_worker_ends_the_job_within_a_minute(tmp_path):
+    # Worker 1 dies after its first batch; the default heartbeat timeout (30 s) ends worker 0.
+    workers = harness.start("killed", tmp_path, num_workers=2, cpu_devices=1, args=["default"])
+    codes = harness.wait(workers, timeout=60 + 15)  # 15 s for the start-up on a busy machine
+    assert codes[1] == -9 and codes[0] != 0
+    assert "stopped sending heartbeats" in workers[0].output
+
+
+def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
+    import subprocess
+    import sys
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc", "2",
+         "--cpu-devices", "1", "--grace-period", "2", "--", sys.executable, "-m",
+         "tests.multiprocess.scenarios", "killed", str(tmp_path), "auto", "default"],
+        cwd=harness.ROOT, capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(harness.ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert completed.returncode == 128 + 9, completed.stderr[-2000:]
+    assert "worker 1 was killed by signal SIGKILL; stopping the other 1 worker(s)" in (
+        completed.stderr)

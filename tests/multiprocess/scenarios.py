@@ -21,10 +21,14 @@ def _write(out_dir, index, result) -> None:
     tmp.replace(path)
 
 
-def _strategy(**kwargs):
+def _strategy(timeout_seconds=None):
+    import os
+
     import mirrax
 
-    return mirrax.MultiWorkerMirroredStrategy(**kwargs)
+    timeout_seconds = timeout_seconds or float(os.environ.get("MIRRAX_TEST_TIMEOUT", 0)) or None
+    return mirrax.MultiWorkerMirroredStrategy(
+        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout_seconds))
 
 
 def facts(out_dir, index):
@@ -148,11 +152,197 @@ def fit(out_dir, index):
     }
 
 
-SCENARIOS = {"facts": facts, "fit": fit}
+def autoshard(out_dir, index):
+    """Test 3: 2 workers x 1 replica, global batch 4, 12 examples (0..11), no shuffling."""
+    strategy = _strategy()
+    import mirrax
+
+    out = pathlib.Path(out_dir)
+    if index == 0:
+        for name, values in (("a", range(0, 6)), ("b", range(6, 12)), ("all", range(12))):
+            np.save(out / f"{name}.npy", np.asarray(values, np.int32))
+    strategy.run(lambda: None)  # a collective: worker 0 has written the files
+    read = lambda path: np.load(path)  # noqa: E731
+    two_files = mirrax.data.FileDataset([out / "a.npy", out / "b.npy"], read, batch_size=4)
+    one_file = mirrax.data.FileDataset([out / "all.npy"], read, batch_size=4)
+
+    def steps(dataset, policy):
+        options = mirrax.InputOptions(experimental_auto_shard_policy=policy)
+        return [np.asarray(strategy.experimental_local_results(b)[0]).tolist()
+                for b in strategy.experimental_distribute_dataset(dataset, options)]
+
+    result = {
+        "FILE": steps(two_files, "FILE"),
+        "AUTO_two_files": steps(two_files, "AUTO"),
+        "DATA": steps(one_file, "DATA"),
+        "AUTO_one_file": steps(one_file, "AUTO"),
+        "OFF": steps(one_file, "OFF"),
+        "numpy_batches_DATA": steps([np.arange(i, i + 4) for i in range(0, 12, 4)], "DATA"),
+    }
+    try:
+        steps(one_file, "FILE")
+    except ValueError as e:
+        result["FILE_one_file_error"] = str(e)
+    per_worker = strategy.distribute_datasets_from_function(
+        lambda ctx: [np.arange(20 * ctx.input_pipeline_id + i, 20 * ctx.input_pipeline_id + i + 4)
+                     for i in range(0, 20, 4)])
+    result["from_function"] = [np.asarray(strategy.experimental_local_results(b)[0]).tolist()
+                               for b in per_worker]
+    return result
+
+
+def uneven(out_dir, index):
+    """Test 4: worker 0 has 5 batches of 4 examples (ids 0..19), worker 1 has 3 (ids 100..111)."""
+    strategy = _strategy()
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mirrax
+
+    counts = [5, 3]
+    start = [0, 100]
+
+    def per_worker(ctx):
+        i = ctx.input_pipeline_id
+        ids = np.arange(start[i], start[i] + 4 * counts[i], dtype=np.float32)
+        return [(ids[j:j + 4, None], ids[j:j + 4]) for j in range(0, len(ids), 4)]
+
+    dataset = strategy.distribute_datasets_from_function(per_worker)
+    steps, gathered, totals = 0, [], []
+    for x, y in dataset:
+        steps += 1
+        out = strategy.run(lambda x: x[:, 0], args=(x,))
+        gathered.extend(np.asarray(strategy.gather(out, axis=0)).tolist())
+        totals.append(float(strategy.reduce("sum", out, axis=0)))
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(()))
+
+        def __call__(self, x):
+            return x[:, 0] * self.w
+
+    with strategy.scope():
+        model = mirrax.Model(Scale())
+        model.compile("sgd", "mse")
+    # MSE against 0 is the mean of x**2 over the examples the evaluation saw.
+    zeros = strategy.distribute_datasets_from_function(
+        lambda ctx: [(x, np.zeros_like(y)) for x, y in per_worker(ctx)])
+    mse = model.evaluate(zeros, verbose=0)
+    return {"steps": steps, "gathered": gathered, "totals": totals, "evaluate_mse": mse}
+
+
+def _compiled_mlp(strategy, lr=0.05):
+    import optax
+
+    import mirrax
+
+    w1, w2, x, y = _mlp_problem()
+    with strategy.scope():
+        model = mirrax.Model(_mlp(w1, w2))
+        model.compile(optax.adam(lr), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model, x, y
+
+
+def chief_writes(out_dir, index):
+    """Test 7: ModelCheckpoint + save_weights over 3 processes, 2 epochs, progress printed."""
+    strategy = _strategy()
+    import mirrax
+
+    model, x, y = _compiled_mlp(strategy)
+    ckpt = pathlib.Path(out_dir) / "ckpt"
+    model.fit(x, y, batch_size=12, epochs=2, verbose=2, callbacks=[
+        mirrax.callbacks.ModelCheckpoint(str(ckpt / "epoch{epoch:02d}"), save_weights_only=True,
+                                         verbose=1)])
+    model.save_weights(str(ckpt / "final"))
+    return {"weights": _weights(model.module)}
+
+
+def killed(out_dir, index, phase):
+    """Tests 5 and 6: fit 4 epochs of 5 steps with BackupAndRestore; in phase "kill" worker 1
+    kills itself (SIGKILL) after batch 3 of epoch 3. Phase "default": the same with the default
+    CommunicationOptions (worker 1 dies after the first epoch)."""
+    import os
+    import signal
+
+    strategy = _strategy(timeout_seconds=None if phase == "default" else 15)
+    import mirrax
+
+    model, x, y = _compiled_mlp(strategy)
+    out = pathlib.Path(out_dir)
+    seen = []
+
+    def on_batch_end(batch, logs):
+        seen.append((epoch_now[0], batch))
+        (out / f"progress{index}").write_text(f"{epoch_now[0]} {batch}")
+        if phase in ("kill", "default") and index == 1 and (epoch_now[0], batch) == (
+                (2, 2) if phase == "kill" else (1, 0)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    epoch_now = [None]
+    callbacks = [
+        mirrax.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+            on_train_batch_end=on_batch_end),
+    ]
+    if phase != "plain":
+        callbacks.insert(0, mirrax.callbacks.BackupAndRestore(str(out / "backup")))
+    epochs = 40 if phase == "default" else 4
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    return {"weights": _weights(model.module), "seen": seen}
+
+
+def decisions(out_dir, index):
+    """Test 8: EarlyStopping and ReduceLROnPlateau on the all-reduced logs; each worker's own
+    data (from distribute_datasets_from_function) would lead it to other decisions."""
+    strategy = _strategy()
+    import optax
+
+    import mirrax
+
+    model, _, _ = _compiled_mlp(strategy)
+    with strategy.scope():
+        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=3.0),
+                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(10 + index)
+
+    def per_worker(ctx):
+        x = rng.standard_normal((24, 4)).astype(np.float32) * (1 + 3 * ctx.input_pipeline_id)
+        y = rng.integers(0, 2, 24).astype(np.int32)
+        return [(x[i:i + 4], y[i:i + 4]) for i in range(0, 24, 4)]
+
+    dataset = strategy.distribute_datasets_from_function(per_worker)
+    stopper = mirrax.callbacks.EarlyStopping(monitor="loss", patience=1)
+    rates = []
+    history = model.fit(dataset, epochs=12, verbose=0, callbacks=[
+        stopper,
+        mirrax.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                           min_delta=0.0),
+        mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: rates.append(
+            float(np.asarray(model.optimizer.learning_rate)))),
+    ])
+    return {"loss": history.history["loss"], "stopped_epoch": stopper.stopped_epoch,
+            "rates": rates}
+
+
+SCENARIOS = {
+    "autoshard": autoshard,
+    "chief_writes": chief_writes,
+    "decisions": decisions,
+    "facts": facts,
+    "fit": fit,
+    "killed": killed,
+    "uneven": uneven,
+}
 
 
 def main(argv) -> None:
-    name, out_dir, index = argv[0], argv[1], int(argv[2])
+    import os
+
+    name, out_dir = argv[0], argv[1]
+    # "auto": the index `mirrax launch` gives the worker.
+    index = int(os.environ["MIRRAX_LAUNCH_RANK"] if argv[2] == "auto" else argv[2])
     result = SCENARIOS[name](out_dir, index, *argv[3:])
     _write(out_dir, index, result)
 

@@ -523,6 +523,14 @@ def _place(strategy, x, names, index, nodes=None):
             "multi-replica strategy cannot be used by another: create (or restore) them for "
             "this strategy, e.g. under `with strategy.scope():`."
         )
+    if jax.process_count() > 1 and x.is_fully_addressable:
+        # This process's copy of a replicated value (every process holds the same one, e.g.
+        # just initialized or restored): copy it to the local devices; JAX would otherwise
+        # attempt a cross-host transfer.
+        local = [d for d in strategy.mesh.devices.flat if d.process_index == jax.process_index()]
+        return jax.make_array_from_single_device_arrays(
+            x.shape, target, [jax.device_put(x, d) for d in local]
+        )
     return jax.device_put(x, target)
 
 

@@ -9,6 +9,7 @@ may be NumPy or JAX arrays or anything with `.numpy()` (tf.Tensor, torch.Tensor)
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import queue
 import threading
@@ -28,6 +29,23 @@ from mirrax._src.distribute.values import (
 )
 
 
+class AutoShardPolicy(enum.Enum):
+    """How a multi-worker run splits a dataset between workers, as TF's enum of that name.
+
+    AUTO: FILE when the dataset is a `mirrax.data.FileDataset` with at least as many files as
+    workers, else DATA. FILE: worker i reads only files i, i + W, ... (W workers), in batches of
+    global_batch / W. DATA: every worker reads every global batch and keeps its replicas' part
+    (as one process with all the devices would split it). OFF: no sharding; every worker reads
+    all the data, global_batch / W examples per step (so each example is seen W times per epoch).
+    With one worker every policy reads the data once.
+    """
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
+
+
 @dataclasses.dataclass(frozen=True)
 class InputOptions:
     """Options for distributed input, as `tf.distribute.InputOptions`.
@@ -37,12 +55,25 @@ class InputOptions:
         thread ahead of use (True), or when the iterator is advanced (False).
       experimental_per_replica_buffer_size: how many batches the background thread keeps ready
         on the devices (an int >= 1; default 2).
+      experimental_auto_shard_policy: an `AutoShardPolicy` (or its name): how
+        `experimental_distribute_dataset` splits the data between workers (default AUTO).
+        `distribute_datasets_from_function` never shards (its function shards, as in TF).
     """
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 2
+    experimental_auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
 
     def __post_init__(self):
+        policy = self.experimental_auto_shard_policy
+        if isinstance(policy, str) and policy.upper() in AutoShardPolicy.__members__:
+            object.__setattr__(self, "experimental_auto_shard_policy",
+                               AutoShardPolicy[policy.upper()])
+        elif not isinstance(policy, AutoShardPolicy):
+            raise ValueError(
+                "InputOptions.experimental_auto_shard_policy must be one of "
+                f"{[m.name for m in AutoShardPolicy]}; received {policy!r}."
+            )
         size = self.experimental_per_replica_buffer_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(
@@ -271,6 +302,11 @@ class DistributedDataset:
     def __init__(self, strategy, dataset, options=None):
         self._strategy = strategy
         self._options = _check_options(options)
+        self._policy = _shard_policy(dataset, self._options.experimental_auto_shard_policy)
+        if self._policy is AutoShardPolicy.FILE:
+            workers = jax.process_count()
+            dataset = dataset.shard(workers, jax.process_index(),
+                                    _worker_batch_size(dataset.batch_size, workers))
         self._source = _batch_source(dataset)
         self._placer = _Placer(strategy)
         self._uid = _new_dataset_uid(strategy, "experimental_distribute_dataset")
@@ -278,12 +314,29 @@ class DistributedDataset:
 
     def _local_batches(self) -> Iterator[tuple[list, str]]:
         strategy = self._strategy
+        if self._policy is AutoShardPolicy.DATA:
+            for batch in self._source():
+                host, n = to_host_batch(batch)
+                shards = split_global_batch(
+                    host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
+                )
+                yield shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
+            return
+        # FILE and OFF: this worker's batches hold global_batch / W examples; its replicas split
+        # them by TF's rule as if they were all the replicas there are.
+        local = len(strategy._local_replica_ids)
         for batch in self._source():
             host, n = to_host_batch(batch)
-            shards = split_global_batch(
-                host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
-            )
-            yield shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
+            if self._policy is AutoShardPolicy.OFF:
+                per_worker = math.ceil(n / jax.process_count())
+                pieces = [jax.tree.map(lambda a: a[i : i + per_worker], host)
+                          for i in range(0, n, per_worker)]
+            else:
+                pieces = [host]
+            for piece in pieces:
+                size = jax.tree.leaves(piece)[0].shape[0]
+                yield (split_global_batch(piece, size, local, range(local)),
+                       f"worker batch of {size} over {local} replicas")
 
     def __iter__(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
@@ -329,6 +382,46 @@ class DistributedDatasetsFromFunction:
                                 self._uid, self._passes)
         self._passes += 1
         return DistributedIterator(producer, self._options)
+
+
+def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
+    """The policy in effect for `dataset` (DESIGN.md §2): AUTO resolved; one worker → DATA.
+
+    Raises:
+      ValueError: FILE on a dataset that is not a FileDataset, or with fewer files than
+        workers (the message suggests DATA).
+    """
+    from mirrax._src.data.files import FileDataset
+
+    workers = jax.process_count()
+    if workers == 1:
+        return AutoShardPolicy.DATA
+    files = len(dataset.files) if isinstance(dataset, FileDataset) else None
+    if policy is AutoShardPolicy.AUTO:
+        return AutoShardPolicy.FILE if files is not None and files >= workers else (
+            AutoShardPolicy.DATA)
+    if policy is AutoShardPolicy.FILE and files is None:
+        raise ValueError(
+            f"AutoShardPolicy.FILE needs a dataset made of files (mirrax.data.FileDataset); "
+            f"received a {type(dataset).__name__}. Use AutoShardPolicy.DATA (every worker reads "
+            "each global batch and keeps its part) or wrap the files in FileDataset."
+        )
+    if policy is AutoShardPolicy.FILE and files < workers:
+        raise ValueError(
+            f"AutoShardPolicy.FILE: the dataset has {files} file(s) for {workers} workers, so "
+            "some workers would get no file. Use AutoShardPolicy.DATA (or AUTO, which falls "
+            "back to DATA), or split the data into at least as many files as workers."
+        )
+    return policy
+
+
+def _worker_batch_size(global_batch_size: int, workers: int) -> int:
+    if global_batch_size % workers:
+        raise ValueError(
+            f"AutoShardPolicy.FILE: the global batch size {global_batch_size} is not divisible "
+            f"by the {workers} workers; use a multiple of {workers}."
+        )
+    return global_batch_size // workers
 
 
 def _new_dataset_uid(strategy, kind: str) -> str:

@@ -9,10 +9,15 @@ place with a carriage return after each update. Anywhere else (a log file, a pip
 final line is written, once, with no carriage returns, so logs stay readable. Output goes to
 `sys.stdout` as it is at the time of writing (so `contextlib.redirect_stdout` and pytest's
 capture work), or to the stream given.
+
+In a multi-worker run only the chief (process 0) prints; the other workers' lines go to the
+`mirrax` logger at DEBUG level (`logging.getLogger("mirrax").setLevel(logging.DEBUG)` with a
+handler shows them), as Keras prints on the chief only.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -22,13 +27,46 @@ from typing import Iterable, Optional, TextIO
 _clock = time.monotonic
 
 
+class _WorkerLog:
+    """The output stream of a non-chief worker: complete lines go to the logger at DEBUG."""
+
+    def __init__(self):
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._pending + text).replace("\r", "\n").split("\n")
+        self._pending = lines.pop()
+        logger = logging.getLogger("mirrax")
+        for line in lines:
+            if line.strip():
+                logger.debug("[worker %d] %s", _process_index(), line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def default_stream() -> TextIO:
+    """The current `sys.stdout` on the chief; the DEBUG log on the other workers."""
+    return sys.stdout if _process_index() == 0 else _WorkerLog()
+
+
 def print_msg(message: str, stream: Optional[TextIO] = None) -> None:
-    """Writes `message` and a newline to `stream` (default: the current `sys.stdout`), flushed.
+    """Writes `message` and a newline to `stream` (default: `default_stream()`), flushed.
 
     As Keras's `io_utils.print_msg`: callbacks print their messages ("Epoch 3: early
     stopping") through it.
     """
-    stream = stream if stream is not None else sys.stdout
+    stream = stream if stream is not None else default_stream()
     stream.write(message + "\n")
     stream.flush()
 
@@ -101,7 +139,8 @@ class Progbar:
         `()` to show every value as given (what `ProgbarLogger` does: fit's logs are already
         running means over the epoch).
       unit_name: name of a step in the time per step (`"step"`).
-      stream: where to write; None means the current `sys.stdout` at each write.
+      stream: where to write; None means `default_stream()` at each write (the current
+        `sys.stdout` on the chief).
 
     Raises:
       ValueError: both `stateful_metrics` and `stateless_metrics` given, or `verbose` not 0, 1
@@ -173,7 +212,7 @@ class Progbar:
         time_per_unit = self._estimate_step_duration(current, now)
         if self.verbose == 0:
             return
-        stream = self.stream if self.stream is not None else sys.stdout
+        stream = self.stream if self.stream is not None else default_stream()
         if self.verbose == 1 and is_interactive(stream):
             if (not finalize and self._last_update is not None
                     and now - self._last_update < self.interval):
