@@ -161,6 +161,12 @@ def test_callbacks_take_the_same_decision_on_every_worker(tmp_path):
     assert worker0["stopped_epoch"] == 1
 
 
+def _peer_loss_reported(output: str) -> bool:
+    """Whichever comes first: Gloo's broken connection or the coordination service's heartbeat."""
+    return ("stopped sending heartbeats" in output
+            or "mirrax: worker 0 lost a peer worker during a collective" in output)
+
+
 def _tree(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
@@ -204,13 +210,13 @@ def test_missing_peer_is_named_within_the_timeout(tmp_path):
 def test_killed_worker_makes_the_others_exit_and_the_rerun_resumes_from_the_backup(tmp_path):
     plain = harness.run("killed", tmp_path / "plain", num_workers=2, cpu_devices=1,
                         args=["plain"])
-    # Worker 1 SIGKILLs itself after batch 3 of epoch 3 (0-based epoch 2); worker 0 is ended by
-    # the coordination service's heartbeat (timeout_seconds=15): non-zero, no hang.
+    # Worker 1 SIGKILLs itself after batch 3 of epoch 3 (0-based epoch 2); worker 0 fails in
+    # its next all-reduce or by the heartbeat (timeout_seconds=15): non-zero, no hang.
     workers = harness.start("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
                             args=["kill"])
     codes = harness.wait(workers, timeout=90)
     assert codes[1] == -9 and codes[0] != 0
-    assert "stopped sending heartbeats" in workers[0].output
+    assert _peer_loss_reported(workers[0].output)
     # The chief's backup holds the end of epoch 2 (epoch index 1): resume at epoch index 2.
     assert [p.name for p in (tmp_path / "run" / "backup").iterdir()] == ["2"]
     resumed = harness.run("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
@@ -228,7 +234,7 @@ def test_with_default_options_a_dead_worker_ends_the_job_within_a_minute(tmp_pat
     workers = harness.start("killed", tmp_path, num_workers=2, cpu_devices=1, args=["default"])
     codes = harness.wait(workers, timeout=60 + 15)  # 15 s for the start-up on a busy machine
     assert codes[1] == -9 and codes[0] != 0
-    assert "stopped sending heartbeats" in workers[0].output
+    assert _peer_loss_reported(workers[0].output)
 
 
 def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
@@ -245,3 +251,15 @@ def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
     assert completed.returncode == 128 + 9, completed.stderr[-2000:]
     assert "worker 1 was killed by signal SIGKILL; stopping the other 1 worker(s)" in (
         completed.stderr)
+
+
+def test_a_worker_that_raises_exits_at_once_and_its_peer_does_not_hang(tmp_path):
+    # Without mirrax's excepthook, worker 1 would wait in jax.distributed's shutdown barrier
+    # (300 s) while worker 0 waits for it in the next all-reduce: a hang of minutes.
+    workers = harness.start("killed", tmp_path, num_workers=2, cpu_devices=1, args=["raise"])
+    codes = harness.wait(workers, timeout=75)
+    # Worker 0 fails in its next all-reduce (status 1) or is ended by the heartbeat (SIGABRT).
+    assert codes[1] == 1 and codes[0] in (1, -6)
+    assert "RuntimeError: worker 1 fails on purpose" in workers[1].output
+    assert "mirrax: worker 1 failed with RuntimeError; exiting now with status 1" in (
+        workers[1].output)

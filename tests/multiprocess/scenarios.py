@@ -266,7 +266,7 @@ def killed(out_dir, index, phase):
     import os
     import signal
 
-    strategy = _strategy(timeout_seconds=None if phase == "default" else 15)
+    strategy = _strategy(timeout_seconds=None if phase in ("default", "raise") else 15)
     import mirrax
 
     model, x, y = _compiled_mlp(strategy)
@@ -279,6 +279,8 @@ def killed(out_dir, index, phase):
         if phase in ("kill", "default") and index == 1 and (epoch_now[0], batch) == (
                 (2, 2) if phase == "kill" else (1, 0)):
             os.kill(os.getpid(), signal.SIGKILL)
+        if phase == "raise" and index == 1 and (epoch_now[0], batch) == (1, 0):
+            raise RuntimeError("worker 1 fails on purpose")
 
     epoch_now = [None]
     callbacks = [
@@ -288,7 +290,7 @@ def killed(out_dir, index, phase):
     ]
     if phase != "plain":
         callbacks.insert(0, mirrax.callbacks.BackupAndRestore(str(out / "backup")))
-    epochs = 40 if phase == "default" else 4
+    epochs = 40 if phase in ("default", "raise") else 4
     model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return {"weights": _weights(model.module), "seen": seen}
 

@@ -9,7 +9,8 @@ jax.distributed's coordination service listens, and only there.
 Failure handling: the start-up barrier is bounded (`CommunicationOptions.timeout_seconds`,
 default 300 s) by a watchdog that names the tasks being waited for, and a peer that dies later
 is detected by the coordination service's heartbeat (timeout `timeout_seconds`, default 30 s),
-which ends every surviving process with a non-zero status instead of a hang.
+which ends every surviving process with a non-zero status instead of a hang. A worker that
+fails with an uncaught exception exits at once (see `_exit_at_once`) so the same happens.
 """
 
 from __future__ import annotations
@@ -254,6 +255,38 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
         )
     finally:
         done.set()
+    sys.excepthook = _exit_at_once(sys.excepthook)
+
+
+def _exit_at_once(previous):
+    """An excepthook that ends a failed worker at once, after printing the traceback.
+
+    A normal exit would first wait in jax.distributed's shutdown barrier for peers that are
+    themselves blocked in the next collective, waiting for this process: a hang of minutes.
+    Exiting at once stops this process's heartbeat, so the coordination service ends the peers
+    (or `mirrax launch` does, immediately).
+    """
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        status = 130 if issubclass(kind, KeyboardInterrupt) else 1
+        me = jax.process_index()
+        if _is_lost_peer(value):
+            what = (f"worker {me} lost a peer worker during a collective (the peer exited or "
+                    "crashed; see its log for why)")
+        else:
+            what = f"worker {me} failed with {kind.__name__}"
+        print(
+            f"mirrax: {what}; exiting now with status {status} (its peers are stopped too, so "
+            "none waits for it). Rerun the job; with callbacks.BackupAndRestore, training "
+            "resumes from the last backup.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(status)
+
+    return hook
 
 
 def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading.Event):
@@ -292,6 +325,14 @@ def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading
     )
     sys.stdout.flush()
     os._exit(1)
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    """A collective failed because a peer's connection closed (Gloo on CPU, NCCL on GPU)."""
+    text = str(error)
+    return ("Gloo" in text or "NCCL" in text or "nccl" in text) and any(
+        sign in text for sign in ("closed by peer", "reset by peer", "Connection refused",
+                                  "remote process exited", "Broken pipe"))
 
 
 def _backends_started() -> bool:
