@@ -1,1 +1,1 @@
-"""The `mirrax` command line: devices, train."""
+"""The `mirrax` command line: devices, train, launch."""
