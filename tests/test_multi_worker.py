@@ -263,3 +263,29 @@ def test_a_worker_that_raises_exits_at_once_and_its_peer_does_not_hang(tmp_path)
     assert "RuntimeError: worker 1 fails on purpose" in workers[1].output
     assert "mirrax: worker 1 failed with RuntimeError; exiting now with status 1" in (
         workers[1].output)
+
+
+def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    mirrax_cmd = [sys.executable, "-m", "mirrax._src.cli.main"]
+    train = ["train", "--epochs", "1", "--loop", "custom"]
+    launched = subprocess.run(
+        mirrax_cmd + ["launch", "--nproc", "2", "--cpu-devices", "2", "--"] + mirrax_cmd + train,
+        capture_output=True, text=True, timeout=240, env=env)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    single = subprocess.run(mirrax_cmd + train + ["--cpu-devices", "4"], capture_output=True,
+                            text=True, timeout=240, env=env)
+    assert single.returncode == 0, single.stderr[-3000:]
+    # 2 workers x 2 devices and 1 process x 4 devices: the same global batch (4 x 16), the same
+    # test accuracy (to the 4 printed digits) on both workers.
+    expected = re.findall(r"Test accuracy: (\d\.\d+)", single.stdout)
+    assert len(expected) == 1
+    reported = re.findall(r"\[worker (\d)\] .*Test accuracy: (\d\.\d+)", launched.stdout)
+    assert sorted(reported) == [("0", expected[0]), ("1", expected[0])]
+    assert "MultiWorkerMirroredStrategy(num_replicas_in_sync=4, num_workers=2" in launched.stdout

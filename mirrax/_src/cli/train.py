@@ -12,6 +12,8 @@ number of replicas, the mixed precision policy and TensorBoard logs.
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 import mirrax
@@ -36,6 +38,10 @@ def train(args):
     Returns:
       (model, history, test_accuracy) as the program returns them: a `mirrax.Model` (fit) or
       the `TutorialCNN` (custom), a dict of per-epoch lists, and the test accuracy (a float).
+
+    With `TF_CONFIG` in the environment (and no `replicas`), the strategy is a
+    `MultiWorkerMirroredStrategy` over every worker's devices: `mirrax launch --nproc 2 --
+    mirrax train` trains one model on two processes.
 
     Raises:
       InvalidDeviceError: `args.replicas` exceeds the number of devices.
@@ -74,6 +80,10 @@ def _load(data: str, data_dir):
 
 
 def _make_strategy(replicas):
+    if replicas is None and os.environ.get("TF_CONFIG"):
+        # One worker of a multi-worker job (e.g. under `mirrax launch`): the cluster is in
+        # TF_CONFIG, as for TF's MultiWorkerMirroredStrategy.
+        return mirrax.MultiWorkerMirroredStrategy()
     if replicas is None:
         return mirrax.MirroredStrategy()
     devices = jax.local_devices()
