@@ -55,8 +55,13 @@ _CHILD = textwrap.dedent(
     from orbax.checkpoint._src.serialization import serialization
     import mirrax
 
+    printed, lock = [], threading.Lock()
+
     def block():
-        print("BLOCKED", flush=True)
+        with lock:  # several writer threads may get here; one line only
+            if not printed:
+                printed.append(1)
+                print("BLOCKED", flush=True)
         threading.Event().wait()  # until SIGKILL
 
     kill_point = sys.argv[2]
