@@ -20,6 +20,7 @@ Run: .venv/bin/python benchmarks/checkpoint_speed.py
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -38,6 +39,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mlp-width", type=int, default=4096, help="MLP layer width")
     parser.add_argument("--mlp-layers", type=int, default=6, help="MLP dense layers")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     return parser.parse_args(argv)
 
 
@@ -141,6 +143,7 @@ def main(argv=None) -> None:
         "| sync save MiB/s | async save blocks s | async save until finished s | restore s |"
     )
     lines = [header, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    results: dict = {}
     try:
         for name, build in _workloads(args):
             with strategy.scope():
@@ -148,6 +151,7 @@ def main(argv=None) -> None:
             params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
             state_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer))))
             m = _measure(model, optimizer, base, args.repeats)
+            results[name] = {"parameters": params, "state_bytes": state_bytes, **m}
             mib = 2**20
             lines.append(
                 f"| {name} | {args.devices} | {params:,} | {state_bytes / mib:.1f} | {m['sync']:.3f} "
@@ -160,6 +164,10 @@ def main(argv=None) -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"\njax {jax.__version__}, {os.cpu_count()} CPU cores, median of {args.repeats}\n")
     print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"replicas": args.devices, "repeats": args.repeats, "jax": jax.__version__,
+                       "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
