@@ -17,6 +17,7 @@ from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
 from mirrax._src.distribute.cluster import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from mirrax._src.distribute.gradients import value_and_grad as value_and_grad
 from mirrax._src.distribute.input import AutoShardPolicy as AutoShardPolicy
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
@@ -104,4 +105,5 @@ __all__ = [
     "metrics",
     "mixed_precision",
     "scale_regularization_loss",
+    "value_and_grad",
 ]

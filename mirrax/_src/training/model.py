@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute import gradients
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.replica_context import REPLICA_AXIS
@@ -589,7 +590,9 @@ def _make_train_step(loss_obj, loss_weight: float, policy):
             share = compute_average_loss(per_example, sample_weight)
             return share * scale, (y_pred, per_example)
 
-        (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module)
+        # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
+        (_, (y_pred, per_example)), grads = gradients.packed_value_and_grad(
+            loss_fn, module, has_aux=True)
         if loss_scale is None:
             optimizer.update(module, grads)
         else:
