@@ -3,6 +3,7 @@ TF_CONFIG / SLURM / explicit resolvers, and the training-task facts a multi-work
 """
 
 import json
+import re
 
 import pytest
 
@@ -186,3 +187,13 @@ def test_slurm_several_tasks_per_node_and_step_nodelist_first():
 def test_slurm_errors(env, match):
     with pytest.raises(ValueError, match=match):
         mirrax.SlurmClusterResolver(environ=env)
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"worker": ["127.0.0.1:99999"]}, "has port 99999 in '127.0.0.1:99999'; a TCP port is in"),
+    ({"worker": ["h:1", "h:1"]}, "worker:0 and worker:1 have the same address 'h:1'"),
+    ({"chief": ["h:1"], "worker": ["h:1"]}, "chief:0 and worker:0 have the same address 'h:1'"),
+])
+def test_bad_ports_and_shared_addresses_are_refused(cluster, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mirrax.ClusterSpec(cluster)

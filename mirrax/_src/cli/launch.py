@@ -100,8 +100,10 @@ def check_arguments(argv_command: Sequence[str], nproc: int, cpu_devices: int | 
             f"the {total} workers' addresses use ports {port} .. {port + total - 1}, past "
             f"{_MAX_PORT}; choose a port <= {_MAX_PORT - total + 1}."
         )
-    if grace_period < 0:
-        raise ValueError(f"--grace-period must be >= 0 seconds; received {grace_period}.")
+    if not grace_period >= 0 or grace_period == float("inf"):
+        raise ValueError(
+            f"--grace-period must be a finite number of seconds >= 0; received {grace_period}."
+        )
 
 
 def free_port(host: str = _LOCALHOST) -> int:
@@ -336,8 +338,8 @@ def _supervise(workers: list[tuple[int, subprocess.Popen]], received: list[int],
             if failed:
                 index, returncode = failed[0]
                 failure = exit_code(returncode)
-                output.message(f"worker {index} {_describe(returncode)}; stopping the other "
-                               f"{len(running)} worker(s)")
+                output.message(f"worker {index} {_describe(returncode)}" + (
+                    f"; stopping the other {len(running)} worker(s)" if running else ""))
                 for _, process in running:
                     _signal_group(process, signal.SIGTERM)
                 kill_at = time.monotonic() + grace_period

@@ -26,6 +26,11 @@ def _check_address(job: str, index: int, address) -> str:
             f"ClusterSpec: task {index} of job {job!r} must have a 'host:port' string address; "
             f"received {address!r}. Write it as e.g. 'localhost:2222'."
         )
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"ClusterSpec: task {index} of job {job!r} has port {port} in {address!r}; a TCP "
+            "port is in [1, 65535]."
+        )
     return address
 
 
@@ -74,6 +79,15 @@ class ClusterSpec:
                     )
                 checked[index] = _check_address(job, index, address)
             self._jobs[job] = dict(sorted(checked.items()))
+        owners: dict = {}
+        for job, tasks in self._jobs.items():
+            for index, address in tasks.items():
+                if address in owners:
+                    raise ValueError(
+                        f"ClusterSpec: {owners[address]} and {job}:{index} have the same address "
+                        f"{address!r}; every task needs its own host:port."
+                    )
+                owners[address] = f"{job}:{index}"
 
     @property
     def jobs(self) -> list[str]:
