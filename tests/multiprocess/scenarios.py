@@ -328,8 +328,36 @@ def decisions(out_dir, index):
             "rates": rates}
 
 
+def divergent(out_dir, index, mode):
+    """Programs that differ between the workers; each must fail on EVERY worker, not hang."""
+    strategy = _strategy()
+    ones = [np.ones((4, 2), np.float32)] * 3
+    if mode == "order":
+        # Worker 0 creates A then B, worker 1 B then A; both read "A" first.
+        a = strategy.experimental_distribute_dataset(ones)
+        b = strategy.experimental_distribute_dataset([np.zeros((4, 2), np.float32)] * 3)
+        first = a if index == 0 else b
+        for _ in first:
+            pass
+    elif mode == "dtype":
+        dtype = np.float32 if index == 0 else np.int32
+        for _ in strategy.distribute_datasets_from_function(
+                lambda ctx: [np.ones((4, 2), dtype)] * 2):
+            pass
+    elif mode == "data":
+        # AutoShardPolicy.DATA with 5 global batches on worker 0 and 3 on worker 1.
+        for _ in strategy.experimental_distribute_dataset(ones[:1] * (5 if index == 0 else 3)):
+            pass
+    elif mode == "sigterm":
+        model, x, y = _compiled_mlp(strategy)
+        (pathlib.Path(out_dir) / f"ready{index}").write_text("")
+        model.fit(x, y, batch_size=8, epochs=10_000, verbose=0)
+    return {}
+
+
 SCENARIOS = {
     "autoshard": autoshard,
+    "divergent": divergent,
     "chief_writes": chief_writes,
     "decisions": decisions,
     "facts": facts,

@@ -310,7 +310,6 @@ class DistributedDataset:
         self._source = _batch_source(dataset)
         self._placer = _Placer(strategy)
         self._uid = _new_dataset_uid(strategy, "experimental_distribute_dataset")
-        self._passes = 0
 
     def _local_batches(self) -> Iterator[tuple[list, str]]:
         strategy = self._strategy
@@ -320,7 +319,8 @@ class DistributedDataset:
                 shards = split_global_batch(
                     host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
                 )
-                yield shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
+                yield (shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas",
+                       n)
             return
         # FILE and OFF: this worker's batches hold global_batch / W examples; its replicas split
         # them by TF's rule as if they were all the replicas there are.
@@ -336,12 +336,11 @@ class DistributedDataset:
             for piece in pieces:
                 size = jax.tree.leaves(piece)[0].shape[0]
                 yield (split_global_batch(piece, size, local, range(local)),
-                       f"worker batch of {size} over {local} replicas")
+                       f"worker batch of {size} over {local} replicas", None)
 
     def __iter__(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
-                                self._uid, self._passes)
-        self._passes += 1
+                                self._uid, _next_iteration(self._strategy))
         return DistributedIterator(producer, self._options)
 
 
@@ -363,7 +362,6 @@ class DistributedDatasetsFromFunction:
         self._source = _batch_source(dataset_fn(self.input_context))
         self._placer = _Placer(strategy)
         self._uid = _new_dataset_uid(strategy, "distribute_datasets_from_function")
-        self._passes = 0
 
     def _local_batches(self) -> Iterator[tuple[list, str]]:
         local = len(self._strategy._local_replica_ids)
@@ -371,17 +369,22 @@ class DistributedDatasetsFromFunction:
         for batch in self._source():
             round_.append(to_host_batch(batch)[0])
             if len(round_) == local:
-                yield round_, "per-replica batch of 0"
+                yield round_, "per-replica batch of 0", None
                 round_ = []
         if round_:
             empty = jax.tree.map(lambda a: a[:0], round_[0])
-            yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0"
+            yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None
 
     def __iter__(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
-                                self._uid, self._passes)
-        self._passes += 1
+                                self._uid, _next_iteration(self._strategy))
         return DistributedIterator(producer, self._options)
+
+
+def _signature(shards: list) -> str:
+    """The batch's structure, trailing shapes and dtypes: what every worker must agree on."""
+    leaves, treedef = jax.tree.flatten(shards[0])
+    return f"{treedef} " + ", ".join(f"{a.dtype}{list(a.shape[1:])}" for a in leaves)
 
 
 def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
@@ -430,8 +433,20 @@ def _new_dataset_uid(strategy, kind: str) -> str:
     return f"{kind}#{strategy._datasets_made}"
 
 
+def _next_iteration(strategy) -> int:
+    """The number of this pass over any of `strategy`'s distributed datasets (0, 1, ...).
+
+    Counted in the thread that calls `iter()` (the program's own order), so it is the same on
+    every process of an SPMD program; the exchanges of a pass are named by it, and each carries
+    its dataset's name, so processes that read different datasets at the same point disagree
+    visibly instead of waiting on different names.
+    """
+    strategy._iterations_started += 1
+    return strategy._iterations_started - 1
+
+
 def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
-                 pass_index: int) -> Iterator:
+                 iteration: int) -> Iterator:
     """Places each local batch; with several processes, first agrees with the peers on it.
 
     Multi-worker (DESIGN.md §2): before each step every process publishes the true lengths of
@@ -442,10 +457,12 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
     the same static row count.
     """
     if jax.process_count() == 1:
-        for shards, name in local_batches:
+        for shards, name, _ in local_batches:
             yield placer.place(shards, name)
         return
     local = len(strategy._local_replica_ids)
+    options = getattr(strategy, "communication_options", None)
+    timeout = getattr(options, "timeout_seconds", None)
     last = None  # one row of this process's last batch (a real example when it had one)
     ended = False
     step = 0
@@ -453,13 +470,25 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
         item = None if ended else next(local_batches, None)
         ended = item is None
         lengths = None if ended else [int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
-        name = f"input/{uid}/{pass_index}/{step}"
-        votes = multihost.exchange(name, {"dataset": uid, "lengths": lengths,
-                                          "had_data": last is not None or not ended})
+        name = f"input/{iteration}/{step}"
+        votes = multihost.exchange(name, {
+            "dataset": uid, "lengths": lengths, "had_data": last is not None or not ended,
+            "batch": None if ended else _signature(item[0]),
+            "global": None if ended else item[2],
+        }, timeout)
         if step >= 3:
-            multihost.forget(f"input/{uid}/{pass_index}/{step - 3}")
+            multihost.forget(f"input/{iteration}/{step - 3}")
         multihost.check_same(name, "which distributed dataset is read",
                              [v["dataset"] for v in votes])
+        multihost.check_same(name, "the structure, trailing shapes and dtypes of the batches",
+                             [v["batch"] for v in votes if v["batch"] is not None])
+        if any(v["global"] is not None for v in votes):
+            # DATA sharding: every worker reads the same global batches; a difference means
+            # the workers read different data, and examples would be silently lost or doubled.
+            multihost.check_same(
+                name, "the global batch every worker reads (AutoShardPolicy.DATA: the same "
+                "data on every worker, or use distribute_datasets_from_function)",
+                [v["global"] for v in votes])
         if all(v["lengths"] is None for v in votes):
             return
         empty = [p for p, v in enumerate(votes) if not v["had_data"]]
@@ -475,7 +504,7 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
             yield placer.place([last] * local, "filler", lengths=(0,) * local,
                                all_lengths=all_lengths)
         else:
-            shards, first_name = item
+            shards, first_name, _ = item
             real = next((s for s in shards if jax.tree.leaves(s)[0].shape[0]), None)
             if real is not None:
                 last = jax.tree.map(lambda a: a[:1], real)

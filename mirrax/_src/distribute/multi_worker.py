@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 import math
 import os
+import signal
+import socket
 import sys
 import threading
 
@@ -232,11 +234,13 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
             "strategy first thing in the program, before any jax call (jax.devices(), creating "
             "arrays, building models)."
         )
+    coordinator = resolver.coordinator_address
+    if resolver.is_chief:
+        _check_coordinator_port(coordinator)
     # Gloo carries cross-process collectives on CPU; GPUs use NCCL whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     startup = options.timeout_seconds or DEFAULT_STARTUP_TIMEOUT_SECONDS
     heartbeat = options.timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
-    coordinator = resolver.coordinator_address
     done = threading.Event()
     watchdog = threading.Thread(
         target=_startup_watchdog, args=(resolver, startup, done), daemon=True,
@@ -256,6 +260,33 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
     finally:
         done.set()
     sys.excepthook = _exit_at_once(sys.excepthook)
+    if threading.current_thread() is threading.main_thread():
+        # jax.distributed's preemption notifier catches SIGTERM (and only logs it), so a
+        # scheduler's or `mirrax launch`'s SIGTERM would not stop the worker: restore the
+        # default action, termination.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _check_coordinator_port(address: str) -> None:
+    """Raises when the chief cannot listen on the coordinator's address (port in use, or an
+    address of another machine); JAX would fail with a bare "Failed to start RPC server" or
+    crash."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, int(port)))
+            probe.listen(1)
+    except OSError as e:
+        raise RuntimeError(
+            f"MultiWorkerMirroredStrategy: this task is the chief and must run the coordinator "
+            f"at {address} (its address in the cluster spec), but cannot listen there: "
+            f"{e.strerror or e}. Another process may use port {port} (an earlier job still "
+            "running?), or the address is not one of this machine's. Free the port or choose "
+            "another one (mirrax launch --port P, or the chief's address in TF_CONFIG)."
+        ) from None
 
 
 def _exit_at_once(previous):
@@ -277,9 +308,9 @@ def _exit_at_once(previous):
         else:
             what = f"worker {me} failed with {kind.__name__}"
         print(
-            f"mirrax: {what}; exiting now with status {status} (its peers are stopped too, so "
-            "none waits for it). Rerun the job; with callbacks.BackupAndRestore, training "
-            "resumes from the last backup.",
+            f"mirrax: {what}; exiting now with status {status}, so that no peer waits for it "
+            "(they fail at their next collective, or when the heartbeat times out). Rerun the "
+            "job; with callbacks.BackupAndRestore, training resumes from the last backup.",
             file=sys.stderr,
             flush=True,
         )

@@ -18,9 +18,11 @@ import jax
 
 from mirrax import errors
 
-# Long enough for a slow peer (a first compilation, a big evaluation); a DEAD peer is detected
-# sooner by the coordination service's heartbeat, which ends every process.
-DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 24 * 3600
+# Long enough for a slow peer (a first compilation, a long evaluation or checkpoint); a DEAD
+# peer is detected sooner by the coordination service's heartbeat, which ends every process.
+# A live peer that never arrives (a divergent program) is an error after this long, unless
+# CommunicationOptions(timeout_seconds=...) says otherwise.
+DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 3600
 
 
 def _client():
@@ -44,7 +46,7 @@ def exchange(name: str, value, timeout_seconds: float | None = None) -> list:
       name: a key unique to this exchange within the run, the same string on every process
         (e.g. "input/3/0/17": dataset 3, pass 0, step 17).
       value: this process's value, anything `json.dumps` accepts.
-      timeout_seconds: how long to wait for the slowest peer (default 24 hours).
+      timeout_seconds: how long to wait for the slowest peer (default 1 hour).
 
     Returns:
       A list with one value per process (`jax.process_count()` entries), index = process id.
@@ -68,10 +70,12 @@ def exchange(name: str, value, timeout_seconds: float | None = None) -> list:
             raw = client.blocking_key_value_get(f"mirrax/{name}/{process}", timeout_ms)
         except Exception as e:  # the runtime's error type differs across jax versions
             raise errors.MirraxError(
-                f"Process {me} waited {timeout_ms / 1000:g} s for process {process} at the "
-                f"host exchange {name!r} and got no answer ({e}). That process is stuck, "
-                "crashed, or runs a different program (every process must create the same "
-                "distributed datasets and run the same steps, in the same order)."
+                f"Process {me} got no answer from process {process} at the host exchange "
+                f"{name!r} (waited up to {timeout_ms / 1000:g} s, or the connection to the "
+                f"coordinator failed: {e}). That process is stuck, crashed, or runs a different "
+                "program: every process must create the same distributed datasets, in the same "
+                "order, and iterate them the same number of times. "
+                "CommunicationOptions(timeout_seconds=...) bounds this wait."
             ) from e
         values.append(json.loads(raw))
     return values

@@ -84,6 +84,7 @@ class Strategy:
         self._in_flight = _run.new_in_flight(devices)
         self._compile_counts: dict = {}
         self._datasets_made = 0  # names distributed datasets alike on every process
+        self._iterations_started = 0  # passes over them, counted alike on every process
         self.extended = StrategyExtended(self)
 
     @property
