@@ -84,6 +84,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timed windows per case (7)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case (3)")
     parser.add_argument("--skip-tf", action="store_true", help="do not run TensorFlow")
+    parser.add_argument("--only-packed", action="store_true",
+                        help="run only mirrax with mirrax.value_and_grad (packed all-reduce)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the jax.profiler pass")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     # A worker process (started by the driver): framework, workers in its cluster (TF_CONFIG
     # names them), task index, core.
@@ -122,8 +125,12 @@ def all_reduce_stats(hlo_text: str) -> dict:
 # -- a mirrax worker -----------------------------------------------------------------------------
 
 
-def _mirrax_worker(num_workers: int) -> tuple:
-    """Builds both workloads on a MultiWorkerMirroredStrategy; returns (tasks, info)."""
+def _mirrax_worker(num_workers: int, packed: bool = False) -> tuple:
+    """Builds both workloads on a MultiWorkerMirroredStrategy; returns (tasks, info).
+
+    With `packed`, the train step takes its gradients with `mirrax.value_and_grad` (one
+    all-reduce of the concatenated gradients) instead of `nnx.value_and_grad`.
+    """
     import mirrax
 
     # The strategy first: it initializes jax.distributed, which must precede any JAX call.
@@ -179,7 +186,7 @@ def _mirrax_worker(num_workers: int) -> tuple:
         x = rng.standard_normal((per_worker,) + x_shape).astype(np.float32)
         y = rng.integers(0, NUM_CLASSES, size=(per_worker,)).astype(np.int32)
         batch = strategy.experimental_distribute_values_from_function(lambda ctx: (x, y))
-        train_step = workloads.strategy_run_step(num_workers * per_worker)
+        train_step = workloads.strategy_run_step(num_workers * per_worker, packed=packed)
 
         def step(model=model, optimizer=optimizer, batch=batch, train_step=train_step):
             return strategy.run(train_step, args=(model, optimizer, batch))
@@ -446,7 +453,8 @@ def _worker_main(args) -> None:
         reply_to.write(REPLY + json.dumps(obj) + "\n")
         reply_to.flush()
 
-    build = _mirrax_worker if framework == "mirrax" else _tf_worker
+    build = {"mirrax": _mirrax_worker, "tensorflow": _tf_worker,
+             "mirrax-packed": lambda n: _mirrax_worker(n, packed=True)}[framework]
     try:
         tasks, run_steps, info = build(num_workers)
     except BaseException:
@@ -598,7 +606,7 @@ def _measure(framework: str, args, log_dir: str) -> dict:
                     times[case].append(seconds)
                     hosts[case].append(host)
         profiles = {}
-        if framework == "mirrax":
+        if framework == "mirrax" and not args.no_profile:
             for config, task in cases:
                 if task in WORKLOADS:
                     for p in groups[config]:
@@ -745,7 +753,7 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()[0]
     results, rows = [], []
     with tempfile.TemporaryDirectory(prefix="mirrax-multi-worker-") as log_dir:
-        frameworks = ["mirrax"]
+        frameworks = ["mirrax", "mirrax-packed"] if not args.only_packed else ["mirrax-packed"]
         tf_status = "skipped (--skip-tf)"
         if not args.skip_tf:
             if _tensorflow_available():

@@ -52,19 +52,23 @@ def random_batch(x_shape: tuple, global_batch: int, seed: int = 0):
     return x, y
 
 
-def update(model, optimizer, x, y, reduce_loss):
-    """The train step every variant shares; `reduce_loss` maps per-example losses to a scalar."""
+def update(model, optimizer, x, y, reduce_loss, packed=False):
+    """The train step every variant shares; `reduce_loss` maps per-example losses to a scalar.
+
+    With `packed`, gradients come from `mirrax.value_and_grad` (one packed all-reduce).
+    """
 
     def loss_fn(model):
         per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
         return reduce_loss(per_example)
 
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    grad_fn = mirrax.value_and_grad if packed else nnx.value_and_grad
+    loss, grads = grad_fn(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
 
 
-def strategy_run_step(global_batch: int):
+def strategy_run_step(global_batch: int, packed: bool = False):
     """`overhead.py`'s train step for `strategy.run(step, args=(model, optimizer, batch))`.
 
     `batch` is (images, labels) or (images, labels, sample_weight), a replica's shard; the
@@ -79,6 +83,7 @@ def strategy_run_step(global_batch: int):
             images,
             labels,
             lambda l: mirrax.compute_average_loss(l, global_batch_size=global_batch),
+            packed,
         )
 
     return train_step
