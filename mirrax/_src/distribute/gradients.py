@@ -27,7 +27,7 @@ from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
 
-def value_and_grad(fn: Callable, has_aux: bool = False) -> Callable:
+def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None) -> Callable:
     """`nnx.value_and_grad(fn, has_aux)` whose gradients are summed in ONE packed all-reduce.
 
     Use it in place of `nnx.value_and_grad` in a step that `strategy.run` runs:
@@ -41,18 +41,34 @@ def value_and_grad(fn: Callable, has_aux: bool = False) -> Callable:
     Args:
       fn: `fn(module, *args)` returning a scalar loss, or `(loss, aux)` with `has_aux`.
       has_aux: as `nnx.value_and_grad`.
+      all_reduce_dtype: None to sum gradients in their own dtype; or a floating dtype (e.g.
+        "bfloat16") to cast the packed gradient vector to it for the all-reduce and back (half
+        the bytes on the wire for float32, at bfloat16's precision: about 3 significant
+        digits). Opt-in, as Horovod's fp16 compression; the default is exact. XLA:CPU
+        promotes a bfloat16 all-reduce back to float32, so this saves bytes only where the
+        collective library sums bfloat16 natively (NCCL on GPU).
 
     Returns:
       A function `(module, *args) -> (value, grads)`, as `nnx.value_and_grad` returns.
+
+    Raises:
+      TypeError: `all_reduce_dtype` is not a floating dtype.
     """
+    if all_reduce_dtype is not None and not jnp.issubdtype(jnp.dtype(all_reduce_dtype),
+                                                           jnp.floating):
+        raise TypeError(
+            "value_and_grad: all_reduce_dtype must be None or a floating dtype such as "
+            f"'bfloat16'; received {all_reduce_dtype!r}."
+        )
 
     def wrapped(module, *args):
-        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux)
+        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype)
 
     return wrapped
 
 
-def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False):
+def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
+                          all_reduce_dtype=None):
     """`nnx.value_and_grad(loss_fn, has_aux)(module)` with gradients of `nnx.Param`s summed
     over replicas in one packed all-reduce per dtype.
 
@@ -84,7 +100,7 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False):
         for variable, original in zip(variables, originals):
             variable.set_value(original)
     leaves, treedef = jax.tree.flatten(grads)
-    return value, jax.tree.unflatten(treedef, _packed_psum(leaves))
+    return value, jax.tree.unflatten(treedef, _packed_psum(leaves, all_reduce_dtype))
 
 
 def _packable(x) -> bool:
@@ -116,5 +132,10 @@ def _varying_copies(arrays: list) -> list:
     return _concat_split(arrays, lambda flat: _compat.pvary(flat, REPLICA_AXIS))
 
 
-def _packed_psum(arrays: list) -> list:
-    return _concat_split(arrays, lambda flat: jax.lax.psum(flat, REPLICA_AXIS))
+def _packed_psum(arrays: list, wire_dtype=None) -> list:
+    def psum(flat):
+        if wire_dtype is None:
+            return jax.lax.psum(flat, REPLICA_AXIS)
+        return jax.lax.psum(flat.astype(wire_dtype), REPLICA_AXIS).astype(flat.dtype)
+
+    return _concat_split(arrays, psum)
