@@ -106,6 +106,7 @@ LOCK_PATH = "/tmp/mirrax_bench.lock"
 REPLY = "@@peers "  # prefix of a worker's reply line on stdout (frameworks print there too)
 STARTUP_TIMEOUT_S = 900
 EPOCH_TIMEOUT_S = 600
+MAX_RESTARTS = 3  # per single-process worker (see _run_group's `restart`)
 PAUSE_S = 0.2  # between epochs: threads of the framework that just ran stop spinning
 
 
@@ -651,6 +652,10 @@ def _worker_main(spec_json: str) -> None:
 # -- the driver ----------------------------------------------------------------------------------
 
 
+class WorkerFailedError(RuntimeError):
+    """A worker process exited or sent an error; the message ends with its log's tail."""
+
+
 class _Process:
     """One worker process: commands on its stdin, replies from its stdout, its log in a file."""
 
@@ -678,7 +683,7 @@ class _Process:
     def fail(self, what: str):
         with open(self.log, errors="replace") as f:
             tail = f.read()[-4000:]
-        raise SystemExit(
+        raise WorkerFailedError(
             f"peers.py: worker {self.label!r} (exit code {self.process.poll()}): {what}. "
             f"Its log ({self.log}) ends:\n{tail}"
         )
@@ -704,6 +709,8 @@ def _receive(processes: list, replies: queue.Queue, timeout: float) -> list:
         except queue.Empty:
             late = next(p for p in processes if p not in answers)
             late.fail(f"no answer within {timeout} s")
+        if process not in processes:
+            continue  # a restarted process's last words
         if answer is None or "error" in answer:
             process.fail("exited" if answer is None else answer["error"])
         answers[process] = answer
@@ -762,27 +769,81 @@ def _run_group(title: str, variants: list, workloads: list, args, log_dir: str) 
     processes are those of an earlier one (same process labels) reuses them.
     """
     replies = queue.Queue()
-    processes = {}
-    members = {}
+    processes, members, recipes = {}, {}, {}
     for label, specs, _ in variants:
         members[label] = []
         for spec, env, name in specs:
             if name not in processes:
+                recipes[name] = (spec, env)
                 processes[name] = _Process(spec, env, log_dir, name, replies)
             members[label].append(processes[name])
+    restarts, ready = [], {}
+
+    def restart(dead, error: WorkerFailedError, when: str):
+        """A fresh process in place of `dead`, in every variant it served; or `error` again.
+
+        XLA:CPU's in-process all-reduce can deadlock when a framework queues many
+        multi-device steps (Keras's fit does), and its rendezvous then aborts the process.
+        A single process is restarted (at most MAX_RESTARTS times); a pair cannot be.
+        """
+        label = dead.label
+        if "world" in recipes[label][0] or sum(r["process"] == label for r in restarts) \
+                >= MAX_RESTARTS:
+            raise error
+        last = [line for line in str(error).splitlines()
+                if line.strip() and not line.lstrip().startswith("@")][-6:]
+        print(f"  {label} died ({when}); restarting it:\n    " + "\n    ".join(last),
+              file=sys.stderr, flush=True)
+        restarts.append({"process": label, "when": when, "log_tail": last})
+        dead.close()
+        fresh = _Process(*recipes[label], log_dir, f"{label} restart {len(restarts)}", replies)
+        fresh.label = label
+        for group in members.values():
+            group[:] = [fresh if p is dead else p for p in group]
+        processes[label] = fresh
+        return fresh
+
+    def wait_ready(labels: set):
+        """Waits for the `ready` reply of the processes named `labels`, restarting failures."""
+        pending = set(labels)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while pending:
+            try:
+                process, answer = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                processes[min(pending)].fail(f"not ready within {STARTUP_TIMEOUT_S} s")
+            if process.label not in pending or processes[process.label] is not process:
+                continue  # a restarted process's last words
+            try:
+                if answer is None or "error" in answer:
+                    process.fail("exited" if answer is None else answer["error"])
+            except WorkerFailedError as error:
+                restart(process, error, "warm-up")
+                continue
+            ready[process.label] = answer
+            pending.discard(process.label)
+
     try:
         start = time.perf_counter()
-        ready = dict(zip(processes, _receive(list(processes.values()), replies,
-                                             STARTUP_TIMEOUT_S)))
+        wait_ready(set(processes))
         startup_s = time.perf_counter() - start
         print(f"  {title}: started and warmed up in {startup_s:.0f} s", file=sys.stderr,
               flush=True)
 
         def epoch(label, suffix, workload):
-            group = members[label]
-            for p in group:
-                p.send({"op": "epoch", "task": f"{workload}/{suffix}"})
-            answers = _receive(group, replies, EPOCH_TIMEOUT_S)
+            while True:
+                group = members[label]
+                try:
+                    for p in group:
+                        p.send({"op": "epoch", "task": f"{workload}/{suffix}"})
+                    answers = _receive(group, replies, EPOCH_TIMEOUT_S)
+                    break
+                except (WorkerFailedError, OSError) as error:
+                    dead = next((p for p in group if p.process.poll() is not None), group[0])
+                    if not isinstance(error, WorkerFailedError):
+                        error = WorkerFailedError(f"peers.py: worker {dead.label!r}: {error}")
+                    fresh = restart(dead, error, f"{label}, {workload}")
+                    wait_ready({fresh.label})
             time.sleep(PAUSE_S)
             return max(a["seconds"] for a in answers), answers[0]["loss"]
 
@@ -803,6 +864,7 @@ def _run_group(title: str, variants: list, workloads: list, args, log_dir: str) 
     return {
         "title": title,
         "startup_s": startup_s,
+        "restarts": restarts,
         "variants": [label for label, _, _ in variants],
         "processes": {label: [p.label for p in group] for label, group in members.items()},
         "info": info,
@@ -867,6 +929,16 @@ def _markdown_group(group: dict, rows: list, reference: str, extra=()) -> list:
     return lines
 
 
+def _restart_notes(group: dict) -> list:
+    """One line per worker that died and was restarted (the epoch was then run again)."""
+    notes = []
+    for r in group["restarts"]:
+        reason = next((line for line in r["log_tail"] if "rendezvous" in line.lower()),
+                      r["log_tail"][-1] if r["log_tail"] else "no log")
+        notes.append(f"Restarted: worker {r['process']} died ({r['when']}): {reason[:300]}")
+    return notes + ([""] if notes else [])
+
+
 def _versions_note(group: dict) -> str:
     versions = {}
     for info in group["info"].values():
@@ -929,6 +1001,7 @@ def main(argv=None) -> int:
                       "faster):", ""]
             lines += _markdown_group(group, rows, "mirrax fit")
             lines += ["", f"Versions: {_versions_note(group)}.", ""]
+            lines += _restart_notes(group)
         if "torch" in peers and args.torch_workload_list:
             mirrax_ports = [_free_port() for _ in range(PROCESSES)]
             torch_port = _free_port()
@@ -982,4 +1055,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except WorkerFailedError as e:
+        sys.exit(str(e))
