@@ -21,7 +21,7 @@ def _grads_both_ways(module, batch):
         per_example = optax.softmax_cross_entropy_with_integer_labels(module(x), y)
         return mirrax.compute_average_loss(per_example)
 
-    loss, packed = mirrax.value_and_grad(loss_fn)(module)
+    loss, packed = mirrax.value_and_grad(loss_fn, pack=True)(module)
     _, plain = nnx.value_and_grad(loss_fn)(module)
     return loss, packed, plain
 
@@ -52,7 +52,7 @@ def test_packed_gradients_use_one_all_reduce_of_all_parameter_bytes():
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
             optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
-        return mirrax.value_and_grad(loss_fn)(module)[1]
+        return mirrax.value_and_grad(loss_fn, pack=True)(module)[1]
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
     strategy._run_cache.clear()
@@ -90,7 +90,7 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
             optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
-        exact = mirrax.value_and_grad(loss_fn)(module)[1]
+        exact = mirrax.value_and_grad(loss_fn, pack=True)(module)[1]
         cheap = mirrax.value_and_grad(loss_fn, all_reduce_dtype="bfloat16")(module)[1]
         return exact, cheap
 
@@ -113,3 +113,28 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
     assert re.search(r"stablehlo.all_reduce.*\n(.*\n){0,12}.*tensor<23xbf16>", lowered)
     with pytest.raises(TypeError, match="all_reduce_dtype must be None or a floating dtype"):
         mirrax.value_and_grad(lambda m: 0.0, all_reduce_dtype="int8")
+
+
+def test_within_one_cpu_process_it_does_not_pack_by_default():
+    strategy = mirrored(2)
+    w1, w2, x, y = mlp_data()
+    with strategy.scope():
+        module = MLP(w1, w2)
+
+    def default(module, batch):
+        xb, yb = batch
+        loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
+            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
+        return mirrax.value_and_grad(loss_fn)(module)[1]
+
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+    strategy._run_cache.clear()
+    strategy.run(default, args=(module, batch))
+    (program,) = strategy._run_cache.values()
+    variables = jax.tree.leaves((module,), is_leaf=lambda v: isinstance(v, nnx.Variable))
+    state = [variables[i].get_raw_value() for i in program.order]
+    xs, ys = batch
+    text = program.compiled.lower(state, [xs._value, ys._value], xs._mask).compile().as_text()
+    # JAX's own per-array sums, combined by XLA into one all-reduce of 4 operands.
+    (line,) = [line for line in text.splitlines() if " all-reduce(" in line]
+    assert "f32[23]" not in line and "f32[4,3]" in line

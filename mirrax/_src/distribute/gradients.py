@@ -27,7 +27,8 @@ from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
 
-def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None) -> Callable:
+def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
+                   pack: bool | None = None) -> Callable:
     """`nnx.value_and_grad(fn, has_aux)` whose gradients are summed in ONE packed all-reduce.
 
     Use it in place of `nnx.value_and_grad` in a step that `strategy.run` runs:
@@ -47,6 +48,11 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None) -
         digits). Opt-in, as Horovod's fp16 compression; the default is exact. XLA:CPU
         promotes a bfloat16 all-reduce back to float32, so this saves bytes only where the
         collective library sums bfloat16 natively (NCCL on GPU).
+      pack: None (default) packs where it pays: across processes on CPU (Gloo), or when
+        `all_reduce_dtype` is given; True / False force it. Within one process on CPU the
+        concatenation and split cost more than the in-process all-reduce saves (the MLP of
+        BENCHMARKS.md's peers section was markedly slower with it), and NCCL on GPU groups a
+        combined all-reduce's operands itself.
 
     Returns:
       A function `(module, *args) -> (value, grads)`, as `nnx.value_and_grad` returns.
@@ -62,18 +68,19 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None) -
         )
 
     def wrapped(module, *args):
-        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype)
+        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype,
+                                     pack)
 
     return wrapped
 
 
 def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
-                          all_reduce_dtype=None):
+                          all_reduce_dtype=None, pack: bool | None = None):
     """`nnx.value_and_grad(loss_fn, has_aux)(module)` with gradients of `nnx.Param`s summed
     over replicas in one packed all-reduce per dtype.
 
-    Outside a multi-replica `strategy.run` (or when some parameter is not a replicated float
-    array) it is exactly `nnx.value_and_grad`.
+    Outside a multi-replica `strategy.run`, without `pack`, or when some parameter is not a
+    replicated float array, it is exactly `nnx.value_and_grad`.
 
     Args:
       loss_fn: `loss_fn(module)` returning a scalar loss (or `(loss, aux)` with `has_aux`).
@@ -86,7 +93,10 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
     """
     ctx = current_replica_context()
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=has_aux)
-    if ctx is None or not ctx._traced or ctx.num_replicas_in_sync == 1:
+    if pack is None:
+        pack = all_reduce_dtype is not None or (
+            jax.process_count() > 1 and jax.default_backend() == "cpu")
+    if not pack or ctx is None or not ctx._traced or ctx.num_replicas_in_sync == 1:
         return grad_fn(module)
     variables = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]
     originals = [v.get_value() for v in variables]
