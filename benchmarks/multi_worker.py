@@ -63,6 +63,9 @@ import threading
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import _processor_name  # noqa: E402  (JAX-free: imports JAX only inside)
+
 CNN_PER_WORKER_BATCH = 64
 MLP_PER_WORKER_BATCH = 128
 MLP_SIZES = (784, 1024, 1024, 10)
@@ -721,17 +724,6 @@ def _profile_table(results: list) -> str:
     return "\n".join(lines)
 
 
-def _processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _tensorflow_available() -> bool:
     # Asked in a child: importing TensorFlow here would start its threads in the driver.
     done = subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True,
@@ -785,7 +777,7 @@ def main(argv=None) -> None:
                 "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                 "steps_per_window": args.steps,
                 "repeats": args.repeats,
-                "processor": _processor(),
+                "processor": _processor_name(),
                 "host_cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "tensorflow": tf_status,
