@@ -28,12 +28,13 @@ def _grads_both_ways(module, batch):
 
 def _program_text(strategy, module, batch, compiled=True) -> str:
     """The HLO of the one program in `strategy`'s cache, lowered again on the arguments run
-    gave it (state in its order, the batch's stacked arrays and mask)."""
+    gave it (state in its order, the batch's stacked arrays, its mask and example count)."""
     (program,) = strategy._run_cache.values()
     variables = jax.tree.leaves((module,), is_leaf=lambda v: isinstance(v, nnx.Variable))
     state = [variables[i].get_raw_value() for i in program.order]
     xs, ys = batch
-    lowered = program.compiled.lower(state, [xs._value, ys._value], xs._mask)
+    count = jnp.int32(sum(xs._lengths))  # run passes the step's example count with the mask
+    lowered = program.compiled.lower(state, [xs._value, ys._value], (xs._mask, count))
     return lowered.compile().as_text() if compiled else lowered.as_text()
 
 

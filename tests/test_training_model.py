@@ -269,6 +269,26 @@ def test_steps_per_execution_gives_the_same_training():
     assert batches_seen == [1, 1, 1]  # one call per epoch: steps 0 and 1 together
 
 
+def test_steps_per_execution_with_a_partial_last_batch_divides_by_its_own_examples():
+    w1, w2, x, y = mlp_data()
+    x, y = x[:12], y[:12]  # batches of 8 and 4: one call of two micro-steps of different sizes
+    strategy = mirrored(4)
+    results = []
+    for steps_per_execution in (1, 2):
+        with strategy.scope():
+            model = mirrax.Model(MLP(w1, w2))
+            model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                          mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=steps_per_execution)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append((history.history["loss"], model.get_weights()))
+    # The second micro-step's loss is its sum over 4 examples / 4 (the first step's 8 would halve
+    # its gradient): the same training as one step per call.
+    np.testing.assert_allclose(results[0][0], results[1][0], atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_gradient_accumulation_equals_one_step_on_the_larger_batch():
     w1, w2, x, y = mlp_data()
     strategy = mirrored(2)

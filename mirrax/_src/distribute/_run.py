@@ -143,6 +143,12 @@ def run(strategy, fn, args, kwargs):
                 ) from None
             kinds.append(("static", leaf))
     kinds = tuple(kinds)
+    # The batch mask enters sharded, with the step's number of real examples (all replicas)
+    # replicated, so `compute_average_loss` needs no cross-replica sum to count them.
+    batch_info = None
+    if mask_value is not None:
+        batch_info = (mask_value, None if lengths is None else _example_count(strategy, lengths))
+    mask_key = None if batch_info is None else batch_info[1] is not None
     if fn_node is fn:
         fn_key = type(fn)
     elif fn_node is not None:
@@ -157,7 +163,7 @@ def run(strategy, fn, args, kwargs):
     variables, node_def = jax.tree.flatten(tuple(nodes), is_leaf=_is_variable)
     fast = len({id(v) for v in variables}) == len(variables) and all(map(_is_variable, variables))
     if fast:
-        key = (fn_key, treedef, kinds, node_def, tuple(map(type, variables)), mask_value is not None)
+        key = (fn_key, treedef, kinds, node_def, tuple(map(type, variables)), mask_key)
         program = strategy._run_cache.get(key)
         live = None if program is None or program.order is None else [
             variables[i] for i in program.order
@@ -167,7 +173,7 @@ def run(strategy, fn, args, kwargs):
         state_def = jax.tree.structure(state)
         live = jax.tree.leaves(state, is_leaf=_is_variable)
         if not fast:
-            key = (fn_key, treedef, kinds, graphdef, state_def, mask_value is not None)
+            key = (fn_key, treedef, kinds, graphdef, state_def, mask_key)
             program = strategy._run_cache.get(key)
     state_leaves = [
         _place(strategy, x, names, None, nodes)
@@ -178,7 +184,7 @@ def run(strategy, fn, args, kwargs):
         _warn_on_retracing(strategy, fn_key, fn, kinds)
         node_names = tuple(names.of_node(node) for node in nodes)
         spec = _Spec(strategy, fn, fn_node, treedef, kinds, graphdef, state_def, node_names)
-        program = _compile(spec, state_leaves, dynamic, mask_value)
+        program = _compile(spec, state_leaves, dynamic, batch_info)
         per_variable = state_def.num_leaves == len(live)
         if fast and per_variable:
             index = {id(v): i for i, v in enumerate(variables)}
@@ -187,7 +193,7 @@ def run(strategy, fn, args, kwargs):
         if len(strategy._run_cache) > _CACHE_SIZE:
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
-    new_state, outputs = program.compiled(state_leaves, dynamic, mask_value)
+    new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
     _bound_in_flight(strategy, new_state, outputs)
     if program.same_state and len(live) == len(new_state):
         # The caller's own Variable objects: set them directly (no graph walk). The first set
@@ -323,7 +329,21 @@ class _Spec:
     node_names: tuple
 
 
-def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
+def _example_count(strategy, lengths) -> jax.Array:
+    """The int32 total of `lengths` (every replica's real rows), replicated; cached per value."""
+    total = int(sum(lengths))
+    cache = strategy._example_counts
+    count = cache.get(total)
+    if count is None:
+        count = jax.make_array_from_callback(
+            (), strategy._replicated, lambda _: np.asarray(total, np.int32))
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[total] = count
+    return count
+
+
+def _compile(spec: _Spec, state_leaves, dynamic, batch_info) -> _Program:
     mesh = spec.strategy.mesh
     dynamic_specs = []
     for kind in spec.kinds:
@@ -333,11 +353,15 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
             dynamic_specs.extend([P()] * kind[2])
         elif kind[0] == "array":
             dynamic_specs.append(P())
-    in_specs = (P(), dynamic_specs, None if mask_value is None else P(REPLICA_AXIS))
+    if batch_info is None:
+        batch_spec = None
+    else:
+        batch_spec = (P(REPLICA_AXIS), None if batch_info[1] is None else P())
+    in_specs = (P(), dynamic_specs, batch_spec)
     found = {}
 
-    def probe(state_leaves, dynamic, mask):
-        new_state, outputs, found["treedef"] = _body(spec, state_leaves, dynamic, mask)
+    def probe(state_leaves, dynamic, batch_info):
+        new_state, outputs, found["treedef"] = _body(spec, state_leaves, dynamic, batch_info)
         found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
         found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in outputs]
@@ -347,14 +371,14 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
             jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(REPLICA_AXIS))),
             state_leaves,
             dynamic,
-            mask_value,
+            batch_info,
         )
     except jax.errors.UnexpectedTracerError as e:
         raise _inside_transformation("a value of the step") from e
     varying, same_state = found["varying"], found["same_state"]
 
-    def body(state_leaves, dynamic, mask):
-        new_state, outputs, _ = _body(spec, state_leaves, dynamic, mask)
+    def body(state_leaves, dynamic, batch_info):
+        new_state, outputs, _ = _body(spec, state_leaves, dynamic, batch_info)
         if same_state:
             new_state = jax.tree.leaves(new_state)
         return new_state, [x[None] if v else x for x, v in zip(outputs, varying)]
@@ -364,8 +388,12 @@ def _compile(spec: _Spec, state_leaves, dynamic, mask_value) -> _Program:
     return _Program(compiled, found["treedef"], varying, same_state)
 
 
-def _body(spec: _Spec, state_leaves, dynamic, mask):
-    """The per-replica program: rebuild the arguments, run the user's function, aggregate state."""
+def _body(spec: _Spec, state_leaves, dynamic, batch_info):
+    """The per-replica program: rebuild the arguments, run the user's function, aggregate state.
+
+    `batch_info` is None, or (this replica's (1, rows) batch mask, the step's int32 count of
+    real examples over all replicas or None).
+    """
     state = jax.tree.unflatten(spec.state_def, state_leaves)
     # Read before merging: merge may reuse these Variable objects, which the step then mutates.
     old_values = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
@@ -393,7 +421,9 @@ def _body(spec: _Spec, state_leaves, dynamic, mask):
     for variable in rng_keys:
         variable.set_value(jax.random.fold_in(variable.get_value(), replica_id))
 
-    ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0])
+    mask, count = (None, None) if batch_info is None else batch_info
+    ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0],
+                         example_count=count)
     try:
         with replica_context_scope(ctx):
             if spec.fn_node is None:

@@ -46,10 +46,24 @@ class ReplicaContext:
         dataset.
     """
 
-    def __init__(self, strategy, batch_mask=None, traced: bool = True):
+    def __init__(self, strategy, batch_mask=None, traced: bool = True, example_count=None):
         self.strategy = strategy
-        self.batch_mask = batch_mask
+        self._batch_mask = batch_mask
+        # int32 scalar: the real examples of the distributed batch over ALL replicas, known on
+        # the host (so `compute_average_loss` need not sum them across replicas); None if unknown.
+        self._example_count = example_count
         self._traced = traced
+
+    @property
+    def batch_mask(self):
+        return self._batch_mask
+
+    @batch_mask.setter
+    def batch_mask(self, mask):
+        # Another mask (a micro-step of steps_per_execution) has its own example count.
+        if mask is not self._batch_mask:
+            self._example_count = None
+        self._batch_mask = mask
 
     @property
     def num_replicas_in_sync(self) -> int:

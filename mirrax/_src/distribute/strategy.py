@@ -81,6 +81,7 @@ class Strategy:
             i for i, d in enumerate(devices) if d.process_index == jax.process_index()
         )
         self._run_cache = _run.new_cache()
+        self._example_counts: dict = {}  # int -> replicated int32 scalar (strategy.run)
         self._in_flight = _run.new_in_flight(devices)
         self._compile_counts: dict = {}
         self._datasets_made = 0  # names distributed datasets alike on every process
