@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# The overhead benchmark (benchmarks/overhead.py) on one GPU: strategy.run vs the hand-written
-# jax.jit(jax.shard_map(...)) step, for the TF tutorial CNN and the tiny MLP.
+# The GPU benchmarks, one command, about 7 minutes on one H200:
+#   1. benchmarks/gpu_models.py: ResNet-50 (batch 256, 224x224) and the 4-layer transformer
+#      (batch 64, sequence 512) at bf16: mirrax strategy.run and Model.fit (mixed_bfloat16) vs a
+#      plain jax.jit step vs PyTorch (channels_last, autocast bf16, torch.compile); ms/step,
+#      images/s or tokens/s, MFU against 790 TFLOP/s. About 5 minutes (compiles dominate).
+#   2. benchmarks/overhead.py: strategy.run vs the hand-written jax.jit(jax.shard_map(...)) step,
+#      for the TF tutorial CNN and the tiny MLP. About 2 minutes.
 #
 #   bash benchmarks/gpu.sh            # results in a temporary folder (its path is printed)
 #   OUT=/some/dir bash benchmarks/gpu.sh
+#   SKIP_MODELS=1 / SKIP_OVERHEAD=1   # leave out part 1 / part 2
+#   GPU_MODELS_ARGS="--skip-torch"    # more flags for gpu_models.py (see its --help)
 #
 # Python, in this order: $VENV (default .venv-gpu) if it exists; else a python3 that already has
 # a GPU JAX with flax and optax (machine images without network access), running mirrax from
 # this checkout; else a new $VENV with `pip install -e . "jax[$JAX_EXTRA]"` (default cuda12,
-# which needs an NVIDIA driver >= 525; JAX_EXTRA=cuda13 needs >= 580).
-# Writes to $OUT (or the temporary folder): devices.txt, overhead-gpu.md (the table),
-# overhead-gpu.json (every window), overhead-gpu.log (progress lines and a cProfile of the
-# mirrax MLP step). Takes about 2 minutes once JAX is installed.
+# which needs an NVIDIA driver >= 525; JAX_EXTRA=cuda13 needs >= 580). PyTorch runs in its own
+# process, from that Python if it imports torch, else from python3 if that one does; without
+# torch the torch rows are skipped with a message (nothing is installed for it).
+# Writes to $OUT (or the temporary folder): devices.txt, gpu-models.md (the table),
+# gpu-models.json (every window), gpu-models.log (progress lines), overhead-gpu.md,
+# overhead-gpu.json, overhead-gpu.log (progress lines and a cProfile of the mirrax MLP step).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -60,9 +69,32 @@ fi
     "$py" -c 'import sys; from mirrax._src.cli.main import main; sys.argv = ["mirrax", "devices"]; sys.exit(main())'
 } 2>&1 | tee "$out_dir/devices.txt"
 
-# GPU steps take about a millisecond: many more steps per window than on CPU.
-"$py" benchmarks/overhead.py --platform gpu --devices 1 --windows 9 \
-    --cnn-steps 200 --mlp-steps 1000 --profile --json "$out_dir/overhead-gpu.json" \
-    2> >(tee "$out_dir/overhead-gpu.log" >&2) | tee "$out_dir/overhead-gpu.md"
+torch_py="$py"
+if ! "$py" -c 'import torch' 2>/dev/null; then
+    if command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then
+        torch_py=python3
+    fi
+fi
+"$torch_py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' \
+    2>&1 | tee -a "$out_dir/devices.txt" || true
+
+status=0
+if [ -z "${SKIP_MODELS:-}" ]; then
+    # gpu_models.py stops starting windows after --deadline seconds; `timeout` is the backstop.
+    # shellcheck disable=SC2086
+    timeout 420 "$py" benchmarks/gpu_models.py --torch-python "$torch_py" --deadline 270 \
+        --torch-timeout 240 ${GPU_MODELS_ARGS:-} --json "$out_dir/gpu-models.json" \
+        2> >(tee "$out_dir/gpu-models.log" >&2) | tee "$out_dir/gpu-models.md" \
+        || { status=$?; echo "gpu.sh: gpu_models.py failed (exit status $status)" >&2; }
+fi
+
+if [ -z "${SKIP_OVERHEAD:-}" ]; then
+    # GPU steps take about a millisecond: many more steps per window than on CPU.
+    timeout 240 "$py" benchmarks/overhead.py --platform gpu --devices 1 --windows 9 \
+        --cnn-steps 200 --mlp-steps 1000 --profile --json "$out_dir/overhead-gpu.json" \
+        2> >(tee "$out_dir/overhead-gpu.log" >&2) | tee "$out_dir/overhead-gpu.md" \
+        || { status=$?; echo "gpu.sh: overhead.py failed (exit status $status)" >&2; }
+fi
 
 echo "gpu.sh: results in $out_dir"
+exit "$status"
