@@ -24,7 +24,10 @@ data set, on the same strategy, four things are timed:
 
 As in the other benchmarks, at most 2 steps run ahead of the last finished one (XLA:CPU's
 in-process all-reduce deadlocks when about 100 multi-device steps are queued), and every window
-ends with a wait for the outputs and the whole model and optimizer state. The variants are
+ends with a wait for the outputs and the whole model and optimizer state. `--max-in-flight 0`
+makes the loop (and the step alone) synchronous, as a loop that reads the loss every step: the
+devices then idle while the host asks for the next batch, so input time is no longer hidden
+behind queued steps. The variants are
 interleaved: each window runs all of them, in an order that flips every window; medians over
 the windows, after a short untimed run of every variant (compilation, first placement).
 Results: capacity/consumption = pipeline batches/s (prefetch) x step-alone seconds/step (how
@@ -65,7 +68,6 @@ import time
 import overhead
 
 GLOBAL_BATCH = 128
-MAX_IN_FLIGHT = 2
 CIFAR_SHAPE = (32, 32, 3)
 CIFAR_BATCHES = 8
 WARM_BATCHES = 5
@@ -152,16 +154,21 @@ def _measure(args, devices: int) -> dict:
             jax.block_until_ready(batch)
         return time.perf_counter() - start
 
-    def step_alone(state, batch, steps):
-        def step():
-            return strategy.run(train_step, args=state + (batch,))
-
-        def block(out):
-            jax.block_until_ready((out, nnx.state(state)))
-
+    def train_loop(state, next_batch, steps):
+        """Seconds for `steps` steps of `strategy.run(train_step, args=state + (next_batch(),))`,
+        at most --max-in-flight of them ahead of the last finished one, until the state is
+        ready. The step alone and the loop over the iterator run this same code."""
+        in_flight = collections.deque()
         start = time.perf_counter()
-        workloads.run_steps(step, block, steps, MAX_IN_FLIGHT)
+        for _ in range(steps):
+            in_flight.append(strategy.run(train_step, args=state + (next_batch(),)))
+            while len(in_flight) > args.max_in_flight:
+                jax.block_until_ready(in_flight.popleft())
+        jax.block_until_ready((list(in_flight), nnx.state(state)))
         return time.perf_counter() - start
+
+    def step_alone(state, batch, steps):
+        return train_loop(state, lambda: batch, steps)
 
     def together(state, make_source, option, steps):
         """(seconds for `steps` steps of the loop, seconds inside next(), first-batch latency,
@@ -171,25 +178,22 @@ def _measure(args, devices: int) -> dict:
         first = next(iterator)
         first_latency = time.perf_counter() - start
         jax.block_until_ready((strategy.run(train_step, args=state + (first,)), nnx.state(state)))
-        in_flight = collections.deque()
-        waited = 0.0
-        ready = 0
         prefetching = option.experimental_fetch_to_device
-        start = time.perf_counter()
-        for _ in range(steps):
+        seen = {"waited": 0.0, "ready": 0}
+
+        def next_batch():
             if prefetching:
                 # Read only: the prefetch queue holds the batches already on the devices.
-                ready += iterator._queue.qsize() > 0
+                seen["ready"] += iterator._queue.qsize() > 0
             asked = time.perf_counter()
             batch = next(iterator)
-            waited += time.perf_counter() - asked
-            in_flight.append(strategy.run(train_step, args=state + (batch,)))
-            if len(in_flight) > MAX_IN_FLIGHT:
-                jax.block_until_ready(in_flight.popleft())
-        jax.block_until_ready((in_flight[-1], nnx.state(state)))
-        elapsed = time.perf_counter() - start
+            seen["waited"] += time.perf_counter() - asked
+            return batch
+
+        elapsed = train_loop(state, next_batch, steps)
         iterator.close()
-        return elapsed, waited, first_latency, ready / steps if prefetching else None
+        return (elapsed, seen["waited"], first_latency,
+                seen["ready"] / steps if prefetching else None)
 
     rows = []
     for name, kind in WORKLOADS:
@@ -218,7 +222,8 @@ def _measure(args, devices: int) -> dict:
             for key in order:
                 results[key].append(variants[key](False))
         row = {"data": name, "devices": devices, "global_batch": GLOBAL_BATCH,
-               "windows": args.windows, "pipeline_batches": n, "steps_per_window": steps}
+               "windows": args.windows, "pipeline_batches": n, "steps_per_window": steps,
+               "max_in_flight": args.max_in_flight}
         for key in ("prefetch", "direct"):
             seconds = statistics.median(results[f"pipeline_{key}"])
             row[f"pipeline_{key}_batches_per_s"] = n / seconds
@@ -289,7 +294,8 @@ def _markdown(results: list) -> str:
     lines.append(
         f"{overhead.environment_note(results[0]['environment'])} Global batch {GLOBAL_BATCH}; "
         f"medians of {first['windows']} interleaved windows after a warm-up; pipeline "
-        f"windows of {first['pipeline_batches']} batches; at most {MAX_IN_FLIGHT} steps in flight."
+        f"windows of {first['pipeline_batches']} batches; at most {first['max_in_flight']} steps in flight "
+        "(0: every step waited for before the next batch is asked for)."
     )
     return "\n".join(lines)
 
@@ -308,18 +314,24 @@ def _parse_args(argv=None) -> argparse.Namespace:
                         help="steps per window on the digits (default 20)")
     parser.add_argument("--cifar-steps", type=int, default=4,
                         help="steps per window on the CIFAR-shaped data (default 4)")
+    parser.add_argument("--max-in-flight", type=int, default=2,
+                        help="steps dispatched ahead of the last finished one (default 2; 0: a "
+                        "synchronous loop, as one that reads the loss every step)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     overhead.parse_device_counts(parser, args)
     if min(args.windows, args.pipeline_batches, args.digits_steps, args.cifar_steps) < 1:
         parser.error("--windows, --pipeline-batches, --digits-steps and --cifar-steps must be >= 1")
+    if args.max_in_flight < 0:
+        parser.error(f"--max-in-flight must be >= 0; got {args.max_in_flight}")
     return args
 
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
     child_argv = overhead.forward_arguments(
-        args, ("platform", "windows", "pipeline_batches", "digits_steps", "cifar_steps"), ())
+        args, ("platform", "windows", "pipeline_batches", "digits_steps", "cifar_steps",
+               "max_in_flight"), ())
     return overhead.run_benchmark(args, _measure, _markdown, child_argv, __file__)
 
 
