@@ -357,3 +357,26 @@ def test_fit_and_evaluate_take_an_already_distributed_dataset():
     history = model.fit(dataset, epochs=1, verbose=0)
     assert history.history["loss"] == [4.0]  # (2 + 3 + 4 + 5 + 6) / 5, the partial batch counted once
     assert model.evaluate(dataset, verbose=0) == pytest.approx(4.0)
+
+
+def test_fits_array_batches_are_those_of_experimental_distribute_dataset():
+    from mirrax._src.training.model import _placed_array_batches
+
+    strategy = mirrored(4)
+    x = np.arange(23 * 2, dtype=np.float32).reshape(23, 2)
+    y = np.arange(23, dtype=np.int32)
+    for size in (8, 10):  # 8, 8, 7 (4 rows per replica); 10, 10, 3 (3, 3, 3, 1 per replica)
+        batches = [(x[i : i + size], y[i : i + size]) for i in range(0, 23, size)]
+        fast = list(_placed_array_batches(strategy, batches))
+        general = list(strategy.experimental_distribute_dataset(batches))
+        assert len(fast) == len(general) == 3
+        for a, b in zip(fast, general):
+            for leaf_a, leaf_b in zip(a, b):
+                np.testing.assert_array_equal(np.asarray(leaf_a._value), np.asarray(leaf_b._value))
+                np.testing.assert_array_equal(np.asarray(leaf_a._mask), np.asarray(leaf_b._mask))
+                assert leaf_a._lengths == leaf_b._lengths
+                assert leaf_a._value.sharding == leaf_b._value.sharding
+        # TF's split rule on the last batch: 7 -> ceil(7/4) = 2: 2, 2, 2, 1 (of 2 rows);
+        # 3 -> 1, 1, 1, 0 (of the first batch's ceil(10/4) = 3 rows).
+        assert fast[-1][0]._lengths == {8: (2, 2, 2, 1), 10: (1, 1, 1, 0)}[size]
+        assert fast[-1][0]._value.shape == {8: (4, 2, 2), 10: (4, 3, 2)}[size]

@@ -24,6 +24,8 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute import gradients
+from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.replica_context import REPLICA_AXIS
@@ -356,7 +358,7 @@ class Model:
             cbs.on_epoch_begin(epoch)
             self.module.train()
             step = first_step if epoch == first_epoch else 0
-            batches = itertools.islice(train.batches(steps), step, None)
+            batches = itertools.islice(train.batches(steps, prefetch=batch_logs), step, None)
             for group in _groups(batches, self.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
@@ -420,7 +422,7 @@ class Model:
         self.module.eval()
         cbs.on_test_begin()
         batch_logs = _needs_batch_logs(cbs, "on_test_batch_end")
-        for step, batch in enumerate(data.batches(steps)):
+        for step, batch in enumerate(data.batches(steps, prefetch=batch_logs)):
             cbs.on_test_batch_begin(step)
             strategy.run(self._test_fn, args=(self.module, self.metrics, self._tracker, batch))
             cbs.on_test_batch_end(step, self._logs() if batch_logs else {})
@@ -765,8 +767,13 @@ class _Input:
         if y is not None and isinstance(model.loss, losses_lib.SparseCategoricalCrossentropy):
             _check_sparse_labels(model, x, y)
 
-    def batches(self, steps=None):
-        """Distributed batches for one epoch (or `steps` of them)."""
+    def batches(self, steps=None, prefetch=True):
+        """Distributed batches for one epoch (or `steps` of them).
+
+        `prefetch`: for array inputs in one process, make batches in a background thread (when
+        the loop waits for every step, e.g. to read batch logs) or else in the caller's thread
+        (steps are dispatched asynchronously, so the next batch is cut while the devices run).
+        """
         if self.dataset is not None:
             iterator = iter(self.dataset)
         elif getattr(self, "one_shot", False):
@@ -774,8 +781,13 @@ class _Input:
             return
         elif self.arrays:
             order = self.model._rng.permutation(self.n) if self.shuffle else np.arange(self.n)
-            iterator = iter(self.strategy.experimental_distribute_dataset(
-                _ArrayBatches(self, order)))
+            if jax.process_count() == 1:
+                iterator = input_lib.DistributedIterator(
+                    _placed_array_batches(self.strategy, _ArrayBatches(self, order)),
+                    input_lib.InputOptions(experimental_fetch_to_device=prefetch))
+            else:
+                iterator = iter(self.strategy.experimental_distribute_dataset(
+                    _ArrayBatches(self, order)))
         else:
             iterator = iter(self.strategy.experimental_distribute_dataset(
                 _NormalizedBatches(self.source, self.inputs_only)))
@@ -829,6 +841,36 @@ class _ArrayBatches:
                 continue
             y = jax.tree.map(lambda a: np.asarray(a)[index], d.y)
             yield (x, y) if d.sample_weight is None else (x, y, d.sample_weight[index])
+
+
+def _placed_array_batches(strategy, batches):
+    """fit's array input in one process: distributed batches made in the caller's thread.
+
+    The same batches `experimental_distribute_dataset(batches)` yields (TF's split rule, the
+    first batch's per-replica size, padding and mask), made more cheaply: a global batch that
+    splits evenly over the replicas is reshaped to (replicas, rows, ...) and placed with one
+    `device_put` per leaf; others (the first and the partial last batch) go through the general
+    placer.
+    """
+    placer = input_lib._Placer(strategy)
+    replicas = strategy.num_replicas_in_sync
+    checked = False
+    for batch in batches:
+        if not checked:
+            batch, n = input_lib.to_host_batch(batch)  # dtypes and sizes, once per pass
+            checked = True
+        else:
+            n = len(jax.tree.leaves(batch)[0])
+        rows = n // replicas
+        if n % replicas == 0 and rows == placer.rows:
+            lengths = (rows,) * replicas
+            stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
+            mask = placer._mask(lengths)
+            yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
+                               values_lib.put_stacked(strategy, stacked))
+        else:
+            shards = input_lib.split_global_batch(batch, n, replicas, strategy._local_replica_ids)
+            yield placer.place(shards, f"global batch of {n} over {replicas} replicas")
 
 
 class _NormalizedBatches:
