@@ -38,14 +38,17 @@ Variants, on the same random batch (placed on the device once; no input pipeline
   the usual loop: `zero_grad`, forward, loss, `backward`, `step`.
 
 Timing: every variant compiles and takes 3 warm-up steps (the PyTorch process compiles while
-JAX compiles), then its steps per window are set so that a window lasts about
-`--window-seconds`. Then rounds: in each round every variant of a model runs one window, in an
+JAX compiles, to fit the time budget; both compilers time candidate kernels on the GPU, so each
+may see the other's work while autotuning: `--torch-after-jax` runs them one after the other),
+then its steps per window are set so that a window lasts about `--window-seconds`. Then rounds: in each round every variant of a model runs one window, in an
 order that rotates every round (A B C D, B C D A, ...); a window dispatches its steps and waits
 for the last one's outputs and the whole state (`jax.block_until_ready`,
 `torch.cuda.synchronize`). Reported: the median ms/step over the windows (>= 5 unless a time
 limit cut them short: the "windows" column says how many ran), throughput, and the ratio to
-jax.jit. Limits: each variant's timed windows stop after `--variant-seconds`, and no window
-starts after `--deadline` seconds from the start of the script, so one run stays bounded.
+jax.jit. Limits, so that one run stays bounded: no model is built (compiled) after
+`--deadline` seconds from the start of the script; PyTorch must be ready by `--torch-timeout`
+seconds from the start, or its rows are skipped; each variant's timed windows stop after
+`--variant-seconds`.
 
 Model FLOPs (for MFU): analytic, 3 x the forward pass's multiply-adds x 2 (convolutions and
 dense layers; for the transformer also the attention products QK^T and AV), the usual "model
@@ -53,7 +56,9 @@ FLOPs" (no recomputation, no elementwise work, the same count for every variant)
 forward is 4.09 G multiply-adds (the "4.1 GFLOPs" usually quoted) = 8.18 GFLOP per 224x224
 image, so a training step counts 24.5 GFLOP per image. As a check, XLA's own count
 (`jax.jit(step).lower(...).cost_analysis()["flops"]`, the whole jax.jit train step before
-optimisation, elementwise work and optimizer included) is printed next to it. MFU = model
+optimisation, elementwise work and optimizer included; it leaves out a convolution's
+multiplications by its zero padding, so for ResNet-50 it is lower: 3.99 G multiply-adds forward
+at 224x224) is printed next to it. MFU = model
 FLOPs per second / `--peak-tflops` (default 790e12, the H200's dense bf16 peak).
 
 Usage (the GPU numbers come from `bash benchmarks/gpu.sh`):
@@ -92,7 +97,7 @@ LAYERS, D_MODEL, HEADS, MLP_WIDTH, VOCABULARY, CLASSES = 4, 256, 4, 1024, 1000, 
 LN_EPSILON = 1e-6
 WARMUP_STEPS = 3
 REPLY = "@@gpu_models "  # prefix of the PyTorch worker's protocol lines on its stdout
-MODELS = ("resnet50", "transformer")
+MODELS = ("transformer", "resnet50")  # the cheap compile first: the deadline falls on ResNet-50
 TITLES = {"resnet50": "ResNet-50", "transformer": "Transformer 4x256"}
 
 
@@ -113,6 +118,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
                         help="also Model.fit on ResNet-50 (one more ResNet-50 compile)")
     parser.add_argument("--no-torch-compile", action="store_true",
                         help="PyTorch eager (no torch.compile)")
+    parser.add_argument("--torch-after-jax", action="store_true",
+                        help="PyTorch builds and compiles only once JAX has compiled (no overlap "
+                        "of the two compilers' GPU autotuning; slower)")
     parser.add_argument("--torch-python", default=sys.executable,
                         help="interpreter of the PyTorch process (default: this one)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
@@ -124,11 +132,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
                         help="timed windows of a variant stop after this many seconds "
                         "(20; smoke: no limit)")
     parser.add_argument("--deadline", type=float,
-                        help="no window or compile starts after this many seconds from the "
-                        "start (330; smoke: no limit)")
+                        help="no model is built after this many seconds from the start "
+                        "(200; smoke: no limit)")
     parser.add_argument("--torch-timeout", type=float,
-                        help="seconds to wait for PyTorch to build and compile, counted from "
-                        "when JAX is ready (300; smoke: 1800)")
+                        help="PyTorch must have built and compiled this many seconds after the "
+                        "start (after JAX is ready, with --torch-after-jax), else its rows are "
+                        "skipped (330; smoke: 1800)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                         help="dense bf16 peak of the device, TFLOP/s (default 790, H200)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
@@ -145,9 +154,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     if args.variant_seconds is None:
         args.variant_seconds = unlimited if small else 20.0
     if args.deadline is None:
-        args.deadline = unlimited if small else 330.0
+        args.deadline = unlimited if small else 200.0
     if args.torch_timeout is None:
-        args.torch_timeout = 1800.0 if small else 300.0
+        args.torch_timeout = 1800.0 if small else 330.0
     args.models = [m for m in MODELS if not getattr(args, "skip_" + m.replace("50", ""))]
     return args
 
@@ -485,42 +494,60 @@ def _run_jax(args, results: dict, start: float, torch_worker) -> None:
     built = {}
     for model in args.models:
         if time.perf_counter() - start > args.deadline:
-            results["notes"].append(f"{TITLES[model]}: not built (deadline reached).")
+            results["notes"].append(f"{TITLES[model]}: not built (--deadline reached).")
             continue
-        spec = specs[model]
-        t0 = time.perf_counter()
-        variants = _make_variants(model, spec, args, device, compute_dtype)
-        info = variants.pop("_info")
-        info["build_s"] = time.perf_counter() - t0
-        compile_s, first_loss, per_step = {}, {}, {}
-        for name, variant in variants.items():
-            t0 = time.perf_counter()
-            if variant[0] == "fit":
-                clock = variant[1](WARMUP_STEPS)
-                first_loss[name] = clock.loss
-                compile_s[name] = time.perf_counter() - t0
-                clock = variant[1](WARMUP_STEPS)
-                per_step[name] = clock.seconds / WARMUP_STEPS
-            else:
-                step, block, loss_of = variant
-                out = step()
-                block(out)
-                first_loss[name] = loss_of(out)
-                for _ in range(WARMUP_STEPS - 1):
-                    out = step()
-                block(out)
-                compile_s[name] = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                for _ in range(WARMUP_STEPS):
-                    out = step()
-                block(out)
-                per_step[name] = (time.perf_counter() - t1) / WARMUP_STEPS
-            _log(f"{TITLES[model]} / {name}: compile + {WARMUP_STEPS} steps "
-                 f"{compile_s[name]:.1f} s, first loss {first_loss[name]}, "
-                 f"~{per_step[name] * 1e3:.1f} ms/step")
-        built[model] = (variants, info, compile_s, first_loss, per_step)
+        try:
+            built[model] = _build(model, specs[model], args, device, compute_dtype)
+        except Exception as error:  # noqa: BLE001 - one model failing (out of memory, say)
+            traceback.print_exc()   # must not cost the other model's rows
+            results["notes"].append(f"{TITLES[model]}: JAX variants failed "
+                                    f"({type(error).__name__}: {str(error)[:300]}).")
+    torch_ready = torch_worker.wait_ready(args, start) if torch_worker else None
+    _measure(args, results, built, torch_ready, torch_worker)
 
-    torch_ready = torch_worker.wait_ready(args) if torch_worker else None
+
+def _build(model, spec, args, device, compute_dtype) -> tuple:
+    """One model's JAX variants, each compiled and warmed up.
+
+    Returns (variants, info, compile_s, first_loss, per_step): per_step is the rough seconds per
+    step from the warm-up, which sets the steps per window.
+    """
+    t0 = time.perf_counter()
+    variants = _make_variants(model, spec, args, device, compute_dtype)
+    info = variants.pop("_info")
+    info["build_s"] = time.perf_counter() - t0
+    compile_s, first_loss, per_step = {}, {}, {}
+    for name, variant in variants.items():
+        t0 = time.perf_counter()
+        if variant[0] == "fit":
+            clock = variant[1](WARMUP_STEPS)
+            first_loss[name] = clock.loss
+            compile_s[name] = time.perf_counter() - t0
+            clock = variant[1](WARMUP_STEPS)
+            per_step[name] = clock.seconds / WARMUP_STEPS
+        else:
+            step, block, loss_of = variant
+            out = step()
+            block(out)
+            first_loss[name] = loss_of(out)
+            for _ in range(WARMUP_STEPS - 1):
+                out = step()
+            block(out)
+            compile_s[name] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            for _ in range(WARMUP_STEPS):
+                out = step()
+            block(out)
+            per_step[name] = (time.perf_counter() - t1) / WARMUP_STEPS
+        _log(f"{TITLES[model]} / {name}: compile + {WARMUP_STEPS} steps "
+             f"{compile_s[name]:.1f} s, first loss {first_loss[name]}, "
+             f"~{per_step[name] * 1e3:.1f} ms/step")
+    return variants, info, compile_s, first_loss, per_step
+
+
+def _measure(args, results: dict, built: dict, torch_ready, torch_worker) -> None:
+    """Interleaved windows of every built model's variants; appends rows and notes."""
+    specs = shapes(args)
     for model, (variants, info, compile_s, first_loss, per_step) in built.items():
         spec = specs[model]
         runners = {}
@@ -554,7 +581,7 @@ def _run_jax(args, results: dict, start: float, torch_worker) -> None:
             note = f"torch rows skipped ({reason})."
             if note not in results["notes"]:
                 results["notes"].append(note)
-        windows = _interleave(runners, args, start)
+        windows = _interleave(runners, args)
         flops = model_flops_per_step(model, spec)
         for name, seconds in windows.items():
             steps = runners[name][0]
@@ -590,7 +617,7 @@ def _run_jax(args, results: dict, start: float, torch_worker) -> None:
                                 f"first {WARMUP_STEPS}-step epoch; torch: its own random init).")
 
 
-def _interleave(runners: dict, args, start: float) -> dict:
+def _interleave(runners: dict, args) -> dict:
     """Rotating rounds of one window per variant; returns {variant: [window seconds]}."""
     names = list(runners)
     seconds = {name: [] for name in names}
@@ -598,7 +625,7 @@ def _interleave(runners: dict, args, start: float) -> dict:
     for round_index in range(args.windows):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
-            if time.perf_counter() - start > args.deadline or spent[name] > args.variant_seconds:
+            if spent[name] > args.variant_seconds:
                 continue
             steps, run = runners[name]
             elapsed = run(steps)
@@ -703,6 +730,8 @@ def _torch_worker(spec_json: str) -> None:
     ready = {"versions": {"torch": torch.__version__},
              "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"}
     steps_of = {}
+    if spec["after_jax"]:
+        sys.stdin.readline()
     for model in spec["models"]:
         try:
             shape = spec["shapes"][model]
@@ -784,7 +813,7 @@ class TorchWorker:
 
     def __init__(self, args, specs: dict):
         spec = {"smoke": args.smoke, "precision": args.precision, "models": args.models,
-                "no_compile": args.no_torch_compile,
+                "no_compile": args.no_torch_compile, "after_jax": args.torch_after_jax,
                 "shapes": {m: dict(specs[m], x_shape=list(specs[m]["x_shape"]))
                            for m in args.models}}
         self.error = None
@@ -819,11 +848,16 @@ class TorchWorker:
             self.close()
         return message
 
-    def wait_ready(self, args) -> dict | None:
+    def wait_ready(self, args, start: float) -> dict | None:
         if self.process is None or self.error:
             return None
         if self.ready is None:
-            message = self._get(args.torch_timeout)
+            timeout = args.torch_timeout - (time.perf_counter() - start)
+            if args.torch_after_jax:
+                self.process.stdin.write(json.dumps({"start": True}) + "\n")
+                self.process.stdin.flush()
+                timeout = args.torch_timeout
+            message = self._get(max(1.0, timeout))
             self.ready = message.get("ready")
             if self.ready:
                 for model in args.models:
@@ -840,7 +874,7 @@ class TorchWorker:
             return None
         self.process.stdin.write(json.dumps({"model": model, "steps": steps}) + "\n")
         self.process.stdin.flush()
-        message = self._get(600.0)
+        message = self._get(120.0 + 10 * steps)
         return message.get("seconds")
 
     def close(self):
@@ -929,6 +963,9 @@ def main(argv=None) -> int:
     torch_worker = None if args.skip_torch else TorchWorker(args, specs)
     try:
         _run_jax(args, results, start, torch_worker)
+    except Exception as error:  # noqa: BLE001 - print the rows measured so far
+        traceback.print_exc()
+        results["notes"].append(f"stopped early: {type(error).__name__}: {str(error)[:300]}")
     finally:
         if torch_worker is not None:
             if torch_worker.ready:
@@ -941,6 +978,8 @@ def main(argv=None) -> int:
                         results["notes"].append(
                             f"{TITLES[model]}: torch ran the {info['impl']} model, {how}, on "
                             f"{results['torch_device']}.")
+            if torch_worker.error and not any(torch_worker.error in n for n in results["notes"]):
+                results["notes"].append(f"torch: {torch_worker.error}.")
             torch_worker.close()
     results["seconds"] = time.perf_counter() - start
     table = markdown(results, args)
