@@ -315,9 +315,40 @@ def _exit_at_once(previous):
             flush=True,
         )
         sys.stdout.flush()
+        _let_failing_peers_report()
         os._exit(status)
 
     return hook
+
+
+# How long the chief, which hosts the coordination service, waits at a failure for the other
+# workers to report theirs before it exits (its exit ends the service, and JAX then aborts the
+# peers, possibly before they print their own error).
+_PEER_REPORT_SECONDS = 3.0
+
+
+def _let_failing_peers_report() -> None:
+    """Marks this worker failed in the coordination service's store; the chief then waits up
+    to `_PEER_REPORT_SECONDS` in all for the others' marks (workers that fail at the same step,
+    e.g. on an input disagreement every worker detects, all print their error)."""
+    import time
+
+    try:
+        from mirrax._src.distribute import multihost
+
+        client = multihost._client()
+        me, count = jax.process_index(), jax.process_count()
+        client.key_value_set(f"mirrax/failed/{me}", "1")
+        if me != 0:
+            return
+        deadline = time.monotonic() + _PEER_REPORT_SECONDS
+        for peer in range(1, count):
+            left_ms = int(1000 * (deadline - time.monotonic()))
+            if left_ms <= 0:
+                return
+            client.blocking_key_value_get(f"mirrax/failed/{peer}", left_ms)
+    except Exception:  # a lost coordinator or a peer that never fails: exit anyway
+        return
 
 
 def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading.Event):
