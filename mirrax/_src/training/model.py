@@ -850,7 +850,8 @@ def _placed_array_batches(strategy, batches):
     first batch's per-replica size, padding and mask), made more cheaply: a global batch that
     splits evenly over the replicas is reshaped to (replicas, rows, ...) and placed with one
     `device_put` per leaf; others (the first and the partial last batch) go through the general
-    placer.
+    placer. On CPU `device_put` may alias a NumPy array instead of copying it: that is safe
+    here because every batch of `_ArrayBatches` is a fresh fancy-indexed copy nobody else holds.
     """
     placer = input_lib._Placer(strategy)
     replicas = strategy.num_replicas_in_sync
