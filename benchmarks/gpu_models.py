@@ -613,8 +613,11 @@ def _measure(args, results: dict, built: dict, torch_ready, torch_worker) -> Non
         # mirrax and jax.jit start from the same weights: the same first loss means the same step.
         losses = ", ".join(f"{name} {loss:.6f}" for name, loss in first_loss.items()
                            if loss is not None)
-        results["notes"].append(f"{info_line}. First-step losses: {losses} (fit: mean of its "
-                                f"first {WARMUP_STEPS}-step epoch; torch: its own random init).")
+        caveats = [text for name, text in (
+            ("fit", f"fit: mean of its first {WARMUP_STEPS}-step epoch"),
+            ("torch", "torch: its own random initialization")) if name in first_loss]
+        results["notes"].append(f"{info_line}. First-step losses: {losses}"
+                                + (f" ({'; '.join(caveats)})." if caveats else "."))
 
 
 def _interleave(runners: dict, args) -> dict:
