@@ -200,11 +200,13 @@ def compile_train_step(strategy, name: str, per_replica_batch: int) -> dict:
             f"{len(strategy._run_cache)}; mirrax's run cache changed, update this benchmark."
         )
     (program,) = strategy._run_cache.values()
-    # The arguments `run` passed: the state leaves of nnx.split((model, optimizer)) and each
-    # PerReplica's stacked (replicas, per-replica batch, ...) array.
+    # The arguments `run` passed: the state leaves of nnx.split((model, optimizer)), each
+    # PerReplica's stacked (replicas, per-replica batch, ...) array, and the batch's mask with
+    # its count of real examples (an int32 scalar).
     state_leaves = jax.tree.leaves(nnx.state((model, optimizer)))
     dynamic = [leaf for value in batch for leaf in jax.tree.leaves(value._value)]
-    lowered = program.compiled.lower(state_leaves, dynamic, None)
+    batch_info = (batch[0]._mask, np.int32(sum(batch[0]._lengths)))
+    lowered = program.compiled.lower(state_leaves, dynamic, batch_info)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     return {
         "lowered": lowered,
