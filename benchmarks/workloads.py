@@ -153,7 +153,8 @@ def run_steps(step, block, steps: int, max_in_flight: int) -> float:
         out = step()
         host += time.perf_counter() - start
         in_flight.append(out)
-        if len(in_flight) > max_in_flight:
-            jax.block_until_ready(in_flight.popleft())
-    block(in_flight[-1])
+        while len(in_flight) > max_in_flight:
+            last = in_flight.popleft()
+            jax.block_until_ready(last)
+    block(in_flight[-1] if in_flight else last)
     return host
