@@ -27,6 +27,11 @@ most 2 steps run ahead of the last finished one (as `overhead.py`). A window's t
 slowest of its processes'. Reported: the median ms/step, examples/s = workers * per-worker
 batch / step time, weak-scaling efficiency = examples/s(2 workers) / (2 * examples/s(1 worker)).
 
+CPU time: each window also reports the CPU time its process used (`time.process_time()`: every
+thread, XLA's, Gloo's I/O thread and Python's), per step, averaged over the configuration's
+processes. Wall times swing with other jobs on a shared machine; CPU times barely do, and they
+show what the communication costs a core that has nothing else to give it.
+
 All-reduce time per step (2 workers): a step that does ONLY the all-reduce of a per-replica
 pytree shaped like the model's parameters (the gradient), once through
 `strategy.run(lambda g: get_replica_context().all_reduce("sum", g))` and once as a bare
@@ -44,6 +49,7 @@ Usage:
   python benchmarks/multi_worker.py                     # table on stdout, ~3-4 minutes
   python benchmarks/multi_worker.py --steps 5 --repeats 5 --json out.json
   python benchmarks/multi_worker.py --skip-tf
+  python benchmarks/multi_worker.py --skip-tf --no-profile --workloads MLP
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only-packed", action="store_true",
                         help="run only mirrax with mirrax.value_and_grad (packed all-reduce)")
     parser.add_argument("--no-profile", action="store_true", help="skip the jax.profiler pass")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated subset of CNN,MLP (default both)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     # A worker process (started by the driver): framework, workers in its cluster (TF_CONFIG
     # names them), task index, core.
@@ -98,6 +106,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    args.workloads = tuple(w for w in WORKLOADS if w in args.workloads.split(","))
+    if not args.workloads:
+        parser.error(f"--workloads: choose from {','.join(WORKLOADS)}")
     return args
 
 
@@ -123,6 +134,11 @@ def all_reduce_stats(hlo_text: str) -> dict:
                 count *= int(d)
             total += count * _BYTES.get(dtype, 4)
     return {"all_reduce_ops": ops, "all_reduce_bytes": total}
+
+
+def _worker_workloads() -> tuple:
+    """The workloads the driver asked for (`--workloads`, passed to workers in the environment)."""
+    return tuple(os.environ.get("MIRRAX_BENCH_WORKLOADS", ",".join(WORKLOADS)).split(","))
 
 
 # -- a mirrax worker -----------------------------------------------------------------------------
@@ -182,6 +198,8 @@ def _mirrax_worker(num_workers: int, packed: bool = False) -> tuple:
         ("CNN", workloads.CNN, (28, 28, 1), CNN_PER_WORKER_BATCH),
         ("MLP", MLP, (MLP_SIZES[0],), MLP_PER_WORKER_BATCH),
     ):
+        if name not in _worker_workloads():
+            continue
         with strategy.scope():
             model = module_cls(nnx.Rngs(0))
             optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
@@ -377,6 +395,8 @@ def _tf_worker(num_workers: int) -> tuple:
         ("CNN", cnn, (28, 28, 1), CNN_PER_WORKER_BATCH),
         ("MLP", mlp, (MLP_SIZES[0],), MLP_PER_WORKER_BATCH),
     ):
+        if name not in _worker_workloads():
+            continue
         global_batch = num_workers * per_worker
         with strategy.scope():
             model = build()
@@ -475,9 +495,12 @@ def _worker_main(args) -> None:
         if command["op"] == "profile":
             reply(profile_steps(step, block, command["steps"]))
             continue
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         host = run_steps(step, block, command["steps"])
-        reply({"seconds": time.perf_counter() - start, "host_seconds": host})
+        # CPU time of every thread of this process (XLA, Gloo's I/O, Python): unlike the wall
+        # time, it barely moves when other jobs share the machine.
+        reply({"seconds": time.perf_counter() - start, "host_seconds": host,
+               "cpu_seconds": time.process_time() - cpu})
     reply({"bye": True})
 
 
@@ -594,20 +617,23 @@ def _measure(framework: str, args, log_dir: str) -> dict:
                 p.send({"op": "window", "task": task, "steps": steps})
             answers = _receive(groups[config], replies, WINDOW_TIMEOUT_S)
             return (max(a["seconds"] for a in answers) / steps,
-                    max(a["host_seconds"] for a in answers) / steps)
+                    max(a["host_seconds"] for a in answers) / steps,
+                    statistics.mean(a["cpu_seconds"] for a in answers) / steps)
 
         for config, task in cases:
             if args.warmup:
                 window(config, task, args.warmup)
         times = {case: [] for case in cases}
         hosts = {case: [] for case in cases}
+        cpus = {case: [] for case in cases}
         for r in range(args.repeats):
             order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
             for config in order:
                 for case in [c for c in cases if c[0] == config]:
-                    seconds, host = window(*case, args.steps)
+                    seconds, host, cpu = window(*case, args.steps)
                     times[case].append(seconds)
                     hosts[case].append(host)
+                    cpus[case].append(cpu)
         profiles = {}
         if framework == "mirrax" and not args.no_profile:
             for config, task in cases:
@@ -627,6 +653,7 @@ def _measure(framework: str, args, log_dir: str) -> dict:
         "median_ms": {f"{c} | {t}": statistics.median(v) * 1e3 for (c, t), v in times.items()},
         "median_host_us": {f"{c} | {t}": statistics.median(v) * 1e6
                            for (c, t), v in hosts.items()},
+        "median_cpu_ms": {f"{c} | {t}": statistics.median(v) * 1e3 for (c, t), v in cpus.items()},
         "profiles": profiles,
     }
 
@@ -635,7 +662,10 @@ def _rows(result: dict) -> list:
     median = result["median_ms"]
     info = result["info"]
     rows = []
+    cpu = result["median_cpu_ms"]
     for workload, per_worker in (("CNN", CNN_PER_WORKER_BATCH), ("MLP", MLP_PER_WORKER_BATCH)):
+        if f"1 worker | {workload}" not in median:
+            continue
         one = median[f"1 worker | {workload}"]
         independent = median[f"2 independent | {workload}"]
         two = median[f"2 workers | {workload}"]
@@ -657,6 +687,11 @@ def _rows(result: dict) -> list:
             "efficiency_without_communication": one / independent,
             "allreduce_run_ms": median.get(f"2 workers | {workload} allreduce_run"),
             "allreduce_raw_ms": median.get(f"2 workers | {workload} allreduce_raw"),
+            "one_worker_cpu_ms": cpu[f"1 worker | {workload}"],
+            "two_independent_cpu_ms": cpu[f"2 independent | {workload}"],
+            "two_workers_cpu_ms": cpu[f"2 workers | {workload}"],
+            "allreduce_run_cpu_ms": cpu.get(f"2 workers | {workload} allreduce_run"),
+            "allreduce_raw_cpu_ms": cpu.get(f"2 workers | {workload} allreduce_raw"),
             "two_workers_host_us": result["median_host_us"][f"2 workers | {workload}"],
             "hlo_all_reduce_ops": hlo.get("all_reduce_ops"),
             "hlo_all_reduce_bytes": hlo.get("all_reduce_bytes"),
@@ -694,6 +729,27 @@ def _table(rows: list) -> str:
             f"| {r['two_workers_examples_per_s']:.0f} | {r['throughput_ratio']:.3f} "
             f"| {r['efficiency']:.3f} | {_fmt(r['allreduce_run_ms'])} "
             f"| {_fmt(r['allreduce_raw_ms'])} | {hlo} |"
+        )
+    return "\n".join(lines)
+
+
+def _cpu_table(rows: list) -> str:
+    """CPU time per step (all threads of a worker; mean of the workers of a configuration)."""
+    lines = [
+        "| framework | workload | 1 worker CPU ms/step | 2 independent CPU ms/step | 2 workers "
+        "CPU ms/step | 2 workers minus 1 worker | all-reduce only CPU ms/step (strategy.run) "
+        "| raw psum CPU ms/step | CPU-bound efficiency (1 worker CPU / 2 workers CPU) |",
+        "| --- | --- |" + " ---: |" * 7,
+    ]
+    for r in rows:
+        if r.get("skipped"):
+            continue
+        lines.append(
+            f"| {r['framework']} | {r['workload']} | {r['one_worker_cpu_ms']:.2f} "
+            f"| {r['two_independent_cpu_ms']:.2f} | {r['two_workers_cpu_ms']:.2f} "
+            f"| {r['two_workers_cpu_ms'] - r['one_worker_cpu_ms']:.2f} "
+            f"| {_fmt(r['allreduce_run_cpu_ms'])} | {_fmt(r['allreduce_raw_cpu_ms'])} "
+            f"| {r['one_worker_cpu_ms'] / r['two_workers_cpu_ms']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -744,6 +800,7 @@ def main(argv=None) -> None:
     # and after the run goes into the output.
     load_before = os.getloadavg()[0]
     results, rows = [], []
+    os.environ["MIRRAX_BENCH_WORKLOADS"] = ",".join(args.workloads)  # the workers read it
     with tempfile.TemporaryDirectory(prefix="mirrax-multi-worker-") as log_dir:
         frameworks = ["mirrax", "mirrax-packed"] if not args.only_packed else ["mirrax-packed"]
         tf_status = "skipped (--skip-tf)"
@@ -763,8 +820,10 @@ def main(argv=None) -> None:
                 print(f"  [{framework}] {key}: {value:.3f} ms/step", file=sys.stderr, flush=True)
     if tf_status != "run":
         rows.extend({"framework": "tensorflow", "workload": w, "skipped": tf_status}
-                    for w in WORKLOADS)
+                    for w in args.workloads)
     print(_table(rows))
+    print()
+    print(_cpu_table(rows))
     print()
     print(_profile_table(results))
     total = time.perf_counter() - began
