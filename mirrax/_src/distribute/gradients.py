@@ -47,7 +47,12 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
         the bytes on the wire for float32, at bfloat16's precision: about 3 significant
         digits). Opt-in, as Horovod's fp16 compression; the default is exact. XLA:CPU
         promotes a bfloat16 all-reduce back to float32, so this saves bytes only where the
-        collective library sums bfloat16 natively (NCCL on GPU).
+        collective library sums bfloat16 natively (NCCL on GPU). On CPU across processes
+        (Gloo) it is slower than float32, not faster: bfloat16 adds two conversions to the
+        same float32 all-reduce, and a float16 one (which XLA:CPU keeps) took about 2.3 times
+        as long as float32 for half the bytes: Gloo's float16 sum is slow (measured
+        in BENCHMARKS.md, "Multi-worker weak scaling"); float16 also overflows above 65504
+        unless the loss is scaled. Leave it None on CPU.
       pack: None (default) packs where it pays: across processes on CPU (Gloo), or when
         `all_reduce_dtype` is given; True / False force it. Within one process on CPU the
         concatenation and split cost more than the in-process all-reduce saves (the MLP of
