@@ -6,7 +6,8 @@
     python -m benchmarks run --out DIR        # where the JSON files go (default benchmarks/results)
 
 Every benchmark is a script `benchmarks/<name>.py` (files starting with `_` and `workloads.py`
-are helpers, not benchmarks) that prints one table and accepts `--json PATH`. Each runs in its
+are helpers, not benchmarks) that prints its table(s) and accepts `--json PATH`. The runner uses
+each script's defaults; run a script directly to pass it options. Each runs in its
 own process (the fake CPU device count is fixed when JAX starts); the runner prints each
 script's output as it comes and writes `<out>/<name>.json`. A benchmark that needs packages
 that are not installed (the peers in `benchmarks/requirements-peers.txt`) prints a message and
@@ -59,7 +60,10 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; available: {', '.join(scripts)}")
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot create the folder for the JSON results ({e}).")
     failed = []
     for name in args.names or list(scripts):
         print(f"\n=== {name} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===", flush=True)

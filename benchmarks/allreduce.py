@@ -335,6 +335,8 @@ def _table(rows: list) -> str:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
+    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
+    overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args)
         return

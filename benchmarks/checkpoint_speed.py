@@ -40,7 +40,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mlp-layers", type=int, default=6, help="MLP dense layers")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.devices, args.repeats, args.mlp_width, args.mlp_layers) < 1:
+        parser.error("--devices, --repeats, --mlp-width and --mlp-layers must be >= 1")
+    return args
 
 
 def _dir_bytes(path: str) -> int:
@@ -129,6 +132,8 @@ def _measure(model, optimizer, base: str, repeats: int) -> dict:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
+    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
+    overhead.check_json_path(args.json)
     configure_jax_environment("cpu", args.devices)
     import jax
     import numpy as np

@@ -85,6 +85,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     overhead.parse_device_counts(parser, args)
+    overhead.check_divides(parser, args, {"CNN": CNN_GLOBAL_BATCH, "MLP": MLP_GLOBAL_BATCH})
     if min(args.repeats, args.max_in_flight) < 1 or min(args.cnn_steps, args.mlp_steps) < 2:
         parser.error("--repeats and --max-in-flight must be >= 1, --*-steps >= 2")
     return args

@@ -941,6 +941,8 @@ def _log(message: str) -> None:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
+    overhead.check_json_path(args.json)
     if args.torch_worker:
         _torch_worker(args.torch_worker)
         return 0

@@ -1,6 +1,6 @@
 """Input pipeline: batches/s experimental_distribute_dataset delivers vs what the tutorial CNN's step consumes.
 
-The claim checked (DESIGN.md §2): with the background prefetcher on (`InputOptions(
+The claim checked (docs/design.md, "Input"): with the background prefetcher on (`InputOptions(
 experimental_fetch_to_device=True)`, the default), the step never waits on input. For each
 data set, on the same strategy, four things are timed:
 

@@ -789,6 +789,8 @@ def _tensorflow_available() -> bool:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
+    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
+    overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args)
         return

@@ -119,6 +119,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     parse_device_counts(parser, args)
+    check_divides(parser, args, {"CNN": CNN_GLOBAL_BATCH, "MLP": MLP_GLOBAL_BATCH})
     if min(args.windows, args.cnn_steps, args.mlp_steps, args.max_in_flight) < 1:
         parser.error("--windows, --cnn-steps, --mlp-steps and --max-in-flight must be >= 1")
     return args
@@ -365,6 +366,7 @@ def run_benchmark(args, measure, markdown, child_argv: list, script: str) -> int
     run one fresh subprocess each (`script --devices N *child_argv --json tmp`), because the
     fake CPU device count is fixed when JAX starts. `markdown(results)` makes the table.
     """
+    check_json_path(args.json)
     start = time.perf_counter()
     if len(args.device_counts) == 1:
         configure_jax_environment(args.platform, args.device_counts[0])
@@ -378,6 +380,27 @@ def run_benchmark(args, measure, markdown, child_argv: list, script: str) -> int
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def check_json_path(path) -> None:
+    """Exits before any measuring when --json names a file in a folder that does not exist."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder and not os.path.isdir(folder):
+        raise SystemExit(
+            f"--json {path}: the folder {folder} does not exist; create it or give another path."
+        )
+
+
+def check_divides(parser, args, global_batches: dict) -> None:
+    """Usage error unless every --devices count divides each workload's global batch."""
+    for name, batch in global_batches.items():
+        bad = [n for n in args.device_counts if batch % n]
+        if bad:
+            fits = [n for n in range(1, 9) if batch % n == 0]
+            parser.error(
+                f"--devices {args.devices}: the {name + ' ' if name else ''}global batch of {batch} does not split "
+                f"evenly over {bad} replicas; use counts that divide it, e.g. {fits}"
+            )
 
 
 def environment_note(env: dict) -> str:

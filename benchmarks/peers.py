@@ -948,6 +948,8 @@ def _versions_note(group: dict) -> str:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
+    overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args.worker)
         return 0

@@ -67,16 +67,19 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="1,4",
                         help="comma-separated replica counts, one fresh subprocess each (default 1,4)")
-    parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
+    parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"],
+                        help="cpu uses N fake host devices; gpu/tpu the first N accelerators")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated subset of {', '.join(WORKLOADS)}")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--steps-scale", type=float, default=1.0,
                         help="multiply every workload's steps per window by this")
-    parser.add_argument("--max-in-flight", type=int, default=2)
+    parser.add_argument("--max-in-flight", type=int, default=2,
+                        help="steps dispatched ahead of the last finished one (default 2)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     overhead.parse_device_counts(parser, args)
+    overhead.check_divides(parser, args, {"": GLOBAL_BATCH})
     args.names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.names if w not in WORKLOADS]
     if unknown or not args.names:

@@ -380,3 +380,11 @@ def test_fits_array_batches_are_those_of_experimental_distribute_dataset():
         # 3 -> 1, 1, 1, 0 (of the first batch's ceil(10/4) = 3 rows).
         assert fast[-1][0]._lengths == {8: (2, 2, 2, 1), 10: (1, 1, 1, 0)}[size]
         assert fast[-1][0]._value.shape == {8: (4, 2, 2), 10: (4, 3, 2)}[size]
+
+
+def test_fit_and_evaluate_refuse_arrays_without_examples():
+    model = identity_model(mirrored(2))
+    empty_x, empty_y = np.zeros((0, 1), np.float32), np.zeros((0,), np.float32)
+    for call in (model.fit, model.evaluate):
+        with pytest.raises(ValueError, match=r"x has 0 examples \(shape \(0, 1\)\)"):
+            call(empty_x, empty_y, verbose=0)

@@ -474,7 +474,7 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
 
 
 def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
-    """Makes every state leaf unvarying, by its variable's aggregation (DESIGN.md §1).
+    """Makes every state leaf unvarying, by its variable's aggregation (docs/design.md, "`strategy.run`").
 
     `old` maps each state path to its value before the step (for SUM: old + sum of updates).
     """
@@ -521,7 +521,7 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
 def aggregation_of(variable) -> VariableAggregation:
     """A variable's aggregation: its `aggregation` metadata, else the default for its type.
 
-    Defaults (DESIGN.md §1): `nnx.BatchStat` → MEAN; metric state (`nnx.metrics.MetricState`) →
+    Defaults (docs/design.md, "`strategy.run`"): `nnx.BatchStat` → MEAN; metric state (`nnx.metrics.MetricState`) →
     SUM; everything else (`nnx.Param`, optimizer state, counters) → NONE.
     """
     explicit = variable.get_metadata().get("aggregation")

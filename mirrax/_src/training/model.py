@@ -756,6 +756,11 @@ class _Input:
                 )
         if y is None and not inputs_only:
             raise ValueError(f"{what}: y is required with array inputs (the labels).")
+        if n == 0:
+            raise ValueError(
+                f"{what}: x has 0 examples (shape {jax.tree.leaves(x)[0].shape}); there is "
+                "nothing to train on or evaluate. Check how the arrays were loaded or split."
+            )
         self.batch_size = 32 if batch_size is None else int(batch_size)
         if self.batch_size < 1:
             raise ValueError(f"{what}: batch_size must be >= 1; received {batch_size!r}.")
