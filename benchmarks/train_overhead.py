@@ -75,17 +75,23 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps-scale", type=float, default=1.0,
                         help="multiply every workload's steps per window by this")
     parser.add_argument("--max-in-flight", type=int, default=2,
-                        help="steps dispatched ahead of the last finished one (default 2)")
+                        help="steps dispatched ahead of the last finished one (default 2; 0: one at a time)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     overhead.parse_device_counts(parser, args)
     overhead.check_divides(parser, args, {"": GLOBAL_BATCH})
-    args.names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.names = [w.strip().lower() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.names if w not in WORKLOADS]
     if unknown or not args.names:
-        parser.error(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOADS)}")
-    if args.repeats < 1 or args.max_in_flight < 1 or args.steps_scale <= 0:
-        parser.error("--repeats and --max-in-flight must be >= 1, --steps-scale > 0")
+        parser.error(f"--workloads {args.workloads!r}: unknown {unknown or 'empty list'}; "
+                     f"choose from {', '.join(WORKLOADS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; received {args.repeats}")
+    if args.max_in_flight < 0:
+        parser.error(f"--max-in-flight must be >= 0 (0: one step at a time); received "
+                     f"{args.max_in_flight}")
+    if args.steps_scale <= 0:
+        parser.error(f"--steps-scale must be > 0; received {args.steps_scale}")
     return args
 
 
@@ -123,9 +129,10 @@ def _measure(args, devices: int) -> dict:
             in_flight = collections.deque()
             for _ in range(steps):
                 in_flight.append(strategy.run(train_step, args=(model, optimizer, batch)))
-                if len(in_flight) > args.max_in_flight:
-                    jax.block_until_ready(in_flight.popleft())
-            wait_for(model, optimizer, in_flight[-1])
+                while len(in_flight) > args.max_in_flight:
+                    last = in_flight.popleft()
+                    jax.block_until_ready(last)
+            wait_for(model, optimizer, in_flight[-1] if in_flight else last)
 
         def next_loss():
             return float(strategy.reduce(
