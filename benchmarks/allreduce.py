@@ -51,7 +51,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import _processor_name  # noqa: E402  (JAX-free: imports JAX only inside)
+import overhead  # noqa: E402  (JAX-free: imports JAX only inside)
+from overhead import _processor_name  # noqa: E402
 
 ELEMENTS = 1_863_690  # the MLP 784-1024-1024-10's parameters (multi_worker.py)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -335,7 +336,6 @@ def _table(rows: list) -> str:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
     overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args)

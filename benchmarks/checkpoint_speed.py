@@ -29,6 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overhead  # noqa: E402
 from overhead import configure_jax_environment  # noqa: E402
 
 
@@ -132,7 +133,6 @@ def _measure(model, optimizer, base: str, repeats: int) -> dict:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
     overhead.check_json_path(args.json)
     configure_jax_environment("cpu", args.devices)
     import jax

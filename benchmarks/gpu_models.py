@@ -86,6 +86,8 @@ import threading
 import time
 import traceback
 
+import overhead  # JAX-free: the shared --json check
+
 # JAX is imported inside `_run_jax`, after the allocator setting below: JAX reads it once.
 
 PEAK_TFLOPS = 790.0
@@ -941,7 +943,6 @@ def _log(message: str) -> None:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
     overhead.check_json_path(args.json)
     if args.torch_worker:
         _torch_worker(args.torch_worker)

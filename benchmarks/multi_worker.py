@@ -70,7 +70,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import _processor_name  # noqa: E402  (JAX-free: imports JAX only inside)
+import overhead  # noqa: E402  (JAX-free: imports JAX only inside)
+from overhead import _processor_name  # noqa: E402
 
 CNN_PER_WORKER_BATCH = 64
 MLP_PER_WORKER_BATCH = 128
@@ -789,7 +790,6 @@ def _tensorflow_available() -> bool:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
     overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args)

@@ -158,22 +158,14 @@ def local_devices(platform_name: str, devices: int, script: str) -> list:
 
 def _measure(args, devices: int) -> dict:
     import jax
-    import optax
     from flax import nnx
 
-    import mirrax
     import workloads
 
     local = local_devices(args.platform, devices, "overhead.py")
 
     def make_mirrax(module_cls, x, y, global_batch):
-        strategy = mirrax.MirroredStrategy(local)
-        with strategy.scope():
-            model = module_cls(nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-        iterator = iter(strategy.experimental_distribute_dataset((x, y)))
-        batch = next(iterator)
-        iterator.close()
+        strategy, model, optimizer, batch = workloads.mirrax_state(local, module_cls, x, y)
 
         train_step = workloads.strategy_run_step(global_batch)
 

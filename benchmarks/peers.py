@@ -78,6 +78,8 @@ import threading
 import time
 import traceback
 
+import overhead  # JAX-free: the shared --json check
+
 GLOBAL_BATCH = 128
 NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
@@ -948,7 +950,6 @@ def _versions_note(group: dict) -> str:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    import overhead  # noqa: E402  (the shared --json check; imports no JAX)
     overhead.check_json_path(args.json)
     if args.worker:
         _worker_main(args.worker)

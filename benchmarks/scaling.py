@@ -182,10 +182,8 @@ def _time_interleaved(variants: dict, steps: int, windows: int, max_in_flight: i
 
 def _measure(args, devices: int) -> dict:
     import jax
-    import optax
     from flax import nnx
 
-    import mirrax
     import workloads
 
     local = overhead.local_devices(args.platform, devices, "scaling.py")
@@ -197,13 +195,7 @@ def _measure(args, devices: int) -> dict:
         global_batch = per_replica * devices
         x, y = make_batch(global_batch)
 
-        strategy = mirrax.MirroredStrategy(local)
-        with strategy.scope():
-            model = builder(nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-        iterator = iter(strategy.experimental_distribute_dataset((x, y)))
-        batch = next(iterator)
-        iterator.close()
+        strategy, model, optimizer, batch = workloads.mirrax_state(local, builder, x, y)
         train_step = workloads.strategy_run_step(global_batch)
 
         def mirrax_step():

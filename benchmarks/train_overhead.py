@@ -116,13 +116,7 @@ def _measure(args, devices: int) -> dict:
         jax.block_until_ready((out, nnx.state((model, optimizer))))
 
     def make_run(module_cls, x, y):
-        strategy = mirrax.MirroredStrategy(local)
-        with strategy.scope():
-            model = module_cls(nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-        iterator = iter(strategy.experimental_distribute_dataset((x, y)))
-        batch = next(iterator)
-        iterator.close()
+        strategy, model, optimizer, batch = workloads.mirrax_state(local, module_cls, x, y)
         train_step = workloads.strategy_run_step(GLOBAL_BATCH)
 
         def window(steps):

@@ -89,6 +89,23 @@ def strategy_run_step(global_batch: int, packed: bool = False):
     return train_step
 
 
+def mirrax_state(devices, module_cls, x, y):
+    """What a mirrax user builds: `MirroredStrategy(devices)`, the model and
+    `nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)` under its scope, and the global
+    batch (x, y) as one placed `PerReplica` batch from `experimental_distribute_dataset`.
+
+    Returns (strategy, model, optimizer, batch).
+    """
+    strategy = mirrax.MirroredStrategy(devices)
+    with strategy.scope():
+        model = module_cls(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    iterator = iter(strategy.experimental_distribute_dataset((x, y)))
+    batch = next(iterator)
+    iterator.close()
+    return strategy, model, optimizer, batch
+
+
 def make_handwritten(module_cls, x, y, global_batch, devices, donate=True):
     """The floor: one `jax.jit(jax.shard_map(...))` call per step on pre-placed arrays.
 
