@@ -199,7 +199,7 @@ def run(strategy, fn, args, kwargs):
         # The caller's own Variable objects: set them directly (no graph walk). The first set
         # checks that we are outside any JAX trace; that holds for the rest too, so they skip
         # NNX's per-set trace check (Variable.__setattr__ runs it even when set_raw_value is
-        # told to bypass it: ~40% of run's host time on fit's MLP step before this).
+        # told to bypass it; about 1.2 µs per variable).
         live[0].set_raw_value(new_state[0])
         if _RAW_VALUE_SLOT and not getattr(live[0], "hijax", False):
             for variable, value in zip(live[1:], new_state[1:]):
@@ -474,7 +474,9 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
 
 
 def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
-    """Makes every state leaf unvarying, by its variable's aggregation (docs/design.md, "`strategy.run`").
+    """Makes every state leaf unvarying, by its variable's aggregation.
+
+    See docs/design.md, "`strategy.run`".
 
     `old` maps each state path to its value before the step (for SUM: old + sum of updates).
     """
@@ -521,8 +523,9 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
 def aggregation_of(variable) -> VariableAggregation:
     """A variable's aggregation: its `aggregation` metadata, else the default for its type.
 
-    Defaults (docs/design.md, "`strategy.run`"): `nnx.BatchStat` → MEAN; metric state (`nnx.metrics.MetricState`) →
-    SUM; everything else (`nnx.Param`, optimizer state, counters) → NONE.
+    Defaults (docs/design.md, "`strategy.run`"): `nnx.BatchStat` → MEAN; metric state
+    (`nnx.metrics.MetricState`) → SUM; everything else (`nnx.Param`, optimizer state,
+    counters) → NONE.
     """
     explicit = variable.get_metadata().get("aggregation")
     if explicit is not None:

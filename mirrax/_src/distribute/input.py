@@ -388,7 +388,8 @@ def _signature(shards: list) -> str:
 
 
 def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
-    """The policy in effect for `dataset` (docs/design.md, "Input"): AUTO resolved; one worker → DATA.
+    """The policy in effect for `dataset`: AUTO resolved; one worker → DATA (docs/design.md,
+    "Input").
 
     Raises:
       ValueError: FILE on a dataset that is not a FileDataset, or with fewer files than
@@ -449,12 +450,12 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
                  iteration: int) -> Iterator:
     """Places each local batch; with several processes, first agrees with the peers on it.
 
-    Multi-worker (docs/design.md, "Input"): before each step every process publishes the true lengths of
-    its local shards, or that its data has ended. The step happens while ANY process still has
-    data; a process whose data has ended feeds fully masked filler rows (copies of its last real
-    example), so no worker blocks in a collective its peers never join, and every example is
-    counted exactly once. All processes then know every replica's length (for `gather`) and
-    the same static row count.
+    Multi-worker (docs/design.md, "Input"): before each step every process publishes the true
+    lengths of its local shards, or that its data has ended. The step happens while ANY process
+    still has data; a process whose data has ended feeds fully masked filler rows (copies of its
+    last real example), so no worker blocks in a collective its peers never join, and every
+    example is counted exactly once. All processes then know every replica's length (for
+    `gather`) and the same static row count.
     """
     if jax.process_count() == 1:
         for shards, name, _ in local_batches:

@@ -4,9 +4,9 @@ A metric holds only sums and counts (float32 `nnx.metrics.MetricState` variables
 count, or confusion counts per threshold), and `result()` is computed from them. Pass metrics to
 `strategy.run` in `args` and call `update_state` inside: each replica adds the counts of ITS
 shard, and on write-back the runtime SUM-aggregates metric state (every replica's increment
-new - old is added to the old value, docs/design.md, "`strategy.run`"), so the state afterwards holds the counts of
-the whole global batch and `result()` is the metric of all examples — never an average of
-per-replica results (a mean of per-replica precisions is not the precision). The same objects
+new - old is added to the old value; docs/design.md, "`strategy.run`"), so the state afterwards
+holds the counts of the whole global batch and `result()` is the metric of all examples — never
+an average of per-replica results (a mean of per-replica precisions is not the precision). The same objects
 work eagerly outside any strategy, as Keras metrics do.
 
 Every update multiplies by the replica's batch mask (`mirrax.get_replica_context().batch_mask`)
