@@ -6,11 +6,27 @@ subclasses the builtin a Python user would try first (`ValueError`, `TypeError`,
 `RuntimeError`), so `except ValueError` keeps working.
 """
 
-from __future__ import annotations
-
 
 class MirraxError(Exception):
     """Base class of every error mirrax raises on purpose."""
+
+
+# -- arguments of any public function ------------------------------------------------------------
+
+
+class InvalidArgumentError(MirraxError, ValueError):
+    """An argument's value is out of range, or inconsistent with another argument."""
+
+
+class InvalidArgumentTypeError(MirraxError, TypeError):
+    """An argument is of a type the function does not take (e.g. `epochs='3'`)."""
+
+
+class UnsupportedArgumentError(MirraxError, ValueError):
+    """A Keras or TF argument mirrax does not support; the message names the alternative."""
+
+
+# -- distribute ----------------------------------------------------------------------------------
 
 
 class InvalidDeviceError(MirraxError, ValueError):
@@ -41,12 +57,38 @@ class MissingDatasetError(MirraxError, FileNotFoundError):
     """The files of a data set that mirrax reads from disk (e.g. CIFAR-10) are not there."""
 
 
+# -- training ------------------------------------------------------------------------------------
+
+
+class NotCompiledError(MirraxError, RuntimeError):
+    """`fit` / `evaluate` (or anything needing the optimizer) was called before `compile`."""
+
+
+class EmptyDatasetError(MirraxError, ValueError):
+    """An input of `fit` / `evaluate` / `predict` yields no batch (an empty list or generator)."""
+
+
 class InvalidIdentifierError(MirraxError, ValueError):
     """A loss, metric or optimizer identifier (a string, or an object given to `get`) names nothing known."""
 
 
 class InvalidLabelError(MirraxError, ValueError):
     """Labels outside the range the loss accepts (e.g. a sparse label >= the number of classes)."""
+
+
+# -- checkpoints and export ----------------------------------------------------------------------
+
+
+class MissingCheckpointError(MirraxError, FileNotFoundError):
+    """No checkpoint (or weights) directory at the path given to restore / load."""
+
+
+class InvalidCheckpointError(MirraxError, ValueError):
+    """The path holds something that is not a complete, readable mirrax checkpoint."""
+
+
+class IncompatibleCheckpointError(MirraxError, ValueError):
+    """A checkpoint's structure, shapes or dtypes do not fit the objects restored into."""
 
 
 class MissingExportError(MirraxError, FileNotFoundError):
