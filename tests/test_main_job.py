@@ -337,6 +337,34 @@ def one_and_four_replicas():
                    "--batch-per-replica", "16"))  # the option's older name
 
 
+def test_one_step_on_one_and_four_replicas_differs_only_by_the_order_of_additions():
+    """One Adam step of the custom loop on the first global batch of 64, at 1 and 4 replicas."""
+    from flax import nnx
+    import optax
+
+    from mirrax.examples.custom_training_loop import global_batches, train_step
+    from mirrax.examples.keras_fit import TutorialCNN
+
+    (x_train, y_train), _ = load_digits()
+    batch = global_batches(x_train, y_train, 64, np.random.default_rng(0).permutation(1437))[0]
+    losses = []
+    for replicas in (1, 4):
+        strategy = mirrax.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+        with strategy.scope():
+            model = TutorialCNN(x_train.shape[1:], rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        (dist_batch,) = strategy.experimental_distribute_dataset([batch])
+        loss, correct = strategy.run(train_step, args=(model, optimizer, dist_batch))
+        losses.append(float(strategy.reduce("sum", loss)))
+        assert int(strategy.reduce("sum", correct)) <= 64
+    # The same weights see the same 64 examples; only the summation differs: one float32 sum of
+    # 64 per-example losses, or 4 sums of 16 added together. Re-associating n additions of
+    # positive float32 terms changes the sum by at most (n - 1) * 2**-24 * (their sum), so the
+    # two mean losses (about ln 10 = 2.30 here) differ by at most 63 * 2**-24 * mean <= 9e-6
+    # (measured: 1 ulp, 2.4e-7).
+    assert abs(losses[0] - losses[1]) <= 63 * 2.0**-24 * max(losses)
+
+
 def test_train_one_and_four_replicas_reach_the_same_loss(one_and_four_replicas):
     ((_, one, _), one_out), ((_, four, _), four_out) = one_and_four_replicas
     assert one_out.startswith(
@@ -344,11 +372,22 @@ def test_train_one_and_four_replicas_reach_the_same_loss(one_and_four_replicas):
         "replica); digits: 1437 training images, 360 test images\n"
     )
     assert "num_replicas_in_sync=4" in four_out and "global batch 64 (16 per replica)" in four_out
-    # Same data order, same initial weights and the same global-batch gradient each step:
-    # the replica count changes only the order of float additions.
+    # Same data order, same initial weights and the same global-batch gradient each step: the
+    # replica count changes only the order of float additions, by a rounding error per step
+    # (the test above bounds the first). No float bound holds over 3 epochs of 23 Adam steps:
+    # Adam divides each gradient by its running RMS, which amplifies a rounding difference in
+    # a coordinate whose gradient is near zero, and the differences compound. Measured after 3
+    # epochs: 1.16e-3 on a loss of 0.34 (AMD EPYC) and 2e-8 (Intel Xeon). So this asserts what
+    # training guarantees, the same result to 5% of the loss (15 times the AMD difference) and
+    # within 2% of the 360 test images (7 images); a lost, duplicated or misplaced shard
+    # changes the examples every step sees and the losses by far more. Bitwise equality across
+    # replica counts is the replica-invariant mode's promise (issue 12), not this mode's.
     for key in ("loss", "test_loss"):
-        assert abs(one[key][-1] - four[key][-1]) < 1e-5
-    assert one["test_accuracy"] == four["test_accuracy"]
+        assert abs(one[key][-1] - four[key][-1]) <= 0.05 * max(one[key][-1], four[key][-1]), key
+    assert abs(one["test_accuracy"][-1] - four["test_accuracy"][-1]) <= 7 / 360
+    # The first epoch's mean loss (about 2.0, before the differences compound) agrees more
+    # closely: 1e-3 of it is above the AMD difference after 3 epochs (measured here: 1e-8).
+    assert abs(one["loss"][0] - four["loss"][0]) <= 1e-3 * max(one["loss"][0], four["loss"][0])
 
 
 def test_train_test_metrics_match_one_call_on_the_whole_test_set(one_and_four_replicas):
