@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import types
 import warnings
 from typing import Any
 
@@ -181,6 +182,7 @@ def run(strategy, fn, args, kwargs):
     ]
     if program is None:
         _check_captures(fn, fn_node)
+        _check_static_holders(kinds, names)
         _warn_on_retracing(strategy, fn_key, fn, kinds)
         node_names = tuple(names.of_node(node) for node in nodes)
         spec = _Spec(strategy, fn, fn_node, treedef, kinds, graphdef, state_def, node_names)
@@ -194,6 +196,12 @@ def run(strategy, fn, args, kwargs):
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
     new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
+    first = new_state[0] if new_state else (outputs[0] if outputs else None)
+    if isinstance(first, jax.core.Tracer):
+        # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the jitted
+        # function (so no argument was traced): the new state exists only inside that trace,
+        # and writing it back into the caller's objects would fail in flax.
+        raise _inside_transformation("the step's result")
     _bound_in_flight(strategy, new_state, outputs)
     if program.same_state and len(live) == len(new_state) and live:
         # The caller's own Variable objects: set them directly (no graph walk). The first set
@@ -451,6 +459,18 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
             "lost. Pass the object in args, e.g. strategy.run(step, args=(model, optimizer, "
             f"batch)), and use the argument inside the function. (flax said: {e})"
         ) from e
+    except ValueError as e:
+        # flax's nnx.split / nnx.grad of an object that belongs to no trace of this step (it was
+        # reached through an unrelated object); flax raises a plain ValueError for it.
+        if "different trace level" not in str(e):
+            raise
+        raise errors.CapturedStateError(
+            f"strategy.run: {_fn_name(spec.fn)} uses an NNX object it reaches through an "
+            "object that is not one of its arguments (an attribute of a plain object, a "
+            "closure or a global), so flax cannot transform it inside the step. Pass the NNX "
+            "objects themselves in args, e.g. strategy.run(step, args=(model, optimizer, "
+            f"batch)), and use the arguments inside the function. (flax said: {e})"
+        ) from e
 
     for variable, key in zip(rng_keys, original_keys):
         variable.set_value(key)
@@ -609,6 +629,58 @@ def _check_captures(fn, fn_node):
         )
 
 
+def _check_static_holders(kinds, names):
+    """Refuses a compile-time-constant argument (a plain object) that holds NNX objects.
+
+    Such an object is hashed, not traversed, so the NNX state inside it would be compiled in
+    as constants and its updates lost, as with a captured object.
+    """
+    for i, kind in enumerate(kinds):
+        if kind[0] != "static":
+            continue
+        held = _attribute_nodes(names[i], kind[1], None)
+        if held:
+            listing = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in held)
+            raise errors.CapturedStateError(
+                f"strategy.run: argument {names[i]} is a {type(kind[1]).__name__} that holds "
+                f"NNX state ({listing}). Only NNX objects, arrays, distributed values and "
+                "tuples/lists/dicts of them are traversed; any other object is a compile-time "
+                "constant, so the state inside it would be compiled in and its updates lost. "
+                f"Pass the NNX objects themselves, e.g. args=({held[0][0]}, ...), or a tuple or "
+                "dict of them."
+            )
+
+
+def _code_names(code) -> set:
+    """Every global and attribute name that `code` (or a function nested in it) refers to."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _code_names(const)
+    return found
+
+
+def _attribute_nodes(name: str, value, used) -> list:
+    """(f"{name}.{attr}", node) for the NNX objects in `value`'s attributes.
+
+    Only plain user objects are looked into (not modules, classes, functions, or objects of
+    the libraries in `_LIBRARY_PREFIXES`); with `used`, only the attributes named in it.
+    """
+    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType,
+                          functools.partial)) or is_graph_node(value):
+        return []
+    if (type(value).__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+        return []
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return []
+    found = []
+    for attribute, held in attributes.items():
+        if used is None or attribute in used:
+            found += [(f"{name}.{attribute}", leaf) for leaf in _nodes_in(held)]
+    return found
+
+
 def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
     if depth > 3 or id(fn) in seen:
         return []
@@ -633,6 +705,7 @@ def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
         closure = inspect.getclosurevars(fn)
     except (TypeError, ValueError):
         return found
+    used = None
     for name, value in {**closure.nonlocals, **closure.globals}.items():
         if value is fn_node:
             continue
@@ -641,6 +714,13 @@ def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
             found += [(name, leaf) for leaf in nodes]
         elif inspect.isfunction(value) or isinstance(value, functools.partial):
             found += _captured_nodes(value, fn_node, depth + 1, seen)
+        else:
+            # A plain object (a trainer, a registry) whose attributes the function reads: its
+            # NNX objects are captured as surely as a closure variable.
+            if used is None:
+                used = _code_names(fn.__code__)
+            found += [(n, leaf) for n, leaf in _attribute_nodes(name, value, used)
+                      if leaf is not fn_node]
     return found
 
 
