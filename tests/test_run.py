@@ -398,6 +398,49 @@ def test_mixing_two_multi_replica_strategies_is_refused():
         second.run(lambda x: x, args=(batch,))
 
 
+class _Net(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def test_a_module_trained_under_one_strategy_names_itself_and_the_fix_works_under_another():
+    first = named_strategy("Mirrored2CPU")
+    second = mirrax.MirroredStrategy(["cpu:2", "cpu:3"])
+    x, y = np.ones((4, 2), np.float32), np.full((4, 1), 2.0, np.float32)
+    with first.scope():
+        trained = mirrax.Model(_Net())
+        trained.compile(optimizer="sgd", loss="mse")
+        trained.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    net = trained.module
+    batch = next(iter(second.experimental_distribute_dataset(x)))
+    # Before: "the state of args[0], args[2][0] lives on ... create (or restore) them for this
+    # strategy, e.g. under `with strategy.scope():`", which does not help (placement does not
+    # depend on the scope).
+    with pytest.raises(mirrax.errors.MixedStrategyError) as info:
+        second.run(lambda model, x: model(x), args=(), kwargs={"model": net, "x": batch})
+    message = str(info.value)
+    assert "kwargs['model'] (a _Net): variable dense." in message
+    assert "(Param) lives on another strategy's devices (cpu:0, cpu:1)" in message
+    assert "runs on cpu:2, cpu:3" in message
+    fix = "nnx.update(obj, jax.device_get(nnx.state(obj)))"
+    assert fix in message
+    with second.scope(), pytest.raises(mirrax.errors.MixedStrategyError):
+        second.run(lambda model, x: model(x), args=(net, batch))  # the old advice: no help
+    expected = np.asarray(net(x))  # computed on the host: the same weights, one device
+    nnx.update(net, jax.device_get(nnx.state(net)))  # the fix the message gives
+    out = second.run(lambda model, x: model(x), args=(net, batch))
+    # Both compute x @ kernel + bias from the same float32 weights; XLA may order the
+    # 2-term dot differently on each path, hence the tolerance of a few float32 ulps.
+    np.testing.assert_allclose(np.asarray(second.gather(out, axis=0)), expected, rtol=1e-6)
+    with second.scope():  # and a Model of the module trains under the new strategy
+        moved = mirrax.Model(net)
+        moved.compile(optimizer="sgd", loss="mse")
+        assert np.isfinite(moved.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"][0])
+
+
 def test_nested_scopes_of_different_strategies_are_refused():
     with mirrored(2).scope():
         with pytest.raises(mirrax.errors.MixedStrategyError, match="mixing different strategies"):

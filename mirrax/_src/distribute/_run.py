@@ -570,24 +570,8 @@ def _place(strategy, x, names, index, nodes=None):
     sharding = x.sharding
     if sharding == target:
         return x
-    if (
-        isinstance(sharding, NamedSharding)
-        and sharding.mesh.size > 1
-        and strategy.num_replicas_in_sync > 1
-        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
-    ):
-        what = (
-            names[index]
-            if nodes is None
-            else "the state of " + ", ".join(names.of_node(n) for n in nodes)
-        )
-        raise errors.MixedStrategyError(
-            f"strategy.run: {what} lives on another strategy's devices "
-            f"({_device_names(sharding.mesh.devices.flat)}), but this {type(strategy).__name__} "
-            f"runs on {_device_names(strategy.mesh.devices.flat)}. Objects placed by one "
-            "multi-replica strategy cannot be used by another: create (or restore) them for "
-            "this strategy, e.g. under `with strategy.scope():`."
-        )
+    if _elsewhere(strategy, x):
+        raise _mixed_placement(strategy, x, names, index, nodes)
     if jax.process_count() > 1 and x.is_fully_addressable:
         # This process's copy of a replicated value (every process holds the same one, e.g.
         # just initialized or restored): copy it to the local devices; JAX would otherwise
@@ -597,6 +581,53 @@ def _place(strategy, x, names, index, nodes=None):
             x.shape, target, [jax.device_put(x, d) for d in local]
         )
     return jax.device_put(x, target)
+
+
+def _mixed_placement(strategy, x, names, index, nodes) -> Exception:
+    """The MixedStrategyError for `x`, placed by another multi-replica strategy.
+
+    Names what the user passed: the argument position and, for NNX state, the object's type
+    and the variable's path inside it (e.g. "args[0] (a Net): variable l.kernel (Param)").
+    """
+    devices = _device_names(x.sharding.mesh.devices.flat)
+    mine = _device_names(strategy.mesh.devices.flat)
+    if nodes is None:
+        what = (f"argument {names[index]} (a {type(x).__name__} of shape {tuple(x.shape)})")
+        fix = f"jax.device_get({names[index]}) (a NumPy copy) in its place"
+    else:
+        offenders = []
+        for node in nodes:
+            for path, variable in nnx.to_flat_state(nnx.state(node)):
+                value = variable.get_raw_value() if _is_variable(variable) else variable
+                if any(leaf is x or _elsewhere(strategy, leaf)
+                       for leaf in jax.tree.leaves(value)):
+                    offenders.append(
+                        f"{names.of_node(node)} (a {type(node).__name__}): variable "
+                        f"{'.'.join(map(str, path)) or '(itself)'} ({type(variable).__name__})")
+                    break
+        what = "; ".join(offenders) or "the state of the NNX objects"
+        fix = ("its state back to the host first: nnx.update(obj, jax.device_get(nnx.state("
+               "obj))) for each object named (for a mirrax.Model, on the module, before "
+               "mirrax.Model(module) and compile)")
+    return errors.MixedStrategyError(
+        f"strategy.run: {what} lives on another strategy's devices ({devices}), but this "
+        f"{type(strategy).__name__} runs on {mine}: the object was placed there when another "
+        "multi-replica strategy used it (its strategy.run, or a Model's fit / evaluate / "
+        f"predict). One object is used by one multi-replica strategy at a time. To use it "
+        f"here, bring {fix}; or create (or restore) it anew for this strategy."
+    )
+
+
+def _elsewhere(strategy, x) -> bool:
+    """True for an array placed by a multi-replica strategy on other devices than `strategy`'s."""
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(sharding, NamedSharding)
+        and sharding.mesh.size > 1
+        and strategy.num_replicas_in_sync > 1
+        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
+    )
 
 
 def _check_owner(strategy, value, names, index=None):
