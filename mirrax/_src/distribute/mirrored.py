@@ -12,6 +12,7 @@ import re
 import jax
 
 from mirrax import errors
+from mirrax._src.distribute import cpu_devices
 from mirrax._src.distribute.strategy import Strategy, short_device_name
 
 _DEVICE_PATTERN = re.compile(r"(?:.*/)?(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
@@ -113,6 +114,7 @@ class MirroredStrategy(Strategy):
     def __init__(self, devices=None, cross_device_ops=None):
         if devices is None:
             resolved = list(jax.local_devices())
+            cpu_devices.warn_if_count_ignored(resolved)
         else:
             if isinstance(devices, (str, jax.Device)):
                 devices = [devices]

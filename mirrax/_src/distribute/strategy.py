@@ -9,6 +9,7 @@ helper (`_run.run`, the reductions below, `input.py`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -87,6 +88,13 @@ class Strategy:
         self._datasets_made = 0  # names distributed datasets alike on every process
         self._iterations_started = 0  # passes over them, counted alike on every process
         self.extended = StrategyExtended(self)
+        _live_strategies.add(self)
+
+    def _clear_caches(self) -> None:
+        """Drops the compiled programs and cached device values (`clear_session`)."""
+        self._run_cache.clear()
+        self._example_counts.clear()
+        self._compile_counts.clear()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -484,6 +492,32 @@ class _DefaultStrategy(Strategy):
 
 
 _default: list = []
+# Every strategy made in this process, for `clear_session` (weakly: a strategy nobody holds
+# is collected with its programs).
+_live_strategies: "weakref.WeakSet[Strategy]" = weakref.WeakSet()
+
+
+def clear_session() -> None:
+    """Drops every compiled program and cache, as `tf.keras.backend.clear_session()`.
+
+    For notebooks, where cells that define new models, functions and strategies pile up
+    compiled programs: clears the compiled `strategy.run` programs (so also those of
+    `mirrax.Model` steps) and cached device values of every strategy, including the default
+    strategy's, and JAX's own compilation caches (`jax.clear_caches()`). Nothing else changes:
+    strategies, models, optimizers, distributed datasets and iterators keep working, and the
+    next step compiles again (once). Multi-worker: call it on every worker, or on none.
+
+    Raises:
+      ReplicaContextError: called inside `strategy.run`.
+    """
+    if current_replica_context() is not None:
+        raise errors.ReplicaContextError(
+            "clear_session() was called inside strategy.run, where the running program cannot "
+            "be dropped. Call it outside the step, e.g. between training runs."
+        )
+    for strategy in list(_live_strategies):
+        strategy._clear_caches()
+    jax.clear_caches()
 
 
 def default_strategy() -> Strategy:
