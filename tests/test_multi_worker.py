@@ -283,6 +283,8 @@ def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
         mirrax_cmd + ["launch", "--nproc", "2", "--cpu-devices", "2", "--"] + mirrax_cmd + train,
         capture_output=True, text=True, timeout=240, env=env)
     assert launched.returncode == 0, launched.stderr[-3000:]
+    # Gloo's "[Gloo] Rank N is connected to ..." lines (one per worker) are not relayed.
+    assert "[Gloo]" not in launched.stdout + launched.stderr
     single = subprocess.run(mirrax_cmd + train + ["--cpu-devices", "4"], capture_output=True,
                             text=True, timeout=240, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
