@@ -13,6 +13,7 @@ import enum
 import math
 import queue
 import threading
+import zlib
 from typing import Callable, Iterator
 
 import jax
@@ -320,7 +321,7 @@ class DistributedDataset:
                     host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
                 )
                 yield (shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas",
-                       n)
+                       _fingerprint(host, n) if jax.process_count() > 1 else n)
             return
         # FILE and OFF: this worker's batches hold global_batch / W examples; its replicas split
         # them by TF's rule as if they were all the replicas there are.
@@ -379,6 +380,18 @@ class DistributedDatasetsFromFunction:
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
                                 self._uid, _next_iteration(self._strategy))
         return DistributedIterator(producer, self._options)
+
+
+def _fingerprint(host_batch, n: int) -> str:
+    """A short digest of a global batch's bytes: DATA-sharded workers must all read the same.
+
+    CRC-32 of every leaf's bytes (about 5 GB/s: 0.6 ms for a 3 MB batch of 256 CIFAR-10 images
+    in float32), computed in the prefetch thread; equal data give equal digests on any host.
+    """
+    crc = 0
+    for leaf in jax.tree.leaves(host_batch):
+        crc = zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8), crc)
+    return f"{n} examples, CRC-32 {crc:08x}"
 
 
 def _signature(shards: list) -> str:
@@ -484,11 +497,14 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
         multihost.check_same(name, "the structure, trailing shapes and dtypes of the batches",
                              [v["batch"] for v in votes if v["batch"] is not None])
         if any(v["global"] is not None for v in votes):
-            # DATA sharding: every worker reads the same global batches; a difference means
-            # the workers read different data, and examples would be silently lost or doubled.
+            # DATA sharding: every worker reads the same global batches (their size and a
+            # digest of their bytes); a difference means the workers read different data, and
+            # each would train on its own part of a batch that exists nowhere: a silent mix.
             multihost.check_same(
-                name, "the global batch every worker reads (AutoShardPolicy.DATA: the same "
-                "data on every worker, or use distribute_datasets_from_function)",
+                name, "the global batch every worker reads (AutoShardPolicy.DATA: every worker "
+                "must read the same batches, in the same order: the same files and the same "
+                "shuffle seed; for each worker to read its own data, use "
+                "distribute_datasets_from_function)",
                 [v["global"] for v in votes])
         if all(v["lengths"] is None for v in votes):
             return
