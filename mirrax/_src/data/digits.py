@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirrax import errors
+
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
     """The handwritten digits as float images and int labels, split into train and test.
@@ -30,7 +32,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
       ValueError: `test_fraction` is not strictly between 0 and 1.
     """
     if not isinstance(test_fraction, (float, int)) or not 0 < test_fraction < 1:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"load_digits: test_fraction must be a number strictly between 0 and 1 (the share "
             f"of images held out for testing); received {test_fraction!r}. Use e.g. 0.2."
         )

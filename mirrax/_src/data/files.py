@@ -13,6 +13,8 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from mirrax import errors
+
 
 class FileDataset:
     """The examples of `files`, read in order by `read_file`, in batches of `batch_size`.
@@ -38,17 +40,17 @@ class FileDataset:
 
     def __init__(self, files: Sequence, read_file: Callable, batch_size: int):
         if isinstance(files, (str, bytes)):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"FileDataset: files must be a sequence of paths; received the single string "
                 f"{files!r}. Wrap it in a list: FileDataset([{files!r}], ...)."
             )
         if not callable(read_file):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "FileDataset: read_file must be callable as read_file(path) -> arrays; "
                 f"received {type(read_file).__name__}."
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}.")
+            raise errors.InvalidArgumentError(f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}.")
         self.files = list(files)
         self.read_file = read_file
         self.batch_size = batch_size
@@ -80,7 +82,7 @@ def _batches(chunks: Iterator, batch_size: int) -> Iterator:
         if treedef is None:
             treedef = chunk_def
         elif chunk_def != treedef:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"FileDataset: read_file returned {chunk_def} for one file and {treedef} for an "
                 "earlier one; every file must give the same structure."
             )

@@ -105,7 +105,7 @@ def run(strategy, fn, args, kwargs):
         elif isinstance(leaf, PerReplica):
             _check_owner(strategy, leaf, names, i)
             if leaf._ragged is not None:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"strategy.run: {names[i]} is a PerReplica whose replicas hold values of "
                     "different shapes that cannot be stacked "
                     f"({[jax.tree.map(np.shape, v) for v in leaf.values]}); give every replica "
@@ -127,7 +127,7 @@ def run(strategy, fn, args, kwargs):
             kinds.append(("array",))
             dynamic.append(_place(strategy, leaf, names, i))
         elif isinstance(leaf, _DATASET_TYPES()):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, not a batch. "
                 "Iterate it and pass each batch: for batch in dist_dataset: "
                 "strategy.run(step, args=(model, optimizer, batch))."
@@ -136,7 +136,7 @@ def run(strategy, fn, args, kwargs):
             try:
                 hash(leaf)
             except TypeError:
-                raise TypeError(
+                raise errors.InvalidArgumentTypeError(
                     f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, which is "
                     "neither an array, an NNX object, a distributed value, nor a hashable "
                     "Python value (those are passed as compile-time constants). Pass arrays, "
@@ -484,7 +484,7 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
     out_leaves = jax.tree.leaves(outputs, is_leaf=is_graph_node)
     for leaf in out_leaves:
         if is_graph_node(leaf) or not isinstance(leaf, _ARRAY_LIKE):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: {_fn_name(spec.fn)} returned a {type(leaf).__name__}; the "
                 "function must return arrays or pytrees (tuples, lists, dicts) of arrays. NNX "
                 "objects passed in args are updated in place and need not be returned."

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mirrax import errors
 from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
@@ -67,7 +68,7 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
     """
     if all_reduce_dtype is not None and not jnp.issubdtype(jnp.dtype(all_reduce_dtype),
                                                            jnp.floating):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             "value_and_grad: all_reduce_dtype must be None or a floating dtype such as "
             f"'bfloat16'; received {all_reduce_dtype!r}."
         )

@@ -71,13 +71,13 @@ class InputOptions:
             object.__setattr__(self, "experimental_auto_shard_policy",
                                AutoShardPolicy[policy.upper()])
         elif not isinstance(policy, AutoShardPolicy):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "InputOptions.experimental_auto_shard_policy must be one of "
                 f"{[m.name for m in AutoShardPolicy]}; received {policy!r}."
             )
         size = self.experimental_per_replica_buffer_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "InputOptions.experimental_per_replica_buffer_size must be an int >= 1; "
                 f"received {size!r}."
             )
@@ -105,7 +105,7 @@ class InputContext:
           ValueError: `global_batch_size` is not divisible by `num_replicas_in_sync`.
         """
         if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"The global_batch_size {global_batch_size} is not divisible by "
                 f"num_replicas_in_sync {self.num_replicas_in_sync}. Use a multiple of "
                 f"{self.num_replicas_in_sync}, e.g. "
@@ -135,7 +135,7 @@ def _check_options(options) -> InputOptions:
     if options is None:
         return InputOptions()
     if not isinstance(options, InputOptions):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             f"options must be a mirrax.InputOptions or None; received {type(options).__name__}."
         )
     return options
@@ -154,7 +154,7 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
     ):
         return lambda: iter([dataset])
     if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__"):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             "The dataset must be a tuple/dict of arrays (one global batch), an iterable of such "
             "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
             f"received {type(dataset).__name__}."
@@ -418,13 +418,13 @@ def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
         return AutoShardPolicy.FILE if files is not None and files >= workers else (
             AutoShardPolicy.DATA)
     if policy is AutoShardPolicy.FILE and files is None:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"AutoShardPolicy.FILE needs a dataset made of files (mirrax.data.FileDataset); "
             f"received a {type(dataset).__name__}. Use AutoShardPolicy.DATA (every worker reads "
             "each global batch and keeps its part) or wrap the files in FileDataset."
         )
     if policy is AutoShardPolicy.FILE and files < workers:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"AutoShardPolicy.FILE: the dataset has {files} file(s) for {workers} workers, so "
             "some workers would get no file. Use AutoShardPolicy.DATA (or AUTO, which falls "
             "back to DATA), or split the data into at least as many files as workers."
@@ -434,7 +434,7 @@ def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
 
 def _worker_batch_size(global_batch_size: int, workers: int) -> int:
     if global_batch_size % workers:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"AutoShardPolicy.FILE: the global batch size {global_batch_size} is not divisible "
             f"by the {workers} workers; use a multiple of {workers}."
         )
@@ -619,7 +619,7 @@ class DistributedIterator:
     def _check_fresh(self) -> None:
         """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""
         if self._handed:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"Cannot restore an iterator position into a DistributedIterator that has "
                 f"already handed out {self._handed} batches; restore into a fresh one, "
                 "iter(dist_dataset), before taking batches from it."
@@ -637,7 +637,7 @@ class DistributedIterator:
             try:
                 next(self)
             except StopIteration:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"The checkpoint's iterator position is {position} batches, but the dataset "
                     f"ended after {self._handed}; restore into an iterator over the same "
                     "(deterministic) dataset that was saved."

@@ -131,7 +131,7 @@ class MirroredStrategy(Strategy):
                     "device holds one replica. Remove the duplicates."
                 )
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MirroredStrategy: cross_device_ops must be a mirrax.CrossDeviceOps such as "
                 f"mirrax.NcclAllReduce(); received {type(cross_device_ops).__name__}."
             )

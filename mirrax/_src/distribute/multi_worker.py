@@ -66,7 +66,7 @@ class CommunicationOptions:
             or not isinstance(timeout_seconds, (int, float))
             or not timeout_seconds > 0
         ):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"CommunicationOptions: timeout_seconds must be None or a number > 0 (seconds); "
                 f"received {timeout_seconds!r}."
             )
@@ -76,7 +76,7 @@ class CommunicationOptions:
             except KeyError:
                 implementation = None
         if not isinstance(implementation, CommunicationImplementation):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "CommunicationOptions: implementation must be one of "
                 f"{[m.name for m in CommunicationImplementation]}; received {implementation!r}."
             )
@@ -166,7 +166,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if cluster_resolver is None:
             cluster_resolver = TFConfigClusterResolver()
         if not isinstance(cluster_resolver, ClusterResolver):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MultiWorkerMirroredStrategy: cluster_resolver must be a mirrax ClusterResolver "
                 "(TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver) or None; "
                 f"received {type(cluster_resolver).__name__}."
@@ -174,13 +174,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MultiWorkerMirroredStrategy: communication_options must be a "
                 f"mirrax.CommunicationOptions or None; received "
                 f"{type(communication_options).__name__}."
             )
         if cluster_resolver.worker_index is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"MultiWorkerMirroredStrategy: this task is {cluster_resolver.task_type!r}:"
                 f"{cluster_resolver.task_id}, which does not train (only 'chief' and 'worker' "
                 "tasks do). Run the evaluator's own program without this strategy (e.g. read "
@@ -192,7 +192,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             _initialize(cluster_resolver, communication_options)
         if (communication_options.implementation is CommunicationImplementation.NCCL
                 and jax.default_backend() != "gpu"):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
             )

@@ -165,18 +165,18 @@ class Strategy:
           MixedStrategyError: an argument belongs to another strategy.
         """
         if not callable(fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: fn must be callable (a function, method or NNX module); received "
                 f"{fn!r} of type {type(fn).__name__}. Call it as strategy.run(step_fn, "
                 "args=(...))."
             )
         if not isinstance(args, (tuple, list)):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: args must be a tuple or list of positional arguments; received a "
                 f"{type(args).__name__}. For one argument write args=(x,)."
             )
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: kwargs must be a dict or None; received a {type(kwargs).__name__}."
             )
         return _run.run(self, fn, args, kwargs or {})
@@ -216,7 +216,7 @@ class Strategy:
         if isinstance(value, PerReplica):
             if value._ragged is not None:
                 shapes = [jax.tree.map(np.shape, v) for v in value._ragged]
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"strategy.reduce: the replicas' values have shapes {shapes}, which cannot "
                     "be combined into one value. Make the shapes agree (except along axis 0, "
                     "which axis=0 reduces)."
@@ -225,7 +225,7 @@ class Strategy:
         if isinstance(value, Mirrored):
             return jax.tree.map(lambda x: self._reduce_same(op, x, axis, replicas), value._value)
         if op is ReduceOp.SUM and replicas > 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"strategy.reduce: cannot SUM the plain (non-distributed) value {value!r} over "
                 f"{replicas} replicas: it is one value, not one per replica (as "
                 "tf.distribute). Reduce the PerReplica value that strategy.run returned, or use "
@@ -236,7 +236,7 @@ class Strategy:
     def _reduce_stacked(self, op: ReduceOp, value: PerReplica, x, axis):
         if axis is None:
             if value._masked(x) and len(set(value._lengths)) > 1:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     "strategy.reduce: the replicas' values have different lengths along axis 0 "
                     f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
                     "axis=0 to reduce along that axis too."
@@ -305,7 +305,7 @@ class Strategy:
 
     def _gather_stacked(self, value: PerReplica, x, axis):
         if x.ndim == 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "strategy.gather: the per-replica values are scalars, which have no axis to "
                 "concatenate along. Use strategy.experimental_local_results(value), or return "
                 "x[None] (shape (1,)) from the step to gather one value per replica."
@@ -384,7 +384,7 @@ class Strategy:
           TypeError: `dataset_fn` is not callable or `options` is not an `InputOptions`.
         """
         if not callable(dataset_fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "distribute_datasets_from_function: dataset_fn must be callable as "
                 f"dataset_fn(input_context); received {type(dataset_fn).__name__}."
             )
@@ -402,7 +402,7 @@ class Strategy:
           TypeError: `value_fn` is not callable.
         """
         if not callable(value_fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "experimental_distribute_values_from_function: value_fn must be callable as "
                 f"value_fn(value_context); received {type(value_fn).__name__}."
             )
@@ -440,7 +440,7 @@ class Strategy:
         ]
         votes = multihost.exchange(f"values/{self._values_made}", mine)
         if any(v is None for v in votes):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "experimental_distribute_values_from_function: the replicas' values have "
                 "different trailing shapes on some process, which a multi-process PerReplica "
                 "cannot hold. Return values of one shape (first axis may differ)."
@@ -453,9 +453,9 @@ class Strategy:
 
 def _normalize_axis(axis, ndim: int) -> int:
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"axis must be an int or None; received {axis!r}.")
+        raise errors.InvalidArgumentTypeError(f"axis must be an int or None; received {axis!r}.")
     if not -ndim <= axis < ndim:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"axis {axis} is out of range for per-replica values of rank {ndim}; use an axis in "
             f"[{-ndim}, {ndim})."
         )
