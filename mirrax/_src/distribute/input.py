@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import math
 import queue
 import threading
@@ -64,8 +65,32 @@ class InputOptions:
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 2
     experimental_auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
+    # TF's other options, accepted so TF programs run, refused when they ask for a behaviour
+    # mirrax does not have.
+    experimental_place_dataset_on_device: bool = False
+    experimental_replication_mode: object = None
 
     def __post_init__(self):
+        for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise errors.InvalidArgumentTypeError(
+                    f"InputOptions.{name} must be True or False; received "
+                    f"{getattr(self, name)!r} of type {type(getattr(self, name)).__name__}."
+                )
+        if self.experimental_place_dataset_on_device:
+            raise errors.UnsupportedArgumentError(
+                "InputOptions(experimental_place_dataset_on_device=True) is not supported: "
+                "mirrax's input pipeline runs on the host and a background thread moves each "
+                "batch to the devices ahead of use. Use experimental_fetch_to_device=True (the "
+                "default) instead."
+            )
+        mode = self.experimental_replication_mode
+        if mode is not None and str(getattr(mode, "name", mode)).upper() != "PER_WORKER":
+            raise errors.UnsupportedArgumentError(
+                "InputOptions.experimental_replication_mode: only PER_WORKER (one input "
+                f"pipeline per worker, TF's default) is supported; received {mode!r}. Leave it "
+                "out."
+            )
         policy = self.experimental_auto_shard_policy
         if isinstance(policy, str) and policy.upper() in AutoShardPolicy.__members__:
             object.__setattr__(self, "experimental_auto_shard_policy",
@@ -94,6 +119,15 @@ class InputContext:
 
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
                  num_replicas_in_sync: int = 1):
+        for name, value, low in (("num_input_pipelines", num_input_pipelines, 1),
+                                 ("input_pipeline_id", input_pipeline_id, 0),
+                                 ("num_replicas_in_sync", num_replicas_in_sync, 1)):
+            _check_count(f"InputContext: {name}", value, low)
+        if input_pipeline_id >= num_input_pipelines:
+            raise errors.InvalidArgumentError(
+                f"InputContext: input_pipeline_id must be in [0, num_input_pipelines) = [0, "
+                f"{num_input_pipelines}); received {input_pipeline_id}."
+            )
         self.num_input_pipelines = num_input_pipelines
         self.input_pipeline_id = input_pipeline_id
         self.num_replicas_in_sync = num_replicas_in_sync
@@ -104,6 +138,7 @@ class InputContext:
         Raises:
           ValueError: `global_batch_size` is not divisible by `num_replicas_in_sync`.
         """
+        _check_count("get_per_replica_batch_size: global_batch_size", global_batch_size, 1)
         if global_batch_size % self.num_replicas_in_sync:
             raise errors.InvalidArgumentError(
                 f"The global_batch_size {global_batch_size} is not divisible by "
@@ -118,6 +153,33 @@ class InputContext:
             f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
             f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+def check_one_argument(fn, what: str, argument: str) -> None:
+    """Raises when `fn` cannot be called with one positional argument (`argument`).
+
+    Checked before the call, so a TypeError raised inside `fn` is never mistaken for this.
+    """
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        raise errors.InvalidArgumentTypeError(
+            f"{what} must take one argument, the {argument}; received "
+            f"{getattr(fn, '__name__', fn)!r} with signature {inspect.signature(fn)}. Define it "
+            f"as def fn(ctx): ... (ctx is a mirrax.{argument})."
+        ) from None
+    except ValueError:  # no signature (a builtin): let the call decide
+        pass
+
+
+def _check_count(what: str, value, low: int) -> None:
+    """Raises unless `value` is an int >= `low` (a count; bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} must be an int >= {low}; received {value!r} of type {type(value).__name__}."
+        )
+    if value < low:
+        raise errors.InvalidArgumentError(f"{what} must be an int >= {low}; received {value}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +211,27 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
     """
     if hasattr(dataset, "as_numpy_iterator"):
         return lambda: iter(dataset.as_numpy_iterator())
+    if isinstance(dataset, list) and not dataset:
+        raise errors.EmptyDatasetError(
+            "The dataset is an empty list: it holds no batch, so a loop over it would train on "
+            "nothing. Pass a list of batches (tuples/dicts of arrays of the global batch size), "
+            "or one batch as a tuple of arrays, e.g. (x, y)."
+        )
     if isinstance(dataset, (tuple, dict, np.ndarray, jax.Array)) and all(
         _is_array(leaf) for leaf in jax.tree.leaves(dataset)
     ):
         return lambda: iter([dataset])
     if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__"):
+        hint = ""
+        if callable(dataset):
+            hint = (f" {getattr(dataset, '__name__', 'It')} is a function: pass what it returns, "
+                    f"e.g. experimental_distribute_dataset({getattr(dataset, '__name__', 'fn')}"
+                    "()), or use distribute_datasets_from_function for a function of the "
+                    "InputContext.")
         raise errors.InvalidArgumentTypeError(
             "The dataset must be a tuple/dict of arrays (one global batch), an iterable of such "
             "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
-            f"received {type(dataset).__name__}."
+            f"received {type(dataset).__name__} ({dataset!r:.60}).{hint}"
         )
     if iter(dataset) is not dataset:
         return lambda: iter(dataset)
@@ -360,6 +434,8 @@ class DistributedDatasetsFromFunction:
             input_pipeline_id=jax.process_index(),
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
+        check_one_argument(dataset_fn, "distribute_datasets_from_function: dataset_fn",
+                           "InputContext")
         self._source = _batch_source(dataset_fn(self.input_context))
         self._placer = _Placer(strategy)
         self._uid = _new_dataset_uid(strategy, "distribute_datasets_from_function")

@@ -32,6 +32,15 @@ class CrossDeviceOps:
         return f"{type(self).__name__}()"
 
 
+def _check_num_packs(owner: str, num_packs) -> int:
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+        raise errors.InvalidArgumentError(
+            f"{owner}: num_packs must be an int >= 0 (as TF: 0 = no packing); received "
+            f"{num_packs!r}. mirrax ignores it (XLA packs the all-reduces): leave it out."
+        )
+    return num_packs
+
+
 class NcclAllReduce(CrossDeviceOps):
     """TF's NCCL all-reduce: here XLA's all-reduce, which uses NCCL on GPU (the default).
 
@@ -40,7 +49,7 @@ class NcclAllReduce(CrossDeviceOps):
     """
 
     def __init__(self, num_packs: int = 1):
-        self.num_packs = num_packs
+        self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
@@ -51,7 +60,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     """
 
     def __init__(self, num_packs: int = 1):
-        self.num_packs = num_packs
+        self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -118,6 +127,13 @@ class MirroredStrategy(Strategy):
         else:
             if isinstance(devices, (str, jax.Device)):
                 devices = [devices]
+            if not isinstance(devices, (list, tuple)):
+                raise errors.InvalidArgumentTypeError(
+                    "MirroredStrategy: devices must be None (every local device) or a list of "
+                    f"devices such as ['cpu:0', 'cpu:1']; received {devices!r} of type "
+                    f"{type(devices).__name__}. For the first N devices write "
+                    "devices=jax.local_devices()[:N]."
+                )
             resolved = [resolve_device(d) for d in devices]
             if not resolved:
                 raise errors.InvalidDeviceError(
@@ -150,4 +166,10 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device):
+        if isinstance(device, (list, tuple)):
+            raise errors.InvalidArgumentTypeError(
+                f"OneDeviceStrategy: device must be ONE device (a jax.Device or a string like "
+                f"'cpu:0'); received a {type(device).__name__} {device!r}. For several devices "
+                "use mirrax.MirroredStrategy(devices)."
+            )
         super().__init__([resolve_device(device, "device")])

@@ -70,12 +70,23 @@ class CommunicationOptions:
                 f"CommunicationOptions: timeout_seconds must be None or a number > 0 (seconds); "
                 f"received {timeout_seconds!r}."
             )
+        if (isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int)
+                or bytes_per_pack < 0):
+            # TF's meaning: a byte count, 0 for no packing; a fraction or a negative count is
+            # a mistake even though mirrax ignores the value.
+            raise errors.InvalidArgumentError(
+                "CommunicationOptions: bytes_per_pack must be an int >= 0 (bytes; 0 = no "
+                f"packing, as TF); received {bytes_per_pack!r}. mirrax ignores it (XLA packs "
+                "the all-reduces): leave it out."
+            )
+        given = implementation
         if isinstance(implementation, str):
             try:
                 implementation = CommunicationImplementation[implementation.upper()]
             except KeyError:
                 implementation = None
         if not isinstance(implementation, CommunicationImplementation):
+            implementation = given
             raise errors.InvalidArgumentError(
                 "CommunicationOptions: implementation must be one of "
                 f"{[m.name for m in CommunicationImplementation]}; received {implementation!r}."

@@ -205,6 +205,13 @@ class Strategy:
           MixedStrategyError: `value` comes from another strategy.
         """
         op = ReduceOp.from_any(reduce_op)
+        if axis is not None:
+            _check_axis_type(axis, "strategy.reduce: axis", optional=True)
+        if not jax.tree.leaves(value, is_leaf=is_distributed):
+            raise errors.InvalidArgumentError(
+                f"strategy.reduce: value holds no array to reduce; received {value!r}. Pass "
+                "what strategy.run returned (a PerReplica or Mirrored, or a pytree of them)."
+            )
         return jax.tree.map(
             lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
         )
@@ -283,6 +290,12 @@ class Strategy:
           ValueError: `axis` out of range, or scalar per-replica values.
           MixedStrategyError: `value` comes from another strategy.
         """
+        _check_axis_type(axis, "strategy.gather: axis", optional=False)
+        if not jax.tree.leaves(value, is_leaf=is_distributed):
+            raise errors.InvalidArgumentError(
+                f"strategy.gather: value holds no array to gather; received {value!r}. Pass "
+                "what strategy.run returned (a PerReplica or Mirrored, or a pytree of them)."
+            )
         return jax.tree.map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
 
     def _gather_one(self, value, axis):
@@ -296,12 +309,16 @@ class Strategy:
         if isinstance(value, Mirrored):
             value = value._value
         replicas = self.num_replicas_in_sync
-        return jax.tree.map(
-            lambda x: jnp.concatenate(
-                [jnp.asarray(x)] * replicas, _normalize_axis(axis, jnp.ndim(x))
-            ),
-            value,
-        )
+
+        def repeat(x):
+            if jnp.ndim(x) == 0:
+                raise errors.InvalidArgumentError(
+                    f"strategy.gather: {x!r} is a scalar, which has no axis to concatenate "
+                    "along. Gather arrays of rank >= 1 (e.g. x[None], shape (1,))."
+                )
+            return jnp.concatenate([jnp.asarray(x)] * replicas, _normalize_axis(axis, jnp.ndim(x)))
+
+        return jax.tree.map(repeat, value)
 
     def _gather_stacked(self, value: PerReplica, x, axis):
         if x.ndim == 1:
@@ -406,6 +423,8 @@ class Strategy:
                 "experimental_distribute_values_from_function: value_fn must be callable as "
                 f"value_fn(value_context); received {type(value_fn).__name__}."
             )
+        input_lib.check_one_argument(
+            value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext")
         values = [
             value_fn(input_lib.ValueContext(r, self.num_replicas_in_sync))
             for r in self._local_replica_ids
@@ -449,6 +468,15 @@ class Strategy:
         if len(set(every)) == 1 and lengths is None:
             return None
         return tuple(every)
+
+
+def _check_axis_type(axis, what: str, optional: bool) -> None:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} must be an int{' or None' if optional else ''}; received {axis!r} of type "
+            f"{type(axis).__name__}."
+            + ("" if optional else " gather needs the axis to concatenate along, e.g. axis=0.")
+        )
 
 
 def _normalize_axis(axis, ndim: int) -> int:
