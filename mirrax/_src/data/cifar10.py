@@ -149,6 +149,12 @@ def load_cifar10(path):
       ValueError: a file unpickles to something that is not a CIFAR-10 batch, or the archive is
         not a readable .tar.gz.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise errors.InvalidArgumentTypeError(
+            f"load_cifar10: path must be a folder or the cifar-10-python.tar.gz archive, as a str "
+            f"or os.PathLike; received {path!r} of type {type(path).__name__}. Write e.g. "
+            "load_cifar10('~/.mirrax/datasets')."
+        )
     path = os.path.expanduser(os.fspath(path))
     batches = _find_source(path).read_all()
     train = [_to_arrays(name, batches[name]) for name in TRAIN_FILES]

@@ -252,8 +252,13 @@ class ClusterResolver:
                 f"{source}: unknown task type {self.task_type!r}; the cluster's jobs are "
                 f"{cluster.jobs}. Set the task type to one of them."
             )
-        if (not isinstance(self.task_id, int) or isinstance(self.task_id, bool)
-                or self.task_id not in cluster.task_indices(self.task_type)):
+        if not isinstance(self.task_id, int) or isinstance(self.task_id, bool):
+            raise errors.InvalidArgumentTypeError(
+                f"{source}: the task index must be an int; received {self.task_id!r} of type "
+                f"{type(self.task_id).__name__}. Write e.g. task_id=0 (or \"index\": 0 in "
+                "TF_CONFIG)."
+            )
+        if self.task_id not in cluster.task_indices(self.task_type):
             indices = cluster.task_indices(self.task_type)
             raise errors.InvalidArgumentError(
                 f"{source}: task index {self.task_id!r} is out of range for job "
@@ -288,7 +293,16 @@ class SimpleClusterResolver(ClusterResolver):
         self.task_type = task_type
         self.task_id = task_id
         self.rpc_layer = rpc_layer
+        _check_rpc_layer("SimpleClusterResolver", rpc_layer)
         self._validate("SimpleClusterResolver")
+
+
+def _check_rpc_layer(source: str, rpc_layer) -> None:
+    if rpc_layer is not None and not isinstance(rpc_layer, str):
+        raise errors.InvalidArgumentTypeError(
+            f"{source}: rpc_layer must be None or a string such as 'grpc'; received "
+            f"{rpc_layer!r} of type {type(rpc_layer).__name__}."
+        )
 
 
 def _parse_tf_config(tf_config) -> dict:
@@ -469,6 +483,12 @@ class SlurmClusterResolver(ClusterResolver):
     def __init__(self, port: int = 8888, rpc_layer: str | None = None,
                  environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
+        if not isinstance(env, Mapping):
+            raise errors.InvalidArgumentTypeError(
+                "SlurmClusterResolver: environ must be None (os.environ) or a mapping of "
+                f"variable names to strings; received {type(environ).__name__}."
+            )
+        _check_rpc_layer("SlurmClusterResolver", rpc_layer)
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise errors.InvalidArgumentError(f"SlurmClusterResolver: port must be an int in 1..65535; received "
                              f"{port!r}.")
