@@ -340,7 +340,8 @@ def _parse_tf_config(tf_config) -> dict:
         )
     rpc_layer = config.get("rpc_layer")
     if rpc_layer is not None and not isinstance(rpc_layer, str):
-        raise errors.InvalidArgumentError(f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
+        raise errors.InvalidArgumentError(
+            f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
     # JSON object keys are strings: a sparse job {"1": "h:2222"} means task index 1.
     if isinstance(cluster, Mapping):
         cluster = {job: ({_json_index(job, k): v for k, v in tasks.items()}
@@ -490,8 +491,8 @@ class SlurmClusterResolver(ClusterResolver):
             )
         _check_rpc_layer("SlurmClusterResolver", rpc_layer)
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise errors.InvalidArgumentError(f"SlurmClusterResolver: port must be an int in 1..65535; received "
-                             f"{port!r}.")
+            raise errors.InvalidArgumentError(
+                f"SlurmClusterResolver: port must be an int in 1..65535; received {port!r}.")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS") if not env.get(name)]
         if not nodelist:
@@ -525,8 +526,9 @@ class SlurmClusterResolver(ClusterResolver):
         addresses = [f"{node}:{port + k}" for node, count in zip(nodes, per_node)
                      for k in range(count)]
         if port + max(per_node) - 1 > 65535:
-            raise errors.InvalidArgumentError(f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} "
-                             "go past 65535; pass a lower port.")
+            raise errors.InvalidArgumentError(
+                f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} go past 65535; "
+                "pass a lower port.")
         self._cluster = ClusterSpec({"worker": addresses})
         self.task_type = "worker"
         self.task_id = procid
