@@ -196,7 +196,10 @@ def run(strategy, fn, args, kwargs):
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
     new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
-    first = new_state[0] if new_state else (outputs[0] if outputs else None)
+    if program.same_state:  # a flat list: its first leaf, without a flatten on the fast path
+        first = new_state[0] if new_state else (outputs[0] if outputs else None)
+    else:
+        first = next(iter(jax.tree.leaves((new_state, outputs))), None)
     if isinstance(first, jax.core.Tracer):
         # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the jitted
         # function (so no argument was traced): the new state exists only inside that trace,
