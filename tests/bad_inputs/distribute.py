@@ -164,8 +164,8 @@ CASES = [
          errors.InvalidBatchError, ("batch[0] has dtype <U1", "not numeric", "Encode text"),
          each_strategy=True),
     Case("a batch whose leaves differ in length",
-         lambda env: next(iter(env.strategy.experimental_distribute_dataset((_X, np.ones(7)))))
-         , errors.InvalidBatchError, ("different leading (batch) sizes", "batch[0]: 8, batch[1]: 7"),
+         lambda env: next(iter(env.strategy.experimental_distribute_dataset((_X, np.ones(7))))),
+         errors.InvalidBatchError, ("different leading (batch) sizes", "batch[0]: 8, batch[1]: 7"),
          each_strategy=True),
     Case("a scalar leaf in a batch",
          lambda env: next(iter(env.strategy.experimental_distribute_dataset([(_X, np.float32(1))]))),
