@@ -14,6 +14,7 @@ from mirrax._src.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpoint import CheckpointLoadStatus as CheckpointLoadStatus
 from mirrax._src.checkpoint import CheckpointManager as CheckpointManager
 from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
+from mirrax._src.distribute.cpu_devices import set_cpu_device_count as set_cpu_device_count
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
 from mirrax._src.distribute.cluster import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
@@ -45,6 +46,7 @@ from mirrax._src.distribute.replica_context import REPLICA_AXIS as REPLICA_AXIS
 from mirrax._src.distribute.replica_context import ReplicaContext as ReplicaContext
 from mirrax._src.distribute.strategy import Strategy as Strategy
 from mirrax._src.distribute.strategy import StrategyExtended as StrategyExtended
+from mirrax._src.distribute.strategy import clear_session as clear_session
 from mirrax._src.distribute.strategy import get_replica_context as get_replica_context
 from mirrax._src.distribute.strategy import get_strategy as get_strategy
 from mirrax._src.distribute.strategy import has_strategy as has_strategy
@@ -93,6 +95,7 @@ __all__ = [
     "VariableAggregation",
     "compute_average_loss",
     "callbacks",
+    "clear_session",
     "data",
     "errors",
     "export",
@@ -105,5 +108,6 @@ __all__ = [
     "metrics",
     "mixed_precision",
     "scale_regularization_loss",
+    "set_cpu_device_count",
     "value_and_grad",
 ]

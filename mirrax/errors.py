@@ -53,6 +53,10 @@ class ReplicaContextError(MirraxError, RuntimeError):
     """A replica-context-only function was called in cross-replica context, or the reverse."""
 
 
+class StartedBackendError(MirraxError, RuntimeError):
+    """A setting JAX reads when it starts (the CPU device count) was changed after it started."""
+
+
 class MissingDatasetError(MirraxError, FileNotFoundError):
     """The files of a data set that mirrax reads from disk (e.g. CIFAR-10) are not there."""
 

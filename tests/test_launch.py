@@ -157,6 +157,28 @@ def test_stderr_is_prefixed_undecodable_bytes_and_a_last_line_without_newline_ke
                                          "[worker 0] no newline at the end"]
 
 
+def test_gloos_connected_lines_are_not_relayed(capsys):
+    # What jax.distributed's Gloo collectives print (C++, on the worker's stdout or stderr) once
+    # per worker: noise when every peer connected; kept when some are missing (why a run waits).
+    program = _script("""
+        import sys
+        print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+        print("before training")
+        sys.stdout.flush()
+        sys.stderr.write("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n")
+        sys.stderr.write("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\\n")
+        sys.stderr.write("a warning\\n")
+    """)
+    assert main(["launch", "--"] + program) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["[worker 0] before training"]
+    assert captured.err.splitlines() == [
+        "[worker 0] [Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected "
+        "peer ranks is : 3",
+        "[worker 0] a warning",
+    ]
+
+
 def test_each_line_arrives_whole_after_its_workers_prefix(capsys):
     program = _script("""
         import os

@@ -6,6 +6,7 @@ same program run as ONE process over the same number of devices.
 """
 
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -283,6 +284,8 @@ def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
         mirrax_cmd + ["launch", "--nproc", "2", "--cpu-devices", "2", "--"] + mirrax_cmd + train,
         capture_output=True, text=True, timeout=240, env=env)
     assert launched.returncode == 0, launched.stderr[-3000:]
+    # Gloo's "[Gloo] Rank N is connected to ..." lines (one per worker) are not relayed.
+    assert "[Gloo]" not in launched.stdout + launched.stderr
     single = subprocess.run(mirrax_cmd + train + ["--cpu-devices", "4"], capture_output=True,
                             text=True, timeout=240, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -299,6 +302,13 @@ def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
     ("order", "The processes disagree about which distributed dataset is read"),
     ("dtype", "The processes disagree about the structure, trailing shapes and dtypes"),
     ("data", "The processes disagree about the global batch every worker reads"),
+    # Same shape, other values: at the first step ('input/0/0') the digests of the global
+    # batch differ: CRC-32 of the bytes of np.ones((4, 2), float32) on process 0, of zeros on
+    # process 1; the message names the fix.
+    ("values", "for each worker to read its own data, use distribute_datasets_from_function) "
+               "at 'input/0/0' (process 0: '4 examples, CRC-32 "
+               f"{zlib.crc32(np.ones((4, 2), np.float32).tobytes()):08x}'; process 1: "
+               f"'4 examples, CRC-32 {zlib.crc32(np.zeros((4, 2), np.float32).tobytes()):08x}')"),
 ])
 def test_a_divergent_input_program_fails_on_every_worker(tmp_path, mode, message):
     workers = harness.start("divergent", tmp_path, num_workers=2, cpu_devices=1, args=[mode],

@@ -155,21 +155,59 @@ def test_closure_capture_of_nnx_state_is_refused_with_the_fix(strategy):
 
 
 class _Registry:
-    """A plain object holding a module: the capture check cannot see inside it."""
+    """A plain object holding a module (or another plain object)."""
 
 
 _registry = _Registry()
+_registry.inner = _Registry()  # two levels down: the capture check does not look that deep
 
 
 def test_mutation_through_an_attribute_is_refused(strategy):
-    _registry.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    _registry.inner.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
     def step(x):
-        _registry.model.kernel[...] = _registry.model.kernel[...] + x.sum()
+        _registry.inner.model.kernel[...] = _registry.inner.model.kernel[...] + x.sum()
         return x
 
     with pytest.raises(mirrax.errors.CapturedStateError, match="mutates an NNX object.*Pass the object in args"):
         strategy.run(step, args=(np.ones((2, 2), np.float32),))
+
+
+def test_a_module_read_through_a_plain_global_object_is_refused_before_tracing(strategy):
+    # Before: the weights were compiled in as constants (stale once the model trains).
+    _registry.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def step(x):
+        return _registry.model(x)
+
+    with pytest.raises(mirrax.errors.CapturedStateError,
+                       match=r"captures NNX state '_registry.model' \(Linear\).*Pass the object in args"):
+        strategy.run(step, args=(np.ones((2, 2), np.float32),))
+
+
+def test_gradient_through_an_unrelated_object_is_a_captured_state_error():
+    # flax's own message was a bare ValueError "Cannot extract graph node from different trace
+    # level"; the promise is CapturedStateError with the fix (docs/design.md, "strategy.run").
+    _registry.inner.net = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def step(x):
+        return nnx.grad(lambda m: m(x).sum())(_registry.inner.net)
+
+    with pytest.raises(mirrax.errors.CapturedStateError,
+                       match=r"reaches through an object that is not one of its arguments.*args=\(model, optimizer"):
+        mirrored(2).run(step, args=(np.ones((2, 2), np.float32),))
+
+
+class _Trainer:
+    def __init__(self, model):
+        self.model = model
+
+
+def test_a_plain_object_holding_a_module_as_an_argument_is_refused():
+    trainer = _Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(mirrax.errors.CapturedStateError,
+                       match=r"args\[0\] is a _Trainer that holds NNX state \(args\[0\].model \(Linear\)\).*args=\(args\[0\].model"):
+        mirrored(2).run(lambda t, x: t.model(x), args=(trainer, np.ones((2, 2), np.float32)))
 
 
 def test_a_module_can_be_the_function(strategy):
@@ -360,6 +398,49 @@ def test_mixing_two_multi_replica_strategies_is_refused():
         second.run(lambda x: x, args=(batch,))
 
 
+class _Net(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def test_a_module_trained_under_one_strategy_names_itself_and_the_fix_works_under_another():
+    first = named_strategy("Mirrored2CPU")
+    second = mirrax.MirroredStrategy(["cpu:2", "cpu:3"])
+    x, y = np.ones((4, 2), np.float32), np.full((4, 1), 2.0, np.float32)
+    with first.scope():
+        trained = mirrax.Model(_Net())
+        trained.compile(optimizer="sgd", loss="mse")
+        trained.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    net = trained.module
+    batch = next(iter(second.experimental_distribute_dataset(x)))
+    # Before: "the state of args[0], args[2][0] lives on ... create (or restore) them for this
+    # strategy, e.g. under `with strategy.scope():`", which does not help (placement does not
+    # depend on the scope).
+    with pytest.raises(mirrax.errors.MixedStrategyError) as info:
+        second.run(lambda model, x: model(x), args=(), kwargs={"model": net, "x": batch})
+    message = str(info.value)
+    assert "kwargs['model'] (a _Net): variable dense." in message
+    assert "(Param) lives on another strategy's devices (cpu:0, cpu:1)" in message
+    assert "runs on cpu:2, cpu:3" in message
+    fix = "nnx.update(obj, jax.device_get(nnx.state(obj)))"
+    assert fix in message
+    with second.scope(), pytest.raises(mirrax.errors.MixedStrategyError):
+        second.run(lambda model, x: model(x), args=(net, batch))  # the old advice: no help
+    expected = np.asarray(net(x))  # computed on the host: the same weights, one device
+    nnx.update(net, jax.device_get(nnx.state(net)))  # the fix the message gives
+    out = second.run(lambda model, x: model(x), args=(net, batch))
+    # Both compute x @ kernel + bias from the same float32 weights; XLA may order the
+    # 2-term dot differently on each path, hence the tolerance of a few float32 ulps.
+    np.testing.assert_allclose(np.asarray(second.gather(out, axis=0)), expected, rtol=1e-6)
+    with second.scope():  # and a Model of the module trains under the new strategy
+        moved = mirrax.Model(net)
+        moved.compile(optimizer="sgd", loss="mse")
+        assert np.isfinite(moved.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"][0])
+
+
 def test_nested_scopes_of_different_strategies_are_refused():
     with mirrored(2).scope():
         with pytest.raises(mirrax.errors.MixedStrategyError, match="mixing different strategies"):
@@ -412,6 +493,34 @@ def test_wrapping_run_in_jit_says_to_call_it_directly():
 
     with pytest.raises(mirrax.errors.ReplicaContextError, match="call it directly"):
         wrapped(model, jnp.ones((2, 2)))
+
+
+def test_a_jitted_step_around_run_on_a_captured_model_is_a_replica_context_error():
+    # The TF habit: @tf.function around strategy.run, the model captured. Before: flax's
+    # TraceContextError ("Cannot mutate Param from a different trace level").
+    strategy = mirrored(2)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset(np.ones((4, 2), np.float32))))
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(
+            lambda m: mirrax.compute_average_loss(m(batch).sum(-1)))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @jax.jit
+    def train_step():
+        return strategy.run(step, args=(model, optimizer, batch))
+
+    kernel = np.asarray(model.kernel[...])
+    with pytest.raises(mirrax.errors.ReplicaContextError,
+                       match="inside jax.jit.*call it directly with the plain step function"):
+        train_step()
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), kernel)  # nothing half-written
+    # The fix the message gives works: the same call without the decorator trains.
+    strategy.run(step, args=(model, optimizer, batch))
+    assert not np.array_equal(np.asarray(model.kernel[...]), kernel)
 
 
 def test_passing_the_dataset_instead_of_a_batch():

@@ -348,6 +348,12 @@ def divergent(out_dir, index, mode):
         # AutoShardPolicy.DATA with 5 global batches on worker 0 and 3 on worker 1.
         for _ in strategy.experimental_distribute_dataset(ones[:1] * (5 if index == 0 else 3)):
             pass
+    elif mode == "values":
+        # AutoShardPolicy.DATA with batches of one shape but other values on worker 1 (e.g.
+        # each worker shuffled with its own seed): before, each trained on its part of a mix.
+        data = ones if index == 0 else [np.zeros((4, 2), np.float32)] * 3
+        for _ in strategy.experimental_distribute_dataset(data):
+            pass
     elif mode == "sigterm":
         model, x, y = _compiled_mlp(strategy)
         (pathlib.Path(out_dir) / f"ready{index}").write_text("")

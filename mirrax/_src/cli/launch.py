@@ -34,6 +34,12 @@ _KILL_WAIT_S = 5.0
 _DRAIN_S = 5.0
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What a POSIX shell returns for a command it cannot find / cannot execute.
+# Gloo (jax.distributed's CPU collectives) prints this C++ line once per worker and connection
+# group, through the worker's own stdout/stderr: noise when every peer connected (it is kept
+# when fewer peers connected than expected, which tells why a collective waits).
+_GLOO_CONNECTED = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer "
+    rb"ranks is : (\d+)\s*")
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
@@ -204,11 +210,15 @@ class _Output:
 
 
 def _relay(pipe, prefix: str, output: _Output, stream: TextIO) -> None:
-    """Copies `pipe` (bytes) to `stream` line by line, each line after `prefix`."""
+    """Copies `pipe` (bytes) to `stream` line by line, each line after `prefix`, without Gloo's
+    "is connected" lines (`_GLOO_CONNECTED`)."""
     with pipe:
         for raw in iter(pipe.readline, b""):
             if raw.endswith(b"\n"):
                 raw = raw[:-1]
+            gloo = _GLOO_CONNECTED.fullmatch(raw)
+            if gloo is not None and gloo[1] == gloo[2]:
+                continue
             output.line(stream, prefix + raw.decode("utf-8", errors="replace"))
 
 

@@ -10,14 +10,15 @@ only once the flag is set, so none of them can start JAX early by accident.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import re
 import sys
+
+from mirrax._src.distribute import cpu_devices
 
 DEFAULT_CPU_DEVICES = 4
 MIXED_PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
-_COUNT_PATTERN = re.compile(re.escape(_COUNT_FLAG) + r"=(\S*)")
+_COUNT_FLAG = cpu_devices.COUNT_FLAG
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_cpu_devices(train)
     train.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
                        help="use only the first N devices (default: all of them)")
-    train.add_argument("--seed", type=int, default=0,
+    train.add_argument("--seed", type=_non_negative_int, default=0,
                        help="seed of the initial weights (and, with --loop custom, of the "
                        "shuffling) (default 0)")
-    train.add_argument("--lr", type=float, default=1e-3,
+    train.add_argument("--lr", type=_positive_float, default=1e-3,
                        help="Adam's (initial) learning rate (default 1e-3)")
     train.add_argument("--mixed-precision", choices=MIXED_PRECISION_POLICIES, default="float32",
                        metavar="POLICY",
@@ -160,6 +161,13 @@ def main(argv=None) -> int:
                     "training loop computes in float32 and writes no TensorBoard logs. Drop "
                     f"{option} or use --loop fit."
                 )
+    if args.command == "train" and args.tensorboard is not None and os.path.exists(
+            os.path.expanduser(args.tensorboard)) and not os.path.isdir(
+            os.path.expanduser(args.tensorboard)):
+        parser.error(
+            f"--tensorboard {args.tensorboard} is a file, not a folder; TensorBoard writes its "
+            "event files into a folder. Give a folder path (it is created if missing)."
+        )
     configure_cpu_devices(args.cpu_devices)
     # Imported only now: these modules import JAX, which must see XLA_FLAGS first.
     from mirrax import errors
@@ -221,21 +229,42 @@ def configure_cpu_devices(count: int | None) -> None:
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if count is None:
-        if _COUNT_PATTERN.search(flags):
+        if _COUNT_FLAG + "=" in flags:
             return
         count = DEFAULT_CPU_DEVICES
-    flags = _COUNT_PATTERN.sub("", flags).split()
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_COUNT_FLAG}={count}"])
+    os.environ["XLA_FLAGS"] = cpu_devices.with_cpu_device_count(flags, count)
 
 
 def _jax_backends_started() -> bool:
     """Whether JAX has created its backends in this process (checked without starting them)."""
-    xla_bridge = sys.modules.get("jax._src.xla_bridge")
-    if xla_bridge is None:
-        return False
-    started = getattr(xla_bridge, "backends_are_initialized", None)
-    # Without the (private) query, assume JAX started once it is imported: the safe answer.
-    return started() if started is not None else True
+    return cpu_devices.backends_started()
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 0, received {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, received {text!r}"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        # A zero or negative learning rate trains nothing (or climbs the loss) without a word.
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number > 0 (e.g. 1e-3), received {text!r}"
+        )
+    return value
 
 
 def _positive_int(text: str) -> int:

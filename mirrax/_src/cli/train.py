@@ -76,7 +76,7 @@ def _load(data: str, data_dir):
         return mirrax.data.load_digits()
     if data == "cifar10":
         return mirrax.data.load_cifar10(data_dir)
-    raise ValueError(f"--data must be 'digits' or 'cifar10'; received {data!r}.")
+    raise errors.InvalidArgumentError(f"--data must be 'digits' or 'cifar10'; received {data!r}.")
 
 
 def _make_strategy(replicas):

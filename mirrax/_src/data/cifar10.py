@@ -149,6 +149,12 @@ def load_cifar10(path):
       ValueError: a file unpickles to something that is not a CIFAR-10 batch, or the archive is
         not a readable .tar.gz.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise errors.InvalidArgumentTypeError(
+            f"load_cifar10: path must be a folder or the cifar-10-python.tar.gz archive, as a str "
+            f"or os.PathLike; received {path!r} of type {type(path).__name__}. Write e.g. "
+            "load_cifar10('~/.mirrax/datasets')."
+        )
     path = os.path.expanduser(os.fspath(path))
     batches = _find_source(path).read_all()
     train = [_to_arrays(name, batches[name]) for name in TRAIN_FILES]
@@ -219,7 +225,7 @@ def _open_archive(archive: str, needed: tuple) -> _Archive:
         with tarfile.open(archive, "r:*") as tar:
             files = [m for m in tar.getmembers() if m.isfile()]
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Cannot read {archive!r} as a tar archive ({e}). Expected {ARCHIVE_NAME}, the "
             f'"CIFAR-10 python version" from {CIFAR10_URL}; download it again if it is '
             "truncated."
@@ -244,7 +250,7 @@ def _to_arrays(name: str, batch):
     """(images float32 (N, 32, 32, 3) in [0, 1], labels int32 (N,)) from one unpickled batch."""
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         keys = sorted(batch) if isinstance(batch, dict) else None
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"CIFAR-10 file {name!r} is not a batch: expected a dict with the keys b'data' and "
             f"b'labels'; received a {type(batch).__name__}"
             f"{f' with keys {keys}' if keys is not None else ''}. Use the files of "
@@ -258,7 +264,7 @@ def _to_arrays(name: str, batch):
         got = f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray) else (
             type(data).__name__
         )
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"CIFAR-10 file {name!r}: b'data' must be a uint8 array of shape (N, {pixels}); "
             f"received a {got}."
         )
@@ -266,7 +272,7 @@ def _to_arrays(name: str, batch):
     if labels.shape != (data.shape[0],) or not np.issubdtype(labels.dtype, np.integer) or (
         labels.size and not 0 <= labels.min() <= labels.max() < NUM_CLASSES
     ):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"CIFAR-10 file {name!r}: b'labels' must hold {data.shape[0]} ints in "
             f"0..{NUM_CLASSES - 1} (one per image); received {labels.dtype} values of shape "
             f"{labels.shape}."

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirrax import errors
+
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
     """The handwritten digits as float images and int labels, split into train and test.
@@ -30,9 +32,15 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
       ValueError: `test_fraction` is not strictly between 0 and 1.
     """
     if not isinstance(test_fraction, (float, int)) or not 0 < test_fraction < 1:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"load_digits: test_fraction must be a number strictly between 0 and 1 (the share "
             f"of images held out for testing); received {test_fraction!r}. Use e.g. 0.2."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+            0 <= seed < 2**32):
+        raise errors.InvalidArgumentError(
+            f"load_digits: seed must be an int in [0, 2**32) (the seed of the split); received "
+            f"{seed!r}. Use e.g. seed=0."
         )
     # Imported here: scikit-learn takes about a second to import, and only this loader needs it.
     from sklearn import datasets, model_selection

@@ -8,10 +8,13 @@ reading everything. Files are read with Grain (a background thread reads ahead).
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+
+from mirrax import errors
 
 
 class FileDataset:
@@ -38,23 +41,54 @@ class FileDataset:
 
     def __init__(self, files: Sequence, read_file: Callable, batch_size: int):
         if isinstance(files, (str, bytes)):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"FileDataset: files must be a sequence of paths; received the single string "
                 f"{files!r}. Wrap it in a list: FileDataset([{files!r}], ...)."
             )
+        if not hasattr(files, "__iter__"):
+            raise errors.InvalidArgumentTypeError(
+                f"FileDataset: files must be a sequence of paths; received {files!r} of type "
+                f"{type(files).__name__}."
+            )
+        files = list(files)
+        if not files:
+            raise errors.InvalidArgumentError(
+                "FileDataset: files is empty, so the dataset holds no example and a loop over it "
+                "would train on nothing. Pass at least one path (check the glob pattern or "
+                "folder that built the list)."
+            )
+        bad = [f for f in files if not isinstance(f, (str, os.PathLike))]
+        if bad:
+            raise errors.InvalidArgumentTypeError(
+                f"FileDataset: every file must be a path (str or os.PathLike); received "
+                f"{bad[0]!r} of type {type(bad[0]).__name__} among the files."
+            )
         if not callable(read_file):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "FileDataset: read_file must be callable as read_file(path) -> arrays; "
                 f"received {type(read_file).__name__}."
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}.")
-        self.files = list(files)
+            raise errors.InvalidArgumentError(
+                f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}.")
+        self.files = files
         self.read_file = read_file
         self.batch_size = batch_size
 
     def shard(self, num_shards: int, index: int, batch_size: int) -> "FileDataset":
-        """The files index, index + num_shards, ... in batches of `batch_size` (one worker's)."""
+        """The files index, index + num_shards, ... in batches of `batch_size` (one worker's).
+
+        Raises:
+          InvalidArgumentError: num_shards < 1, index outside [0, num_shards), or no file
+            left for this shard.
+        """
+        if (isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
+                or isinstance(index, bool) or not isinstance(index, int)
+                or not 0 <= index < num_shards):
+            raise errors.InvalidArgumentError(
+                f"FileDataset.shard: num_shards must be an int >= 1 and index an int in [0, "
+                f"num_shards); received num_shards={num_shards!r}, index={index!r}."
+            )
         return FileDataset(self.files[index::num_shards], self.read_file, batch_size)
 
     def __iter__(self) -> Iterator:
@@ -80,7 +114,7 @@ def _batches(chunks: Iterator, batch_size: int) -> Iterator:
         if treedef is None:
             treedef = chunk_def
         elif chunk_def != treedef:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"FileDataset: read_file returned {chunk_def} for one file and {treedef} for an "
                 "earlier one; every file must give the same structure."
             )

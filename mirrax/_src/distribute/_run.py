@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import types
 import warnings
 from typing import Any
 
@@ -104,7 +105,7 @@ def run(strategy, fn, args, kwargs):
         elif isinstance(leaf, PerReplica):
             _check_owner(strategy, leaf, names, i)
             if leaf._ragged is not None:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"strategy.run: {names[i]} is a PerReplica whose replicas hold values of "
                     "different shapes that cannot be stacked "
                     f"({[jax.tree.map(np.shape, v) for v in leaf.values]}); give every replica "
@@ -126,7 +127,7 @@ def run(strategy, fn, args, kwargs):
             kinds.append(("array",))
             dynamic.append(_place(strategy, leaf, names, i))
         elif isinstance(leaf, _DATASET_TYPES()):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, not a batch. "
                 "Iterate it and pass each batch: for batch in dist_dataset: "
                 "strategy.run(step, args=(model, optimizer, batch))."
@@ -135,7 +136,7 @@ def run(strategy, fn, args, kwargs):
             try:
                 hash(leaf)
             except TypeError:
-                raise TypeError(
+                raise errors.InvalidArgumentTypeError(
                     f"strategy.run: argument {names[i]} is a {type(leaf).__name__}, which is "
                     "neither an array, an NNX object, a distributed value, nor a hashable "
                     "Python value (those are passed as compile-time constants). Pass arrays, "
@@ -181,6 +182,7 @@ def run(strategy, fn, args, kwargs):
     ]
     if program is None:
         _check_captures(fn, fn_node)
+        _check_static_holders(kinds, names)
         _warn_on_retracing(strategy, fn_key, fn, kinds)
         node_names = tuple(names.of_node(node) for node in nodes)
         spec = _Spec(strategy, fn, fn_node, treedef, kinds, graphdef, state_def, node_names)
@@ -194,6 +196,15 @@ def run(strategy, fn, args, kwargs):
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
     new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
+    if program.same_state:  # a flat list: its first leaf, without a flatten on the fast path
+        first = new_state[0] if new_state else (outputs[0] if outputs else None)
+    else:
+        first = next(iter(jax.tree.leaves((new_state, outputs))), None)
+    if isinstance(first, jax.core.Tracer):
+        # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the jitted
+        # function (so no argument was traced): the new state exists only inside that trace,
+        # and writing it back into the caller's objects would fail in flax.
+        raise _inside_transformation("the step's result")
     _bound_in_flight(strategy, new_state, outputs)
     if program.same_state and len(live) == len(new_state) and live:
         # The caller's own Variable objects: set them directly (no graph walk). The first set
@@ -451,6 +462,18 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
             "lost. Pass the object in args, e.g. strategy.run(step, args=(model, optimizer, "
             f"batch)), and use the argument inside the function. (flax said: {e})"
         ) from e
+    except ValueError as e:
+        # flax's nnx.split / nnx.grad of an object that belongs to no trace of this step (it was
+        # reached through an unrelated object); flax raises a plain ValueError for it.
+        if "different trace level" not in str(e):
+            raise
+        raise errors.CapturedStateError(
+            f"strategy.run: {_fn_name(spec.fn)} uses an NNX object it reaches through an "
+            "object that is not one of its arguments (an attribute of a plain object, a "
+            "closure or a global), so flax cannot transform it inside the step. Pass the NNX "
+            "objects themselves in args, e.g. strategy.run(step, args=(model, optimizer, "
+            f"batch)), and use the arguments inside the function. (flax said: {e})"
+        ) from e
 
     for variable, key in zip(rng_keys, original_keys):
         variable.set_value(key)
@@ -464,7 +487,7 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
     out_leaves = jax.tree.leaves(outputs, is_leaf=is_graph_node)
     for leaf in out_leaves:
         if is_graph_node(leaf) or not isinstance(leaf, _ARRAY_LIKE):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: {_fn_name(spec.fn)} returned a {type(leaf).__name__}; the "
                 "function must return arrays or pytrees (tuples, lists, dicts) of arrays. NNX "
                 "objects passed in args are updated in place and need not be returned."
@@ -550,24 +573,8 @@ def _place(strategy, x, names, index, nodes=None):
     sharding = x.sharding
     if sharding == target:
         return x
-    if (
-        isinstance(sharding, NamedSharding)
-        and sharding.mesh.size > 1
-        and strategy.num_replicas_in_sync > 1
-        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
-    ):
-        what = (
-            names[index]
-            if nodes is None
-            else "the state of " + ", ".join(names.of_node(n) for n in nodes)
-        )
-        raise errors.MixedStrategyError(
-            f"strategy.run: {what} lives on another strategy's devices "
-            f"({_device_names(sharding.mesh.devices.flat)}), but this {type(strategy).__name__} "
-            f"runs on {_device_names(strategy.mesh.devices.flat)}. Objects placed by one "
-            "multi-replica strategy cannot be used by another: create (or restore) them for "
-            "this strategy, e.g. under `with strategy.scope():`."
-        )
+    if _elsewhere(strategy, x):
+        raise _mixed_placement(strategy, x, names, index, nodes)
     if jax.process_count() > 1 and x.is_fully_addressable:
         # This process's copy of a replicated value (every process holds the same one, e.g.
         # just initialized or restored): copy it to the local devices; JAX would otherwise
@@ -577,6 +584,53 @@ def _place(strategy, x, names, index, nodes=None):
             x.shape, target, [jax.device_put(x, d) for d in local]
         )
     return jax.device_put(x, target)
+
+
+def _mixed_placement(strategy, x, names, index, nodes) -> Exception:
+    """The MixedStrategyError for `x`, placed by another multi-replica strategy.
+
+    Names what the user passed: the argument position and, for NNX state, the object's type
+    and the variable's path inside it (e.g. "args[0] (a Net): variable l.kernel (Param)").
+    """
+    devices = _device_names(x.sharding.mesh.devices.flat)
+    mine = _device_names(strategy.mesh.devices.flat)
+    if nodes is None:
+        what = (f"argument {names[index]} (a {type(x).__name__} of shape {tuple(x.shape)})")
+        fix = f"jax.device_get({names[index]}) (a NumPy copy) in its place"
+    else:
+        offenders = []
+        for node in nodes:
+            for path, variable in nnx.to_flat_state(nnx.state(node)):
+                value = variable.get_raw_value() if _is_variable(variable) else variable
+                if any(leaf is x or _elsewhere(strategy, leaf)
+                       for leaf in jax.tree.leaves(value)):
+                    offenders.append(
+                        f"{names.of_node(node)} (a {type(node).__name__}): variable "
+                        f"{'.'.join(map(str, path)) or '(itself)'} ({type(variable).__name__})")
+                    break
+        what = "; ".join(offenders) or "the state of the NNX objects"
+        fix = ("its state back to the host first: nnx.update(obj, jax.device_get(nnx.state("
+               "obj))) for each object named (for a mirrax.Model, on the module, before "
+               "mirrax.Model(module) and compile)")
+    return errors.MixedStrategyError(
+        f"strategy.run: {what} lives on another strategy's devices ({devices}), but this "
+        f"{type(strategy).__name__} runs on {mine}: the object was placed there when another "
+        "multi-replica strategy used it (its strategy.run, or a Model's fit / evaluate / "
+        f"predict). One object is used by one multi-replica strategy at a time. To use it "
+        f"here, bring {fix}; or create (or restore) it anew for this strategy."
+    )
+
+
+def _elsewhere(strategy, x) -> bool:
+    """True for an array placed by a multi-replica strategy on other devices than `strategy`'s."""
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(sharding, NamedSharding)
+        and sharding.mesh.size > 1
+        and strategy.num_replicas_in_sync > 1
+        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
+    )
 
 
 def _check_owner(strategy, value, names, index=None):
@@ -609,6 +663,58 @@ def _check_captures(fn, fn_node):
         )
 
 
+def _check_static_holders(kinds, names):
+    """Refuses a compile-time-constant argument (a plain object) that holds NNX objects.
+
+    Such an object is hashed, not traversed, so the NNX state inside it would be compiled in
+    as constants and its updates lost, as with a captured object.
+    """
+    for i, kind in enumerate(kinds):
+        if kind[0] != "static":
+            continue
+        held = _attribute_nodes(names[i], kind[1], None)
+        if held:
+            listing = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in held)
+            raise errors.CapturedStateError(
+                f"strategy.run: argument {names[i]} is a {type(kind[1]).__name__} that holds "
+                f"NNX state ({listing}). Only NNX objects, arrays, distributed values and "
+                "tuples/lists/dicts of them are traversed; any other object is a compile-time "
+                "constant, so the state inside it would be compiled in and its updates lost. "
+                f"Pass the NNX objects themselves, e.g. args=({held[0][0]}, ...), or a tuple or "
+                "dict of them."
+            )
+
+
+def _code_names(code) -> set:
+    """Every global and attribute name that `code` (or a function nested in it) refers to."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _code_names(const)
+    return found
+
+
+def _attribute_nodes(name: str, value, used) -> list:
+    """(f"{name}.{attr}", node) for the NNX objects in `value`'s attributes.
+
+    Only plain user objects are looked into (not modules, classes, functions, or objects of
+    the libraries in `_LIBRARY_PREFIXES`); with `used`, only the attributes named in it.
+    """
+    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType,
+                          functools.partial)) or is_graph_node(value):
+        return []
+    if (type(value).__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+        return []
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return []
+    found = []
+    for attribute, held in attributes.items():
+        if used is None or attribute in used:
+            found += [(f"{name}.{attribute}", leaf) for leaf in _nodes_in(held)]
+    return found
+
+
 def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
     if depth > 3 or id(fn) in seen:
         return []
@@ -633,6 +739,7 @@ def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
         closure = inspect.getclosurevars(fn)
     except (TypeError, ValueError):
         return found
+    used = None
     for name, value in {**closure.nonlocals, **closure.globals}.items():
         if value is fn_node:
             continue
@@ -641,6 +748,13 @@ def _captured_nodes(fn, fn_node, depth: int, seen: set) -> list:
             found += [(name, leaf) for leaf in nodes]
         elif inspect.isfunction(value) or isinstance(value, functools.partial):
             found += _captured_nodes(value, fn_node, depth + 1, seen)
+        else:
+            # A plain object (a trainer, a registry) whose attributes the function reads: its
+            # NNX objects are captured as surely as a closure variable.
+            if used is None:
+                used = _code_names(fn.__code__)
+            found += [(n, leaf) for n, leaf in _attribute_nodes(name, value, used)
+                      if leaf is not fn_node]
     return found
 
 

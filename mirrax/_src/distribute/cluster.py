@@ -14,6 +14,8 @@ import os
 import re
 from typing import Mapping
 
+from mirrax import errors
+
 # Job names a multi-worker job may use, as tf.distribute's multi_worker_util.
 _KNOWN_JOBS = ("chief", "worker", "evaluator", "ps")
 _TRAINING_JOBS = ("chief", "worker")
@@ -22,12 +24,12 @@ _TRAINING_JOBS = ("chief", "worker")
 def _check_address(job: str, index: int, address) -> str:
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not (sep and host and port.isdigit()):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"ClusterSpec: task {index} of job {job!r} must have a 'host:port' string address; "
             f"received {address!r}. Write it as e.g. 'localhost:2222'."
         )
     if not 1 <= int(port) <= 65535:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"ClusterSpec: task {index} of job {job!r} has port {port} in {address!r}; a TCP "
             "port is in [1, 65535]."
         )
@@ -52,28 +54,28 @@ class ClusterSpec:
         if cluster is None:
             cluster = {}
         if not isinstance(cluster, Mapping):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "ClusterSpec: cluster must be a dict of job name -> list of 'host:port' "
                 f"addresses; received {type(cluster).__name__} {cluster!r}."
             )
         self._jobs: dict[str, dict[int, str]] = {}
         for job, tasks in cluster.items():
             if not isinstance(job, str) or not job:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"ClusterSpec: job names must be non-empty strings; received {job!r}. "
                     "Use e.g. 'chief', 'worker', 'evaluator' or 'ps'."
                 )
             if isinstance(tasks, (list, tuple)):
                 tasks = dict(enumerate(tasks))
             elif not isinstance(tasks, Mapping):
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"ClusterSpec: job {job!r} must be a list of 'host:port' addresses or a dict "
                     f"of task index -> address; received {type(tasks).__name__} {tasks!r}."
                 )
             checked = {}
             for index, address in tasks.items():
                 if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-                    raise ValueError(
+                    raise errors.InvalidArgumentError(
                         f"ClusterSpec: task indices of job {job!r} must be ints >= 0; received "
                         f"{index!r}."
                     )
@@ -83,7 +85,7 @@ class ClusterSpec:
         for job, tasks in self._jobs.items():
             for index, address in tasks.items():
                 if address in owners:
-                    raise ValueError(
+                    raise errors.InvalidArgumentError(
                         f"ClusterSpec: {owners[address]} and {job}:{index} have the same address "
                         f"{address!r}; every task needs its own host:port."
                     )
@@ -104,7 +106,7 @@ class ClusterSpec:
 
     def _tasks(self, job: str) -> dict[int, str]:
         if job not in self._jobs:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"ClusterSpec: no job named {job!r} in the cluster; its jobs are {self.jobs}."
             )
         return self._jobs[job]
@@ -125,7 +127,7 @@ class ClusterSpec:
         """
         tasks = self._tasks(job)
         if index not in tasks:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"ClusterSpec: job {job!r} has no task with index {index!r}; its task indices "
                 f"are {list(tasks)}."
             )
@@ -223,37 +225,42 @@ class ClusterResolver:
             return
         unknown = [job for job in cluster.jobs if job not in _KNOWN_JOBS]
         if unknown:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{source}: unknown job names {unknown} in the cluster {cluster.as_dict()}. "
                 f"Use only {list(_KNOWN_JOBS)}."
             )
         for job in ("chief", "evaluator"):
             if job in cluster.jobs and cluster.num_tasks(job) > 1:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"{source}: the cluster may have at most one {job!r} task; received "
                     f"{cluster.as_dict()[job]!r}. Make the others 'worker' tasks."
                 )
         if not self._training_tasks():
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{source}: the cluster {cluster.as_dict()} has no training task. Add a 'chief' "
                 "or 'worker' job."
             )
         if self.task_type is None or self.task_id is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{source}: the cluster has {len(self._training_tasks())} training tasks but "
                 f"this task's type and index are not set (received task_type="
                 f"{self.task_type!r}, task_id={self.task_id!r}). Set both, e.g. "
                 '"task": {"type": "worker", "index": 0} in TF_CONFIG.'
             )
         if self.task_type not in cluster.jobs:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{source}: unknown task type {self.task_type!r}; the cluster's jobs are "
                 f"{cluster.jobs}. Set the task type to one of them."
             )
-        if (not isinstance(self.task_id, int) or isinstance(self.task_id, bool)
-                or self.task_id not in cluster.task_indices(self.task_type)):
+        if not isinstance(self.task_id, int) or isinstance(self.task_id, bool):
+            raise errors.InvalidArgumentTypeError(
+                f"{source}: the task index must be an int; received {self.task_id!r} of type "
+                f"{type(self.task_id).__name__}. Write e.g. task_id=0 (or \"index\": 0 in "
+                "TF_CONFIG)."
+            )
+        if self.task_id not in cluster.task_indices(self.task_type):
             indices = cluster.task_indices(self.task_type)
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{source}: task index {self.task_id!r} is out of range for job "
                 f"{self.task_type!r}, whose task indices are {indices}. Set the index to one "
                 "of them."
@@ -286,7 +293,16 @@ class SimpleClusterResolver(ClusterResolver):
         self.task_type = task_type
         self.task_id = task_id
         self.rpc_layer = rpc_layer
+        _check_rpc_layer("SimpleClusterResolver", rpc_layer)
         self._validate("SimpleClusterResolver")
+
+
+def _check_rpc_layer(source: str, rpc_layer) -> None:
+    if rpc_layer is not None and not isinstance(rpc_layer, str):
+        raise errors.InvalidArgumentTypeError(
+            f"{source}: rpc_layer must be None or a string such as 'grpc'; received "
+            f"{rpc_layer!r} of type {type(rpc_layer).__name__}."
+        )
 
 
 def _parse_tf_config(tf_config) -> dict:
@@ -296,35 +312,36 @@ def _parse_tf_config(tf_config) -> dict:
         try:
             config = json.loads(tf_config)
         except (TypeError, json.JSONDecodeError) as e:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"TF_CONFIG is not valid JSON ({e}); received {tf_config!r}. Set it to e.g. "
                 '\'{"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
                 '"task": {"type": "worker", "index": 0}}\'.'
             ) from None
     if not isinstance(config, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"TF_CONFIG must be a JSON object with keys 'cluster' and 'task'; received "
             f"{config!r}."
         )
     cluster = config.get("cluster") or {}
     task = config.get("task") or {}
     if not isinstance(task, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"TF_CONFIG 'task' must be an object like {{\"type\": \"worker\", \"index\": 0}}; "
             f"received {task!r}."
         )
     task_type, task_id = task.get("type"), task.get("index")
     if task_type is not None and not isinstance(task_type, str):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"TF_CONFIG task 'type' must be a string such as \"worker\"; received {task_type!r}."
         )
     if task_id is not None and (not isinstance(task_id, int) or isinstance(task_id, bool)):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"TF_CONFIG task 'index' must be an int such as 0; received {task_id!r}."
         )
     rpc_layer = config.get("rpc_layer")
     if rpc_layer is not None and not isinstance(rpc_layer, str):
-        raise ValueError(f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
+        raise errors.InvalidArgumentError(
+            f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
     # JSON object keys are strings: a sparse job {"1": "h:2222"} means task index 1.
     if isinstance(cluster, Mapping):
         cluster = {job: ({_json_index(job, k): v for k, v in tasks.items()}
@@ -338,7 +355,7 @@ def _json_index(job, key):
         return int(key)
     if isinstance(key, int):
         return key
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"TF_CONFIG: the task indices of sparse job {job!r} must be digit strings such as \"0\"; "
         f"received {key!r}."
     )
@@ -370,7 +387,7 @@ class TFConfigClusterResolver(ClusterResolver):
             tf_config = os.environ.get("TF_CONFIG", "")
         if isinstance(tf_config, str) and not tf_config.strip():
             if required:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     "TF_CONFIG is not set (received an empty or missing TF_CONFIG). Set the "
                     "TF_CONFIG environment variable on every task, start the job with "
                     "`mirrax launch`, or use SlurmClusterResolver / SimpleClusterResolver."
@@ -380,7 +397,7 @@ class TFConfigClusterResolver(ClusterResolver):
         try:
             self._cluster = ClusterSpec(config["cluster"])
         except ValueError as e:
-            raise ValueError(f"TF_CONFIG 'cluster': {e}") from None
+            raise errors.InvalidArgumentError(f"TF_CONFIG 'cluster': {e}") from None
         self.task_type = config["type"] if task_type is None else task_type
         self.task_id = config["index"] if task_id is None else task_id
         self.rpc_layer = config["rpc_layer"] if rpc_layer is None else rpc_layer
@@ -407,7 +424,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
         if depth < 0 or depth > 1:
             break
     if depth != 0:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"SLURM node list has unbalanced or nested brackets; received {hostlist!r}. Expected "
             "a form such as 'node[01-03,07],gpu5'."
         )
@@ -423,7 +440,7 @@ def _expand_name(name: str, hostlist: str) -> list[str]:
     for item in ranges.split(","):
         bounds = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
         if bounds is None or (bounds[2] is not None and int(bounds[2]) < int(bounds[1])):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"SLURM node list has a malformed range {item!r} in {hostlist!r}. Expected "
                 "numbers or increasing ranges such as '01-03,07'."
             )
@@ -439,7 +456,7 @@ def _expand_tasks_per_node(spec: str) -> list[int]:
     for item in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if match is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"SLURM tasks-per-node value is malformed; received {spec!r}. Expected a form "
                 "such as '2(x3),1'."
             )
@@ -467,21 +484,27 @@ class SlurmClusterResolver(ClusterResolver):
     def __init__(self, port: int = 8888, rpc_layer: str | None = None,
                  environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
+        if not isinstance(env, Mapping):
+            raise errors.InvalidArgumentTypeError(
+                "SlurmClusterResolver: environ must be None (os.environ) or a mapping of "
+                f"variable names to strings; received {type(environ).__name__}."
+            )
+        _check_rpc_layer("SlurmClusterResolver", rpc_layer)
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ValueError(f"SlurmClusterResolver: port must be an int in 1..65535; received "
-                             f"{port!r}.")
+            raise errors.InvalidArgumentError(
+                f"SlurmClusterResolver: port must be an int in 1..65535; received {port!r}.")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS") if not env.get(name)]
         if not nodelist:
             missing.append("SLURM_STEP_NODELIST or SLURM_JOB_NODELIST")
         if missing:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"SlurmClusterResolver: SLURM variables {missing} are not set. Start the program "
                 "with `srun`, or use TFConfigClusterResolver / SimpleClusterResolver."
             )
         procid, ntasks = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         if not (procid.isdigit() and ntasks.isdigit() and int(ntasks) >= 1):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"SlurmClusterResolver: SLURM_PROCID and SLURM_NTASKS must be integers (NTASKS "
                 f">= 1); received SLURM_PROCID={procid!r}, SLURM_NTASKS={ntasks!r}."
             )
@@ -495,7 +518,7 @@ class SlurmClusterResolver(ClusterResolver):
         else:
             per_node = []
         if len(per_node) != len(nodes) or sum(per_node) != ntasks:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"SlurmClusterResolver: {ntasks} tasks do not fit the {len(nodes)} nodes {nodes} "
                 f"(tasks per node received: {per_node_spec!r}). Use --ntasks-per-node, or set "
                 "SLURM_TASKS_PER_NODE such as '2(x3)'."
@@ -503,8 +526,9 @@ class SlurmClusterResolver(ClusterResolver):
         addresses = [f"{node}:{port + k}" for node, count in zip(nodes, per_node)
                      for k in range(count)]
         if port + max(per_node) - 1 > 65535:
-            raise ValueError(f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} "
-                             "go past 65535; pass a lower port.")
+            raise errors.InvalidArgumentError(
+                f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} go past 65535; "
+                "pass a lower port.")
         self._cluster = ClusterSpec({"worker": addresses})
         self.task_type = "worker"
         self.task_id = procid

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mirrax import errors
 from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
@@ -65,9 +66,22 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
     Raises:
       TypeError: `all_reduce_dtype` is not a floating dtype.
     """
-    if all_reduce_dtype is not None and not jnp.issubdtype(jnp.dtype(all_reduce_dtype),
-                                                           jnp.floating):
-        raise TypeError(
+    if not callable(fn):
+        raise errors.InvalidArgumentTypeError(
+            f"value_and_grad: fn must be a function fn(module, *args) returning the loss; "
+            f"received {fn!r} of type {type(fn).__name__}."
+        )
+    if pack is not None and not isinstance(pack, bool):
+        raise errors.InvalidArgumentTypeError(
+            f"value_and_grad: pack must be None, True or False; received {pack!r}."
+        )
+    try:
+        floating = all_reduce_dtype is None or jnp.issubdtype(jnp.dtype(all_reduce_dtype),
+                                                              jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise errors.InvalidArgumentTypeError(
             "value_and_grad: all_reduce_dtype must be None or a floating dtype such as "
             f"'bfloat16'; received {all_reduce_dtype!r}."
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mirrax import errors
 from mirrax._src.distribute import _compat
@@ -46,21 +47,43 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
       ValueError: `per_example_loss` is a scalar, or its first axis does not match the batch.
     """
     if is_distributed(per_example_loss):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             "compute_average_loss: per_example_loss is a "
             f"{type(per_example_loss).__name__} (a value of all replicas). Call "
             "compute_average_loss inside the function given to strategy.run, on that replica's "
             "per-example losses; outside, combine results with strategy.reduce."
         )
-    if isinstance(global_batch_size, (int, float)) and not global_batch_size > 0:
-        raise ValueError(
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool)
+        or not (isinstance(global_batch_size, (int, np.integer)) or (
+            isinstance(global_batch_size, (jax.Array, np.ndarray))
+            and global_batch_size.ndim == 0
+            and jnp.issubdtype(global_batch_size.dtype, jnp.integer)))
+    ):
+        # A fractional size (len(x) / 2) would scale the loss and gradients silently.
+        raise errors.InvalidArgumentTypeError(
+            "compute_average_loss: global_batch_size must be an int (the number of examples per "
+            f"step over all replicas) or None; received {global_batch_size!r} of type "
+            f"{type(global_batch_size).__name__}. Pass an int, e.g. "
+            "global_batch_size=batch_size_per_replica * strategy.num_replicas_in_sync (use // "
+            "rather than /), or omit it to count the real examples."
+        )
+    if isinstance(global_batch_size, (int, np.integer)) and not global_batch_size > 0:
+        raise errors.InvalidArgumentError(
             f"compute_average_loss: global_batch_size must be positive; received "
             f"{global_batch_size!r}. Pass the number of examples per step over all replicas, "
             "or omit it to count the real examples."
         )
-    loss = jnp.asarray(per_example_loss)
+    try:
+        loss = jnp.asarray(per_example_loss)
+    except TypeError:
+        raise errors.InvalidArgumentTypeError(
+            "compute_average_loss: per_example_loss must be an array of losses, one per example "
+            f"(shape (batch, ...)); received {per_example_loss!r:.80} of type "
+            f"{type(per_example_loss).__name__}."
+        ) from None
     if loss.ndim == 0:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             "compute_average_loss: per_example_loss must have a leading batch axis (one loss "
             "per example), but received a scalar. Use a loss with reduction=None, e.g. "
             "optax.softmax_cross_entropy_with_integer_labels(logits, labels)."
@@ -78,7 +101,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     mask = ctx.batch_mask if ctx is not None else None
     valid = jnp.ones(loss.shape[:1], bool) if mask is None else mask
     if valid.shape[0] != loss.shape[0]:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"compute_average_loss: per_example_loss has {loss.shape[0]} rows but this replica's "
             f"batch has {valid.shape[0]}; compute one loss per example of the batch that "
             "strategy.run passed in."
@@ -90,7 +113,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         try:
             weighted = loss * weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
         except (TypeError, ValueError):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"compute_average_loss: sample_weight of shape {weight.shape} does not fit "
                 f"per_example_loss of shape {loss.shape}; give one weight per example (shape "
                 f"({loss.shape[0]},)) or a scalar."

@@ -12,6 +12,7 @@ import re
 import jax
 
 from mirrax import errors
+from mirrax._src.distribute import cpu_devices
 from mirrax._src.distribute.strategy import Strategy, short_device_name
 
 _DEVICE_PATTERN = re.compile(r"(?:.*/)?(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
@@ -31,6 +32,15 @@ class CrossDeviceOps:
         return f"{type(self).__name__}()"
 
 
+def _check_num_packs(owner: str, num_packs) -> int:
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+        raise errors.InvalidArgumentError(
+            f"{owner}: num_packs must be an int >= 0 (as TF: 0 = no packing); received "
+            f"{num_packs!r}. mirrax ignores it (XLA packs the all-reduces): leave it out."
+        )
+    return num_packs
+
+
 class NcclAllReduce(CrossDeviceOps):
     """TF's NCCL all-reduce: here XLA's all-reduce, which uses NCCL on GPU (the default).
 
@@ -39,7 +49,7 @@ class NcclAllReduce(CrossDeviceOps):
     """
 
     def __init__(self, num_packs: int = 1):
-        self.num_packs = num_packs
+        self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
@@ -50,7 +60,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     """
 
     def __init__(self, num_packs: int = 1):
-        self.num_packs = num_packs
+        self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -113,9 +123,17 @@ class MirroredStrategy(Strategy):
     def __init__(self, devices=None, cross_device_ops=None):
         if devices is None:
             resolved = list(jax.local_devices())
+            cpu_devices.warn_if_count_ignored(resolved)
         else:
             if isinstance(devices, (str, jax.Device)):
                 devices = [devices]
+            if not isinstance(devices, (list, tuple)):
+                raise errors.InvalidArgumentTypeError(
+                    "MirroredStrategy: devices must be None (every local device) or a list of "
+                    f"devices such as ['cpu:0', 'cpu:1']; received {devices!r} of type "
+                    f"{type(devices).__name__}. For the first N devices write "
+                    "devices=jax.local_devices()[:N]."
+                )
             resolved = [resolve_device(d) for d in devices]
             if not resolved:
                 raise errors.InvalidDeviceError(
@@ -129,7 +147,7 @@ class MirroredStrategy(Strategy):
                     "device holds one replica. Remove the duplicates."
                 )
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MirroredStrategy: cross_device_ops must be a mirrax.CrossDeviceOps such as "
                 f"mirrax.NcclAllReduce(); received {type(cross_device_ops).__name__}."
             )
@@ -148,4 +166,10 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device):
+        if isinstance(device, (list, tuple)):
+            raise errors.InvalidArgumentTypeError(
+                f"OneDeviceStrategy: device must be ONE device (a jax.Device or a string like "
+                f"'cpu:0'); received a {type(device).__name__} {device!r}. For several devices "
+                "use mirrax.MirroredStrategy(devices)."
+            )
         super().__init__([resolve_device(device, "device")])

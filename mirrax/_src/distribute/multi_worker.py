@@ -66,17 +66,28 @@ class CommunicationOptions:
             or not isinstance(timeout_seconds, (int, float))
             or not timeout_seconds > 0
         ):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"CommunicationOptions: timeout_seconds must be None or a number > 0 (seconds); "
                 f"received {timeout_seconds!r}."
             )
+        if (isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int)
+                or bytes_per_pack < 0):
+            # TF's meaning: a byte count, 0 for no packing; a fraction or a negative count is
+            # a mistake even though mirrax ignores the value.
+            raise errors.InvalidArgumentError(
+                "CommunicationOptions: bytes_per_pack must be an int >= 0 (bytes; 0 = no "
+                f"packing, as TF); received {bytes_per_pack!r}. mirrax ignores it (XLA packs "
+                "the all-reduces): leave it out."
+            )
+        given = implementation
         if isinstance(implementation, str):
             try:
                 implementation = CommunicationImplementation[implementation.upper()]
             except KeyError:
                 implementation = None
         if not isinstance(implementation, CommunicationImplementation):
-            raise ValueError(
+            implementation = given
+            raise errors.InvalidArgumentError(
                 "CommunicationOptions: implementation must be one of "
                 f"{[m.name for m in CommunicationImplementation]}; received {implementation!r}."
             )
@@ -166,7 +177,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if cluster_resolver is None:
             cluster_resolver = TFConfigClusterResolver()
         if not isinstance(cluster_resolver, ClusterResolver):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MultiWorkerMirroredStrategy: cluster_resolver must be a mirrax ClusterResolver "
                 "(TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver) or None; "
                 f"received {type(cluster_resolver).__name__}."
@@ -174,13 +185,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "MultiWorkerMirroredStrategy: communication_options must be a "
                 f"mirrax.CommunicationOptions or None; received "
                 f"{type(communication_options).__name__}."
             )
         if cluster_resolver.worker_index is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"MultiWorkerMirroredStrategy: this task is {cluster_resolver.task_type!r}:"
                 f"{cluster_resolver.task_id}, which does not train (only 'chief' and 'worker' "
                 "tasks do). Run the evaluator's own program without this strategy (e.g. read "
@@ -192,7 +203,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             _initialize(cluster_resolver, communication_options)
         if (communication_options.implementation is CommunicationImplementation.NCCL
                 and jax.default_backend() != "gpu"):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
             )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from mirrax import errors
+
 
 class ReduceOp(enum.Enum):
     """How values from the replicas are combined, as `tf.distribute.ReduceOp`.
@@ -28,7 +30,7 @@ class ReduceOp(enum.Enum):
             return ReduceOp.SUM
         if aggregation is VariableAggregation.MEAN:
             return ReduceOp.MEAN
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"VariableAggregation.{aggregation.name} has no ReduceOp; only SUM and MEAN do."
         )
 
@@ -72,7 +74,7 @@ def _member(cls, value, argument: str):
     if isinstance(value, str) and value.upper() in cls.__members__:
         return cls[value.upper()]
     names = ", ".join(f"mirrax.{cls.__name__}.{name}" for name in cls.__members__)
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"{argument} must be one of {names}, or its name as a string in any case "
         f"(e.g. {next(iter(cls.__members__)).lower()!r}); received {value!r}."
     )

@@ -14,7 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from mirrax import errors
 from mirrax._src.distribute.reduce import ReduceOp
 
 REPLICA_AXIS = "replica"
@@ -99,11 +101,25 @@ class ReplicaContext:
         replica 0's block first. Padding rows of a partial batch are included: gather
         `batch_mask` alongside to know which rows are real.
         """
-        if not self._traced:
-            return jax.tree.map(jnp.asarray, value)
-        return jax.tree.map(
-            lambda x: jax.lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True), value
-        )
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise errors.InvalidArgumentTypeError(
+                f"ReplicaContext.all_gather: axis must be an int; received {axis!r} of type "
+                f"{type(axis).__name__}."
+            )
+
+        def gather(x):
+            x = jnp.asarray(x)
+            if not -x.ndim <= axis < max(x.ndim, 1) or x.ndim == 0:
+                raise errors.InvalidArgumentError(
+                    f"ReplicaContext.all_gather: axis {axis} is out of range for a value of "
+                    f"shape {x.shape} (rank {x.ndim}); use an axis in [{-x.ndim}, {x.ndim})"
+                    + (", or gather x[None] (shape (1,))." if x.ndim == 0 else ".")
+                )
+            if not self._traced:
+                return x
+            return jax.lax.all_gather(x, REPLICA_AXIS, axis=int(axis) % x.ndim, tiled=True)
+
+        return jax.tree.map(gather, value)
 
     def __repr__(self) -> str:
         return (

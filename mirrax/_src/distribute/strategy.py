@@ -9,6 +9,7 @@ helper (`_run.run`, the reductions below, `input.py`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -87,6 +88,13 @@ class Strategy:
         self._datasets_made = 0  # names distributed datasets alike on every process
         self._iterations_started = 0  # passes over them, counted alike on every process
         self.extended = StrategyExtended(self)
+        _live_strategies.add(self)
+
+    def _clear_caches(self) -> None:
+        """Drops the compiled programs and cached device values (`clear_session`)."""
+        self._run_cache.clear()
+        self._example_counts.clear()
+        self._compile_counts.clear()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -157,18 +165,18 @@ class Strategy:
           MixedStrategyError: an argument belongs to another strategy.
         """
         if not callable(fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: fn must be callable (a function, method or NNX module); received "
                 f"{fn!r} of type {type(fn).__name__}. Call it as strategy.run(step_fn, "
                 "args=(...))."
             )
         if not isinstance(args, (tuple, list)):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: args must be a tuple or list of positional arguments; received a "
                 f"{type(args).__name__}. For one argument write args=(x,)."
             )
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"strategy.run: kwargs must be a dict or None; received a {type(kwargs).__name__}."
             )
         return _run.run(self, fn, args, kwargs or {})
@@ -197,6 +205,13 @@ class Strategy:
           MixedStrategyError: `value` comes from another strategy.
         """
         op = ReduceOp.from_any(reduce_op)
+        if axis is not None:
+            _check_axis_type(axis, "strategy.reduce: axis", optional=True)
+        if not jax.tree.leaves(value, is_leaf=is_distributed):
+            raise errors.InvalidArgumentError(
+                f"strategy.reduce: value holds no array to reduce; received {value!r}. Pass "
+                "what strategy.run returned (a PerReplica or Mirrored, or a pytree of them)."
+            )
         return jax.tree.map(
             lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
         )
@@ -208,7 +223,7 @@ class Strategy:
         if isinstance(value, PerReplica):
             if value._ragged is not None:
                 shapes = [jax.tree.map(np.shape, v) for v in value._ragged]
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"strategy.reduce: the replicas' values have shapes {shapes}, which cannot "
                     "be combined into one value. Make the shapes agree (except along axis 0, "
                     "which axis=0 reduces)."
@@ -217,7 +232,7 @@ class Strategy:
         if isinstance(value, Mirrored):
             return jax.tree.map(lambda x: self._reduce_same(op, x, axis, replicas), value._value)
         if op is ReduceOp.SUM and replicas > 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"strategy.reduce: cannot SUM the plain (non-distributed) value {value!r} over "
                 f"{replicas} replicas: it is one value, not one per replica (as "
                 "tf.distribute). Reduce the PerReplica value that strategy.run returned, or use "
@@ -228,7 +243,7 @@ class Strategy:
     def _reduce_stacked(self, op: ReduceOp, value: PerReplica, x, axis):
         if axis is None:
             if value._masked(x) and len(set(value._lengths)) > 1:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     "strategy.reduce: the replicas' values have different lengths along axis 0 "
                     f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
                     "axis=0 to reduce along that axis too."
@@ -275,6 +290,12 @@ class Strategy:
           ValueError: `axis` out of range, or scalar per-replica values.
           MixedStrategyError: `value` comes from another strategy.
         """
+        _check_axis_type(axis, "strategy.gather: axis", optional=False)
+        if not jax.tree.leaves(value, is_leaf=is_distributed):
+            raise errors.InvalidArgumentError(
+                f"strategy.gather: value holds no array to gather; received {value!r}. Pass "
+                "what strategy.run returned (a PerReplica or Mirrored, or a pytree of them)."
+            )
         return jax.tree.map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
 
     def _gather_one(self, value, axis):
@@ -288,16 +309,20 @@ class Strategy:
         if isinstance(value, Mirrored):
             value = value._value
         replicas = self.num_replicas_in_sync
-        return jax.tree.map(
-            lambda x: jnp.concatenate(
-                [jnp.asarray(x)] * replicas, _normalize_axis(axis, jnp.ndim(x))
-            ),
-            value,
-        )
+
+        def repeat(x):
+            if jnp.ndim(x) == 0:
+                raise errors.InvalidArgumentError(
+                    f"strategy.gather: {x!r} is a scalar, which has no axis to concatenate "
+                    "along. Gather arrays of rank >= 1 (e.g. x[None], shape (1,))."
+                )
+            return jnp.concatenate([jnp.asarray(x)] * replicas, _normalize_axis(axis, jnp.ndim(x)))
+
+        return jax.tree.map(repeat, value)
 
     def _gather_stacked(self, value: PerReplica, x, axis):
         if x.ndim == 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "strategy.gather: the per-replica values are scalars, which have no axis to "
                 "concatenate along. Use strategy.experimental_local_results(value), or return "
                 "x[None] (shape (1,)) from the step to gather one value per replica."
@@ -376,7 +401,7 @@ class Strategy:
           TypeError: `dataset_fn` is not callable or `options` is not an `InputOptions`.
         """
         if not callable(dataset_fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "distribute_datasets_from_function: dataset_fn must be callable as "
                 f"dataset_fn(input_context); received {type(dataset_fn).__name__}."
             )
@@ -394,10 +419,12 @@ class Strategy:
           TypeError: `value_fn` is not callable.
         """
         if not callable(value_fn):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "experimental_distribute_values_from_function: value_fn must be callable as "
                 f"value_fn(value_context); received {type(value_fn).__name__}."
             )
+        input_lib.check_one_argument(
+            value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext")
         values = [
             value_fn(input_lib.ValueContext(r, self.num_replicas_in_sync))
             for r in self._local_replica_ids
@@ -432,7 +459,7 @@ class Strategy:
         ]
         votes = multihost.exchange(f"values/{self._values_made}", mine)
         if any(v is None for v in votes):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "experimental_distribute_values_from_function: the replicas' values have "
                 "different trailing shapes on some process, which a multi-process PerReplica "
                 "cannot hold. Return values of one shape (first axis may differ)."
@@ -443,11 +470,20 @@ class Strategy:
         return tuple(every)
 
 
+def _check_axis_type(axis, what: str, optional: bool) -> None:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} must be an int{' or None' if optional else ''}; received {axis!r} of type "
+            f"{type(axis).__name__}."
+            + ("" if optional else " gather needs the axis to concatenate along, e.g. axis=0.")
+        )
+
+
 def _normalize_axis(axis, ndim: int) -> int:
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"axis must be an int or None; received {axis!r}.")
+        raise errors.InvalidArgumentTypeError(f"axis must be an int or None; received {axis!r}.")
     if not -ndim <= axis < ndim:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"axis {axis} is out of range for per-replica values of rank {ndim}; use an axis in "
             f"[{-ndim}, {ndim})."
         )
@@ -484,6 +520,32 @@ class _DefaultStrategy(Strategy):
 
 
 _default: list = []
+# Every strategy made in this process, for `clear_session` (weakly: a strategy nobody holds
+# is collected with its programs).
+_live_strategies: "weakref.WeakSet[Strategy]" = weakref.WeakSet()
+
+
+def clear_session() -> None:
+    """Drops every compiled program and cache, as `tf.keras.backend.clear_session()`.
+
+    For notebooks, where cells that define new models, functions and strategies pile up
+    compiled programs: clears the compiled `strategy.run` programs (so also those of
+    `mirrax.Model` steps) and cached device values of every strategy, including the default
+    strategy's, and JAX's own compilation caches (`jax.clear_caches()`). Nothing else changes:
+    strategies, models, optimizers, distributed datasets and iterators keep working, and the
+    next step compiles again (once). Multi-worker: call it on every worker, or on none.
+
+    Raises:
+      ReplicaContextError: called inside `strategy.run`.
+    """
+    if current_replica_context() is not None:
+        raise errors.ReplicaContextError(
+            "clear_session() was called inside strategy.run, where the running program cannot "
+            "be dropped. Call it outside the step, e.g. between training runs."
+        )
+    for strategy in list(_live_strategies):
+        strategy._clear_caches()
+    jax.clear_caches()
 
 
 def default_strategy() -> Strategy:

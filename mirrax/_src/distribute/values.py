@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mirrax import errors
 from mirrax._src.distribute.replica_context import REPLICA_AXIS
 
 
@@ -175,7 +176,7 @@ def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first
     treedef = flat[0][1]
     for leaves, other in flat[1:]:
         if other != treedef:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"Per-replica values must all have the same structure; received {treedef} and "
                 f"{other}. Return the same pytree structure for every replica."
             )
