@@ -84,6 +84,10 @@ class FixedLearningRateError(MirraxError, ValueError):
     """A callback reads or sets the learning rate, but the optimizer's rate is a fixed constant."""
 
 
+class MissingFolderError(MirraxError, FileNotFoundError):
+    """The folder a callback writes into (e.g. `CSVLogger`'s file's folder) does not exist."""
+
+
 # -- checkpoints and export ----------------------------------------------------------------------
 
 

@@ -105,6 +105,12 @@ class OptimizerHandle:
 
     @learning_rate.setter
     def learning_rate(self, value: float):
+        if isinstance(value, bool) or np.ndim(value) != 0 or not isinstance(
+                np.asarray(value).item(), (int, float)) or not math.isfinite(float(value)) \
+                or float(value) < 0:
+            raise errors.InvalidArgumentError(
+                f"optimizer.learning_rate must be a finite float >= 0; received {value!r}."
+            )
         variable = self._hyperparams()["learning_rate"]
         old = variable[...]
         variable[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
@@ -118,16 +124,17 @@ def _resolve_optimizer(optimizer):
     if isinstance(optimizer, str):
         factory = _OPTIMIZERS.get(optimizer.lower())
         if factory is None:
-            raise ValueError(
+            raise errors.InvalidIdentifierError(
                 f"Unknown optimizer {optimizer!r}; known names: {', '.join(sorted(_OPTIMIZERS))}, "
                 "or pass any optax.GradientTransformation."
             )
         return factory()
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    raise TypeError(
-        "optimizer must be an optax.GradientTransformation or one of the names "
-        f"{sorted(_OPTIMIZERS)}; received {type(optimizer).__name__}."
+    raise errors.InvalidArgumentTypeError(
+        "compile: optimizer must be an optax.GradientTransformation or one of the names "
+        f"{sorted(_OPTIMIZERS)}; received {type(optimizer).__name__} {optimizer!r:.80}. A Keras "
+        "optimizer object is not accepted: pass e.g. 'adam' or optax.adam(1e-3)."
     )
 
 
@@ -148,8 +155,9 @@ class Model:
 
     def __init__(self, module: nnx.Module):
         if not isinstance(module, nnx.Module):
-            raise TypeError(
-                f"mirrax.Model wraps an nnx.Module; received {type(module).__name__}."
+            raise errors.InvalidArgumentTypeError(
+                f"mirrax.Model wraps an nnx.Module; received {type(module).__name__}. Pass the "
+                "module itself, e.g. mirrax.Model(MyNet(rngs=nnx.Rngs(0)))."
             )
         self.module = module
         self.optimizer: OptimizerHandle | None = None
@@ -278,17 +286,24 @@ class Model:
           ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
         """
         variables = _variables(self.module)
+        if isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__len__"):
+            raise errors.InvalidArgumentTypeError(
+                f"set_weights: weights must be a list of arrays (as model.get_weights() "
+                f"returns); received {type(weights).__name__} {weights!r:.60}."
+            )
         if len(weights) != len(variables):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"set_weights: the model has {len(variables)} variables but {len(weights)} "
                 "arrays were given; pass a list from model.get_weights()."
             )
-        for variable, value in zip(variables, weights):
+        paths = [".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(self.module))]
+        for index, (variable, value) in enumerate(zip(variables, weights)):
             old = variable.get_value()
             if tuple(np.shape(value)) != tuple(old.shape):
-                raise ValueError(
-                    f"set_weights: shape {np.shape(value)} does not match the variable's "
-                    f"{old.shape}."
+                raise errors.InvalidArgumentError(
+                    f"set_weights: weights[{index}] has shape {np.shape(value)}, but the "
+                    f"variable {paths[index]} has shape {old.shape}; pass the arrays in "
+                    "model.get_weights()'s order and shapes."
                 )
             variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
 
@@ -604,6 +619,11 @@ class Model:
 
     def summary(self, print_fn=None):
         """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`)."""
+        if print_fn is not None and not callable(print_fn):
+            raise errors.InvalidArgumentTypeError(
+                f"summary: print_fn must be a function of one str (e.g. print); received "
+                f"{type(print_fn).__name__} {print_fn!r}."
+            )
         print_fn = print_fn or print
         rows, total = [], 0
         for path, variable in nnx.to_flat_state(nnx.state(self.module)):
