@@ -578,7 +578,7 @@ class Model:
         """
         verbose = _check_verbose("predict", verbose)
         steps = _check_count("predict", "steps", steps, allow_none=True)
-        strategy = self.distribute_strategy or get_strategy()
+        strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
         data = _Input(self, strategy, x, None, None, batch_size, False, "predict", inputs_only=True)
         self.module.eval()
         outputs = []
@@ -1155,6 +1155,20 @@ def _check_fits_model(model, x, y, what: str):
 # -- input handling ---------------------------------------------------------------------------
 
 
+def _as_arrays(value):
+    """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), or a
+    dict of them, as NumPy, so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
+    def convert(leaf):
+        if hasattr(leaf, "numpy") and hasattr(leaf, "shape") and not isinstance(
+                leaf, (np.ndarray, jax.Array)):
+            return leaf.numpy()
+        return leaf
+
+    if isinstance(value, dict):
+        return {key: convert(leaf) for key, leaf in value.items()}
+    return convert(value)
+
+
 def _is_arrays(x) -> bool:
     """True for in-memory examples: an array, or a dict of arrays (a multi-input model's x).
 
@@ -1207,6 +1221,7 @@ class _Input:
         self.model = model
         self.inputs_only = inputs_only
         self.class_weight = class_weight
+        x, y, sample_weight = (_as_arrays(v) for v in (x, y, sample_weight))
         self.one_shot = False
         self._pass = None
         self._what = what
@@ -1272,10 +1287,15 @@ class _Input:
             )
         for name, value in (("y", y), ("sample_weight", sample_weight)):
             if value is not None:
+                several = isinstance(x, (list, tuple)) and x and all(
+                    _is_arrays(_as_arrays(item)) for item in x)
                 raise errors.InvalidArgumentError(
                     f"{what}: {name} must be None when x is a dataset of (x, y[, sample_weight]) "
                     f"batches; received {name} of type {type(value).__name__}. Put it in the "
                     "batches."
+                    + (" A list or tuple x is a sequence of batches in mirrax; for a model with "
+                       "several inputs pass x as a dict of arrays (Keras's list of input "
+                       "arrays is not supported)." if several else "")
                 )
         self.dataset = None
         try:

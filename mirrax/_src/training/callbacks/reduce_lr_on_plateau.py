@@ -55,9 +55,17 @@ class ReduceLROnPlateau(Callback):
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
                  verbose: int = 0, mode: str = "auto", min_delta: float = 1e-4,
-                 cooldown: int = 0, min_lr: float = 0.0):
+                 cooldown: int = 0, min_lr: float = 0.0, **kwargs):
         super().__init__()
         owner = "ReduceLROnPlateau"
+        if kwargs:
+            raise errors.UnsupportedArgumentError(
+                f"ReduceLROnPlateau got {', '.join(map(repr, sorted(kwargs)))}, which it does "
+                "not take" + ("; epsilon is tf.keras 1's name of min_delta: pass min_delta="
+                              if "epsilon" in kwargs else "")
+                + ". Its arguments are monitor, factor, patience, verbose, mode, min_delta, "
+                "cooldown, min_lr."
+            )
         factor = _args.number(owner, "factor", factor)
         if not 0.0 <= factor < 1.0:
             raise errors.InvalidArgumentError(
