@@ -94,8 +94,10 @@ class TensorBoard(Callback):
       embeddings_metadata: must be None.
 
     Raises:
-      ValueError: an invalid `update_freq`, `histogram_freq` or `profile_batch`, or
-        `write_images` / `embeddings_freq` / `embeddings_metadata` set.
+      InvalidArgumentError (a ValueError): an invalid `update_freq`, `histogram_freq` or
+        `profile_batch`.
+      UnsupportedArgumentError (a ValueError): `write_images` / `embeddings_freq` /
+        `embeddings_metadata` set.
       ImportError: tensorboardX is not installed (raised when the first file is written).
     """
 
