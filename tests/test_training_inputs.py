@@ -239,3 +239,34 @@ def test_a_model_made_under_a_scope_keeps_its_strategy_outside_it():
     with strategy.scope():
         with pytest.raises(errors.MixedStrategyError, match="made under the scope of"):
             other.compile("sgd", "sparse_categorical_crossentropy")
+
+
+def test_auto_scale_loss_false_turns_off_float16_loss_scaling():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(()))
+
+        def __call__(self, x):
+            return x * self.w[...]
+
+    # loss = mean(10 * w), so d loss / d w = 10. Scaled by Keras's initial 2**15 the float16
+    # gradient 327680 overflows (float16's max is 65504): the step is skipped and w stays 1.
+    # Without loss scaling the SGD step (rate 0.01) gives w = 1 - 0.01 * 10 = 0.9.
+    x, y = np.full((2, 1), 10.0, np.float32), np.zeros(2, np.float32)
+    results = {}
+    mirrax.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for auto_scale_loss in (True, False):
+            with mirrored(2).scope():
+                model = mirrax.Model(Scale())
+                model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.01),
+                              loss=lambda y, y_pred: y_pred[:, 0], auto_scale_loss=auto_scale_loss)
+            model.fit(x, y, batch_size=2, verbose=0)
+            results[auto_scale_loss] = float(model.module.w[...])
+    finally:
+        mirrax.mixed_precision.set_global_policy("float32")
+    assert results[True] == 1.0
+    assert results[False] == pytest.approx(0.9, abs=1e-6)

@@ -169,6 +169,9 @@ class Model:
         # As Keras, a model made under a strategy's scope belongs to it (compile uses it).
         self._scope_strategy = get_strategy() if has_strategy() else None
         self._compiled = False
+        # Input signatures already run abstractly through the module and loss (see
+        # _check_fits_model); compile clears it (the loss or policy may change).
+        self._checked_inputs: dict = {}
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -250,6 +253,7 @@ class Model:
                                         self._weighted)
         self._predict_fn = _make_predict_step(self.dtype_policy)
         self._rng = np.random.default_rng(0)
+        self._checked_inputs = {}
         self._compiled = True
 
     def _compile_strategy(self):
@@ -1070,9 +1074,16 @@ def _normalize_batch(batch, inputs_only: bool, class_weight=None):
 
 def _host(leaf):
     """A leaf as NumPy (tf.Tensor and torch.Tensor have `.numpy()`)."""
-    if hasattr(leaf, "numpy") and not isinstance(leaf, (np.ndarray, jax.Array)):
-        leaf = leaf.numpy()
-    return np.asarray(leaf)
+    return np.asarray(_to_numpy(leaf))
+
+
+def _to_numpy(leaf):
+    """A tf / torch tensor as NumPy (a torch tensor detached and on the host first)."""
+    if isinstance(leaf, (np.ndarray, jax.Array)) or not hasattr(leaf, "numpy"):
+        return leaf
+    if hasattr(leaf, "detach") and hasattr(leaf, "cpu"):  # torch: grad-tracking or on a GPU
+        leaf = leaf.detach().cpu()
+    return leaf.numpy()
 
 
 def _shapes(tree) -> str:
@@ -1112,8 +1123,15 @@ def _check_fits_model(model, x, y, what: str):
         return jax.ShapeDtypeStruct((1,) + tuple(a.shape[1:]), a.dtype)
 
     x1 = jax.tree.map(one, x)
-    graphdef, state = nnx.split(model.module)
+    y1 = None if y is None else jax.tree.map(one, y)
     policy = getattr(model, "dtype_policy", None) or mixed_precision.Policy("float32")
+    # One abstract run per input signature (fit called once per epoch checks once).
+    key = (jax.tree.structure((x1, y1)), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(
+        (x1, y1))), policy.name, id(model.loss))
+    checked = model._checked_inputs
+    if key in checked:
+        return checked[key]
+    graphdef, state = nnx.split(model.module)
     try:
         y_pred = jax.eval_shape(lambda s, v: _forward(nnx.merge(graphdef, s), v, policy), state, x1)
     except errors.MirraxError:
@@ -1126,8 +1144,8 @@ def _check_fits_model(model, x, y, what: str):
             "(batch first), or change the module's input size."
         ) from error
     if y is None or model.loss is None:
+        checked[key] = y_pred
         return y_pred
-    y1 = jax.tree.map(one, y)
     try:
         per_example = jax.eval_shape(model.loss.per_example, y1, y_pred)
     except errors.MirraxError:
@@ -1149,6 +1167,7 @@ def _check_fits_model(model, x, y, what: str):
             f"1 it gave shape {tuple(per_example.shape)} (y {_shapes(y)}, output "
             f"{_shapes(y_pred)}). Return one loss per example from the loss function."
         )
+    checked[key] = y_pred
     return y_pred
 
 
@@ -1159,10 +1178,7 @@ def _as_arrays(value):
     """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), or a
     dict of them, as NumPy, so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
     def convert(leaf):
-        if hasattr(leaf, "numpy") and hasattr(leaf, "shape") and not isinstance(
-                leaf, (np.ndarray, jax.Array)):
-            return leaf.numpy()
-        return leaf
+        return _to_numpy(leaf) if hasattr(leaf, "shape") else leaf
 
     if isinstance(value, dict):
         return {key: convert(leaf) for key, leaf in value.items()}
