@@ -852,7 +852,7 @@ def _check_verbose(what: str, verbose) -> int:
     """Keras's verbose: "auto" (1), 0, 1 or 2."""
     if verbose == "auto":
         return 1
-    if isinstance(verbose, bool) or not isinstance(verbose, (int, np.integer)) or verbose not in (0, 1, 2):
+    if not isinstance(verbose, (int, np.integer)) or verbose not in (0, 1, 2):  # True is 1
         raise errors.InvalidArgumentError(
             f"{what}: verbose must be 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
             f"epoch); received {verbose!r}."
