@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,6 @@ from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
-from mirrax._src.distribute.replica_context import REPLICA_AXIS
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import callbacks as callbacks_lib
@@ -403,6 +401,7 @@ class Model:
         validation_freq = _check_count("fit", "validation_freq", validation_freq)
         validation_split = _check_fraction("fit", "validation_split", validation_split)
         class_weight = _check_class_weight(class_weight, sample_weight)
+        x, y, sample_weight = (_as_arrays(v) for v in (x, y, sample_weight))
         strategy = self.distribute_strategy
         if validation_split and validation_data is None:
             if not _is_arrays(x):
@@ -425,7 +424,7 @@ class Model:
             )
         val = None
         if validation_data is not None:
-            vx, vy, vw = _unpack_validation(validation_data)
+            vx, vy, vw = (_as_arrays(v) for v in _unpack_validation(validation_data))
             vbatch = validation_batch_size if validation_batch_size is not None else batch_size
             val = _Input(self, strategy, vx, vy, vw, vbatch if _is_arrays(vx) else None,
                          False, "fit(validation_data=...)")
@@ -1217,9 +1216,9 @@ def _split_validation(x, y, sample_weight, fraction):
 
 
 def _unpack_validation(data):
-    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and _is_arrays(data[0]):
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and _is_arrays(_as_arrays(data[0])):
         return data[0], data[1], data[2] if len(data) == 3 else None
-    if isinstance(data, (tuple, list)) and data and _is_arrays(data[0]):
+    if isinstance(data, (tuple, list)) and data and _is_arrays(_as_arrays(data[0])):
         raise errors.InvalidArgumentError(
             f"fit: validation_data as arrays must be (x_val, y_val) or (x_val, y_val, "
             f"sample_weight); received a {type(data).__name__} of {len(data)}."
