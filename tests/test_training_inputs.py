@@ -270,3 +270,21 @@ def test_auto_scale_loss_false_turns_off_float16_loss_scaling():
         mirrax.mixed_precision.set_global_policy("float32")
     assert results[True] == 1.0
     assert results[False] == pytest.approx(0.9, abs=1e-6)
+
+
+def test_evaluate_and_predict_warn_when_the_input_runs_out_before_steps():
+    model = identity_model(mirrored(2))
+    with pytest.warns(UserWarning, match=r"Your input ran out of data.*after 2 batch\(es\) of steps=5"):
+        # batches of 1s and 3s: the loss is their mean, (1 + 3) / 2 = 2.0
+        assert model.evaluate(constant_batches([1.0, 3.0]), steps=5, verbose=0) == 2.0
+    with pytest.warns(UserWarning, match="Your input ran out of data"):
+        assert model.predict(constant_batches([1.0, 3.0]), steps=3, verbose=0).shape == (4, 1)
+
+
+def test_summary_shows_trainable_and_fills_line_length():
+    lines = []
+    mlp_model(mirrored(2)).summary(line_length=80, show_trainable=True, print_fn=lines.append)
+    assert lines[0] == 'Model: "MLP"'
+    assert all(len(line) == 80 for line in lines[1:-1]), [len(line) for line in lines]
+    assert lines[-1] == "Total: 23 values"  # 4*3 + 3 + 3*2 + 2 parameters
+    assert sum(line.endswith("yes") for line in lines) == 4  # two kernels, two biases

@@ -560,6 +560,7 @@ class Model:
                 f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "
                 "refuses an empty input too). Check that the dataset is not empty."
             )
+        _warn_if_ran_out(what, "steps", steps, count)
         logs = self._logs()
         cbs.on_test_end(logs)
         return logs
@@ -604,6 +605,7 @@ class Model:
                 "predict: the input yielded no batch, so there is nothing to predict (Keras "
                 "refuses an empty input too). Check that the dataset is not empty."
             )
+        _warn_if_ran_out("predict", "steps", steps, len(outputs))
         cbs.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
@@ -620,25 +622,56 @@ class Model:
             logs[name] = float(metric.result())
         return logs
 
-    def summary(self, print_fn=None):
-        """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`)."""
+    def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
+                show_trainable=False, layer_range=None):
+        """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`).
+
+        Args (Keras 3's):
+          line_length: the width of the table in characters (the variable column is widened to
+            fill it); default: as wide as the longest path.
+          positions: not supported (the columns are fixed).
+          print_fn: called with each line (default `print`).
+          expand_nested: accepted; every variable of every nested module is always listed.
+          show_trainable: add a "Trainable" column (`nnx.Param`s are trainable).
+          layer_range: not supported; filter `nnx.state(model.module)` yourself.
+
+        Raises:
+          InvalidArgumentTypeError: print_fn not callable, a flag not a bool, line_length not
+            an int. UnsupportedArgumentError: positions or layer_range given.
+        """
         if print_fn is not None and not callable(print_fn):
             raise errors.InvalidArgumentTypeError(
                 f"summary: print_fn must be a function of one str (e.g. print); received "
                 f"{type(print_fn).__name__} {print_fn!r}."
             )
+        for name, value in (("positions", positions), ("layer_range", layer_range)):
+            if value is not None:
+                raise errors.UnsupportedArgumentError(
+                    f"summary: {name}={value!r} is not supported (the table lists variables, "
+                    "not layers, in fixed columns); leave it None."
+                )
+        _check_bool("summary", "expand_nested", expand_nested)
+        show_trainable = _check_bool("summary", "show_trainable", show_trainable)
+        line_length = _check_count("summary", "line_length", line_length, minimum=40,
+                                   allow_none=True)
         print_fn = print_fn or print
         rows, total = [], 0
         for path, variable in nnx.to_flat_state(nnx.state(self.module)):
             value = variable.get_value()
             size = int(np.prod(np.shape(value)))
             total += size
-            rows.append((".".join(map(str, path)), type(variable).__name__, str(np.shape(value)), size))
-        width = max([len(r[0]) for r in rows] + [8])
+            rows.append((".".join(map(str, path)), type(variable).__name__, str(np.shape(value)), size,
+                         "yes" if isinstance(variable, nnx.Param) else "no"))
+        # The fixed columns take 40 characters (11 + 17 + 10 + separators), 10 more with
+        # show_trainable.
+        fixed = 40 + (10 if show_trainable else 0)
+        width = max([len(r[0]) for r in rows] + [8, (line_length or 0) - fixed])
+        extra = f" {'Trainable':>9}" if show_trainable else ""
         print_fn(f'Model: "{type(self.module).__name__}"')
-        print_fn(f"{'Variable':<{width}}  {'Type':<10} {'Shape':<16} {'Count':>10}")
-        for name, kind, shape, size in rows:
-            print_fn(f"{name:<{width}}  {kind:<10} {shape:<16} {size:>10,}")
+        print_fn(f"{'Variable':<{width}}  {'Type':<10} {'Shape':<16} {'Count':>10}{extra}")
+        for name, kind, shape, size, trainable in rows:
+            extra = f" {trainable:>9}" if show_trainable else ""
+            print_fn(f"{name:<{width}}  {kind:<10} {shape:<16} {size:>10,}{extra}")
         print_fn(f"Total: {total:,} values")
 
 
@@ -663,6 +696,17 @@ def _mismatches(current: dict, stored: dict) -> list:
             out.append(f"{key} has dtype {flat_old[key].dtype} in the checkpoint, "
                        f"{flat_now[key].dtype} in the model")
     return out
+
+
+def _warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
+    """Keras's warning when an input holds fewer batches than `steps` asked for."""
+    if steps is not None and count < steps:
+        warnings.warn(
+            f"Your input ran out of data; interrupting {what} after {count} batch(es) of "
+            f"{name}={steps}. Make sure that your dataset or generator can generate at least "
+            f"{steps} batches.",
+            stacklevel=3,
+        )
 
 
 def _variables(module) -> list:
@@ -1338,7 +1382,15 @@ class _Input:
                 "or evaluate. As Keras: a generator must yield at least one batch."
             )
         batch = _normalize_batch(first, self.inputs_only, self.class_weight)
-        _check_fits_model(self.model, batch[0], None if self.inputs_only else batch[1], what)
+        y_pred = _check_fits_model(self.model, batch[0], None if self.inputs_only else batch[1],
+                                   what)
+        if not self.inputs_only:
+            rows = len(_host(jax.tree.leaves(batch[0])[0]))
+            if len(batch) == 3:
+                _check_sample_weight(f"{what} (the first batch)", batch[2], rows)
+            if isinstance(self.model.loss, losses_lib.SparseCategoricalCrossentropy):
+                losses_lib.SparseCategoricalCrossentropy.check_labels(_host(batch[1]),
+                                                                      y_pred.shape[-1])
         self.source = x
         self._stream = None
 
