@@ -110,6 +110,23 @@ def test_steps_per_epoch_continues_the_pass_across_epochs_as_keras():
     assert history.history["loss"] == [1.5, 5.5]  # mean(0..3), mean(4..7)
 
 
+def test_a_distributed_endless_generator_is_read_across_epochs_with_steps_per_epoch():
+    strategy = mirrored(2)
+
+    def endless():
+        value = 0.0
+        while True:
+            value += 1.0
+            yield np.full((2, 1), value, np.float32), np.zeros(2, np.float32)
+
+    model = identity_model(strategy)
+    history = model.fit(strategy.experimental_distribute_dataset(endless()), steps_per_epoch=2,
+                        epochs=2, verbose=0)
+    # Epoch 0 sees the 1s and 2s (mean 1.5), epoch 1 continues with the 3s and 4s (3.5); each
+    # epoch used to start a new pass, which a one-shot source cannot give.
+    assert history.history["loss"] == [1.5, 3.5]
+
+
 def test_a_pass_that_ends_inside_an_epoch_ends_it_with_keras_warning():
     model = identity_model(mirrored(2))
     with pytest.warns(UserWarning, match="Your input ran out of data"):

@@ -1407,7 +1407,7 @@ class _Input:
         pass where the previous epoch stopped; a pass that ends within the epoch ends the epoch
         with Keras's warning, and the next epoch starts a new pass (reshuffled).
         """
-        if steps_per_epoch is None or self.one_shot or self.dataset is not None:
+        if steps_per_epoch is None or self.one_shot:
             yield from self.batches(steps_per_epoch, prefetch)
             return
         count = 0
