@@ -305,3 +305,23 @@ def test_summary_shows_trainable_and_fills_line_length():
     assert all(len(line) == 80 for line in lines[1:-1]), [len(line) for line in lines]
     assert lines[-1] == "Total: 23 values"  # 4*3 + 3 + 3*2 + 2 parameters
     assert sum(line.endswith("yes") for line in lines) == 4  # two kernels, two biases
+
+
+def test_train_and_test_on_batch_are_one_step_of_fit_and_evaluate():
+    _, _, x, y = mlp_data()
+    by_fit, by_batch = mlp_model(mirrored(2)), mlp_model(mirrored(2))
+    history = by_fit.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    loss, accuracy = by_batch.train_on_batch(x, y)
+    # One step on the same 16 examples: the same logs and weights (same program, same data).
+    assert [loss, accuracy] == pytest.approx([history["loss"][0], history["accuracy"][0]],
+                                             rel=1e-6)
+    for a, b in zip(by_fit.get_weights(), by_batch.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert by_batch.test_on_batch(x, y, return_dict=True) == pytest.approx(
+        by_fit.evaluate(x, y, batch_size=16, verbose=0, return_dict=True), rel=1e-6)
+    np.testing.assert_allclose(by_batch.predict_on_batch(x), by_fit.predict(x, verbose=0),
+                               rtol=1e-6)
+    # Metrics are reset at each call (Keras 3): the identity model's loss is x's mean.
+    model = identity_model(mirrored(2))
+    assert model.test_on_batch(np.ones((2, 1), np.float32), np.zeros(2)) == 1.0
+    assert model.test_on_batch(np.full((2, 1), 3.0, np.float32), np.zeros(2)) == 3.0

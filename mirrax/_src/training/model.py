@@ -609,6 +609,77 @@ class Model:
         cbs.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
+    # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict: bool = False):
+        """One training step on one GLOBAL batch of arrays, as `keras.Model.train_on_batch`.
+
+        The metrics are reset first (as Keras 3), so the result is this batch's loss and
+        metrics. Returns the loss (float) without metrics, else [loss, metric...]; with
+        `return_dict`, the logs dict.
+
+        Raises:
+          NotCompiledError; InvalidArgumentTypeError (x not arrays); the checks of `fit`.
+        """
+        self._check_compiled("train_on_batch")
+        class_weight = _check_class_weight(class_weight, sample_weight)
+        data = self._one_batch("train_on_batch", x, y, sample_weight, class_weight)
+        return_dict = _check_bool("train_on_batch", "return_dict", return_dict)
+        self._reset_metrics()
+        self.module.train()
+        state = (self.module, self.optimizer.nnx_optimizer, self.metrics, self._tracker,
+                 self._dynamic_scale)
+        for batch in data.batches():
+            self.distribute_strategy.run(self._train_fn, args=state + (batch,))
+        self.module.eval()
+        return self._result(self._logs(), return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict: bool = False):
+        """Loss and metrics of one GLOBAL batch of arrays, as `keras.Model.test_on_batch`
+        (metrics reset first, as Keras 3); returns as `train_on_batch`."""
+        self._check_compiled("test_on_batch")
+        data = self._one_batch("test_on_batch", x, y, sample_weight, None)
+        return_dict = _check_bool("test_on_batch", "return_dict", return_dict)
+        self._reset_metrics()
+        self.module.eval()
+        for batch in data.batches():
+            self.distribute_strategy.run(self._test_fn,
+                                         args=(self.module, self.metrics, self._tracker, batch))
+        return self._result(self._logs(), return_dict)
+
+    def predict_on_batch(self, x):
+        """The module's outputs for one batch of arrays, as NumPy (`keras.Model.predict_on_batch`)."""
+        x = _as_arrays(x)
+        if not _is_arrays(x):
+            raise errors.InvalidArgumentTypeError(
+                f"predict_on_batch: x must be an array (or a dict of arrays); received "
+                f"{type(x).__name__}. Use predict() for datasets."
+            )
+        return self.predict(x, batch_size=max(_num_examples(x), 1), verbose=0)
+
+    def _one_batch(self, what, x, y, sample_weight, class_weight):
+        x, y, sample_weight = (_as_arrays(v) for v in (x, y, sample_weight))
+        if not _is_arrays(x):
+            raise errors.InvalidArgumentTypeError(
+                f"{what}: x must be an array (or a dict of arrays) holding one batch; received "
+                f"{type(x).__name__}. Use fit() / evaluate() for datasets."
+            )
+        return _Input(self, self.distribute_strategy, x, y, sample_weight,
+                      max(_num_examples(x), 1), False, what, class_weight=class_weight)
+
+    @staticmethod
+    def _result(logs: dict, return_dict: bool):
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def reset_metrics(self) -> None:
+        """Resets the loss tracker and every metric, as `keras.Model.reset_metrics`."""
+        self._check_compiled("reset_metrics")
+        self._reset_metrics()
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _reset_metrics(self):
