@@ -6,6 +6,11 @@ over the replicas by JAX, metric state (sums, counts) is SUM-aggregated over the
 the caller's objects hold the current values after every step (no separate sync is needed for
 callbacks that read or write the model). Batches are global batches split by the strategy's
 input pipeline (padded and masked when partial), so every example counts exactly once.
+
+Arguments and inputs are checked before the first step (the "argument checks" block below):
+counts, flags, lengths and shapes, and one abstract run (`jax.eval_shape`) of the module and
+the loss on the first example, so a bad call is a named mirrax error, not a failure inside the
+compiled step.
 """
 
 from __future__ import annotations
