@@ -64,6 +64,11 @@ def test_fit_takes_a_torch_dataloader_as_keras_does():
                                from_arrays.evaluate(x, y, batch_size=4, verbose=0), rtol=1e-6)
     np.testing.assert_allclose(from_torch.predict(loader, verbose=0),
                                from_arrays.predict(x, batch_size=4, verbose=0), rtol=1e-6)
+    # Tensors that track gradients (what a torch model's outputs are) are detached, not refused.
+    tracked = DataLoader(TensorDataset(torch.from_numpy(x).requires_grad_(),
+                                       torch.from_numpy(y.astype(np.int64))), batch_size=4)
+    np.testing.assert_allclose(from_torch.evaluate(tracked, verbose=0),
+                               from_arrays.evaluate(x, y, batch_size=4, verbose=0), rtol=1e-6)
     # Tensors as x and y mean what arrays mean (Keras takes torch tensors as arrays).
     np.testing.assert_allclose(
         from_torch.evaluate(torch.from_numpy(x), torch.from_numpy(y), batch_size=4, verbose=0),

@@ -1171,7 +1171,8 @@ def _normalize_batch(batch, inputs_only: bool, class_weight=None):
     Lists count as tuples (a torch DataLoader's default collate yields [x, y]).
     """
     if inputs_only:
-        return (batch[0],) if isinstance(batch, (tuple, list)) else (batch,)
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return (jax.tree.map(_to_numpy, x),)
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
         raise errors.InvalidBatchError(
@@ -1185,10 +1186,12 @@ def _normalize_batch(batch, inputs_only: bool, class_weight=None):
                 "fit: class_weight was given but the dataset's batches carry sample weights; "
                 "as Keras, pass one of them."
             )
-        return (batch[0], batch[1], _class_weights_of(_host(batch[1]), class_weight))
+    x, y = jax.tree.map(_to_numpy, (batch[0], batch[1]))
+    if class_weight is not None:
+        return (x, y, _class_weights_of(_host(y), class_weight))
     if len(batch) == 2:
-        return tuple(batch)
-    return (batch[0], batch[1], np.asarray(_host(batch[2]), np.float32))
+        return (x, y)
+    return (x, y, np.asarray(_host(batch[2]), np.float32))
 
 
 def _host(leaf):
