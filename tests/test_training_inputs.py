@@ -330,3 +330,9 @@ def test_train_and_test_on_batch_are_one_step_of_fit_and_evaluate():
     model = identity_model(mirrored(2))
     assert model.test_on_batch(np.ones((2, 1), np.float32), np.zeros(2)) == 1.0
     assert model.test_on_batch(np.full((2, 1), 3.0, np.float32), np.zeros(2)) == 3.0
+
+
+def test_labels_given_as_a_python_list_are_arrays_as_in_keras():
+    # The identity model's loss is x: (1 + 2 + 3 + 4) / 4 = 2.5 whatever the labels' type.
+    x = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
+    assert identity_model(mirrored(2)).evaluate(x, [0, 1, 0, 1], verbose=0) == 2.5

@@ -1210,7 +1210,7 @@ def _to_numpy(leaf):
 
 def _shapes(tree) -> str:
     leaves = jax.tree.leaves(tree)
-    if len(leaves) == 1:
+    if len(leaves) == 1 and not isinstance(tree, dict):
         return f"{tuple(np.shape(leaves[0]))} ({np.asarray(leaves[0]).dtype})"
     return str(jax.tree.map(lambda a: tuple(np.shape(a)), tree))
 
@@ -1383,6 +1383,8 @@ class _Input:
             self._init_dataset(x, y, sample_weight, batch_size, what)
             return
         n = _num_examples(x)
+        if isinstance(y, (list, tuple)):
+            y = np.asarray(y)  # labels as a Python list, as Keras accepts them
         if y is None and not inputs_only:
             raise errors.InvalidArgumentError(
                 f"{what}: y is required with array inputs (the labels).")
