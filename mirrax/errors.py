@@ -80,6 +80,18 @@ class InvalidLabelError(MirraxError, ValueError):
     """Labels outside the range the loss accepts (e.g. a sparse label >= the number of classes)."""
 
 
+class IncompatibleInputError(MirraxError, ValueError):
+    """Inputs whose shapes or dtypes do not fit the model, or labels that do not fit its output."""
+
+
+class FixedLearningRateError(MirraxError, ValueError):
+    """A callback reads or sets the learning rate, but the optimizer's rate is a fixed constant."""
+
+
+class MissingFolderError(MirraxError, FileNotFoundError):
+    """The folder a callback writes into (e.g. `CSVLogger`'s file's folder) does not exist."""
+
+
 # -- checkpoints and export ----------------------------------------------------------------------
 
 

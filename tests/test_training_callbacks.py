@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
+import mirrax
 from mirrax import callbacks
 from mirrax._src.training import progbar as progbar_lib
 
@@ -399,7 +400,11 @@ def test_reduce_lr_on_plateau_needs_a_learning_rate():
     model.optimizer = object()
     rlr = callbacks.ReduceLROnPlateau(monitor="loss")
     rlr.set_model(model)
-    with pytest.raises(ValueError, match=r"needs model.optimizer.learning_rate.*inject_hyper"):
+    # Refused at train begin (before any step), naming the fixes; the epoch end says the same.
+    with pytest.raises(mirrax.errors.FixedLearningRateError,
+                       match=r"ReduceLROnPlateau changes the learning rate.*'adam'.*inject_hyper"):
+        rlr.on_train_begin()
+    with pytest.raises(mirrax.errors.FixedLearningRateError, match=r"inject_hyperparams"):
         rlr.on_epoch_end(0, {"loss": 1.0})
 
 

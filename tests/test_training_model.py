@@ -243,9 +243,12 @@ def test_sparse_labels_out_of_range_are_refused():
 
 
 def test_early_stopping_without_an_inferable_mode_says_to_pass_mode():
-    model = identity_model(mirrored(2))
+    # A logged metric whose name tells no direction ("weird_quantity" is neither a loss nor
+    # an accuracy-like name).
+    weird = mirrax.metrics.MeanMetricWrapper(lambda y, y_pred: y_pred[:, 0], name="weird_quantity")
+    model = identity_model(mirrored(2), metrics=[weird])
     stop = mirrax.callbacks.EarlyStopping(monitor="weird_quantity")
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match="mode"):
         model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), callbacks=[stop], verbose=0)
 
 

@@ -47,7 +47,7 @@ class Loss:
 
     def __init__(self, name: str | None = None):
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+            raise errors.InvalidArgumentTypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
         self.name = name or self.default_name
 
     def _elementwise(self, y_true, y_pred):
@@ -70,7 +70,7 @@ class Loss:
         """
         y_pred = jnp.asarray(y_pred)
         if y_pred.ndim == 0:
-            raise ValueError(
+            raise errors.IncompatibleInputError(
                 f"{type(self).__name__}: y_pred must have a leading batch axis, but received a "
                 "scalar. Pass the predictions for a batch of examples, shape (batch, ...)."
             )
@@ -108,7 +108,7 @@ class Loss:
         if weight.ndim <= 1:
             per_example = self.per_example(y_true, y_pred)
             if weight.ndim == 1 and weight.shape != per_example.shape:
-                raise ValueError(
+                raise errors.IncompatibleInputError(
                     f"{self.name}: sample_weight has {weight.shape[0]} entries but the batch has "
                     f"{per_example.shape[0]} examples; pass one weight per example."
                 )
@@ -116,7 +116,7 @@ class Loss:
         y_pred = jnp.asarray(y_pred)
         elementwise = self._elementwise(y_true, y_pred)
         if weight.ndim > elementwise.ndim or weight.shape != elementwise.shape[:weight.ndim]:
-            raise ValueError(
+            raise errors.IncompatibleInputError(
                 f"{self.name}: sample_weight of shape {weight.shape} fits neither the batch "
                 f"{elementwise.shape[:1]} nor the leading axes of the element loss "
                 f"{elementwise.shape}; pass one weight per example, shape (batch,), or e.g. "
@@ -141,13 +141,18 @@ class LossFunctionWrapper(Loss):
     """
 
     def __init__(self, fn: Callable, name: str | None = None):
+        if not callable(fn):
+            raise errors.InvalidArgumentTypeError(
+                f"LossFunctionWrapper needs a function fn(y_true, y_pred) -> per-example loss; "
+                f"received {type(fn).__name__} {fn!r:.60}."
+            )
         super().__init__(name=name or getattr(fn, "__name__", "loss"))
         self.fn = fn
 
     def _elementwise(self, y_true, y_pred):
         values = jnp.asarray(self.fn(y_true, y_pred))
         if values.ndim == 0:
-            raise ValueError(
+            raise errors.IncompatibleInputError(
                 f"loss function {self.name!r} returned a scalar; it must return one loss per "
                 f"example, shape (batch, ...) (Keras's reduction=None), for batch size "
                 f"{y_pred.shape[0]}. Remove the final mean/sum from the function."
@@ -165,7 +170,7 @@ def sparse_labels(name: str, y_true, y_pred, one_hot_class: str):
     if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
         labels = labels.reshape(labels.shape[:-1])
     if y_pred.ndim < 2 or labels.shape != y_pred.shape[:-1]:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{name}: y_true of shape {jnp.shape(y_true)} does not fit y_pred of shape "
             f"{y_pred.shape}; expected integer labels of shape {y_pred.shape[:-1]} (or with "
             "a trailing 1) for predictions of shape (batch, ..., num_classes). For one-hot "
@@ -196,7 +201,7 @@ class SparseCategoricalCrossentropy(Loss):
 
     def __init__(self, from_logits: bool = False, name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = bool(from_logits)
+        self.from_logits = check_flag(type(self).__name__, "from_logits", from_logits)
 
     def _elementwise(self, y_true, y_pred):
         y_pred = y_pred.astype(jnp.float32)
@@ -230,7 +235,7 @@ class SparseCategoricalCrossentropy(Loss):
         """
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
                 or num_classes < 1:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"check_labels: num_classes must be a positive int (the size of y_pred's last "
                 f"axis); received {num_classes!r}."
             )
@@ -263,7 +268,7 @@ class _SmoothedCrossentropy(Loss):
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
                  name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = bool(from_logits)
+        self.from_logits = check_flag(type(self).__name__, "from_logits", from_logits)
         self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
 
 
@@ -290,7 +295,7 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
         y_pred = y_pred.astype(jnp.float32)
         labels = jnp.asarray(y_true, jnp.float32)
         if labels.shape != y_pred.shape or y_pred.ndim < 2:
-            raise ValueError(
+            raise errors.IncompatibleInputError(
                 f"{self.name}: y_true of shape {labels.shape} does not match y_pred of shape "
                 f"{y_pred.shape}; both must be (batch, ..., num_classes) with one-hot labels. "
                 "For integer class ids use SparseCategoricalCrossentropy."
@@ -372,8 +377,12 @@ class Huber(Loss):
 
     def __init__(self, delta: float = 1.0, name: str | None = None):
         super().__init__(name=name)
+        if isinstance(delta, bool) or not isinstance(delta, (int, float, np.number)) \
+                or np.ndim(delta):
+            raise errors.InvalidArgumentTypeError(
+                f"Huber: delta must be a float; received {type(delta).__name__} {delta!r}.")
         if not delta > 0:
-            raise ValueError(f"Huber: delta must be a positive float; received {delta!r}.")
+            raise errors.InvalidArgumentError(f"Huber: delta must be a positive float; received {delta!r}.")
         self.delta = float(delta)
 
     def _elementwise(self, y_true, y_pred):
@@ -457,9 +466,23 @@ def _clip(probs):
     return jnp.clip(probs, EPSILON, 1.0 - EPSILON)
 
 
+def check_flag(owner: str, name: str, value) -> bool:
+    """`value` if it is a bool (a string such as 'yes' would silently count as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise errors.InvalidArgumentTypeError(
+            f"{owner}: {name} must be True or False; received {type(value).__name__} {value!r}."
+        )
+    return bool(value)
+
+
 def _check_smoothing(label_smoothing, owner: str) -> float:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.number)):
+        raise errors.InvalidArgumentTypeError(
+            f"{owner}: label_smoothing must be a float in [0, 1]; received "
+            f"{type(label_smoothing).__name__} {label_smoothing!r}."
+        )
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"{owner}: label_smoothing must be a float in [0, 1]; received {label_smoothing!r}."
         )
     return float(label_smoothing)
@@ -487,7 +510,7 @@ def match_rank(a, b):
 def _same_shape(name: str, y_true, y_pred):
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
     if y_true.shape != y_pred.shape:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{name}: y_true of shape {jnp.shape(y_true)} does not match y_pred of shape "
             f"{jnp.shape(y_pred)}; give targets of the predictions' shape (a trailing axis of "
             "size 1 may be added or left out)."

@@ -25,6 +25,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mirrax import errors
@@ -56,9 +57,9 @@ class Metric(nnx.Pytree):
 
     def __init__(self, name: str | None = None, dtype=None):
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+            raise errors.InvalidArgumentTypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
         if dtype is not None and jnp.dtype(dtype) != jnp.float32:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{type(self).__name__}: mirrax metrics keep float32 state; received "
                 f"dtype={dtype!r}. Leave dtype unset (cast the result if you need another type)."
             )
@@ -215,6 +216,11 @@ class MeanMetricWrapper(Mean):
     """
 
     def __init__(self, fn: Callable, name: str | None = None, dtype=None, **kwargs):
+        if not callable(fn):
+            raise errors.InvalidArgumentTypeError(
+                f"MeanMetricWrapper needs a function fn(y_true, y_pred) -> per-example values; "
+                f"received {type(fn).__name__} {fn!r:.60}."
+            )
         super().__init__(name=name or getattr(fn, "__name__", None), dtype=dtype)
         self.fn = fn
         self.fn_kwargs = tuple(sorted(kwargs.items()))
@@ -263,6 +269,11 @@ class BinaryAccuracy(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "binary_accuracy", dtype=None, threshold: float = 0.5):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.number)):
+            raise errors.InvalidArgumentTypeError(
+                f"BinaryAccuracy: threshold must be a float; received {type(threshold).__name__} "
+                f"{threshold!r}. Pass e.g. 0.5 (0.0 for logits)."
+            )
         super().__init__(_binary_accuracy, name=name, dtype=dtype, threshold=float(threshold))
 
 
@@ -335,10 +346,24 @@ class _ConfusionMetric(Metric):
 
     def __init__(self, thresholds: tuple, top_k, class_id, from_logits: bool, name, dtype):
         super().__init__(name=name, dtype=dtype)
+        owner = type(self).__name__
+        for argument, value in (("top_k", top_k), ("class_id", class_id)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise errors.InvalidArgumentTypeError(
+                    f"{owner}: {argument} must be an int or None; received "
+                    f"{type(value).__name__} {value!r}."
+                )
+            if value < (1 if argument == "top_k" else 0):
+                raise errors.InvalidArgumentError(
+                    f"{owner}: {argument} must be >= {1 if argument == 'top_k' else 0}; "
+                    f"received {argument}={value!r}."
+                )
         self.thresholds = thresholds
         self.top_k = top_k
         self.class_id = class_id
-        self.from_logits = from_logits
+        self.from_logits = losses_lib.check_flag(owner, "from_logits", from_logits)
         for count in self._COUNTS:
             zeros = jnp.zeros((len(thresholds),), jnp.float32)
             setattr(self, count, nnx.metrics.MetricState(zeros))
@@ -368,8 +393,9 @@ def _thresholds_argument(owner: str, thresholds, top_k) -> tuple[tuple, bool]:
     if thresholds is None:
         return ((0.5 if top_k is None else _NEG_INF),), True
     values = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
-    if not values or any(not 0.0 <= float(t) <= 1.0 for t in values):
-        raise ValueError(
+    if not values or any(isinstance(t, (bool, str)) or not isinstance(t, (int, float, np.number))
+                         or not 0.0 <= float(t) <= 1.0 for t in values):
+        raise errors.InvalidArgumentError(
             f"{owner}: thresholds must be a float or a non-empty list of floats in [0, 1]; "
             f"received thresholds={thresholds!r}."
         )
@@ -475,22 +501,22 @@ class AUC(_ConfusionMetric):
         else:
             if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) \
                     or num_thresholds <= 1:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"AUC: num_thresholds must be an integer > 1; received {num_thresholds!r}."
                 )
             inner = tuple((i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2))
         if not isinstance(curve, str) or curve.upper() not in ("ROC", "PR"):
-            raise ValueError(f"AUC: curve must be 'ROC' or 'PR'; received {curve!r}.")
+            raise errors.InvalidArgumentError(f"AUC: curve must be 'ROC' or 'PR'; received {curve!r}.")
         methods = ("interpolation", "minoring", "majoring")
         if not isinstance(summation_method, str) or summation_method.lower() not in methods:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"AUC: summation_method must be one of {', '.join(map(repr, methods))}; "
                 f"received {summation_method!r}."
             )
         self.curve = curve.upper()
         self.summation_method = summation_method.lower()
         edges = (0.0 - losses_lib.EPSILON,) + inner + (1.0 + losses_lib.EPSILON,)
-        super().__init__(edges, None, None, bool(from_logits), name, dtype)
+        super().__init__(edges, None, None, from_logits, name, dtype)
 
     @property
     def num_thresholds(self) -> int:
@@ -675,7 +701,7 @@ def _confusion_counts(metric: _ConfusionMetric, y_true, y_pred, sample_weight) -
     if metric.from_logits:
         y_pred = jax.nn.sigmoid(y_pred)
     if y_pred.ndim == 0:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{metric.name}: y_pred must have a leading batch axis, but received a scalar; pass "
             "the predictions for a batch of examples."
         )
@@ -686,7 +712,7 @@ def _confusion_counts(metric: _ConfusionMetric, y_true, y_pred, sample_weight) -
         y_pred = jnp.where(keep, y_pred, _NEG_INF)
     if metric.class_id is not None:
         if not 0 <= metric.class_id < y_pred.shape[-1]:
-            raise ValueError(
+            raise errors.IncompatibleInputError(
                 f"{metric.name}: class_id={metric.class_id} is outside y_pred's last axis of "
                 f"size {y_pred.shape[-1]}; pass a class index in [0, {y_pred.shape[-1]})."
             )
@@ -725,7 +751,7 @@ def _batch_mask(owner: str, batch_size: int):
     if mask is None:
         return None
     if mask.shape[0] != batch_size:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{owner}: update_state received {batch_size} examples but this replica's batch has "
             f"{mask.shape[0]} rows; update metrics inside strategy.run with the per-example "
             "values of the batch that run passed in (not gathered or reduced ones)."
@@ -742,7 +768,7 @@ def _align_weight(owner: str, sample_weight, shape: tuple):
         return jnp.broadcast_to(weight, shape[:1])
     lead = shape[:weight.ndim]
     if weight.ndim > len(shape) or any(w not in (1, s) for w, s in zip(weight.shape, lead)):
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{owner}: sample_weight of shape {weight.shape} does not fit values of shape "
             f"{tuple(shape)}; pass a scalar, one weight per example (shape {tuple(shape[:1])}), "
             "or an array matching the leading axes of the values."
@@ -753,7 +779,7 @@ def _align_weight(owner: str, sample_weight, shape: tuple):
 def _scalar_weight(owner: str, sample_weight):
     weight = jnp.asarray(sample_weight, jnp.float32)
     if weight.size != 1:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{owner}: a scalar value takes a scalar sample_weight; received sample_weight of "
             f"shape {weight.shape}. Pass per-example values of shape (batch,) to weight each."
         )
@@ -762,7 +788,7 @@ def _scalar_weight(owner: str, sample_weight):
 
 def _check_same_shape(owner: str, y_true, y_pred) -> None:
     if y_true.shape != y_pred.shape:
-        raise ValueError(
+        raise errors.IncompatibleInputError(
             f"{owner}: y_true of shape {y_true.shape} does not match y_pred of shape "
             f"{y_pred.shape}; give labels of the predictions' shape (a trailing axis of size 1 "
             "may be added or left out)."

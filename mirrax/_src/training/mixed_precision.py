@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mirrax import errors
+
 _POLICIES = {
     "float32": ("float32", "float32"),
     "float16": ("float16", "float16"),
@@ -46,14 +48,20 @@ class Policy:
       variable_dtype: dtype of the variables ("float32" for the mixed policies).
 
     Raises:
-      ValueError: an unknown name (the message lists the known ones).
+      InvalidIdentifierError (a ValueError): an unknown name (the message lists the known
+        ones). InvalidArgumentTypeError: a name that is not a str.
     """
 
     def __init__(self, name: str):
         if isinstance(name, Policy):
             name = name.name
+        if not isinstance(name, str):
+            raise errors.InvalidArgumentTypeError(
+                f"A dtype policy is named by a str (or is a Policy); received "
+                f"{type(name).__name__} {name!r}. Pass e.g. 'mixed_bfloat16'."
+            )
         if name not in _POLICIES:
-            raise ValueError(
+            raise errors.InvalidIdentifierError(
                 f"Unknown dtype policy {name!r}; known policies: {', '.join(_POLICIES)}."
             )
         self.name = name

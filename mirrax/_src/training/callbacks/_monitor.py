@@ -16,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 
+from mirrax import errors
+
 _UP = (
     "acc", "auc", "precision", "recall", "f1_score", "fbeta_score", "iou", "r2_score",
     "true_positives", "true_negatives", "cosine_similarity", "correlation", "sensitivity",
@@ -87,41 +89,74 @@ def missing_monitor_message(owner: str, monitor: str, logs: dict) -> str:
     )
 
 
+def check_learning_rate(model, owner: str) -> None:
+    """Raises unless `model.optimizer.learning_rate` can be read and set (call at train begin).
+
+    Raises:
+      FixedLearningRateError: the optimizer's learning rate is a constant (e.g. optax.adam(1e-3)).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not hasattr(optimizer, "learning_rate"):
+        raise errors.FixedLearningRateError(
+            f"{owner} changes the learning rate, but the model's optimizer keeps it as a fixed "
+            "constant (an optax optimizer such as optax.adam(1e-3) bakes the rate into its "
+            "update). Compile with a name such as 'adam' (Keras's defaults), or with "
+            "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), which keeps the rate in "
+            "the optimizer state so callbacks can change it without recompiling."
+        )
+
+
 def get_learning_rate(model, owner: str) -> float:
     """`model.optimizer.learning_rate` as a Python float.
 
     Raises:
-      ValueError: the model has no optimizer or the optimizer no `learning_rate`.
+      FixedLearningRateError: the model has no optimizer or the optimizer no `learning_rate`.
     """
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not hasattr(optimizer, "learning_rate"):
-        raise ValueError(
-            f"{owner} needs model.optimizer.learning_rate, but the model's optimizer "
-            f"({type(optimizer).__name__}) has none. Compile the model with an optimizer "
-            "whose learning rate is a hyperparameter, e.g. 'adam' or "
-            "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
-        )
-    return float(np.asarray(optimizer.learning_rate))
+    check_learning_rate(model, owner)
+    return float(np.asarray(model.optimizer.learning_rate))
+
+
+def check_monitor_is_logged(owner: str, monitor: str, params: dict) -> None:
+    """Raises when fit's logs (`params["metrics"]`, set by `Model.fit`) will never hold `monitor`.
+
+    Keras 3 warns at every epoch end instead and trains on; a misspelt monitor then silently
+    does nothing, so mirrax refuses it before the first step.
+
+    Raises:
+      InvalidArgumentError: `monitor` is not among the log keys.
+    """
+    keys = (params or {}).get("metrics")
+    if keys is None or monitor in keys:
+        return
+    hint = (
+        " Validation keys (val_*) appear only when fit is given validation_data or "
+        "validation_split."
+        if monitor.startswith("val_") and not any(k.startswith("val_") for k in keys) else ""
+    )
+    raise errors.InvalidArgumentError(
+        f"{owner}: monitor={monitor!r} is not among the logs of this fit, which hold: "
+        f"{', '.join(keys)}. Pass one of them as monitor.{hint}"
+    )
 
 
 def to_learning_rate(value, owner: str) -> float:
     """A schedule's result as a Python float.
 
     Raises:
-      ValueError: `value` is not a real number (or a 0-d array of one), or is NaN.
+      InvalidArgumentError: `value` is not a real number (or a 0-d array of one), or is NaN.
     """
     if isinstance(value, (bool, str, bytes)) or np.ndim(value) != 0:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"{owner}: the schedule must return a float learning rate; it returned "
             f"{type(value).__name__} {value!r}. Return e.g. `lr * 0.5`."
         )
     try:
         rate = float(value)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"{owner}: the schedule must return a float learning rate; it returned "
             f"{type(value).__name__} {value!r}. Return e.g. `lr * 0.5`."
         ) from None
     if math.isnan(rate):
-        raise ValueError(f"{owner}: the schedule returned a NaN learning rate ({value!r}).")
+        raise errors.InvalidArgumentError(f"{owner}: the schedule returned a NaN learning rate ({value!r}).")
     return rate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from mirrax import errors
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.callbacks.history import History
 from mirrax._src.training.callbacks.progbar_logger import ProgbarLogger
@@ -15,7 +16,7 @@ def _flatten(callbacks) -> list:
     if isinstance(callbacks, Callback):
         return [callbacks]
     if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             "callbacks must be a list of mirrax.callbacks.Callback instances; received "
             f"{type(callbacks).__name__} {callbacks!r}. Pass e.g. "
             "callbacks=[mirrax.callbacks.EarlyStopping()]."
@@ -25,7 +26,7 @@ def _flatten(callbacks) -> list:
         flat.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
     for item in flat:
         if not isinstance(item, Callback):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "callbacks must be mirrax.callbacks.Callback instances; received a "
                 f"{type(item).__name__} ({item!r}). Subclass mirrax.callbacks.Callback, or "
                 "wrap functions in mirrax.callbacks.LambdaCallback(on_epoch_end=...)."

@@ -9,6 +9,8 @@ from typing import Optional
 
 import numpy as np
 
+from mirrax import errors
+from mirrax._src.training.callbacks import _args
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
@@ -44,9 +46,19 @@ class CSVLogger(Callback):
 
     def __init__(self, filename, separator: str = ",", append: bool = False):
         super().__init__()
+        if not isinstance(filename, (str, os.PathLike)):
+            raise errors.InvalidArgumentTypeError(
+                "CSVLogger: filename must be a path (str or os.PathLike); received "
+                f"{type(filename).__name__} {filename!r}."
+            )
+        if not isinstance(separator, str) or len(separator) != 1:
+            raise errors.InvalidArgumentError(
+                f"CSVLogger: separator must be one character (the csv module's delimiter); "
+                f"received {separator!r}. Pass e.g. ',' or ';' or '\\t'."
+            )
         self.filename = os.fspath(filename)
         self.sep = separator
-        self.append = append
+        self.append = _args.flag("CSVLogger", "append", append)
         self.keys: Optional[list] = None
         self.writer = None
         self.csv_file = None
@@ -56,7 +68,7 @@ class CSVLogger(Callback):
         """Opens the file (truncating it unless `append`).
 
         Raises:
-          FileNotFoundError: the file's folder does not exist.
+          MissingFolderError (a FileNotFoundError): the file's folder does not exist.
         """
         if not is_chief():
             return
@@ -72,7 +84,7 @@ class CSVLogger(Callback):
             self.csv_file.close()
         folder = os.path.dirname(os.path.abspath(self.filename))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(
+            raise errors.MissingFolderError(
                 f"CSVLogger cannot write {self.filename!r}: the folder {folder!r} does not "
                 "exist. Create it first (os.makedirs(folder, exist_ok=True)) or pass another "
                 "filename."

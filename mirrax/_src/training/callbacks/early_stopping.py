@@ -5,7 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from mirrax._src.training.callbacks import _monitor
+from mirrax import errors
+from mirrax._src.training.callbacks import _args, _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -47,8 +48,12 @@ class EarlyStopping(Callback):
       wait: epochs since the last improvement that beat the baseline.
 
     Raises:
-      ValueError: at the start of training when `mode="auto"` and the direction of `monitor`
-        cannot be inferred; pass `mode="min"` or `mode="max"`.
+      InvalidArgumentTypeError / InvalidArgumentError: an argument of the wrong type or range
+        (`patience=-1`, `monitor=None`, ...).
+      InvalidArgumentError: at the start of training, when `monitor` is not among the keys
+        `fit` will log (the message lists them; Keras warns at every epoch end instead), or
+        when `mode="auto"` and the direction of `monitor` cannot be inferred (pass
+        `mode="min"` or `mode="max"`).
 
     Warns:
       UserWarning: at the end of an epoch whose logs lack `monitor`; that epoch is skipped.
@@ -58,14 +63,15 @@ class EarlyStopping(Callback):
                  verbose: int = 0, mode: str = "auto", baseline: Optional[float] = None,
                  restore_best_weights: bool = False, start_from_epoch: int = 0):
         super().__init__()
-        self.monitor = monitor
-        self.min_delta = abs(min_delta)
-        self.patience = patience
-        self.verbose = verbose
-        self.mode = _monitor.check_mode(mode, "EarlyStopping")
-        self.baseline = baseline
-        self.restore_best_weights = restore_best_weights
-        self.start_from_epoch = start_from_epoch
+        owner = "EarlyStopping"
+        self.monitor = _args.monitor(owner, monitor)
+        self.min_delta = abs(_args.number(owner, "min_delta", min_delta))
+        self.patience = _args.count(owner, "patience", patience)
+        self.verbose = _args.verbose(owner, verbose)
+        self.mode = _monitor.check_mode(mode, owner)
+        self.baseline = _args.number(owner, "baseline", baseline, allow_none=True)
+        self.restore_best_weights = _args.flag(owner, "restore_best_weights", restore_best_weights)
+        self.start_from_epoch = _args.count(owner, "start_from_epoch", start_from_epoch)
         self.monitor_op: Optional[str] = None  # "min" or "max" once resolved
         self.wait = 0
         self.stopped_epoch = 0
@@ -79,7 +85,7 @@ class EarlyStopping(Callback):
             return
         self.monitor_op = _monitor.infer_mode(self.monitor, self.model)
         if self.monitor_op is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"EarlyStopping received monitor={self.monitor!r} with mode='auto', but cannot "
                 "tell whether that quantity should be minimized or maximized (auto knows "
                 "losses and errors, minimized, and accuracy, AUC, precision, recall and other "
@@ -92,8 +98,10 @@ class EarlyStopping(Callback):
         """Resets the state (so an instance can be reused) and resolves `mode="auto"`.
 
         Raises:
-          ValueError: the direction of `monitor` cannot be inferred.
+          InvalidArgumentError: `monitor` is not among the keys fit will log, or the direction
+            of `monitor` cannot be inferred.
         """
+        _monitor.check_monitor_is_logged("EarlyStopping", self.monitor, self.params)
         self.wait = 0
         self.stopped_epoch = 0
         self.best = None

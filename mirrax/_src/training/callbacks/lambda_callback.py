@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from mirrax import errors
 from mirrax._src.training.callbacks.callback import HOOKS, Callback
 
 
@@ -31,7 +32,7 @@ class LambdaCallback(Callback):
         super().__init__()
         unknown = sorted(set(kwargs) - set(HOOKS))
         if unknown:
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"LambdaCallback got {', '.join(repr(k) for k in unknown)}, which "
                 f"{'is not a hook' if len(unknown) == 1 else 'are not hooks'} of "
                 f"mirrax.callbacks.Callback. The hooks are: {', '.join(HOOKS)}."
@@ -46,7 +47,7 @@ class LambdaCallback(Callback):
             if function is None:
                 continue
             if not callable(function):
-                raise TypeError(
+                raise errors.InvalidArgumentTypeError(
                     f"LambdaCallback: {name} must be a function; received "
                     f"{type(function).__name__} {function!r}."
                 )

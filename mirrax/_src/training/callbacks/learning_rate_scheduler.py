@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
-from mirrax._src.training.callbacks import _monitor
+from mirrax import errors
+from mirrax._src.training.callbacks import _args, _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -42,20 +43,30 @@ class LearningRateScheduler(Callback):
       verbose: 1 prints "Epoch N: LearningRateScheduler setting learning rate to R." (N 1-based).
 
     Raises:
-      TypeError: `schedule` is not callable.
-      ValueError: at an epoch start, the schedule returned something other than a real number
-        (or a 0-d array of one), or the model's optimizer has no `learning_rate`.
+      InvalidArgumentTypeError: `schedule` is not callable.
+      FixedLearningRateError: at the start of training, the optimizer's learning rate is a
+        constant (`optax.adam(1e-3)`); compile with "adam" or `optax.inject_hyperparams`.
+      InvalidArgumentError: at an epoch start, the schedule returned something other than a
+        real number (or a 0-d array of one).
     """
 
     def __init__(self, schedule: Callable, verbose: int = 0):
         super().__init__()
         if not callable(schedule):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "LearningRateScheduler needs a function schedule(epoch, lr) -> new lr; "
                 f"received {type(schedule).__name__} {schedule!r}."
             )
         self.schedule = schedule
-        self.verbose = verbose
+        self.verbose = _args.verbose("LearningRateScheduler", verbose)
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Checks, before any step, that the optimizer's learning rate can be set.
+
+        Raises:
+          FixedLearningRateError: the optimizer's rate is a constant (e.g. optax.adam(1e-3)).
+        """
+        _monitor.check_learning_rate(self.model, "LearningRateScheduler")
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         """Sets `model.optimizer.learning_rate = schedule(epoch, current rate)`."""

@@ -7,7 +7,8 @@ from typing import Optional
 
 import numpy as np
 
-from mirrax._src.training.callbacks import _monitor
+from mirrax import errors
+from mirrax._src.training.callbacks import _args, _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -41,8 +42,12 @@ class ReduceLROnPlateau(Callback):
       min_lr: the rate is never cut below it.
 
     Raises:
-      ValueError: `factor >= 1`; or, at an epoch end, the model's optimizer has no
-        `learning_rate`.
+      InvalidArgumentError / InvalidArgumentTypeError: `factor` not in [0, 1), a negative
+        `patience` / `cooldown` / `min_lr`, or an argument of the wrong type.
+      FixedLearningRateError: at the start of training, the optimizer's learning rate is a
+        constant (`optax.adam(1e-3)`); compile with "adam" or `optax.inject_hyperparams`.
+      InvalidArgumentError: at the start of training, `monitor` is not among the keys `fit`
+        will log (Keras warns at every epoch end instead).
 
     Warns:
       UserWarning: at the end of an epoch whose logs lack `monitor`.
@@ -50,21 +55,32 @@ class ReduceLROnPlateau(Callback):
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
                  verbose: int = 0, mode: str = "auto", min_delta: float = 1e-4,
-                 cooldown: int = 0, min_lr: float = 0.0):
+                 cooldown: int = 0, min_lr: float = 0.0, **kwargs):
         super().__init__()
-        if factor >= 1.0:
-            raise ValueError(
-                "ReduceLROnPlateau does not support a factor >= 1.0 (the rate is multiplied by "
-                f"it and must go down); received factor={factor}. Pass e.g. factor=0.5."
+        owner = "ReduceLROnPlateau"
+        if kwargs:
+            raise errors.UnsupportedArgumentError(
+                f"ReduceLROnPlateau got {', '.join(map(repr, sorted(kwargs)))}, which it does "
+                "not take" + ("; epsilon is tf.keras 1's name of min_delta: pass min_delta="
+                              if "epsilon" in kwargs else "")
+                + ". Its arguments are monitor, factor, patience, verbose, mode, min_delta, "
+                "cooldown, min_lr."
             )
-        self.monitor = monitor
+        factor = _args.number(owner, "factor", factor)
+        if not 0.0 <= factor < 1.0:
+            raise errors.InvalidArgumentError(
+                "ReduceLROnPlateau does not support a factor >= 1.0 or < 0 (the rate is "
+                f"multiplied by it and must go down); received factor={factor}. Pass e.g. "
+                "factor=0.5."
+            )
+        self.monitor = _args.monitor(owner, monitor)
         self.factor = factor
-        self.patience = patience
-        self.verbose = verbose
-        self.mode = _monitor.check_mode(mode, "ReduceLROnPlateau")
-        self.min_delta = min_delta
-        self.cooldown = cooldown
-        self.min_lr = min_lr
+        self.patience = _args.count(owner, "patience", patience)
+        self.verbose = _args.verbose(owner, verbose)
+        self.mode = _monitor.check_mode(mode, owner)
+        self.min_delta = _args.number(owner, "min_delta", min_delta)
+        self.cooldown = _args.count(owner, "cooldown", cooldown)
+        self.min_lr = _args.number(owner, "min_lr", min_lr, minimum=0.0)
         self.cooldown_counter = 0
         self.wait = 0
         self.monitor_op: str = "min"
@@ -90,7 +106,14 @@ class ReduceLROnPlateau(Callback):
         return self.cooldown_counter > 0
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Resets the best value, `wait` and the cooldown (so an instance can be reused)."""
+        """Checks the optimizer and the monitor; resets the best value, `wait` and the cooldown.
+
+        Raises:
+          FixedLearningRateError: the optimizer's learning rate cannot be changed.
+          InvalidArgumentError: `monitor` is not among the keys fit will log.
+        """
+        _monitor.check_learning_rate(self.model, "ReduceLROnPlateau")
+        _monitor.check_monitor_is_logged("ReduceLROnPlateau", self.monitor, self.params)
         self._reset()
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from mirrax import errors
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
@@ -93,8 +94,10 @@ class TensorBoard(Callback):
       embeddings_metadata: must be None.
 
     Raises:
-      ValueError: an invalid `update_freq`, `histogram_freq` or `profile_batch`, or
-        `write_images` / `embeddings_freq` / `embeddings_metadata` set.
+      InvalidArgumentError (a ValueError): an invalid `update_freq`, `histogram_freq` or
+        `profile_batch`.
+      UnsupportedArgumentError (a ValueError): `write_images` / `embeddings_freq` /
+        `embeddings_metadata` set.
       ImportError: tensorboardX is not installed (raised when the first file is written).
     """
 
@@ -109,23 +112,24 @@ class TensorBoard(Callback):
             isinstance(update_freq, (int, np.integer)) and not isinstance(update_freq, bool)
             and update_freq > 0
         ):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 "TensorBoard: update_freq must be 'epoch', 'batch' or a positive number of "
                 f"steps; received update_freq={update_freq!r}."
             )
-        if not isinstance(histogram_freq, (int, np.integer)) or histogram_freq < 0:
-            raise ValueError(
+        if isinstance(histogram_freq, bool) or not isinstance(histogram_freq, (int, np.integer)) \
+                or histogram_freq < 0:
+            raise errors.InvalidArgumentError(
                 "TensorBoard: histogram_freq must be a non-negative number of epochs (0 "
                 f"disables histograms); received histogram_freq={histogram_freq!r}."
             )
         if write_images:
-            raise ValueError(
+            raise errors.UnsupportedArgumentError(
                 "TensorBoard: write_images=True is not supported by mirrax (weights are not "
                 "written as images). Pass write_images=False; histogram_freq=N writes weight "
                 "histograms."
             )
         if embeddings_freq or embeddings_metadata is not None:
-            raise ValueError(
+            raise errors.UnsupportedArgumentError(
                 "TensorBoard: the embedding projector is not supported by mirrax; received "
                 f"embeddings_freq={embeddings_freq!r}, embeddings_metadata="
                 f"{embeddings_metadata!r}. Leave them at 0 and None."
