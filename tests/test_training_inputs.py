@@ -176,6 +176,20 @@ def test_a_misspelt_monitor_is_refused_before_any_step_listing_the_logs():
     assert model.optimizer.iterations == 0
 
 
+def test_a_monitor_logged_by_a_users_callback_is_accepted_as_in_keras():
+    # A callback of the user's own may write a key into the epoch logs (Keras allows it), so
+    # with one in the list the key is looked for at each epoch end instead of refused up front.
+    class LogsTwiceTheLoss(mirrax.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["twice_loss"] = 2 * logs["loss"]
+
+    _, _, x, y = mlp_data()
+    model = mlp_model(mirrored(2))
+    stop = mirrax.callbacks.EarlyStopping(monitor="twice_loss", mode="min", patience=0)
+    model.fit(x, y, epochs=2, callbacks=[LogsTwiceTheLoss(), stop], verbose=0)
+    assert stop.best == pytest.approx(2 * min(model.history.history["loss"]))
+
+
 def test_inputs_that_do_not_fit_the_model_are_named_before_any_step():
     _, _, x, y = mlp_data()
     model = mlp_model(mirrored(2))

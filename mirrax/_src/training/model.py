@@ -442,7 +442,7 @@ class Model:
         cbs = callbacks_lib.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, model=self,
             verbose=verbose, epochs=epochs, steps=steps,
-            metrics=self._log_keys(validation=val is not None),
+            metrics=self._log_keys(validation=val is not None, callbacks=callbacks),
         )
         self.stop_training = False
         self.module.train()
@@ -501,8 +501,12 @@ class Model:
         cbs.on_train_end(epoch_logs if epochs > first_epoch else {})
         return self.history
 
-    def _log_keys(self, validation: bool) -> list:
-        """The keys fit's epoch logs will hold (callbacks get them as params["metrics"])."""
+    def _log_keys(self, validation: bool, callbacks=None):
+        """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
+        None when a callback of the user's own may add keys (as Keras's callbacks may write
+        into the logs): the monitoring callbacks then look for their key at each epoch end."""
+        if any(not type(c).__module__.startswith("mirrax.") for c in callbacks or []):
+            return None
         keys = ["loss"] + list(self._metric_names)
         if validation:
             keys += [f"val_{key}" for key in keys]
