@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 $(BIN)/mirrax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	PYTHONWARNINGS=ignore $(BIN)/pip install --quiet -e ".[test]"
 	touch $(BIN)/mirrax
 
 install: $(BIN)/mirrax

@@ -277,3 +277,14 @@ def test_non_numeric_leaves_are_named():
     dataset = mirrored(2).experimental_distribute_dataset([np.array(["a", "b"])])
     with pytest.raises(mirrax.errors.InvalidBatchError, match=r"batch has dtype <U1, which is not numeric"):
         next(iter(dataset))
+
+
+def test_torch_tensors_that_track_gradients_are_batches():
+    torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+    strategy = mirrored(2)
+    # A tensor that requires grad has no direct .numpy(); the pipeline detaches it first.
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2).requires_grad_()
+    (batch,) = strategy.experimental_distribute_dataset([(x, torch.arange(4))])
+    shards = strategy.experimental_local_results(batch[0])
+    np.testing.assert_array_equal(np.concatenate(shards), np.arange(8, dtype=np.float32).reshape(4, 2))
+    assert [len(s) for s in strategy.experimental_local_results(batch[1])] == [2, 2]

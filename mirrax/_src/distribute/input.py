@@ -274,6 +274,11 @@ def to_host_batch(batch):
     for path, leaf in with_paths:
         name = "batch" + jax.tree_util.keystr(path)
         if hasattr(leaf, "numpy") and not isinstance(leaf, (np.ndarray, jax.Array)):
+            # A torch tensor that tracks gradients or lives on a GPU has no direct .numpy().
+            if hasattr(leaf, "detach"):
+                leaf = leaf.detach()
+            if hasattr(leaf, "cpu"):
+                leaf = leaf.cpu()
             leaf = leaf.numpy()
         if not isinstance(leaf, (np.ndarray, jax.Array, np.generic)):
             raise errors.InvalidBatchError(
