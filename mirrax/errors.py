@@ -95,5 +95,13 @@ class MissingExportError(MirraxError, FileNotFoundError):
     """`load_exported` found no artifact (or an incomplete one) at the path."""
 
 
+class ExistingPathError(MirraxError, FileExistsError):
+    """A save's path is taken: by a regular file, or (with `overwrite=False`) by an earlier save."""
+
+
+class InvalidExportError(MirraxError, ValueError):
+    """The artifact at the path given to `load_exported` is damaged (unreadable metadata, program or weights)."""
+
+
 class InvalidExportInputError(MirraxError, ValueError):
     """The input given to an exported model does not match its input signature."""

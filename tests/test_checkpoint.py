@@ -138,10 +138,12 @@ def test_dtype_difference_is_named(tmp_path):
 
 def test_missing_and_empty_directories(tmp_path):
     ckpt = mirrax.Checkpoint(net=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    with pytest.raises(mirrax.errors.MissingCheckpointError, match="no checkpoint directory"):
         ckpt.restore(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="not a readable mirrax checkpoint|holds no checkpoint items"):
+    with pytest.raises(mirrax.errors.InvalidCheckpointError,
+                       match="not a complete mirrax checkpoint: it has no _CHECKPOINT_METADATA "
+                             r"\(found an empty directory\)"):
         ckpt.restore(tmp_path / "empty")
 
 
