@@ -192,21 +192,23 @@ def _finish_interrupted_replace(path: str, complete) -> None:
         _delete(leftover)
 
 
-def _replace_atomically(path: str, write, complete=_is_complete) -> None:
+def _replace_atomically(path: str, write, complete=_is_complete, collective: bool = True) -> None:
     """Writes a directory at `path` with `write(target)`, replacing any old one atomically.
 
     `write(target)` must leave `target` complete or absent (Orbax commits by rename; export's
     writer does the same). The new directory is written beside the old one, then swapped in:
     with one exchange where the filesystem has it, else by renaming the old one aside and the
     new one in (a kill between the two leaves `path` missing; `_resolve` then reads the new
-    or the old one from beside it, and the next save completes the swap). Every process
-    calls this (Orbax writes from each); only process 0 renames and deletes.
+    or the old one from beside it, and the next save completes the swap). With `collective`,
+    every process calls this (Orbax writes from each) and only process 0 renames and deletes;
+    without, only the calling process is involved (export, which only process 0 writes).
     """
-    chief = jax.process_index() == 0
+    chief = jax.process_index() == 0 or not collective
     new, old = path + _NEW_SUFFIX, path + _OLD_SUFFIX
     if chief:
         _finish_interrupted_replace(path, complete)
-    _barrier(f"mirrax_replace_prepare:{path}")
+    if collective:
+        _barrier(f"mirrax_replace_prepare:{path}")
     write(new)
     if chief:
         if not os.path.isdir(path):
@@ -217,7 +219,8 @@ def _replace_atomically(path: str, write, complete=_is_complete) -> None:
             _rename(path, old)
             _rename(new, path)
             _remove_tree(old)
-    _barrier(f"mirrax_replace_commit:{path}")
+    if collective:
+        _barrier(f"mirrax_replace_commit:{path}")
 
 
 def _resolve(path: str, what: str, complete=_is_complete, missing=None) -> str:
@@ -309,7 +312,7 @@ def _parts(owner: Checkpoint, name: str, obj) -> list:
         return [_iterator_part(name, obj)]
     if isinstance(obj, (bool, int, float, np.ndarray, np.generic, jax.Array)):
         return [_value_part(name, owner, name)]
-    raise TypeError(
+    raise errors.InvalidArgumentTypeError(
         f"Checkpoint cannot track {name}={type(obj).__name__}; it tracks nnx.Module, "
         "nnx.Optimizer, mirrax metrics (nnx.Pytree), nnx.Variable, mirrax.Model, a "
         "DistributedIterator (its position), and plain numbers or arrays (step counters)."
@@ -617,7 +620,9 @@ class Checkpoint:
             if name == _SAVE_COUNTER:
                 object.__setattr__(self, name, value)
                 return
-            raise ValueError(f"Checkpoint cannot track a name that starts with '_': {name!r}.")
+            raise errors.InvalidArgumentError(
+                f"Checkpoint cannot track a name that starts with '_': {name!r}; rename it, "
+                "e.g. Checkpoint(model=...) (names starting with '_' are the Checkpoint's own).")
         _parts(self, name, value)  # validates the kind
         self._objects[name] = value
 
