@@ -523,10 +523,11 @@ def load_weights(model, filepath) -> None:
     elif len(modules) == 1:
         item = modules[0]
     else:
-        name = modules[0].rsplit(".", 1)[0] if modules else sorted(stored)[0]
+        items = sorted(set(stored) - {_SAVE_COUNTER}) or sorted(stored)
+        name = modules[0].rsplit(".", 1)[0] if modules else items[0]
         raise errors.IncompatibleCheckpointError(
             f"load_weights: the checkpoint at {path} holds no single model's weights (its "
-            f"items: {sorted(stored)}); load_weights reads what model.save_weights or "
+            f"items: {items}); load_weights reads what model.save_weights or "
             f"Checkpoint(model=model) wrote. Restore it with "
             f"mirrax.Checkpoint({name}=<the object saved>).restore({path!r})."
         )
