@@ -58,13 +58,13 @@ _QUIET_ORBAX_MESSAGES = (
     'Item "%s" was found in the checkpoint, but could not',  # items a restore leaves unread
     "Failed to get item metadata from directory",  # damaged metadata: mirrax raises
     "Waiting for previous save to complete took",  # mirrax waits on purpose
+    "Failed to json parse Metadata file",  # damaged metadata (an ERROR line): mirrax raises
 )
 
 
 class _OrbaxNoiseFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.WARNING
-                    and str(record.msg).startswith(_QUIET_ORBAX_MESSAGES))
+        return not str(record.msg).startswith(_QUIET_ORBAX_MESSAGES)
 
 
 _NOISE_FILTER = _OrbaxNoiseFilter()
@@ -79,6 +79,44 @@ def _quiet_orbax():
         yield
     finally:
         logger.removeFilter(_NOISE_FILTER)
+
+
+_UNRAISABLE_FILTER: list = []
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    error, tb = unraisable.exc_value, unraisable.exc_traceback
+    code = getattr(unraisable.object, "cr_code", None)  # an abandoned Orbax read coroutine
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+def _ignore_closed_loop_callbacks() -> None:
+    """After a failed restore, drops the "Event loop is closed" tracebacks that follow it.
+
+    When one TensorStore read fails (a truncated file), Orbax's `asyncio.run` ends and closes
+    its event loop while the other reads are still in flight; each of those later calls back
+    into the closed loop from a TensorStore thread, and Python prints "Exception ignored ...
+    RuntimeError: Event loop is closed" for it (and, when an abandoned read coroutine of
+    Orbax's is collected, "Exception ignored in: <coroutine ...>"), after mirrax has already
+    raised the clear error. The hook (installed once, chained to the current one) drops
+    exactly those.
+    """
+    if _UNRAISABLE_FILTER:
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _is_closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    _UNRAISABLE_FILTER.append(hook)
 
 
 def _checked_path(path, what: str) -> str:
@@ -475,6 +513,7 @@ def _restore_parts(path: str, what: str, parts: list, stored: dict, counter: boo
         with _quiet_orbax():
             restored = _checkpointer(list(targets)).restore(path, ocp.args.Composite(**targets))
     except Exception as e:  # Orbax wraps TensorStore's read errors in a bare Exception
+        _ignore_closed_loop_callbacks()
         raise errors.InvalidCheckpointError(
             f"{what}: could not read the arrays of the checkpoint at {path}; "
             f"a data file is truncated or corrupt ({_root_cause(e)}). Nothing was changed. "
