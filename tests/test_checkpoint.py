@@ -308,3 +308,25 @@ def test_load_weights_names_the_restoring_call_for_a_checkpoint_without_a_model(
                              r"checkpoint, \(2, 8\) in the model"):
         mirrax.Model(RngNet(0)).save_weights(tmp_path / "w")
         mirrax.Model(RngNet(1, width=8)).load_weights(tmp_path / "w")
+
+
+def test_a_save_never_replaces_a_file_or_a_directory_of_other_things(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    # Before: abspath('') is the working directory, and Orbax's force=True deleted it.
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match="the path is empty"):
+        mirrax.Checkpoint(step=0).save("")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="holds no checkpoint"):
+        mirrax.Checkpoint(step=0).save(tmp_path)
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        mirrax.Model(RngNet(0)).save_weights(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    # An empty directory, or a damaged checkpoint, is replaced.
+    (tmp_path / "empty").mkdir()
+    mirrax.Checkpoint(step=0).save(tmp_path / "empty")
+    path = mirrax.Checkpoint(step=1).save(tmp_path / "damaged")
+    os.remove(os.path.join(path, "_CHECKPOINT_METADATA"))
+    mirrax.Checkpoint(step=2).save(path)
+    ckpt = mirrax.Checkpoint(step=0)
+    ckpt.restore(path)
+    assert ckpt.step == 2

@@ -143,6 +143,28 @@ def _refuse_non_directory(path: str, what: str) -> None:
         )
 
 
+def _looks_like_checkpoint(path: str) -> bool:
+    """Whether a directory is (or was meant to be) an Orbax checkpoint, complete or damaged."""
+    names = os.listdir(path)
+    if not names or _METADATA_FILE in names or "commit_success.txt" in names:
+        return True
+    return any(os.path.isfile(os.path.join(path, n, "_METADATA")) for n in names)
+
+
+def _refuse_to_replace(path: str, what: str) -> None:
+    """A save replaces the whole directory at `path`: never a file, nor a directory of other
+    things (Orbax's `force=True` deleted whatever was there, e.g. the working directory for
+    `save('')`)."""
+    _refuse_non_directory(path, what)
+    if os.path.isdir(path) and not _looks_like_checkpoint(path):
+        found = sorted(os.listdir(path))
+        raise errors.ExistingPathError(
+            f"{what}: {path} is a directory that holds no checkpoint (found {found[:10]}); a "
+            "save replaces the whole directory, so mirrax refuses. Save to a new or empty "
+            "directory, e.g. a subdirectory of it."
+        )
+
+
 def _is_complete(path: str) -> bool:
     """Whether `path` looks like a committed Orbax checkpoint (cheap: no array is read)."""
     return os.path.isfile(os.path.join(path, _METADATA_FILE))
@@ -540,7 +562,7 @@ def save_weights(model, filepath, overwrite: bool = True) -> None:
         raise errors.InvalidArgumentTypeError(
             f"save_weights: overwrite must be True or False; received {overwrite!r}."
         )
-    _refuse_non_directory(path, "save_weights")
+    _refuse_to_replace(path, "save_weights")
     if os.path.exists(path) and not overwrite:
         raise errors.ExistingPathError(
             f"save_weights: {path} exists; pass overwrite=True to replace it."
@@ -612,10 +634,12 @@ class CheckpointLoadStatus:
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Raises AssertionError if a tracked object found nothing in the checkpoint."""
         if self.not_in_checkpoint:
+            hint = (" It holds 'weights' (Model.save_weights's output): read it with "
+                    "model.load_weights(path)." if "weights" in self.unused_in_checkpoint else "")
             raise AssertionError(
                 f"The checkpoint at {self.path} has nothing for {self.not_in_checkpoint}; "
                 "they kept their current values. Restore from a checkpoint that tracked them "
-                "under the same names."
+                f"under the same names.{hint}"
             )
         return self
 
@@ -687,11 +711,12 @@ class Checkpoint:
           The absolute path written.
 
         Raises:
-          ExistingPathError: `path` is a regular file (it is never replaced).
+          ExistingPathError: `path` is a regular file, or a non-empty directory that is no
+            checkpoint (neither is ever replaced).
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
         """
         path = _checked_path(path, "Checkpoint.save")
-        _refuse_non_directory(path, "Checkpoint.save")
+        _refuse_to_replace(path, "Checkpoint.save")
         self.save_counter += 1
         save_args = self._save_args()
         _replace_atomically(path, lambda target: _write_checkpoint(target, save_args))
