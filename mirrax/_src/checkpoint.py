@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import datetime
 import errno
+import json
 import logging
 import os
 import shutil
@@ -485,6 +486,7 @@ def _stored_items(path: str, what: str) -> dict:
             "Checkpoint.save or Model.save_weights (CheckpointManager.checkpoints lists the "
             "complete ones)."
         )
+    _check_listed_items(path, what)
     try:
         with _quiet_orbax():
             names = [n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))]
@@ -504,6 +506,23 @@ def _stored_items(path: str, what: str) -> dict:
             "missing or damaged). Restore an earlier checkpoint."
         )
     return stored
+
+
+def _check_listed_items(path: str, what: str) -> None:
+    """Every item Orbax's metadata lists must be a directory (a file or nothing there means the
+    checkpoint is damaged; without this a restore would report the item as merely absent)."""
+    try:
+        with open(os.path.join(path, _METADATA_FILE)) as f:
+            listed = json.load(f).get("item_handlers") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable metadata: Orbax's reader below reports it
+    damaged = sorted(n for n in listed if not os.path.isdir(os.path.join(path, n)))
+    if damaged:
+        raise errors.InvalidCheckpointError(
+            f"{what}: the checkpoint at {path} is damaged: its metadata lists the items "
+            f"{damaged}, which are missing or not directories. Restore an earlier checkpoint "
+            "(CheckpointManager.checkpoints lists them)."
+        )
 
 
 def _restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool) -> dict:

@@ -136,6 +136,12 @@ CASES = [
          lambda env: mirrax.Checkpoint(net=nnx.Linear(2, 300, rngs=nnx.Rngs(1))).restore(
              _damaged(env, lambda p: _write(os.path.join(p, "net", "_METADATA"), b"{not json"))),
          errors.InvalidCheckpointError, ("Restore an earlier checkpoint",)),
+    Case("Checkpoint.restore with an item's directory replaced by a file (was: reported absent)",
+         lambda env: mirrax.Checkpoint(net=nnx.Linear(2, 300, rngs=nnx.Rngs(1))).restore(
+             _damaged(env, lambda p: (__import__("shutil").rmtree(os.path.join(p, "net")),
+                                      _write(os.path.join(p, "net"), b"x")))),
+         errors.InvalidCheckpointError, ("is damaged", "lists the items ['net']",
+                                         "missing or not directories", "Restore an earlier checkpoint")),
     # -- CheckpointManager -----------------------------------------------------------------------
     Case("CheckpointManager(model): not a Checkpoint",
          lambda env: mirrax.CheckpointManager(_linear(), env.tmp_path / "run"),
