@@ -61,8 +61,8 @@ def test_a_fresh_process_that_saves_and_restores_prints_nothing_to_stderr(tmp_pa
     result = subprocess.run([sys.executable, "-c", _SCRIPT.format(repo=_REPO), str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "DONE\n"
-    assert result.stderr == ""
+    assert result.stdout == "DONE\n", (result.stdout, result.stderr[-5000:])
+    assert result.stderr == "", result.stderr[-5000:]
     # The save counter was 5 after the manager's restore: saves 6 and 7, the second in flight
     # when the script ended (the exit hook waited for it).
     assert sorted(os.listdir(tmp_path / "async")) == ["6", "7"]
@@ -105,5 +105,5 @@ def test_failed_restores_of_a_truncated_checkpoint_print_nothing_more(tmp_path):
         [sys.executable, "-c", _DAMAGED_SCRIPT.format(repo=_REPO), str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "DONE\n"
-    assert result.stderr == ""
+    assert result.stdout == "DONE\n", (result.stdout, result.stderr[-5000:])
+    assert result.stderr == "", result.stderr[-5000:]
