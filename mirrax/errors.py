@@ -111,5 +111,20 @@ class MissingExportError(MirraxError, FileNotFoundError):
     """`load_exported` found no artifact (or an incomplete one) at the path."""
 
 
+class ExistingPathError(MirraxError, FileExistsError):
+    """A save's path is taken: by a regular file, or (with `overwrite=False`) by an earlier save."""
+
+
+class UnknownFilepathFieldError(MirraxError, KeyError):
+    """`ModelCheckpoint`'s filepath names a `{field}` that the epoch's logs do not have."""
+
+    def __str__(self):  # KeyError's str() would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidExportError(MirraxError, ValueError):
+    """The artifact at the path given to `load_exported` is damaged (unreadable metadata, program or weights)."""
+
+
 class InvalidExportInputError(MirraxError, ValueError):
     """The input given to an exported model does not match its input signature."""

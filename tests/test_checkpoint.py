@@ -138,10 +138,12 @@ def test_dtype_difference_is_named(tmp_path):
 
 def test_missing_and_empty_directories(tmp_path):
     ckpt = mirrax.Checkpoint(net=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    with pytest.raises(mirrax.errors.MissingCheckpointError, match="no checkpoint directory"):
         ckpt.restore(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="not a readable mirrax checkpoint|holds no checkpoint items"):
+    with pytest.raises(mirrax.errors.InvalidCheckpointError,
+                       match="not a complete mirrax checkpoint: it has no _CHECKPOINT_METADATA "
+                             r"\(found an empty directory\)"):
         ckpt.restore(tmp_path / "empty")
 
 
@@ -179,3 +181,152 @@ def test_manager_interval_and_initialize(tmp_path):
     assert manager.save(checkpoint_number=10) is not None
     assert manager.save(checkpoint_number=15) is None  # 15 - 10 < 10
     assert manager.save(checkpoint_number=20) == str(tmp_path / "run" / "20")
+
+
+# -- PRNG and batch-norm state (issue 11, defect 1) ---------------------------------------------
+
+
+class RngNet(nnx.Module):
+    """Dropout, BatchNorm and an `nnx.Rngs` with three streams, plus a bare key variable: the
+    state a restore must bring back exactly (typed keys, stored as their key data, and each
+    stream's count). `legacy` builds the keys with `jax.random.PRNGKey` (uint32 arrays; nnx
+    wraps those it is given, the bare variable stays a uint32 array)."""
+
+    def __init__(self, seed: int, legacy: bool = False, width: int = 4):
+        key = jax.random.PRNGKey if legacy else jax.random.key
+        rngs = nnx.Rngs(params=key(seed), dropout=key(seed + 100), noise=key(seed + 200))
+        self.linear = nnx.Linear(2, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(width, 1, rngs=rngs)
+        self.rngs = rngs
+        self.raw_key = nnx.Variable(key(seed + 300))
+
+    def __call__(self, x):
+        # Draws from the "noise" stream (advancing its count) without changing the output.
+        x = x + 0.0 * jax.random.normal(self.rngs.noise(), x.shape)
+        return self.head(self.drop(self.bn(self.linear(x))))
+
+
+def rng_state(module) -> dict:
+    """Every leaf of the module's state as NumPy, typed keys as their key data."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(module)))[0]
+    return {
+        jax.tree_util.keystr(k): np.asarray(
+            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+        for k, v in flat
+    }
+
+
+def assert_same_state(a, b):
+    sa, sb = rng_state(a), rng_state(b)
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)  # bit for bit
+
+
+RNG_X = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(8, 2)
+
+
+def used_rng_net(seed: int, legacy: bool) -> RngNet:
+    """A net after two training-mode calls: counts 2, batch statistics moved off 0 / 1."""
+    net = RngNet(seed, legacy)
+    net.train()
+    net(RNG_X)
+    net(RNG_X)
+    return net
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+@pytest.mark.parametrize("how", ["restore", "read"])
+def test_dropout_batchnorm_and_rngs_state_restores_exactly(tmp_path, legacy, how):
+    saved = used_rng_net(0, legacy)
+    path = mirrax.Checkpoint(net=saved).save(tmp_path / "ckpt")
+    target = RngNet(1, legacy)  # other weights, other keys, counts 0
+    getattr(mirrax.Checkpoint(net=target), how)(path).assert_consumed()
+    assert_same_state(target, saved)
+    counts = rng_state(target)
+    # Two calls: each drew once from "noise" and once from the dropout stream.
+    assert int(counts["['rngs']['noise']['count']"]) == 2
+    assert int(counts["['drop']['rngs']['count']"]) == 2
+    # The next training-mode call draws the same dropout mask and the same noise.
+    saved.train()
+    target.train()
+    np.testing.assert_array_equal(np.asarray(target(RNG_X)), np.asarray(saved(RNG_X)))
+
+
+def test_typed_key_values_and_variables_restore_exactly(tmp_path):
+    key, var = jax.random.key(7), nnx.Variable(jax.random.key(8))
+    path = mirrax.Checkpoint(key=key, var=var).save(tmp_path / "ckpt")
+    ckpt = mirrax.Checkpoint(key=jax.random.key(0), var=nnx.Variable(jax.random.key(0)))
+    ckpt.restore(path).assert_consumed()
+    assert jax.dtypes.issubdtype(ckpt.key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(ckpt.key), jax.random.key_data(key))
+    np.testing.assert_array_equal(jax.random.key_data(ckpt.var[...]), jax.random.key_data(var[...]))
+
+
+def test_rng_state_saved_under_4_replicas_restores_under_one_device(tmp_path):
+    with mirrored(4).scope():
+        saved = used_rng_net(0, legacy=False)
+    path = mirrax.Checkpoint(net=saved).save(tmp_path / "ckpt")
+    with named_strategy("OneDevice").scope():
+        target = RngNet(1)
+    mirrax.Checkpoint(net=target).restore(path).assert_consumed()
+    assert_same_state(target, saved)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+def test_save_weights_and_load_weights_keep_rng_and_batchnorm_state(tmp_path, legacy):
+    saved = used_rng_net(0, legacy)
+    mirrax.Model(saved).save_weights(tmp_path / "w")
+    target = RngNet(1, legacy)
+    mirrax.Model(target).load_weights(tmp_path / "w")
+    assert_same_state(target, saved)
+
+
+# -- load_weights on a full checkpoint (issue 11, defect 8) -------------------------------------
+
+
+def test_load_weights_reads_the_module_of_a_full_checkpoint(tmp_path):
+    saved = mirrax.Model(used_rng_net(0, legacy=False))
+    saved.compile(optax.adam(0.1), loss="mse")
+    path = mirrax.Checkpoint(model=saved).save(tmp_path / "full")  # model.module, model.optimizer
+    target = mirrax.Model(RngNet(1))
+    target.load_weights(path)  # was: AssertionError "... has nothing for ['weights']"
+    assert_same_state(target.module, saved.module)
+
+
+def test_load_weights_names_the_restoring_call_for_a_checkpoint_without_a_model(tmp_path):
+    path = mirrax.Checkpoint(net=RngNet(0), step=3).save(tmp_path / "other")
+    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
+                       match=r"holds no single model's weights \(its items: \['net', "
+                             r"'step'\]\).*mirrax\.Checkpoint\(net=<the object saved>\)"
+                             r"\.restore\("):
+        mirrax.Model(RngNet(1)).load_weights(path)
+    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
+                       match=r"weights\['linear'\]\['kernel'\] has shape \(2, 4\) in the "
+                             r"checkpoint, \(2, 8\) in the model"):
+        mirrax.Model(RngNet(0)).save_weights(tmp_path / "w")
+        mirrax.Model(RngNet(1, width=8)).load_weights(tmp_path / "w")
+
+
+def test_a_save_never_replaces_a_file_or_a_directory_of_other_things(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    # Before: abspath('') is the working directory, and Orbax's force=True deleted it.
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match="the path is empty"):
+        mirrax.Checkpoint(step=0).save("")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="holds no checkpoint"):
+        mirrax.Checkpoint(step=0).save(tmp_path)
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        mirrax.Model(RngNet(0)).save_weights(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    # An empty directory, or a damaged checkpoint, is replaced.
+    (tmp_path / "empty").mkdir()
+    mirrax.Checkpoint(step=0).save(tmp_path / "empty")
+    path = mirrax.Checkpoint(step=1).save(tmp_path / "damaged")
+    os.remove(os.path.join(path, "_CHECKPOINT_METADATA"))
+    mirrax.Checkpoint(step=2).save(path)
+    ckpt = mirrax.Checkpoint(step=0)
+    ckpt.restore(path)
+    assert ckpt.step == 2

@@ -1,7 +1,9 @@
 """A save killed part-way, a truncated data file, a planted pickle: what a restore then sees.
 
-The kill is deterministic: the child process blocks itself at a chosen point inside Orbax's
-save and says so on stdout, and only then does the test SIGKILL it (no sleeps, no races).
+The kill is deterministic: the child process blocks itself at a chosen point inside the save
+(Orbax's or mirrax's) and says so on stdout, and only then does the test SIGKILL it (no
+sleeps, no races). Every kind of save (Checkpoint.save, save_weights, ModelCheckpoint,
+BackupAndRestore, CheckpointManager, export) is killed at every moment of its replace.
 """
 
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -198,3 +201,309 @@ def test_a_pickle_planted_in_a_checkpoint_is_never_unpickled(tmp_path, replaced)
         mirrax.Checkpoint(w=target).restore(path)
     assert not sentinel.exists()  # Orbax reads JSON and TensorStore chunks, never pickle
     np.testing.assert_array_equal(np.asarray(target[...]), 7.0)
+
+
+# -- A kill at any moment of any kind of save (issue 11, defect 2) ------------------------------
+#
+# Each case: the test writes the OLD state with one kind of save, then a child process writes
+# the NEW state with the same kind onto the same path, blocking itself at one moment of it;
+# the test SIGKILLs it there and reads the path back the way a user would. The state is a
+# ~100 MB model (8 arrays x 3.2M float32 = 102.4 MB) with BatchNorm, Dropout and nnx.Rngs
+# (a typed and a legacy key), so the PRNG state is part of what must survive.
+
+_BIG_ARRAYS, _BIG_SIZE = 8, 3_200_000
+_X = np.linspace(-1.0, 1.0, 8, dtype=np.float32).reshape(4, 2)
+
+
+class KillNet(nnx.Module):
+    """Eight large arrays (`sign * (arange + i)`) and the PRNG / batch-norm state of `seed`."""
+
+    def __init__(self, sign: float, seed: int, size: int = _BIG_SIZE):
+        for i in range(_BIG_ARRAYS):
+            setattr(self, f"w{i}", nnx.Param(jnp.asarray(sign * (np.arange(size, dtype=np.float32) + i))))
+        rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.PRNGKey(seed + 1))
+        self.bn = nnx.BatchNorm(2, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.rngs = rngs
+        if sign:
+            self.train()
+            self(sign * _X)  # batch statistics of sign * X; the dropout stream's count 1
+
+    def __call__(self, x):
+        return self.drop(self.bn(x)) + self.w0[None, :2]
+
+
+def kill_state(module) -> list:
+    """The module's state leaves in `nnx.state` order, keys as key data (as export stores them)."""
+    return [np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+            for a in jax.tree.leaves(nnx.state(module))]
+
+
+KILL_KINDS = ["checkpoint", "save_weights", "model_checkpoint_best_weights",
+              "model_checkpoint_full", "export", "manager", "backup"]
+
+
+def kill_save(kind: str, work: str, module) -> None:
+    """One save of `module` of the given kind onto `work/target` (the parent and child share it)."""
+    from mirrax.callbacks import BackupAndRestore, ModelCheckpoint
+
+    path = os.path.join(work, "target")
+    if kind == "checkpoint":
+        mirrax.Checkpoint(model=module).save(path)
+    elif kind == "save_weights":
+        mirrax.Model(module).save_weights(path, overwrite=True)
+    elif kind.startswith("model_checkpoint"):
+        best = kind == "model_checkpoint_best_weights"
+        callback = ModelCheckpoint(path, monitor="loss", mode="min", save_best_only=best,
+                                   save_weights_only=best)
+        callback.set_model(mirrax.Model(module))
+        callback.on_train_begin()
+        callback.on_epoch_end(0, {"loss": 1.0})
+    elif kind == "export":
+        mirrax.export(module, path, jax.ShapeDtypeStruct((-1, 2), jnp.float32), platforms=["cpu"])
+    elif kind == "manager":
+        # As a resumed run: restore (so the save counter goes on: number n + 1), then save.
+        target = KillNet(0.0, seed=9)
+        manager = mirrax.CheckpointManager(mirrax.Checkpoint(model=target), path, max_to_keep=1)
+        manager.restore_or_initialize()
+        nnx.update(target, nnx.state(module))
+        manager.save()
+    elif kind == "backup":
+        # The callback restores the last backup into the model it is given; the state to back
+        # up is copied in afterwards (as training would have changed it).
+        model = mirrax.Model(KillNet(0.0, seed=9))
+        callback = BackupAndRestore(path)
+        callback.set_model(model)
+        callback.on_train_begin()
+        nnx.update(model.module, nnx.state(module))
+        callback.on_epoch_end(0)
+    else:
+        raise AssertionError(kind)
+
+
+def kill_read(kind: str, work: str) -> list:
+    """Reads `work/target` back as a user would; the state read (see `kill_state`)."""
+    from mirrax.callbacks import BackupAndRestore
+
+    path = os.path.join(work, "target")
+    target = KillNet(0.0, seed=9)  # zeros and other keys: only a restore can change them
+    if kind == "checkpoint":
+        mirrax.Checkpoint(model=target).restore(path).assert_consumed()
+    elif kind in ("save_weights", "model_checkpoint_best_weights"):
+        mirrax.Model(target).load_weights(path)
+    elif kind == "model_checkpoint_full":
+        mirrax.Checkpoint(model=mirrax.Model(target)).restore(path).assert_consumed()
+    elif kind == "export":
+        exported = mirrax.load_exported(path)  # follows an interrupted replace to the artifact
+        with np.load(os.path.join(exported.path, "weights.npz")) as npz:
+            return [npz[f"weights_{i}"] for i in range(len(npz.files))]
+    elif kind == "manager":
+        restored = mirrax.CheckpointManager(mirrax.Checkpoint(model=target), path).restore_or_initialize()
+        assert restored is not None, "no checkpoint left to restore"
+    elif kind == "backup":
+        callback = BackupAndRestore(path)
+        callback.set_model(mirrax.Model(target))
+        callback.on_train_begin()
+    return kill_state(target)
+
+
+# The moments (hooks the child sets on itself before saving):
+#   arrays:    one array handed to TensorStore, the next not yet (export: weights.npz written,
+#              the program not yet);
+#   finalize:  everything written, just before the commit rename (Orbax's, or export's);
+#   exchanged: the new directory swapped in by renameat2(RENAME_EXCHANGE), the old one
+#              (now beside it) not yet deleted;
+#   between:   no exchange (as on a filesystem without it): the old directory renamed aside,
+#              the new one not yet renamed in, so `path` is missing;
+#   deleting:  the old directory (renamed aside) half deleted;
+#   dropped:   (managers) the checkpoint beyond max_to_keep renamed into .mirrax-deleted.
+_REPLACE_MOMENTS = ["arrays", "finalize", "exchanged", "between", "deleting"]
+_MANAGER_MOMENTS = ["arrays", "finalize", "dropped", "deleting"]
+_COMMITTED = {"exchanged", "between", "deleting", "dropped"}  # the new state is restorable
+
+# The children are forked from one server process that has imported jax, flax, orbax and
+# mirrax once (it never starts a JAX backend, so forking it is safe): each child costs only
+# its own save. Protocol on the server's stdin/stdout: "work kind moment" in; the child prints
+# "BLOCKED <pid>" (or "SAVED" if no hook fired), then the server "EXIT <wait status>".
+_FORK_SERVER = textwrap.dedent(
+    """
+    import os, sys, threading
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    from orbax.checkpoint._src.path import atomicity
+    from orbax.checkpoint._src.serialization import serialization
+    from mirrax._src import checkpoint as ck, export as ex
+    from tests import test_checkpoint_atomic as t
+
+    def child(work, kind, moment):
+        printed, lock = [], threading.Lock()
+
+        def block():
+            with lock:  # several writer threads may get here; one line only
+                if not printed:
+                    printed.append(1)
+                    print("BLOCKED", os.getpid(), flush=True)
+            threading.Event().wait()  # until SIGKILL
+
+        if moment == "arrays" and kind == "export":
+            original_write = ex._write_file
+            def write_file(path, write):
+                original_write(path, write)
+                if path.endswith(ex.WEIGHTS_FILE):
+                    block()
+            ex._write_file = write_file
+        elif moment == "arrays":
+            original, calls = serialization.async_serialize_from_host, []
+            async def serialize(*args, **kwargs):
+                calls.append(1)
+                if len(calls) > 1:
+                    block()
+                return await original(*args, **kwargs)
+            serialization.async_serialize_from_host = serialize
+        elif moment == "finalize" and kind == "export":
+            original_rename = os.rename
+            def rename(src, dst, *args, **kwargs):
+                if str(src).endswith(".partial"):
+                    block()
+                return original_rename(src, dst, *args, **kwargs)
+            os.rename = rename
+        elif moment == "finalize":
+            async def finalize(self, *args, **kwargs):
+                block()
+            atomicity.AtomicRenameTemporaryPath.finalize = finalize
+        elif moment == "exchanged":
+            original_exchange = ck._exchange
+            def exchange(a, b):
+                if not original_exchange(a, b):
+                    print("NO EXCHANGE ON THIS FILESYSTEM", flush=True)
+                    sys.exit(3)
+                block()
+            ck._exchange = exchange
+        elif moment == "between":
+            ck._exchange = lambda a, b: False
+            original_rename = ck._rename
+            def rename(src, dst):
+                original_rename(src, dst)
+                if dst.endswith(ck._OLD_SUFFIX):
+                    block()
+            ck._rename = rename
+        elif moment == "deleting":
+            original_delete = ck._delete
+            def delete(path):
+                files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+                for name in files[: len(files) // 2]:
+                    os.remove(name)
+                if files:
+                    block()
+                original_delete(path)
+            ck._delete = delete
+        elif moment == "dropped":
+            original_delete_if_exists = ck._delete_if_exists
+            def delete_if_exists(path):
+                if path.endswith(ck._DELETED_SUBDIR) and os.path.isdir(path) and os.listdir(path):
+                    block()
+                original_delete_if_exists(path)
+            ck._delete_if_exists = delete_if_exists
+        t.kill_save(kind, work, t.KillNet(-1.0, seed=1))
+        print("SAVED", flush=True)  # never reached: the test fails if it is
+
+    print("READY", flush=True)
+    for line in sys.stdin:
+        work, kind, moment = line.split()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child(work, kind, moment)
+            finally:
+                sys.stdout.flush()
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("EXIT", status, flush=True)
+    """
+)
+
+
+class _ForkServer:
+    def __init__(self, log):
+        self.log = open(log, "w")  # stderr to a file: a full pipe would stall the server
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _FORK_SERVER.format(repo=_REPO)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self._line() == "READY", open(log).read()
+
+    def _line(self) -> str:
+        # A generous bound only so that a broken hook fails the test instead of hanging it.
+        ready, _, _ = select.select([self.process.stdout], [], [], 240)
+        return self.process.stdout.readline().strip() if ready else ""
+
+    def kill_child_at(self, work, kind: str, moment: str) -> None:
+        self.process.stdin.write(f"{work} {kind} {moment}\n")
+        self.process.stdin.flush()
+        line = self._line()
+        if not line.startswith("BLOCKED "):
+            raise AssertionError(f"child did not block at {moment}: {line!r}\n"
+                                 f"{open(self.log.name).read()[-3000:]}")
+        os.kill(int(line.split()[1]), signal.SIGKILL)
+        status = self._line()
+        assert status.startswith("EXIT "), status
+        status = int(status.split()[1])
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def fork_server(tmp_path_factory):
+    server = _ForkServer(tmp_path_factory.mktemp("fork_server") / "server.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def old_and_new():
+    """The old state (written by the test) and the new one (by the killed child), as
+    `kill_state` lists them, and the old module."""
+    old = KillNet(1.0, seed=0)
+    new = kill_state(KillNet(-1.0, seed=1))
+    return old, kill_state(old), new
+
+
+def _moments(kind: str) -> list:
+    if kind in ("manager", "backup"):
+        return _MANAGER_MOMENTS
+    # save_weights and ModelCheckpoint replace through Checkpoint.save's code: the exchange is
+    # killed once there (and once for export's), the other moments for every kind.
+    return [m for m in _REPLACE_MOMENTS if m != "exchanged" or kind in ("checkpoint", "export")]
+
+
+_KILL_CASES = [(kind, moment) for kind in KILL_KINDS for moment in _moments(kind)]
+
+
+@pytest.mark.parametrize("kind, moment", _KILL_CASES, ids=[f"{k}-{m}" for k, m in _KILL_CASES])
+def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_state_restorable(
+        tmp_path, fork_server, old_and_new, kind, moment):
+    old_module, old, new = old_and_new
+    work = tmp_path / "work"
+    work.mkdir()
+    kill_save(kind, str(work), old_module)
+    if kind == "backup":
+        kill_save(kind, str(work), old_module)  # two kept: the child's save drops the first
+    fork_server.kill_child_at(work, kind, moment)
+
+    got = kill_read(kind, str(work))
+    # Once the new state is committed it is what a restore finds; before, the old one.
+    want = new if moment in _COMMITTED else old
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"leaf {i}")  # bit for bit
+
+    if moment in ("arrays", "exchanged"):
+        return  # leftovers like those of "finalize" / "deleting", checked there
+    # The next save completes or clears whatever the kill left; nothing stays beside it.
+    kill_save(kind, str(work), old_module)
+    assert sorted(os.listdir(work)) == ["target"]
+    if kind in ("manager", "backup"):
+        assert all(n.isdigit() for n in os.listdir(work / "target")), os.listdir(work / "target")

@@ -9,6 +9,7 @@ moments make the comparison fail if the optimizer state were not restored. `iter
 import os
 import re
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -266,3 +267,93 @@ def test_model_checkpoint_saves_restore(tmp_path):
     assert full.optimizer.iterations == 10
     for got, want in zip(weights(full), weights(model)):
         np.testing.assert_array_equal(got, want)
+
+
+# -- models with Dropout, BatchNorm and nnx.Rngs (issue 11, defects 1 and 8) --------------------
+
+from tests.test_checkpoint import RngNet, assert_same_state  # noqa: E402
+
+
+def make_rng_model(seed: int = 0, legacy: bool = False, replicas: int = 1) -> mirrax.Model:
+    with mirrored(replicas).scope():
+        model = mirrax.Model(RngNet(seed, legacy))
+        model.compile(optax.adam(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+def test_model_checkpoint_output_of_a_dropout_model_restores(tmp_path, legacy):
+    model = make_rng_model(0, legacy)
+    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, callbacks=[
+        ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
+        ModelCheckpoint(str(tmp_path / "full")),
+        ModelCheckpoint(str(tmp_path / "best"), monitor="loss", save_best_only=True)])
+    for name in ("weights", "full"):
+        fresh = make_rng_model(1, legacy)
+        # load_weights reads save_weights_only output and the module of a full checkpoint.
+        fresh.load_weights(str(tmp_path / name))
+        assert_same_state(fresh.module, model.module)
+    # save_best_only over a fixed path: whichever epoch was best, it restores completely.
+    mirrax.Checkpoint(model=make_rng_model(1, legacy)).restore(str(tmp_path / "best")).assert_consumed()
+    full = make_rng_model(1, legacy)
+    mirrax.Checkpoint(model=full).restore(str(tmp_path / "full")).assert_consumed()
+    assert full.optimizer.iterations == 10  # 2 epochs x 5 steps
+    assert_same_state(full.module, model.module)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+def test_backup_and_restore_resumes_a_dropout_model_exactly(tmp_path, legacy):
+    backup = str(tmp_path / "backup")
+    reference = make_rng_model(0, legacy)
+    fit(reference, [])
+    model = make_rng_model(0, legacy)
+    with pytest.raises(Interrupted):
+        fit(model, [BackupAndRestore(backup), InterruptAt(4)])
+    resumed = make_rng_model(5, legacy)  # other weights and keys: only the restore can fix them
+    history = fit(resumed, [BackupAndRestore(backup)])
+    assert history.epoch == [4, 5, 6, 7, 8, 9]
+    # The dropout masks of epochs 4..9 come from the restored key and count, so the resumed
+    # run ends where the uninterrupted one does: the PRNG state bit for bit, the weights to
+    # float tolerance (the resumed run's steps are compiled afresh).
+    state, want = rng_state_only(resumed), rng_state_only(reference)
+    assert state.keys() == want.keys()
+    for key in state:
+        np.testing.assert_array_equal(state[key], want[key], err_msg=key)
+    params = lambda m: jax.tree.leaves(nnx.state(m.module, nnx.Param))  # noqa: E731
+    for got, want in zip(params(resumed), params(reference), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def rng_state_only(model) -> dict:
+    from tests.test_checkpoint import rng_state
+
+    return {k: v for k, v in rng_state(model.module).items() if "rngs" in k or "key" in k}
+
+
+def test_backup_falls_back_to_the_previous_backup_when_the_newest_is_damaged(tmp_path, caplog):
+    backup = tmp_path / "backup"
+    model = make_model()
+    with pytest.raises(Interrupted):
+        fit(model, [BackupAndRestore(str(backup)), InterruptAt(4)])
+    # Backups after epochs 3 and 4 are kept (numbered by save count: 3 and 4).
+    assert sorted(os.listdir(backup)) == ["3", "4"]
+    (backup / "4" / "_CHECKPOINT_METADATA").unlink()  # the newest is damaged
+    resumed = make_model()
+    with caplog.at_level("WARNING", logger="mirrax"):
+        history = fit(resumed, [BackupAndRestore(str(backup))])
+    assert history.epoch == [3, 4, 5, 6, 7, 8, 9]  # resumed from the backup after epoch 2
+    assert "skipping" in caplog.text
+
+
+def test_a_file_where_the_backup_directory_should_be_is_refused(tmp_path):
+    (tmp_path / "backup").write_text("x")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        BackupAndRestore(str(tmp_path / "backup"))
+
+
+def test_model_checkpoint_onto_a_regular_file_refuses_and_keeps_the_file(tmp_path):
+    (tmp_path / "best").write_text("precious")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
+            ModelCheckpoint(str(tmp_path / "best"), save_weights_only=True)])
+    assert (tmp_path / "best").read_text() == "precious"

@@ -57,3 +57,20 @@ def test_restore_past_the_end_of_a_shorter_dataset_raises(tmp_path):
     short = iter(strategy.experimental_distribute_dataset(_BATCHES[:2]))
     with pytest.raises(ValueError, match="position is 3 batches, but the dataset ended after 2"):
         mirrax.Checkpoint(iterator=short).restore(tmp_path / "ckpt")
+
+
+def test_iterator_position_and_a_dropout_model_restore_together(tmp_path):
+    from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net
+
+    strategy = mirrored(2)
+    dist_dataset = strategy.experimental_distribute_dataset(_BATCHES)
+    iterator = iter(dist_dataset)
+    next(iterator)
+    with strategy.scope():
+        net = used_rng_net(0, legacy=False)
+    mirrax.Checkpoint(iterator=iterator, net=net).save(tmp_path / "ckpt")
+    fresh, target = iter(dist_dataset), RngNet(1)
+    mirrax.Checkpoint(iterator=fresh, net=target).restore(tmp_path / "ckpt").assert_consumed()
+    assert_same_state(target, net)
+    # Batch 1 is examples 4..7: [4, 5] and [6, 7] on the 2 replicas.
+    assert _shards(strategy, next(fresh)) == [[4.0, 5.0], [6.0, 7.0]]

@@ -2,6 +2,7 @@
 asynchronous saving (async_save)."""
 
 import os
+import re
 import time
 
 import jax
@@ -121,3 +122,98 @@ def test_process_exit_waits_for_an_async_save(tmp_path):
     state = nnx.Variable(jnp.zeros(4 * 1024 * 1024))
     mirrax.Checkpoint(state=state).restore(tmp_path / "run" / "1").assert_consumed()
     assert float(jnp.sum(state[...])) == 3.0 * 4 * 1024 * 1024
+
+
+# -- PRNG / batch-norm state, damaged directories, arguments (issue 11) -------------------------
+
+from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net  # noqa: E402
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_manager_restores_rng_and_batchnorm_state_exactly(tmp_path, legacy, async_save):
+    saved = used_rng_net(0, legacy)
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(net=saved), tmp_path / "run",
+                                       async_save=async_save)
+    manager.save()
+    manager.wait_until_finished()  # another manager sees only committed checkpoints
+    target = RngNet(1, legacy)
+    again = mirrax.CheckpointManager(mirrax.Checkpoint(net=target), tmp_path / "run")
+    assert again.restore_or_initialize() == str(tmp_path / "run" / "1")
+    assert_same_state(target, saved)
+
+
+def test_an_empty_numbered_folder_is_never_the_latest_checkpoint(tmp_path, caplog):
+    counter = nnx.Variable(np.zeros((), np.float32))
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run",
+                                       max_to_keep=1)
+    counter[...] = np.float32(1.0)
+    manager.save()
+    (tmp_path / "run" / "7").mkdir()  # empty: no checkpoint metadata, not restorable
+    with caplog.at_level("WARNING", logger="mirrax"):
+        assert manager.latest_checkpoint == str(tmp_path / "run" / "1")
+    assert "skipping" in caplog.text and "not a complete checkpoint" in caplog.text
+    assert manager.checkpoints == [str(tmp_path / "run" / "1")]
+    # The next save moves it aside, so Orbax's max_to_keep=1 does not keep it as the newest
+    # and delete the checkpoint just written (which would leave none restorable).
+    counter[...] = np.float32(2.0)
+    assert manager.save() == str(tmp_path / "run" / "2")
+    assert sorted(os.listdir(tmp_path / "run")) == ["2", "7.mirrax-incomplete"]
+    counter[...] = np.float32(0.0)
+    assert mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run"
+                                    ).restore_or_initialize() == str(tmp_path / "run" / "2")
+    assert float(counter[...]) == 2.0
+
+
+def test_saving_an_existing_number_replaces_it(tmp_path):
+    counter = nnx.Variable(np.ones((), np.float32))
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run")
+    manager.save(checkpoint_number=3)
+    counter[...] = np.float32(2.0)
+    assert manager.save(checkpoint_number=3) == str(tmp_path / "run" / "3")  # Orbax refuses it
+    assert manager.checkpoints == [str(tmp_path / "run" / "3")]
+    counter[...] = np.float32(0.0)
+    manager.restore_or_initialize()
+    assert float(counter[...]) == 2.0
+
+
+def test_dropped_checkpoints_leave_no_trace(tmp_path):
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run", max_to_keep=2)
+    for _ in range(4):
+        manager.save()
+    # Orbax renames each dropped one into .mirrax-deleted; mirrax deletes that after the save.
+    assert sorted(os.listdir(tmp_path / "run")) == ["3", "4"]
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"max_to_keep": 0}, mirrax.errors.InvalidArgumentError, "max_to_keep must be >= 1 or None; received 0"),
+    ({"max_to_keep": "3"}, mirrax.errors.InvalidArgumentTypeError, "max_to_keep must be an int or None; received '3'"),
+    ({"max_to_keep": 2.5}, mirrax.errors.InvalidArgumentTypeError, "received 2.5 of type float"),
+    ({"max_to_keep": True}, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
+    ({"checkpoint_interval": -1}, mirrax.errors.InvalidArgumentError, "checkpoint_interval must be >= 0"),
+    ({"keep_checkpoint_every_n_hours": "1"}, mirrax.errors.InvalidArgumentTypeError, "number of hours"),
+    ({"init_fn": 3}, mirrax.errors.InvalidArgumentTypeError, "init_fn must be a function"),
+    ({"async_save": "yes"}, mirrax.errors.InvalidArgumentTypeError, "async_save must be True or False"),
+])
+def test_manager_arguments_are_checked(tmp_path, kwargs, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run", **kwargs)
+
+
+@pytest.mark.parametrize("number, error, fragment", [
+    (-1, mirrax.errors.InvalidArgumentError, "checkpoint_number must be >= 0 or None; received -1"),
+    (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
+    ("2", mirrax.errors.InvalidArgumentTypeError, "received '2' of type str"),
+])
+def test_checkpoint_number_is_checked(tmp_path, number, error, fragment):
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run")
+    with pytest.raises(error, match=re.escape(fragment)):
+        manager.save(checkpoint_number=number)
+    assert manager.checkpoints == []  # nothing written
+
+
+def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run")
+    assert (tmp_path / "run").read_text() == "not a directory"

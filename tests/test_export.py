@@ -1,6 +1,8 @@
 """mirrax.export / load_exported: a serving artifact that runs without the model's code."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -170,3 +172,66 @@ def test_none_as_the_batch_dimension_where_jax_allows_it(tmp_path):
     mirrax.export(lambda x: x + 1.0, tmp_path, signature)
     np.testing.assert_array_equal(mirrax.load_exported(tmp_path)(np.zeros((3, 2), np.float32)),
                                   np.ones((3, 2)))  # 0 + 1
+
+
+# -- PRNG state, damaged artifacts, overwriting (issue 11) --------------------------------------
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
+def test_a_model_with_rngs_and_batchnorm_exports_and_serves_in_eval_mode(tmp_path, legacy):
+    from tests.test_checkpoint import RNG_X, used_rng_net
+
+    net = used_rng_net(0, legacy)  # batch statistics moved off 0 / 1 by two training calls
+    mirrax.export(net, tmp_path / "a", jax.ShapeDtypeStruct((-1, 2), jnp.float32))
+    net.eval()  # running statistics, no dropout
+    np.testing.assert_allclose(mirrax.load_exported(tmp_path / "a")(RNG_X), net(RNG_X),
+                               rtol=0, atol=1e-6)  # one compiled program vs eager ops
+
+
+def _small_artifact(path):
+    mirrax.export(lambda x: x * 2.0, path, jax.ShapeDtypeStruct((-1, 2), jnp.float32))
+    return path
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda p: (p / "metadata.json").write_text('{"format": "mirrax.exp'),
+     "metadata.json is not valid JSON"),
+    (lambda p: (p / "metadata.json").write_text("[1, 2]"), "holds a list, not the artifact's metadata"),
+    (lambda p: (p / "forward.jax_export").write_bytes(
+        (p / "forward.jax_export").read_bytes()[:20]), "forward.jax_export is not a readable serialized program"),
+    (lambda p: (p / "weights.npz").write_bytes(b"PK\x03\x04garbage"), "weights.npz does not hold"),
+    (lambda p: (p / "metadata.json").write_text(
+        json.dumps(dict(json.loads((p / "metadata.json").read_text()), num_weights="2"))),
+     "num_weights='2'"),
+])
+def test_damaged_artifact_files_give_a_clear_error(tmp_path, damage, fragment):
+    path = _small_artifact(tmp_path / "a")
+    damage(path)
+    with pytest.raises(mirrax.errors.InvalidExportError, match=re.escape(fragment)) as info:
+        mirrax.load_exported(path)
+    assert "Re-export the model with mirrax.export" in str(info.value)
+
+
+def test_export_over_an_existing_artifact_replaces_it_whole_and_refuses_other_things(tmp_path):
+    path = _small_artifact(tmp_path / "a")
+    mirrax.export(lambda x: x + 1.0, path, jax.ShapeDtypeStruct((-1, 2), jnp.float32))
+    np.testing.assert_array_equal(mirrax.load_exported(path)(np.zeros((1, 2), np.float32)),
+                                  [[1.0, 1.0]])  # 0 + 1: the new program, not 0 * 2
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # nothing left beside it
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
+        _small_artifact(tmp_path / "file")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="holds no mirrax export"):
+        _small_artifact(tmp_path / "home")
+    assert (tmp_path / "home" / "notes.txt").read_text() == "keep"
+
+
+def test_platforms_given_as_one_string_and_unknown_platforms(tmp_path):
+    mirrax.export(lambda x: x, tmp_path / "a", jax.ShapeDtypeStruct((-1, 2), jnp.float32),
+                  platforms="cpu")  # was: lowered for "c", "p", "u"
+    assert mirrax.load_exported(tmp_path / "a").platforms == ("cpu",)
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"\['gpu'\] unknown"):
+        mirrax.export(lambda x: x, tmp_path / "b", jax.ShapeDtypeStruct((-1, 2), jnp.float32),
+                      platforms=["gpu"])

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
+import zipfile
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import checkpoint as checkpoint_lib
 
 FORMAT = "mirrax.export"
 FORMAT_VERSION = 1
@@ -37,7 +41,10 @@ DEFAULT_PLATFORMS = ("cpu", "cuda")
 
 
 MissingExportError = errors.MissingExportError
+InvalidExportError = errors.InvalidExportError
 InvalidExportInputError = errors.InvalidExportInputError
+# Platforms `jax.export` lowers for.
+KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
@@ -53,7 +60,7 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
 
     Args:
       model_or_fn: a `mirrax.Model`, an `nnx.Module`, or a pure function `fn(x)` (no weights).
-      path: the directory to write (created if missing; files of an earlier export replaced).
+      path: the directory to write (created if missing; an earlier export there is replaced).
       input_signature: a `jax.ShapeDtypeStruct` or a pytree (tuples, lists, dicts) of them, the
         shape of ONE call's input. A leading dimension of None or -1 means "any batch size"
         and becomes the symbolic dimension "b", shared by every leaf, e.g.
@@ -62,15 +69,22 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
         lowering for all of them fails (e.g. a CUDA-only kernel is missing on a CPU machine),
         the program is lowered for the current platform only; `metadata.json` records which.
 
+    Atomic, also when replacing an earlier artifact: the files are written into a new
+    directory beside `path`, which is then swapped in by rename, so a kill at any moment
+    leaves the old or the new artifact loadable from `path`.
+
     Raises:
-      TypeError: `model_or_fn` is none of the three, or `input_signature` holds a leaf that
-        is not a `jax.ShapeDtypeStruct`.
-      ValueError: a non-leading dimension is None or negative.
+      InvalidArgumentTypeError (a TypeError): `model_or_fn` is none of the three, or
+        `input_signature` holds no leaf or a leaf that is not a `jax.ShapeDtypeStruct`.
+      InvalidArgumentError (a ValueError): a non-leading dimension is None or negative, or
+        `platforms` names an unknown platform.
+      ExistingPathError (a FileExistsError): `path` is a file, or a non-empty directory that
+        holds no mirrax export (export replaces the whole directory).
     """
     forward, weights = _forward_and_weights(model_or_fn)
     specs = _symbolic_specs(input_signature)
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-    requested = list(platforms) if platforms is not None else _default_platforms()
+    requested = _checked_platforms(platforms) if platforms is not None else _default_platforms()
     try:
         exported = jax.export.export(jax.jit(forward), platforms=requested)(weight_specs, specs)
         fallback = None
@@ -92,16 +106,29 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
             jax.tree.unflatten(exported.out_tree, list(exported.out_avals))),
         "num_weights": len(weights),
     }
+    path = _checked_export_path(path)
+    if jax.process_index() == 0:
+        _refuse_foreign_directory(path)
+
+    def write(target: str) -> None:
+        # The files go into a fresh directory renamed to `target` once all three are complete,
+        # so `target` is complete or absent (what the atomic replace needs).
+        partial = target + ".partial"
+        if os.path.lexists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+        _write_file(os.path.join(partial, WEIGHTS_FILE),
+                    lambda f: np.savez(f, **{f"weights_{i}": w for i, w in enumerate(weights)}))
+        _write_file(os.path.join(partial, PROGRAM_FILE), lambda f: f.write(exported.serialize()))
+        _write_file(os.path.join(partial, METADATA_FILE),
+                    lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+        os.rename(partial, target)
+
     if jax.process_index() != 0:
         return
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
-    # Each file is written under a temporary name and renamed: a reader never sees half a file.
-    _write_atomic(os.path.join(path, WEIGHTS_FILE),
-                  lambda f: np.savez(f, **{f"weights_{i}": w for i, w in enumerate(weights)}))
-    _write_atomic(os.path.join(path, PROGRAM_FILE), lambda f: f.write(exported.serialize()))
-    _write_atomic(os.path.join(path, METADATA_FILE),
-                  lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    checkpoint_lib._replace_atomically(path, write, complete=_is_complete_artifact,
+                                       collective=False)
 
 
 class ExportedModel:
@@ -176,18 +203,29 @@ def load_exported(path) -> ExportedModel:
     """Loads an artifact written by `mirrax.export`; returns an `ExportedModel` to call.
 
     Needs neither the model's Python code nor any particular device count: the program runs on
-    the default device of the current platform (one of those it was exported for).
+    the default device of the current platform (one of those it was exported for). If an
+    export was killed while replacing `path` (between its two renames), the complete artifact
+    left beside it is loaded instead (logged).
 
     Raises:
-      MissingExportError: `path` is not a directory, or lacks one of the artifact's files.
-      ValueError: the metadata names another format or a newer format version.
+      MissingExportError (a FileNotFoundError): `path` is not a directory, or lacks one of the
+        artifact's files.
+      InvalidExportError (a ValueError): a file is damaged (metadata not JSON, a truncated
+        program or weights file), or the metadata names another format or a newer version.
     """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
+    path = checkpoint_lib._checked_path(path, "load_exported")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise MissingExportError(
+            f"load_exported: {path} is a file, not an artifact directory; pass the directory "
+            "that mirrax.export(model, path, input_signature) wrote."
+        )
+    try:
+        path = checkpoint_lib._resolve(path, "load_exported", complete=_is_complete_artifact)
+    except errors.MissingCheckpointError:
         raise MissingExportError(
             f"load_exported: no directory at {path}; write one with "
             "mirrax.export(model, path, input_signature)."
-        )
+        ) from None
     missing = [name for name in (PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE)
                if not os.path.isfile(os.path.join(path, name))]
     if missing:
@@ -197,18 +235,60 @@ def load_exported(path) -> ExportedModel:
             f"{', '.join(missing)} (found {found or 'an empty directory'}). Write it with "
             "mirrax.export(model, path, input_signature)."
         )
-    with open(os.path.join(path, METADATA_FILE), "rb") as f:
-        metadata = json.loads(f.read())
-    if metadata.get("format") != FORMAT or metadata.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+    fix = "Re-export the model with mirrax.export(model, path, input_signature)."
+    metadata_path = os.path.join(path, METADATA_FILE)
+    try:
+        with open(metadata_path, "rb") as f:
+            metadata = json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidExportError(
+            f"load_exported: {metadata_path} is not valid JSON (damaged or truncated: "
+            f"{type(e).__name__}: {e}). {fix}"
+        ) from None
+    if not isinstance(metadata, dict):
+        raise InvalidExportError(
+            f"load_exported: {metadata_path} holds a {type(metadata).__name__}, not the "
+            f"artifact's metadata object. {fix}"
+        )
+    version = metadata.get("format_version", 0)
+    if (metadata.get("format") != FORMAT or not isinstance(version, int)
+            or version > FORMAT_VERSION):
+        raise InvalidExportError(
             f"load_exported: {path} holds format {metadata.get('format')!r} version "
             f"{metadata.get('format_version')!r}; this mirrax reads {FORMAT!r} up to version "
             f"{FORMAT_VERSION}. Upgrade mirrax or re-export."
         )
-    with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
-    with np.load(os.path.join(path, WEIGHTS_FILE), allow_pickle=False) as npz:
-        weights = [npz[f"weights_{i}"] for i in range(metadata["num_weights"])]
+    num_weights = metadata.get("num_weights")
+    if isinstance(num_weights, bool) or not isinstance(num_weights, int) or num_weights < 0:
+        raise InvalidExportError(
+            f"load_exported: {metadata_path} has num_weights={num_weights!r}; expected a count "
+            f"(an int >= 0). {fix}"
+        )
+    program_path = os.path.join(path, PROGRAM_FILE)
+    try:
+        with open(program_path, "rb") as f:
+            exported = jax.export.deserialize(bytearray(f.read()))
+    except Exception as e:  # noqa: BLE001 - flatbuffers/struct/jax raise many kinds on bad bytes
+        raise InvalidExportError(
+            f"load_exported: {program_path} is not a readable serialized program (damaged or "
+            f"truncated: {type(e).__name__}: {str(e)[:200]}). {fix}"
+        ) from None
+    weights_path = os.path.join(path, WEIGHTS_FILE)
+    try:
+        with np.load(weights_path, allow_pickle=False) as npz:
+            weights = [npz[f"weights_{i}"] for i in range(num_weights)]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, struct.error) as e:
+        raise InvalidExportError(
+            f"load_exported: {weights_path} does not hold the artifact's {num_weights} weight "
+            f"arrays (damaged or truncated: {type(e).__name__}: {str(e)[:200]}). {fix}"
+        ) from None
+    if len(exported.in_avals) < num_weights or any(
+            tuple(a.shape) != w.shape or np.dtype(a.dtype) != w.dtype
+            for a, w in zip(exported.in_avals, weights)):
+        raise InvalidExportError(
+            f"load_exported: the weights in {weights_path} do not fit the program in "
+            f"{program_path} (files from different exports?). {fix}"
+        )
     return ExportedModel(exported, weights, metadata, path)
 
 
@@ -229,7 +309,7 @@ def _forward_and_weights(model_or_fn):
         fn = model_or_fn
         return (lambda weights, x: fn(x)), []
     else:
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             "export: model_or_fn must be a mirrax.Model, an nnx.Module or a function fn(x); "
             f"received {type(model_or_fn).__name__}."
         )
@@ -263,21 +343,51 @@ def _host_copy(array) -> np.ndarray:
     return np.asarray(array)
 
 
+def _checked_platforms(platforms) -> list:
+    if isinstance(platforms, str):
+        platforms = [platforms]  # platforms="cpu" means ("cpu",), not ("c", "p", "u")
+    try:
+        requested = list(platforms)
+    except TypeError:
+        raise errors.InvalidArgumentTypeError(
+            f"export: platforms must be a list of platform names, e.g. ['cpu', 'cuda']; "
+            f"received {platforms!r}."
+        ) from None
+    unknown = [p for p in requested if not isinstance(p, str) or p.lower() not in KNOWN_PLATFORMS]
+    if unknown or not requested:
+        raise errors.InvalidArgumentError(
+            f"export: platforms must name one or more of {list(KNOWN_PLATFORMS)}; received "
+            f"{platforms!r}" + (f" ({unknown} unknown)" if unknown else " (empty)") + "."
+        )
+    return [p.lower() for p in requested]
+
+
 def _symbolic_specs(input_signature):
     """The signature with each None/-1 leading dimension replaced by the one symbol "b"."""
     (batch,) = jax.export.symbolic_shape("b")
+    if not jax.tree.leaves(input_signature):
+        raise errors.InvalidArgumentTypeError(
+            "export: input_signature must be a jax.ShapeDtypeStruct or a pytree of them, e.g. "
+            f"jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32); received {input_signature!r}, "
+            "which holds none."
+        )
 
     def convert(spec):
         if not isinstance(spec, jax.ShapeDtypeStruct):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 "export: input_signature must be a jax.ShapeDtypeStruct or a pytree of them, "
                 f"e.g. jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32); received a leaf "
                 f"{spec!r} of type {type(spec).__name__}."
             )
         shape = tuple(spec.shape)
         for i, dim in enumerate(shape):
+            if isinstance(dim, int) and dim < -1:
+                raise errors.InvalidArgumentError(
+                    f"export: the signature {spec} has {dim} at dimension {i}; a dimension is a "
+                    "size >= 0, or None / -1 (leading dimension only) for any batch size."
+                )
             if _dims(spec)[i] is None and i != 0:
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"export: only the leading (batch) dimension may be None or -1; the "
                     f"signature {spec} has {dim} at dimension {i}."
                 )
@@ -317,8 +427,33 @@ def _default_platforms() -> list:
     return list(DEFAULT_PLATFORMS) + ([current] if current not in DEFAULT_PLATFORMS else [])
 
 
-def _write_atomic(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+def _write_file(path: str, write) -> None:
+    with open(path, "wb") as f:
         write(f)
-    os.replace(tmp, path)
+
+
+def _is_complete_artifact(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, n)) for n in (PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE))
+
+
+def _checked_export_path(path) -> str:
+    path = checkpoint_lib._checked_path(path, "export")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise errors.ExistingPathError(
+            f"export: {path} is a file, not an artifact directory; mirrax does not replace it. "
+            "Export to another path, or delete the file first."
+        )
+    return path
+
+
+def _refuse_foreign_directory(path: str) -> None:
+    """An existing directory is replaced only if it is (or was meant to be) an artifact."""
+    if not os.path.isdir(path):
+        return
+    names = set(os.listdir(path))
+    if names and not names & {PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE}:
+        raise errors.ExistingPathError(
+            f"export: {path} is a directory that holds no mirrax export (found "
+            f"{sorted(names)[:10]}); export replaces the whole directory, so it refuses to. "
+            "Export to a new or empty directory."
+        )

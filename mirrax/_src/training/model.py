@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import os
 import sys
 import warnings
 
@@ -318,38 +317,36 @@ class Model:
         """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
 
         As `keras.Model.save_weights`, but the file is an Orbax checkpoint directory written by
-        `mirrax.Checkpoint(weights=model.module)`: atomic, each array once whatever the replica
-        count, readable back into any replica count.
+        `mirrax.Checkpoint(weights=model.module)`: atomic (also when replacing an earlier
+        save), each array once whatever the replica count, readable back into any replica
+        count. PRNG state (`nnx.Rngs`, e.g. of `nnx.Dropout`) and batch statistics included.
 
         Raises:
-          FileExistsError: `filepath` exists and `overwrite` is False.
+          ExistingPathError (a FileExistsError): `filepath` exists and `overwrite` is False,
+            or `filepath` is a regular file.
+          InvalidArgumentTypeError: `filepath` is not a str or os.PathLike.
         """
-        path = os.path.abspath(os.fspath(filepath))
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(
-                f"save_weights: {path} exists; pass overwrite=True to replace it."
-            )
-        from mirrax._src.checkpoint import Checkpoint  # checkpoint.py imports this module
+        from mirrax._src import checkpoint  # checkpoint.py imports this module
 
-        Checkpoint(weights=self.module).save(path)
+        checkpoint.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath) -> None:
-        """Reads variables written by `save_weights` into the module (placed where they are now).
+        """Reads variables into the module (placed where they are now), as `keras.Model.load_weights`.
+
+        Reads what `save_weights` wrote, or the module's variables of a full checkpoint
+        (`mirrax.Checkpoint(model=model).save`, `ModelCheckpoint`'s default output), as Keras
+        loads weights from a full save; the optimizer state of a full checkpoint is not read.
 
         Raises:
-          FileNotFoundError: no checkpoint at `filepath`.
-          ValueError: the checkpoint's variables do not match the module's; the message lists
-            the paths and shapes that differ.
+          MissingCheckpointError (a FileNotFoundError): no checkpoint at `filepath`.
+          InvalidCheckpointError (a ValueError): the directory is not a complete checkpoint.
+          IncompatibleCheckpointError (a ValueError): the checkpoint's variables do not match
+            the module's (the message lists the paths and shapes that differ), or it holds no
+            model's weights (the message names the call that restores it).
         """
-        from mirrax._src.checkpoint import Checkpoint  # checkpoint.py imports this module
+        from mirrax._src import checkpoint  # checkpoint.py imports this module
 
-        path = os.path.abspath(os.fspath(filepath))
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"load_weights: no weights directory at {path}; write one with "
-                "model.save_weights(path)."
-            )
-        Checkpoint(weights=self.module).read(path).assert_existing_objects_matched()
+        checkpoint.load_weights(self, filepath)
 
     # -- fit -------------------------------------------------------------------------------------
 
@@ -753,29 +750,6 @@ class Model:
             extra = f" {trainable:>9}" if show_trainable else ""
             print_fn(f"{name:<{width}}  {kind:<10} {shape:<16} {size:>10,}{extra}")
         print_fn(f"Total: {total:,} values")
-
-
-def _mismatches(current: dict, stored: dict) -> list:
-    """Human-readable differences between the module's pure-dict state and stored metadata."""
-    flat_now = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(current)[0]}
-    flat_old = {
-        jax.tree_util.keystr(k): v
-        for k, v in jax.tree_util.tree_flatten_with_path(
-            stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
-    }
-    out = []
-    for key in sorted(set(flat_now) | set(flat_old)):
-        if key not in flat_old:
-            out.append(f"{key} is missing from the checkpoint")
-        elif key not in flat_now:
-            out.append(f"{key} is in the checkpoint but not in the model")
-        elif tuple(flat_now[key].shape) != tuple(flat_old[key].shape):
-            out.append(f"{key} has shape {tuple(flat_old[key].shape)} in the checkpoint, "
-                       f"{tuple(flat_now[key].shape)} in the model")
-        elif jnp.dtype(flat_now[key].dtype) != jnp.dtype(flat_old[key].dtype):
-            out.append(f"{key} has dtype {flat_old[key].dtype} in the checkpoint, "
-                       f"{flat_now[key].dtype} in the model")
-    return out
 
 
 def _warn_if_ran_out(what: str, name: str, steps, count: int) -> None:

@@ -7,24 +7,55 @@ and the resume point: the epoch index and the number of that epoch's batches alr
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Optional
 
+from mirrax import errors
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
+_LOG = logging.getLogger("mirrax")
+
 
 def check_save_freq(save_freq, owner: str):
-    """`save_freq` if it is "epoch" or a positive int (as Keras 3), else ValueError."""
-    if save_freq == "epoch":
+    """`save_freq` if it is "epoch" or a positive int (as Keras 3), else a mirrax error."""
+    if isinstance(save_freq, str) and save_freq == "epoch":
         return save_freq
+    if save_freq is False:
+        raise errors.UnsupportedArgumentError(
+            f"{owner}: save_freq=False (Keras's preemption checkpointing) is not supported; "
+            "pass save_freq='epoch' or a positive int."
+        )
     if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
         return save_freq
-    raise ValueError(
+    error = (errors.InvalidArgumentError if isinstance(save_freq, (int, str))
+             and not isinstance(save_freq, bool) else errors.InvalidArgumentTypeError)
+    raise error(
         f"{owner}: unrecognized save_freq: {save_freq!r}. Expected save_freq='epoch' (save at "
         "the end of every epoch) or a positive int (save every that many batches)."
     )
+
+
+def check_flag(value, name: str, owner: str) -> bool:
+    """`value` if it is a bool, else InvalidArgumentTypeError (a string 'False' is truthy)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise errors.InvalidArgumentTypeError(
+        f"{owner}: {name} must be True or False; received {value!r} of type "
+        f"{type(value).__name__}."
+    )
+
+
+def remove_directory(path: str) -> None:
+    """Deletes a directory after renaming it aside in one step, so a kill during the deletion
+    never leaves a half-deleted directory under its name."""
+    doomed = path + ".mirrax-deleting"
+    if os.path.lexists(doomed):
+        shutil.rmtree(doomed)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
 
 
 class BatchCounter:
@@ -73,8 +104,11 @@ class BackupAndRestore(Callback):
     epoch. The shuffling RNG and metric states are not backed up (metrics restart at the
     resume point, as Keras's restart at each epoch).
 
-    Every process calls the save (Orbax lets process 0 write the files); only process 0
-    deletes the directory.
+    Every backup is atomic (a `mirrax.CheckpointManager`: Orbax commits each by rename), and
+    the previous backup is kept until the next one is committed, so a kill at any moment
+    leaves one restorable. As Keras's, if the newest backup cannot be read (a damaged file),
+    the previous one is restored instead (with a log line). Every process calls the save
+    (Orbax lets process 0 write the files); only process 0 deletes the directory.
 
     Args:
       backup_dir: directory for the backup (created when needed); give each concurrent run
@@ -83,18 +117,32 @@ class BackupAndRestore(Callback):
       delete_checkpoint: delete `backup_dir` when training ends without an exception.
 
     Raises:
-      ValueError: `backup_dir` is empty, or `save_freq` is neither "epoch" nor a positive int.
+      InvalidArgumentError: `backup_dir` is empty, or `save_freq` is neither "epoch" nor a
+        positive int.
+      InvalidArgumentTypeError: `backup_dir` is not a path, or `delete_checkpoint` not a bool.
+      UnsupportedArgumentError: `save_freq=False` (Keras's preemption checkpointing).
+      ExistingPathError: `backup_dir` is a regular file.
     """
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
         super().__init__()
-        if not backup_dir:
-            raise ValueError(
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise errors.InvalidArgumentTypeError(
+                f"BackupAndRestore: backup_dir must be a directory path (str or os.PathLike); "
+                f"received {backup_dir!r} of type {type(backup_dir).__name__}."
+            )
+        if not os.fspath(backup_dir):
+            raise errors.InvalidArgumentError(
                 f"BackupAndRestore: backup_dir must be a directory path; received {backup_dir!r}."
             )
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
+        if os.path.lexists(self.backup_dir) and not os.path.isdir(self.backup_dir):
+            raise errors.ExistingPathError(
+                f"BackupAndRestore: backup_dir {self.backup_dir} is a file; pass a directory "
+                "path (created when needed) that nothing else uses."
+            )
         self.save_freq = check_save_freq(save_freq, "BackupAndRestore")
-        self.delete_checkpoint = delete_checkpoint
+        self.delete_checkpoint = check_flag(delete_checkpoint, "delete_checkpoint", "BackupAndRestore")
         self._checkpoint = None
         self._manager = None
         self._counter: Optional[BatchCounter] = None
@@ -110,14 +158,24 @@ class BackupAndRestore(Callback):
         from mirrax._src.checkpoint import Checkpoint, CheckpointManager
 
         self._checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
-        self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=1)
+        # Two kept: the previous backup stays until the next one is committed, and is the
+        # fallback when the newest cannot be read (as Keras's `_latest.weights.h5`).
+        self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=2)
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
         self._resume = (0, 0)
-        latest = self._manager.latest_checkpoint
-        if latest is not None:
-            self._checkpoint.restore(latest)
+        backups = self._manager.checkpoints
+        for i, path in enumerate(reversed(backups)):
+            try:
+                self._checkpoint.restore(path)
+            except errors.InvalidCheckpointError as error:
+                if i + 1 == len(backups):
+                    raise
+                _LOG.warning("mirrax: BackupAndRestore could not read the backup %s (%s); "
+                             "restoring the previous one.", path, error)
+                continue
             self._resume = (self._checkpoint.epoch, self._checkpoint.step)
             self.model._resume = self._resume
+            break
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._epoch = epoch
@@ -143,7 +201,7 @@ class BackupAndRestore(Callback):
         """Deletes the backup (`delete_checkpoint`): training finished."""
         self._manager = None
         if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
-            shutil.rmtree(self.backup_dir)
+            remove_directory(self.backup_dir)
 
     def _save(self, epoch: int, step: int) -> None:
         self._checkpoint.epoch = epoch

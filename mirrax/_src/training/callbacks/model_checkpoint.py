@@ -7,9 +7,14 @@ import os
 import warnings
 from typing import Optional
 
+from mirrax import errors
 from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks._chief import is_chief
-from mirrax._src.training.callbacks.backup_and_restore import BatchCounter, check_save_freq
+from mirrax._src.training.callbacks.backup_and_restore import (
+    BatchCounter,
+    check_flag,
+    check_save_freq,
+)
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -21,9 +26,11 @@ class ModelCheckpoint(Callback):
     epoch's (or, for batch saves, the batch's) log keys, and, for batch saves, `batch`
     (1-based), e.g. `"ckpt/weights.{epoch:02d}-{val_loss:.2f}"` gives `ckpt/weights.03-0.41`.
     Each save is a directory written atomically by Orbax: with `save_weights_only`, what
-    `model.save_weights` writes (read it back with `model.load_weights`); otherwise a
-    `mirrax.Checkpoint(model=model)` (module and optimizer state; read it back with
-    `mirrax.Checkpoint(model=model).restore(path)`). An existing directory is replaced.
+    `model.save_weights` writes; otherwise a `mirrax.Checkpoint(model=model)` (module and
+    optimizer state; read it all back with `mirrax.Checkpoint(model=model).restore(path)`).
+    `model.load_weights(path)` reads the weights of either. An existing directory is replaced
+    atomically (the new save is written beside it and swapped in by rename), so a kill
+    during a save never loses the previous best model.
 
     With `save_best_only`, a save happens only when `monitor` improves on the best value so
     far (strictly: below it in "min" mode, above it in "max"); the first value improves on
@@ -48,9 +55,13 @@ class ModelCheckpoint(Callback):
         (`save_best_only`).
 
     Raises:
-      ValueError: `save_freq` is neither "epoch" nor a positive int; at the start of training,
-        `save_best_only` with `mode="auto"` and a `monitor` whose direction is unknown.
-      KeyError: at a save, `filepath` names a field that the logs do not have.
+      InvalidArgumentError: `save_freq` is neither "epoch" nor a positive int; at the start of
+        training, `save_best_only` with `mode="auto"` and a `monitor` whose direction is
+        unknown.
+      InvalidArgumentTypeError: `filepath` is not a path, `monitor` not a str, a flag not a
+        bool, `verbose` not an int, `initial_value_threshold` not a number.
+      UnknownFilepathFieldError (a KeyError): at a save, `filepath` names a field that the
+        logs do not have.
 
     Warns:
       UserWarning: `save_best_only` and the logs lack `monitor`; that save is skipped.
@@ -61,11 +72,33 @@ class ModelCheckpoint(Callback):
                  mode: str = "auto", save_freq="epoch",
                  initial_value_threshold: Optional[float] = None):
         super().__init__()
+        owner = "ModelCheckpoint"
+        if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
+            raise errors.InvalidArgumentTypeError(
+                f"{owner}: filepath must be a non-empty path (str or os.PathLike), e.g. "
+                f"'ckpt/weights.{{epoch:02d}}'; received {filepath!r}."
+            )
+        if not isinstance(monitor, str):
+            raise errors.InvalidArgumentTypeError(
+                f"{owner}: monitor must be a log key (a str such as 'val_loss'); received "
+                f"{monitor!r} of type {type(monitor).__name__}."
+            )
+        if isinstance(verbose, bool) or not isinstance(verbose, int):
+            raise errors.InvalidArgumentTypeError(
+                f"{owner}: verbose must be 0 or 1; received {verbose!r}."
+            )
+        if initial_value_threshold is not None and (
+                isinstance(initial_value_threshold, bool)
+                or not isinstance(initial_value_threshold, (int, float))):
+            raise errors.InvalidArgumentTypeError(
+                f"{owner}: initial_value_threshold must be a number or None; received "
+                f"{initial_value_threshold!r}."
+            )
         self.filepath = os.fspath(filepath)
         self.monitor = monitor
         self.verbose = verbose
-        self.save_best_only = save_best_only
-        self.save_weights_only = save_weights_only
+        self.save_best_only = check_flag(save_best_only, "save_best_only", owner)
+        self.save_weights_only = check_flag(save_weights_only, "save_weights_only", owner)
         self.mode = _monitor.check_mode(mode, "ModelCheckpoint")
         self.save_freq = check_save_freq(save_freq, "ModelCheckpoint")
         self.initial_value_threshold = initial_value_threshold
@@ -82,7 +115,7 @@ class ModelCheckpoint(Callback):
         self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(
             self.monitor, self.model)
         if self.monitor_op is None:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"ModelCheckpoint received monitor={self.monitor!r} with mode='auto', but "
                 "cannot tell whether that quantity should be minimized or maximized. Pass "
                 "mode='max' to keep the highest value, or mode='min' to keep the lowest."
@@ -121,7 +154,7 @@ class ModelCheckpoint(Callback):
         try:
             return self.filepath.format(**fields)
         except KeyError as e:
-            raise KeyError(
+            raise errors.UnknownFilepathFieldError(
                 f'Failed to format this callback filepath: "{self.filepath}". Reason: {e}. '
                 f"Available fields: {sorted(fields)}."
             ) from None
