@@ -159,7 +159,7 @@ CASES = [
     Case("fit(arrays with 0 examples)", lambda env: _fit(env, X[:0], Y[:0]),
          errors.EmptyDatasetError, ("x has 0 examples", "(0, 4)"), S),
     Case("fit(an empty distributed dataset)",
-         lambda env: _fit(env, env.strategy.experimental_distribute_dataset([])),
+         lambda env: _fit(env, env.strategy.experimental_distribute_dataset(_empty())),
          errors.EmptyDatasetError, ("DistributedDataset", "yielded no batch in the first epoch"),
          S),
     Case("evaluate([])", lambda env: _model(env).evaluate([], verbose=0),
