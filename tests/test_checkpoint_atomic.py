@@ -332,7 +332,7 @@ _FORK_SERVER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
-    from mirrax._src import checkpoint as ck, export as ex
+    from mirrax._src import atomic_dirs as ad, checkpoint as ck, export as ex
     from tests import test_checkpoint_atomic as t
 
     def child(work, kind, moment):
@@ -372,23 +372,23 @@ _FORK_SERVER = textwrap.dedent(
                 block()
             atomicity.AtomicRenameTemporaryPath.finalize = finalize
         elif moment == "exchanged":
-            original_exchange = ck._exchange
+            original_exchange = ad.exchange
             def exchange(a, b):
                 if not original_exchange(a, b):
                     print("NO EXCHANGE ON THIS FILESYSTEM", flush=True)
                     sys.exit(3)
                 block()
-            ck._exchange = exchange
+            ad.exchange = exchange
         elif moment == "between":
-            ck._exchange = lambda a, b: False
-            original_rename = ck._rename
+            ad.exchange = lambda a, b: False
+            original_rename = ad.rename
             def rename(src, dst):
                 original_rename(src, dst)
-                if dst.endswith(ck._OLD_SUFFIX):
+                if dst.endswith(ad.OLD_SUFFIX):
                     block()
-            ck._rename = rename
+            ad.rename = rename
         elif moment == "deleting":
-            original_delete = ck._delete
+            original_delete = ad.delete
             def delete(path):
                 files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
                 for name in files[: len(files) // 2]:
@@ -396,14 +396,14 @@ _FORK_SERVER = textwrap.dedent(
                 if files:
                     block()
                 original_delete(path)
-            ck._delete = delete
+            ad.delete = delete
         elif moment == "dropped":
-            original_delete_if_exists = ck._delete_if_exists
+            original_delete_if_exists = ad.delete_if_exists
             def delete_if_exists(path):
                 if path.endswith(ck._DELETED_SUBDIR) and os.path.isdir(path) and os.listdir(path):
                     block()
                 original_delete_if_exists(path)
-            ck._delete_if_exists = delete_if_exists
+            ad.delete_if_exists = delete_if_exists
         t.kill_save(kind, work, t.KillNet(-1.0, seed=1))
         print("SAVED", flush=True)  # never reached: the test fails if it is
 

@@ -4,9 +4,9 @@ A checkpoint is an Orbax composite checkpoint directory with one item per tracke
 module's state, an optimizer's state, a metric's state, a step counter). mirrax writes no
 format of its own: Orbax writes every array once (whatever the replica count), to a temporary
 directory that it renames when complete, so a reader never sees a half-written checkpoint.
-Overwriting a checkpoint is atomic too (`_replace_atomically`): the new one is written beside
-the old one and swapped in by rename, so a kill at any moment leaves the old or the new one
-restorable. Restoring reads each array straight onto the CURRENT placement of the object it restores into,
+Overwriting a checkpoint is atomic too (atomic_dirs.py): the new one is written beside the old
+one and swapped in by rename, so a kill at any moment leaves the old or the new one restorable.
+Restoring reads each array straight onto the CURRENT placement of the object it restores into,
 so a checkpoint written under 4 replicas restores under 1, 2 or 8, or `OneDeviceStrategy`.
 """
 
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
-import errno
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
 from typing import Any
@@ -31,6 +28,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import atomic_dirs
 from mirrax._src.distribute.input import DistributedIterator
 from mirrax._src.training.model import Model
 
@@ -39,12 +37,6 @@ _LOG = logging.getLogger("mirrax")
 # Item holding `Checkpoint.save_counter` (TF's name); `read` leaves it alone, as TF's does.
 _SAVE_COUNTER = "save_counter"
 
-# Names beside a checkpoint `path` while it is being replaced (see `_replace_atomically`): the
-# committed new one, the old one renamed aside (only where an atomic exchange is not
-# available), and a directory being deleted. Every restore path knows the first two.
-_NEW_SUFFIX = ".mirrax-new"
-_OLD_SUFFIX = ".mirrax-old"
-_DELETING_SUFFIX = ".mirrax-deleting"
 # Orbax's file that a complete checkpoint directory holds (written before its commit rename).
 _METADATA_FILE = "_CHECKPOINT_METADATA"
 # Where CheckpointManager's Orbax manager renames a checkpoint it drops (max_to_keep), so the
@@ -120,22 +112,6 @@ def _ignore_closed_loop_callbacks() -> None:
     _UNRAISABLE_FILTER.append(hook)
 
 
-def _checked_path(path, what: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: the path must be a str or os.PathLike; received {path!r} of type "
-            f"{type(path).__name__}. Pass a directory path, e.g. '/tmp/ckpt'."
-        )
-    path = os.fspath(path)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not path:
-        raise errors.InvalidArgumentError(
-            f"{what}: the path is empty (received {path!r}); pass a directory path, e.g. '/tmp/ckpt'."
-        )
-    return os.path.abspath(path)
-
-
 def _refuse_non_directory(path: str, what: str) -> None:
     if os.path.lexists(path) and not os.path.isdir(path):
         raise errors.ExistingPathError(
@@ -169,140 +145,6 @@ def _refuse_to_replace(path: str, what: str) -> None:
 def _is_complete(path: str) -> bool:
     """Whether `path` looks like a committed Orbax checkpoint (cheap: no array is read)."""
     return os.path.isfile(os.path.join(path, _METADATA_FILE))
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swaps two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where the
-    platform or filesystem cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):  # glibc before 2.28, or another libc
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV):
-        return False
-    raise OSError(code, os.strerror(code), a)
-
-
-def _rename(src: str, dst: str) -> None:
-    os.rename(src, dst)
-
-
-def _remove_tree(path: str) -> None:
-    """Deletes a directory: first renamed out of the way (one atomic step), so a kill during
-    the deletion never leaves a half-deleted directory under a name a restore would read."""
-    if not os.path.lexists(path):
-        return
-    doomed = path if path.endswith(_DELETING_SUFFIX) else path + _DELETING_SUFFIX
-    if doomed != path:
-        if os.path.lexists(doomed):
-            _delete(doomed)
-        _rename(path, doomed)
-    _delete(doomed)
-
-
-def _delete(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
-
-
-def _delete_if_exists(path: str) -> None:
-    if os.path.lexists(path):
-        _delete(path)
-
-
-def _leftovers(path: str) -> list:
-    """Names beside `path` that an interrupted save may have left (never `path` itself)."""
-    parent, base = os.path.split(path)
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return []
-    prefixes = (base + _NEW_SUFFIX, base + _OLD_SUFFIX, base + _DELETING_SUFFIX,
-                base + ocp.path.step.TMP_DIR_SUFFIX)
-    return [os.path.join(parent, n) for n in names if n.startswith(prefixes)]
-
-
-def _finish_interrupted_replace(path: str, complete) -> None:
-    """Completes a replacement killed between its two renames, then removes the leftovers."""
-    new, old = path + _NEW_SUFFIX, path + _OLD_SUFFIX
-    if not os.path.lexists(path):
-        for candidate in (new, old):
-            if os.path.isdir(candidate) and complete(candidate):
-                _LOG.warning("mirrax: %s was missing (a save was interrupted); restored %s "
-                             "in its place.", path, candidate)
-                _rename(candidate, path)
-                break
-    for leftover in _leftovers(path):
-        _delete(leftover)
-
-
-def _replace_atomically(path: str, write, complete=_is_complete, collective: bool = True) -> None:
-    """Writes a directory at `path` with `write(target)`, replacing any old one atomically.
-
-    `write(target)` must leave `target` complete or absent (Orbax commits by rename; export's
-    writer does the same). The new directory is written beside the old one, then swapped in:
-    with one exchange where the filesystem has it, else by renaming the old one aside and the
-    new one in (a kill between the two leaves `path` missing; `_resolve` then reads the new
-    or the old one from beside it, and the next save completes the swap). With `collective`,
-    every process calls this (Orbax writes from each) and only process 0 renames and deletes;
-    without, only the calling process is involved (export, which only process 0 writes).
-    """
-    chief = jax.process_index() == 0 or not collective
-    new, old = path + _NEW_SUFFIX, path + _OLD_SUFFIX
-    if chief:
-        _finish_interrupted_replace(path, complete)
-    if collective:
-        _barrier(f"mirrax_replace_prepare:{path}")
-    write(new)
-    if chief:
-        if not os.path.isdir(path):
-            _rename(new, path)
-        elif _exchange(new, path):
-            _remove_tree(new)  # now the old checkpoint
-        else:
-            _rename(path, old)
-            _rename(new, path)
-            _remove_tree(old)
-    if collective:
-        _barrier(f"mirrax_replace_commit:{path}")
-
-
-def _resolve(path: str, what: str, complete=_is_complete, missing=None) -> str:
-    """The directory to read for `path`: `path` itself, or, when a save was interrupted
-    between its two renames, the complete new (else old) directory beside it (logged)."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise errors.InvalidCheckpointError(
-            f"{what}: {path} is a file, not a checkpoint directory. Pass the directory that "
-            "Checkpoint.save / Model.save_weights / mirrax.export wrote."
-        )
-    if os.path.isdir(path):
-        return path
-    for candidate in (path + _NEW_SUFFIX, path + _OLD_SUFFIX):
-        if os.path.isdir(candidate) and complete(candidate):
-            _LOG.warning("mirrax: %s is missing (a save was interrupted while replacing it); "
-                         "reading %s instead.", path, candidate)
-            return candidate
-    raise errors.MissingCheckpointError(
-        missing or f"{what}: no checkpoint directory at {path}; write one with "
-        "Checkpoint.save(path) or CheckpointManager.save()."
-    )
 
 
 class _Part:
@@ -576,7 +418,7 @@ def _write_checkpoint(target: str, save_args) -> None:
 
 def save_weights(model, filepath, overwrite: bool = True) -> None:
     """`Model.save_weights`: the module's variables as a `Checkpoint(weights=model.module)`."""
-    path = _checked_path(filepath, "save_weights")
+    path = atomic_dirs.checked_path(filepath, "save_weights")
     if not isinstance(overwrite, (bool, np.bool_)):
         raise errors.InvalidArgumentTypeError(
             f"save_weights: overwrite must be True or False; received {overwrite!r}."
@@ -592,8 +434,8 @@ def save_weights(model, filepath, overwrite: bool = True) -> None:
 def load_weights(model, filepath) -> None:
     """`Model.load_weights`: from `save_weights`'s output, or the module of a full checkpoint
     (`Checkpoint(model=model)`, `ModelCheckpoint`'s default), as Keras's from a full save."""
-    path = _resolve(
-        _checked_path(filepath, "load_weights"), "load_weights",
+    path = atomic_dirs.resolve(
+        atomic_dirs.checked_path(filepath, "load_weights"), "load_weights", _is_complete,
         missing=f"load_weights: no weights directory at {os.path.abspath(os.fspath(filepath))}; "
                 "write one with model.save_weights(path).")
     stored = _stored_items(path, "load_weights")
@@ -734,11 +576,12 @@ class Checkpoint:
             checkpoint (neither is ever replaced).
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
         """
-        path = _checked_path(path, "Checkpoint.save")
+        path = atomic_dirs.checked_path(path, "Checkpoint.save")
         _refuse_to_replace(path, "Checkpoint.save")
         self.save_counter += 1
         save_args = self._save_args()
-        _replace_atomically(path, lambda target: _write_checkpoint(target, save_args))
+        atomic_dirs.replace_atomically(
+            path, lambda target: _write_checkpoint(target, save_args), _is_complete)
         return path
 
     def _save_args(self) -> ocp.args.Composite:
@@ -775,7 +618,7 @@ class Checkpoint:
 
     def _restore(self, path, what: str, with_counter: bool) -> CheckpointLoadStatus:
         what = f"Checkpoint.{what}"
-        path = _resolve(_checked_path(path, what), what)
+        path = atomic_dirs.resolve(atomic_dirs.checked_path(path, what), what, _is_complete)
         stored = _stored_items(path, what)
         parts = self._all_parts()
         matched = [part for part in parts if part.item in stored]
@@ -876,7 +719,7 @@ class CheckpointManager:
                 f"CheckpointManager: async_save must be True or False; received {async_save!r}."
             )
         self.checkpoint = checkpoint
-        self.directory = _checked_path(directory, owner)
+        self.directory = atomic_dirs.checked_path(directory, owner)
         _refuse_non_directory(self.directory, owner)
         self.max_to_keep = max_to_keep
         self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
@@ -908,7 +751,7 @@ class CheckpointManager:
             self._manager.wait_until_finished()
         _IN_FLIGHT.discard(self._manager)
         if jax.process_index() == 0:
-            _delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
+            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
 
     def _path(self, number: int) -> str:
         return os.path.join(self.directory, str(number))
@@ -944,18 +787,18 @@ class CheckpointManager:
         """Before a save (none in flight): moves aside numbered directories that are not
         checkpoints (Orbax would count them as kept ones) and removes killed saves' leftovers."""
         if jax.process_index() == 0 and os.path.isdir(self.directory):
-            _delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
+            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
             for name in os.listdir(self.directory):
                 full = os.path.join(self.directory, name)
-                if ocp.path.step.TMP_DIR_SUFFIX in name or name.endswith(_DELETING_SUFFIX):
-                    _delete(full)
+                if ocp.path.step.TMP_DIR_SUFFIX in name or name.endswith(atomic_dirs.DELETING_SUFFIX):
+                    atomic_dirs.delete(full)
                 elif name.isdigit() and os.path.isdir(full) and not _is_complete(full):
                     aside = full + ".mirrax-incomplete"
-                    _delete_if_exists(aside)
+                    atomic_dirs.delete_if_exists(aside)
                     _LOG.warning("mirrax: %s is not a complete checkpoint; renamed it %s.",
                                  full, aside)
-                    _rename(full, aside)
-        _barrier(f"mirrax_manager_tidy:{self.directory}")
+                    atomic_dirs.rename(full, aside)
+        atomic_dirs.barrier(f"mirrax_manager_tidy:{self.directory}")
         with _quiet_orbax():
             self._manager.reload()
 
@@ -986,7 +829,8 @@ class CheckpointManager:
         if number in self._manager.all_steps():
             # Orbax refuses an existing step; replace it as Checkpoint.save does.
             save_args = ckpt._save_args()
-            _replace_atomically(path, lambda target: _write_checkpoint(target, save_args))
+            atomic_dirs.replace_atomically(
+                path, lambda target: _write_checkpoint(target, save_args), _is_complete)
             with _quiet_orbax():
                 self._manager.reload()
             return path

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src import checkpoint as checkpoint_lib
+from mirrax._src import atomic_dirs
 
 FORMAT = "mirrax.export"
 FORMAT_VERSION = 1
@@ -127,7 +127,7 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
     if jax.process_index() != 0:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    checkpoint_lib._replace_atomically(path, write, complete=_is_complete_artifact,
+    atomic_dirs.replace_atomically(path, write, complete=_is_complete_artifact,
                                        collective=False)
 
 
@@ -213,14 +213,14 @@ def load_exported(path) -> ExportedModel:
       InvalidExportError (a ValueError): a file is damaged (metadata not JSON, a truncated
         program or weights file), or the metadata names another format or a newer version.
     """
-    path = checkpoint_lib._checked_path(path, "load_exported")
+    path = atomic_dirs.checked_path(path, "load_exported")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise MissingExportError(
             f"load_exported: {path} is a file, not an artifact directory; pass the directory "
             "that mirrax.export(model, path, input_signature) wrote."
         )
     try:
-        path = checkpoint_lib._resolve(path, "load_exported", complete=_is_complete_artifact)
+        path = atomic_dirs.resolve(path, "load_exported", complete=_is_complete_artifact)
     except errors.MissingCheckpointError:
         raise MissingExportError(
             f"load_exported: no directory at {path}; write one with "
@@ -437,7 +437,7 @@ def _is_complete_artifact(path: str) -> bool:
 
 
 def _checked_export_path(path) -> str:
-    path = checkpoint_lib._checked_path(path, "export")
+    path = atomic_dirs.checked_path(path, "export")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise errors.ExistingPathError(
             f"export: {path} is a file, not an artifact directory; mirrax does not replace it. "

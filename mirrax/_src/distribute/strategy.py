@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
