@@ -1,8 +1,5 @@
 """mirrax.Model: compile / fit / evaluate / predict, distributed and exact."""
 
-import io
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
