@@ -10,10 +10,10 @@ from mirrax._src.cli.main import main
     (["train", "--lr", "0"], "argument --lr: expected a finite number > 0 (e.g. 1e-3), received '0'"),
     (["train", "--lr=-1e-3"], "received '-1e-3'"),
     (["train", "--lr", "nan"], "received 'nan'"),
-    (["train", "--lr", "fast"], "argument --lr: expected a positive number, received 'fast'"),
-    (["train", "--seed", "-1"], "argument --seed: expected an integer >= 0, received -1"),
+    (["train", "--lr", "fast"], "argument --lr: expected a finite number > 0 (e.g. 1e-3), received 'fast'"),
+    (["train", "--seed", "-1"], "argument --seed: expected an integer >= 0, received '-1'"),
     (["train", "--epochs", "2.5"], "argument --epochs: expected a positive integer, received '2.5'"),
-    (["devices", "--cpu-devices", "0"], "expected a positive integer, received 0"),
+    (["devices", "--cpu-devices", "0"], "expected a positive integer, received '0'"),
 ])
 def test_meaningless_numbers_exit_2_naming_the_value(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -316,7 +316,7 @@ def test_a_second_signal_kills_workers_that_ignore_the_first(tmp_path):
      "--grace-period must be a finite number of seconds >= 0; received nan"),
     (["--grace-period", "inf", "--", "true"],
      "--grace-period must be a finite number of seconds >= 0; received inf"),
-    (["--nproc", "0", "--", "true"], "expected a positive integer, received 0"),
+    (["--nproc", "0", "--", "true"], "expected a positive integer, received '0'"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

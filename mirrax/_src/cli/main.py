@@ -240,43 +240,29 @@ def _jax_backends_started() -> bool:
     return cpu_devices.backends_started()
 
 
+def _number(text: str, kind, minimum, expected: str, exclusive: bool = False):
+    """`text` as `kind` (int or float), finite and >= `minimum` (> with `exclusive`)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, received {text!r}") from None
+    too_small = value <= minimum if exclusive else value < minimum
+    if too_small or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, received {text!r}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer >= 0, received {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number, received {text!r}"
-        ) from None
-    if not (math.isfinite(value) and value > 0):
-        # A zero or negative learning rate trains nothing (or climbs the loss) without a word.
-        raise argparse.ArgumentTypeError(
-            f"expected a finite number > 0 (e.g. 1e-3), received {text!r}"
-        )
-    return value
+    return _number(text, int, 0, "an integer >= 0")
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, received {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, received {value}")
-    return value
+    return _number(text, int, 1, "a positive integer")
+
+
+def _positive_float(text: str) -> float:
+    # A zero or negative learning rate trains nothing (or climbs the loss) without a word.
+    return _number(text, float, 0.0, "a finite number > 0 (e.g. 1e-3)", exclusive=True)
 
 
 if __name__ == "__main__":
