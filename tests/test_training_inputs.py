@@ -188,6 +188,8 @@ def test_a_monitor_logged_by_a_users_callback_is_accepted_as_in_keras():
     stop = mirrax.callbacks.EarlyStopping(monitor="twice_loss", mode="min", patience=0)
     model.fit(x, y, epochs=2, callbacks=[LogsTwiceTheLoss(), stop], verbose=0)
     assert stop.best == pytest.approx(2 * min(model.history.history["loss"]))
+    # One callback, not in a list, is taken as a list of one (as before the monitor check).
+    model.fit(x, y, epochs=1, callbacks=mirrax.callbacks.EarlyStopping(monitor="loss"), verbose=0)
 
 
 def test_inputs_that_do_not_fit_the_model_are_named_before_any_step():
@@ -350,3 +352,12 @@ def test_labels_given_as_a_python_list_are_arrays_as_in_keras():
     # The identity model's loss is x: (1 + 2 + 3 + 4) / 4 = 2.5 whatever the labels' type.
     x = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
     assert identity_model(mirrored(2)).evaluate(x, [0, 1, 0, 1], verbose=0) == 2.5
+
+
+def test_examples_as_python_lists_are_told_to_become_arrays():
+    _, _, x, y = mlp_data()
+    model = mlp_model(mirrored(2))
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=r"x holds Python numbers \(e.g. from X.tolist\(\)\): pass the "
+                             r"examples as arrays, np.asarray\(x\)"):
+        model.fit(x.tolist(), y.tolist(), verbose=0)

@@ -208,3 +208,14 @@ def test_distributed_partial_batch_gives_the_unsplit_mean(strategy):
     assert float(strategy.reduce("sum", shares, axis=None)) == pytest.approx(expected, rel=1e-5)
     # Outside every strategy: the plain weighted mean over the batch, the same number.
     assert float(_replica_loss(labels, probs, weights)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_loss_or_metric_class_given_for_an_instance_is_instantiated_as_keras():
+    # Keras's `get` instantiates a class; before, the class was taken for a loss function and
+    # failed inside the step ("name must be a string; received JitTracer(...)").
+    loss = mirrax.losses.get(mirrax.losses.MeanSquaredError)
+    assert isinstance(loss, mirrax.losses.MeanSquaredError)
+    # (1 - 0)^2 and (3 - 1)^2 per example: mean (1 + 4) / 2 = 2.5.
+    assert float(loss(np.array([[0.0], [1.0]]), np.array([[1.0], [3.0]]))) == 2.5
+    metric = mirrax.metrics.get(mirrax.metrics.MeanSquaredError)
+    assert isinstance(metric, mirrax.metrics.MeanSquaredError)

@@ -138,6 +138,38 @@ def test_early_stopping_restores_the_best_weights():
     assert float(model.get_weights()[0]) == pytest.approx(0.9)
 
 
+class DropoutNet(nnx.Module):
+    """Linear 4 -> 3, BatchNorm, Dropout: parameters, batch statistics and PRNG state."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 3, rngs=rngs)
+        self.norm = nnx.BatchNorm(3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.dense(x)))
+
+
+def test_weights_of_a_dropout_model_leave_out_its_prng_state_as_keras():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(DropoutNet(nnx.Rngs(0)))
+        model.compile("sgd", "mse")
+    # Kernel (4, 3) and bias (3,); BatchNorm's scale, bias, mean and var (3,); no PRNG key or
+    # count (typed keys cannot become NumPy arrays; Keras's weights leave seed state out too).
+    weights = model.get_weights()
+    assert [w.shape for w in weights] == [(3,), (4, 3), (3,), (3,), (3,), (3,)]
+    model.set_weights([w + 1.0 for w in weights])
+    np.testing.assert_array_equal(model.module.dense.kernel[...], weights[1] + 1.0)
+    # EarlyStopping's restore_best_weights and TensorBoard's histograms go through them.
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    y = np.zeros((8, 3), np.float32)
+    stop = mirrax.callbacks.EarlyStopping(monitor="loss", mode="max", patience=0,
+                                          restore_best_weights=True)
+    history = model.fit(x, y, batch_size=4, epochs=3, callbacks=[stop], verbose=0)
+    assert len(history.history["loss"]) <= 3 and stop.best_weights is not None
+
+
 def test_callbacks_changes_to_weights_are_used_by_the_next_step():
     strategy = mirrored(2)
     with strategy.scope():
@@ -319,9 +351,22 @@ def test_a_generator_is_read_across_epochs_with_steps_per_epoch():
     history = model.fit(endless(), steps_per_epoch=2, epochs=2, verbose=0)
     # Epoch 1 sees batches of 1s and 2s (mean 1.5), epoch 2 the 3s and 4s (mean 3.5).
     assert history.history["loss"] == [1.5, 3.5]
+    # A finite generator over 2 epochs without steps_per_epoch: epoch 2 would find it
+    # exhausted, so fit refuses before any step (Keras trains epoch 2 on nothing).
     finite = ((np.ones((2, 1), np.float32), np.zeros(2, np.float32)) for _ in range(2))
-    with pytest.raises(RuntimeError, match="generator given as x is exhausted.*steps_per_epoch"):
-        identity_model(mirrored(2)).fit(finite, epochs=2, verbose=0)
+    model = identity_model(mirrored(2))
+    with pytest.raises(mirrax.errors.EmptyDatasetError,
+                       match="x is a generator .* read 2 times without steps_per_epoch"):
+        model.fit(finite, epochs=2, verbose=0)
+    with pytest.raises(mirrax.errors.EmptyDatasetError,
+                       match="validation_data is a generator .* read 3 times without "
+                             "validation_steps"):
+        model.fit(endless(), steps_per_epoch=1, epochs=3, validation_data=finite, verbose=0)
+    assert model.optimizer.iterations == 0
+    # With steps_per_epoch, a finite generator that runs dry in a later epoch says so then.
+    short = ((np.ones((2, 1), np.float32), np.zeros(2, np.float32)) for _ in range(2))
+    with pytest.raises(mirrax.errors.EmptyDatasetError, match="generator given as x is exhausted"):
+        model.fit(short, steps_per_epoch=2, epochs=2, verbose=0)
 
 
 def test_save_and_load_weights_round_trip_and_refuse_other_structures(tmp_path):

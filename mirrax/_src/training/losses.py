@@ -418,7 +418,8 @@ def get(identifier):
     """The `Loss` an identifier names, as `keras.losses.get`.
 
     Args:
-      identifier: a `Loss` (returned as is); a string: a class name ("MeanSquaredError"), a
+      identifier: a `Loss` (returned as is) or its class (instantiated with default
+        arguments, as Keras); a string: a class name ("MeanSquaredError"), a
         Keras function name ("sparse_categorical_crossentropy", "mean_squared_error", "huber")
         or alias ("mse", "mae", "bce"; aliases also in upper case, "MSE"); a callable
         `fn(y_true, y_pred) -> per-example loss of shape (batch, ...)` (wrapped in a
@@ -433,6 +434,8 @@ def get(identifier):
     """
     if identifier is None or isinstance(identifier, Loss):
         return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Loss):
+        return identifier()  # a class given for an instance, as Keras's `get` instantiates it
     if isinstance(identifier, str):
         cls = _BY_NAME.get(identifier) or _BY_NAME.get(identifier.lower())
         if cls is None:

@@ -593,7 +593,8 @@ def get(identifier, loss=None):
     named by that string ("acc" stays "acc", "mse" stays "mse"), as Keras 3.
 
     Args:
-      identifier: a `Metric` (returned as is); a string: "accuracy"/"acc", a class name
+      identifier: a `Metric` (returned as is) or its class (instantiated with default
+        arguments, as Keras); a string: "accuracy"/"acc", a class name
         ("AUC", "SparseCategoricalAccuracy"), a snake_case name ("sparse_categorical_accuracy",
         "precision", "recall", "auc", "mean_squared_error") or alias ("mse", "mae"; also upper
         case); a callable `fn(y_true, y_pred) -> values of shape (batch, ...)` (wrapped in a
@@ -610,6 +611,8 @@ def get(identifier, loss=None):
     """
     if identifier is None or isinstance(identifier, Metric):
         return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Metric):
+        return identifier()  # a class given for an instance, as Keras's `get` instantiates it
     if isinstance(identifier, str):
         if identifier.lower() in _ACCURACY_NAMES:
             return _accuracy_for(losses_lib.get(loss), identifier)

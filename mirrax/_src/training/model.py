@@ -282,8 +282,13 @@ class Model:
     # -- weights ---------------------------------------------------------------------------------
 
     def get_weights(self) -> list:
-        """The module's variables as NumPy arrays, in a fixed order (as `keras.Model.get_weights`)."""
-        return [np.asarray(v.get_value()) for v in _variables(self.module)]
+        """The module's weights as NumPy arrays, in a fixed order (as `keras.Model.get_weights`).
+
+        Weights are every variable but PRNG state (`nnx.Rngs` keys and counts, e.g. of
+        `nnx.Dropout`): parameters and batch statistics, as Keras's `weights` leave out its
+        seed generators' state. Checkpoints (`save_weights`, `mirrax.Checkpoint`) keep all.
+        """
+        return [np.asarray(v.get_value()) for _, v in _weights(self.module)]
 
     def set_weights(self, weights) -> None:
         """Sets the module's variables from `get_weights()`-ordered arrays (shapes must match).
@@ -291,7 +296,8 @@ class Model:
         Raises:
           ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
         """
-        variables = _variables(self.module)
+        named = _weights(self.module)
+        variables = [v for _, v in named]
         if isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__len__"):
             raise errors.InvalidArgumentTypeError(
                 f"set_weights: weights must be a list of arrays (as model.get_weights() "
@@ -302,7 +308,7 @@ class Model:
                 f"set_weights: the model has {len(variables)} variables but {len(weights)} "
                 "arrays were given; pass a list from model.get_weights()."
             )
-        paths = [".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(self.module))]
+        paths = [".".join(map(str, path)) for path, _ in named]
         for index, (variable, value) in enumerate(zip(variables, weights)):
             old = variable.get_value()
             if tuple(np.shape(value)) != tuple(old.shape):
@@ -435,12 +441,14 @@ class Model:
                 f"fit: validation_batch_size={validation_batch_size!r} was given without "
                 "validation data; pass validation_data= or validation_split=, or drop it."
             )
+        _check_generators_last(train, steps_per_epoch, val, validation_steps,
+                               range(initial_epoch, epochs), validation_freq)
         steps = steps_per_epoch if steps_per_epoch is not None else train.steps
         cbs = callbacks_lib.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, model=self,
             verbose=verbose, epochs=epochs, steps=steps,
-            metrics=self._log_keys(validation=val is not None, callbacks=callbacks),
         )
+        cbs.set_params(dict(cbs.params, metrics=self._log_keys(val is not None, cbs.callbacks)))
         self.stop_training = False
         self.module.train()
         # Reading the logs waits for the step; do it per step only when a callback uses them.
@@ -498,11 +506,11 @@ class Model:
         cbs.on_train_end(epoch_logs if epochs > first_epoch else {})
         return self.history
 
-    def _log_keys(self, validation: bool, callbacks=None):
+    def _log_keys(self, validation: bool, callbacks: list):
         """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
         None when a callback of the user's own may add keys (as Keras's callbacks may write
         into the logs): the monitoring callbacks then look for their key at each epoch end."""
-        if any(not type(c).__module__.startswith("mirrax.") for c in callbacks or []):
+        if any(not type(c).__module__.startswith("mirrax.") for c in callbacks):
             return None
         keys = ["loss"] + list(self._metric_names)
         if validation:
@@ -763,8 +771,44 @@ def _warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
         )
 
 
-def _variables(module) -> list:
-    return [v for _, v in nnx.to_flat_state(nnx.state(module))]
+def _python_numbers(x) -> bool:
+    """Whether x looks like examples given as nested Python lists of numbers (X.tolist())."""
+    if not isinstance(x, list) or not x:
+        return False
+    first = x[0]
+    if isinstance(first, list) and first:
+        first = first[0]
+    return isinstance(first, (int, float, list)) and not isinstance(first, bool)
+
+
+def _check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
+                           validation_freq) -> None:
+    """Refuses, before any step, a generator that a later epoch would find exhausted.
+
+    A generator is read once across all epochs (as Keras): without `steps_per_epoch` the first
+    epoch reads it to the end, and the next has nothing left. Keras then trains (or validates)
+    on nothing; mirrax refuses when it is known at the start of `fit`.
+
+    Raises:
+      EmptyDatasetError: a one-shot x with more than one epoch and no `steps_per_epoch`, or
+        one-shot validation data validated more than once without `validation_steps`.
+    """
+    validations = sum(1 for epoch in epochs if (epoch + 1) % validation_freq == 0)
+    for data, steps, passes, what, name in (
+            (train, steps_per_epoch, len(epochs), "x", "steps_per_epoch"),
+            (val, validation_steps, validations, "validation_data", "validation_steps")):
+        if data is not None and data.one_shot and steps is None and passes > 1:
+            raise errors.EmptyDatasetError(
+                f"fit: {what} is a generator (read once across all epochs), and it would be read "
+                f"{passes} times without {name}: the second pass would find it exhausted. Pass "
+                f"an endless generator with {name}=<batches per pass>, or a re-iterable "
+                "dataset (a list of batches, a Grain dataset, a DataLoader)."
+            )
+
+
+def _weights(module) -> list:
+    """(path, variable) of every variable but PRNG state, in `nnx.state`'s order."""
+    return list(nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState))))
 
 
 def _needs_batch_logs(cbs, hook: str) -> bool:
@@ -1414,6 +1458,8 @@ class _Input:
                     + (" A list or tuple x is a sequence of batches in mirrax; for a model with "
                        "several inputs pass x as a dict of arrays (Keras's list of input "
                        "arrays is not supported)." if several else "")
+                    + (" x holds Python numbers (e.g. from X.tolist()): pass the examples as "
+                       "arrays, np.asarray(x) and np.asarray(y)." if _python_numbers(x) else "")
                 )
         self.dataset = None
         try:
@@ -1541,7 +1587,7 @@ class _Input:
             if steps is not None and count >= steps:
                 return
         if count == 0 and not first_pass:
-            raise RuntimeError(
+            raise errors.EmptyDatasetError(
                 f"{self._what}: the generator given as x is exhausted: it yielded no batch for "
                 "this epoch. A generator is read once across all epochs; make it endless and "
                 "pass steps_per_epoch (as Keras), or pass a re-iterable dataset (a list of "
