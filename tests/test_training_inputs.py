@@ -361,3 +361,23 @@ def test_examples_as_python_lists_are_told_to_become_arrays():
                        match=r"x holds Python numbers \(e.g. from X.tolist\(\)\): pass the "
                              r"examples as arrays, np.asarray\(x\)"):
         model.fit(x.tolist(), y.tolist(), verbose=0)
+
+
+def test_a_later_dataset_batch_that_does_not_fit_is_named_before_its_step():
+    _, _, x, y = mlp_data()
+    model = mlp_model(mirrored(2))
+    # Batch 2's labels are 0 + 5 = 5 for a model with 2 classes: refused on the host before
+    # batch 2 trains (it used to give loss nan and NaN weights).
+    with pytest.raises(errors.InvalidLabelError, match=r"batch 2 of the dataset: .*\[0, 2\)"):
+        model.fit([(x[:8], y[:8]), (x[:8], y[:8] * 0 + 5)], verbose=0)
+    assert model.optimizer.iterations == 1
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Batch 2 has 5 features for a first layer of 4: named before its step (it used to be a
+    # jax dot_general TypeError from inside the compiled step).
+    wide = np.zeros((8, 5), np.float32)
+    with pytest.raises(errors.IncompatibleInputError,
+                       match=r"fit \(batch 2\): the model cannot take x of shape \(8, 5\)"):
+        model.fit([(x[:8], y[:8]), (wide, y[:8])], verbose=0)
+    assert model.optimizer.iterations == 2
+    with pytest.raises(errors.InvalidLabelError, match=r"batch 2 of the dataset"):
+        model.evaluate([(x[:8], y[:8]), (x[:8], y[:8] * 0 + 5)], verbose=0)

@@ -1233,8 +1233,12 @@ def _to_numpy(leaf):
 def _shapes(tree) -> str:
     leaves = jax.tree.leaves(tree)
     if len(leaves) == 1 and not isinstance(tree, dict):
-        return f"{tuple(np.shape(leaves[0]))} ({np.asarray(leaves[0]).dtype})"
+        return f"{tuple(np.shape(leaves[0]))} ({_dtype(leaves[0])})"
     return str(jax.tree.map(lambda a: tuple(np.shape(a)), tree))
+
+
+def _dtype(leaf):
+    return leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
 def _first_line(error) -> str:
@@ -1263,7 +1267,7 @@ def _check_fits_model(model, x, y, what: str):
         module's output.
     """
     def one(a):
-        a = _host(a) if not isinstance(a, jax.Array) else a
+        a = _host(a) if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a
         return jax.ShapeDtypeStruct((1,) + tuple(a.shape[1:]), a.dtype)
 
     x1 = jax.tree.map(one, x)
@@ -1385,6 +1389,12 @@ class _Input:
         self.one_shot = False
         self._pass = None
         self._what = what
+        # Sparse labels of every dataset batch are checked on the host against this (set from
+        # the first batch's model output), and every new batch signature runs abstractly
+        # through the model before its step (`_fits`): a bad batch 5 is named, not a NaN loss
+        # or a jax error from inside the compiled step.
+        self.num_classes = None
+        self._signatures: set = set()
         if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
             if y is not None or batch_size is not None or sample_weight is not None:
                 raise errors.InvalidArgumentError(
@@ -1494,8 +1504,9 @@ class _Input:
             if len(batch) == 3:
                 _check_sample_weight(f"{what} (the first batch)", batch[2], rows)
             if isinstance(self.model.loss, losses_lib.SparseCategoricalCrossentropy):
+                self.num_classes = y_pred.shape[-1]
                 losses_lib.SparseCategoricalCrossentropy.check_labels(_host(batch[1]),
-                                                                      y_pred.shape[-1])
+                                                                      self.num_classes)
         self.source = x
         self._stream = None
 
@@ -1561,12 +1572,15 @@ class _Input:
                     _ArrayBatches(self, order)))
         else:
             iterator = iter(self.strategy.experimental_distribute_dataset(
-                _NormalizedBatches(self.source, self.inputs_only, self.class_weight)))
+                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
+                                   self.num_classes)))
         count = 0
         try:
             for batch in iterator:
                 if steps is not None and count >= steps:
                     break
+                if not self.arrays:
+                    self._fits(batch, count)
                 yield batch
                 count += 1
         finally:
@@ -1574,14 +1588,36 @@ class _Input:
             if close is not None:
                 close()
 
+    def _fits(self, batch, index: int) -> None:
+        """Runs a distributed batch abstractly through the model when its signature is new.
+
+        Raises:
+          IncompatibleInputError: the batch's shapes or dtypes do not fit the model or loss.
+        """
+        leaves, structure = jax.tree.flatten(batch)
+        signature = (structure, tuple((leaf.shape[2:], leaf.dtype) for leaf in leaves))
+        if signature in self._signatures:
+            return
+        def global_spec(value):  # a PerReplica's array is (replicas, rows, ...)
+            leaf = jax.tree.leaves(value)[0]
+            return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1],) + tuple(leaf.shape[2:]),
+                                        leaf.dtype)
+
+        parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
+        _check_fits_model(self.model, parts[0], None if self.inputs_only else parts[1],
+                          f"{self._what} (batch {index + 1})")
+        self._signatures.add(signature)
+
     def _stream_batches(self, steps):
         """Up to `steps` batches from the one iterator over a generator, kept across epochs."""
         first_pass = self._stream is None
         if first_pass:
             self._stream = iter(self.strategy.experimental_distribute_dataset(
-                _NormalizedBatches(self.source, self.inputs_only, self.class_weight)))
+                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
+                                   self.num_classes)))
         count = 0
         for batch in self._stream:
+            self._fits(batch, count)
             yield batch
             count += 1
             if steps is not None and count >= steps:
@@ -1645,12 +1681,22 @@ def _placed_array_batches(strategy, batches):
 
 
 class _NormalizedBatches:
-    """Batches of a user dataset as (x, y, sample_weight) (or (x,) for predict)."""
+    """Batches of a user dataset as (x, y, sample_weight) (or (x,) for predict); with
+    `num_classes`, each batch's sparse labels are checked on the host (a min and a max)."""
 
-    def __init__(self, source, inputs_only, class_weight=None):
+    def __init__(self, source, inputs_only, class_weight=None, num_classes=None):
         self.source, self.inputs_only, self.class_weight = source, inputs_only, class_weight
+        self.num_classes = num_classes
 
     def __iter__(self):
         items = self.source.as_numpy_iterator() if hasattr(self.source, "as_numpy_iterator") else self.source
-        for batch in items:
-            yield _normalize_batch(batch, self.inputs_only, self.class_weight)
+        for index, batch in enumerate(items):
+            batch = _normalize_batch(batch, self.inputs_only, self.class_weight)
+            if self.num_classes is not None:
+                try:
+                    losses_lib.SparseCategoricalCrossentropy.check_labels(_host(batch[1]),
+                                                                          self.num_classes)
+                except errors.InvalidLabelError as error:
+                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") \
+                        from None
+            yield batch
