@@ -330,3 +330,23 @@ def test_a_save_never_replaces_a_file_or_a_directory_of_other_things(tmp_path, m
     ckpt = mirrax.Checkpoint(step=0)
     ckpt.restore(path)
     assert ckpt.step == 2
+
+
+def test_a_restore_that_matches_nothing_is_refused_and_changes_nothing(tmp_path):
+    w1, w2, _, _ = mlp_data()
+    strategy = mirrored(2)
+    with strategy.scope():
+        saved = mirrax.Model(MLP(w1, w2))
+        target = mirrax.Model(MLP(w1 * 0.0, w2 * 0.0))
+    saved.save_weights(tmp_path / "w")  # the item 'weights'
+    ckpt = mirrax.Checkpoint(model=target)  # tracks 'model.module'
+    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
+                       match=r"nothing this Checkpoint tracks \(\['model.module'\]\) is in the "
+                             r"checkpoint at .*, which holds \['weights'\]; nothing was restored.*"
+                             r"model.load_weights\(path\)"):
+        ckpt.restore(tmp_path / "w")
+    assert ckpt.save_counter == 0
+    assert all((leaf == 0).all() for leaf in _leaves(target.module))
+    # A partial match is TF's status, unchanged: restored parts, the rest reported.
+    mirrax.Checkpoint(weights=target.module, step=3).restore(tmp_path / "w")
+    np.testing.assert_array_equal(np.asarray(target.module.l1.kernel[...]), w1)

@@ -607,7 +607,8 @@ class Checkpoint:
             a file.
           IncompatibleCheckpointError (a ValueError): a tracked object's structure, shapes or
             dtypes differ from the stored ones (the message lists each path with its stored
-            and current shape or dtype).
+            and current shape or dtype); or no tracked name is in the checkpoint at all (a
+            partial match is TF's status instead).
           ValueError: a tracked `DistributedIterator` has already handed out batches.
         """
         return self._restore(path, "restore", with_counter=True)
@@ -622,6 +623,21 @@ class Checkpoint:
         stored = _stored_items(path, what)
         parts = self._all_parts()
         matched = [part for part in parts if part.item in stored]
+        items = sorted(set(stored) - {_SAVE_COUNTER})
+        if parts and items and not matched:
+            # TF returns a status that asserts later; a restore that changes nothing is never
+            # what was meant, so it is refused while nothing has been touched.
+            hint = (" It holds 'weights', Model.save_weights's output: read it with "
+                    "model.load_weights(path), or track the module as weights=model.module."
+                    if "weights" in items else
+                    " A mirrax.Model saved as NAME is stored as NAME.module (and NAME.optimizer): "
+                    "track a mirrax.Model under NAME to restore it." if any(
+                        i.endswith(".module") for i in items) else "")
+            raise errors.IncompatibleCheckpointError(
+                f"{what}: nothing this Checkpoint tracks ({sorted(p.item for p in parts)}) is in "
+                f"the checkpoint at {path}, which holds {items}; nothing was restored. Track the "
+                f"objects under the names they were saved with.{hint}"
+            )
         counter = with_counter and _SAVE_COUNTER in stored
         restored = _restore_parts(path, what, matched, stored, counter)
         if counter:
