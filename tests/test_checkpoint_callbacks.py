@@ -241,9 +241,11 @@ def test_model_checkpoint_save_best_only_keeps_improving_epochs(tmp_path):
 
 
 def test_model_checkpoint_auto_mode_needs_a_known_direction(tmp_path):
+    # "score" is logged by the LambdaCallback, but its direction is unknown.
+    inject = LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(score=1.0))
     with pytest.raises(ValueError, match="mode='max'"):
         make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
-            ModelCheckpoint(str(tmp_path / "m"), monitor="score", save_best_only=True)])
+            inject, ModelCheckpoint(str(tmp_path / "m"), monitor="score", save_best_only=True)])
 
 
 def test_model_checkpoint_missing_format_field_names_it(tmp_path):
@@ -357,3 +359,18 @@ def test_model_checkpoint_onto_a_regular_file_refuses_and_keeps_the_file(tmp_pat
         make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
             ModelCheckpoint(str(tmp_path / "best"), save_weights_only=True)])
     assert (tmp_path / "best").read_text() == "precious"
+
+
+def test_save_best_only_on_a_monitor_fit_will_not_log_is_refused_before_any_step(tmp_path):
+    # The default monitor is val_loss; without validation data nothing would ever be saved
+    # (Keras warns at every epoch end). Refused at the start of fit, listing the logged keys.
+    model = make_model()
+    best = ModelCheckpoint(str(tmp_path / "best"), save_best_only=True)
+    with pytest.raises(mirrax.errors.InvalidArgumentError,
+                       match=r"ModelCheckpoint: monitor='val_loss' is not among the logs of this "
+                             r"fit, which hold: loss\. .*validation_data"):
+        model.fit(X, Y, batch_size=1, epochs=2, verbose=0, callbacks=[best])
+    assert model.optimizer.iterations == 0 and not os.listdir(tmp_path)
+    # With validation data it saves.
+    model.fit(X, Y, batch_size=1, epochs=1, verbose=0, validation_data=(X, Y), callbacks=[best])
+    assert os.listdir(tmp_path) == ["best"]

@@ -508,9 +508,10 @@ class Model:
 
     def _log_keys(self, validation: bool, callbacks: list):
         """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
-        None when a callback of the user's own may add keys (as Keras's callbacks may write
-        into the logs): the monitoring callbacks then look for their key at each epoch end."""
-        if any(not type(c).__module__.startswith("mirrax.") for c in callbacks):
+        None when a callback of the user's own (or a LambdaCallback, whose functions are the
+        user's) may add keys (as Keras's callbacks may write into the logs): the monitoring callbacks then look for their key at each epoch end."""
+        if any(isinstance(c, callbacks_lib.LambdaCallback)
+               or not type(c).__module__.startswith("mirrax.") for c in callbacks):
             return None
         keys = ["loss"] + list(self._metric_names)
         if validation:

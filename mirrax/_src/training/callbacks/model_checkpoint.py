@@ -127,7 +127,14 @@ class ModelCheckpoint(Callback):
         """Resolves `mode="auto"` (with `save_best_only`) and restarts the batch count.
 
         The best value is kept across `fit` calls, as Keras's.
+
+        Raises:
+          InvalidArgumentError: `save_best_only` with epoch saves and a `monitor` that fit will
+            not log (e.g. the default "val_loss" without validation data): nothing would ever
+            be saved (Keras warns at every epoch end instead).
         """
+        if self.save_best_only and self.save_freq == "epoch":
+            _monitor.check_monitor_is_logged("ModelCheckpoint", self.monitor, self.params)
         if self.save_best_only and self.monitor_op is None:
             self._resolve_mode()
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
