@@ -3,7 +3,8 @@
 The artifact is a directory of three files:
 
 - `forward.jax_export`: the forward function serialized with `jax.export` (StableHLO plus its
-  calling convention), taking `(weights, x)` where `weights` is a list of arrays;
+  calling convention), taking `(weights, x)` where `weights` is a list of arrays and `x` the
+  input (the tuple of positional inputs when the signature was a list or tuple);
 - `weights.npz`: those arrays, `weights_0`, `weights_1`, ... (NumPy's format, read with
   `allow_pickle=False`: loading never runs code from the file);
 - `metadata.json`: the format version, the platforms the program was lowered for, the input
