@@ -589,7 +589,8 @@ def _received_text(x) -> str:
 
     if x is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
         return text(x) if x is not None else "None"
-    return str(jax.tree.map(text, x))
+    described = str(jax.tree.map(text, x))
+    return described if len(described) <= 300 else described[:300] + " ..."
 
 
 def _dtype_of(value) -> np.dtype:
