@@ -235,3 +235,97 @@ def test_platforms_given_as_one_string_and_unknown_platforms(tmp_path):
     with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"\['gpu'\] unknown"):
         mirrax.export(lambda x: x, tmp_path / "b", jax.ShapeDtypeStruct((-1, 2), jnp.float32),
                       platforms=["gpu"])
+
+
+# -- list signatures, wrapped and foreign inputs, signatures the model cannot take (issue 11) ----
+
+
+class _Features8(nnx.Module):
+    """y = x @ W + b with W = 1 everywhere (8 -> 3) and b = (0, 1, 2): each output is the sum
+    of the 8 features plus 0, 1 or 2, checkable by hand."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(8, 3, rngs=nnx.Rngs(0), kernel_init=nnx.initializers.ones)
+        self.linear.bias[...] = jnp.arange(3.0)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+_X8 = np.arange(32, dtype=np.float32).reshape(4, 8)
+# Row i holds 8i .. 8i+7, whose sum is 64i + 28: row i of the output is 64i + 28 + (0, 1, 2).
+_Y8 = (64.0 * np.arange(4) + 28.0)[:, None] + np.arange(3.0)
+
+
+def test_a_list_signature_is_the_positional_inputs_as_tf_function(tmp_path):
+    # TF habit: input_signature=[tf.TensorSpec((None, 8))] is one positional argument x.
+    model = mirrax.Model(_Features8())
+    mirrax.export(model, tmp_path / "m", [jax.ShapeDtypeStruct((-1, 8), jnp.float32)])
+    served = mirrax.load_exported(tmp_path / "m")
+    assert served.positional
+    np.testing.assert_array_equal(served(_X8), _Y8)  # was: a structure error
+    # Sums of whole numbers below 2**24: exact in float32.
+    with pytest.raises(mirrax.errors.InvalidExportInputError,
+                       match=r"received \['float32\[4, 8\]'\] \(a list\) at positional input 0"):
+        served([_X8])  # was: output of shape (1, 4, 3), the list stacked into one array
+    with pytest.raises(mirrax.errors.InvalidExportInputError,
+                       match=r"takes 1 positional input\(s\).*received 2"):
+        served(_X8, _X8)
+    metadata = json.loads((tmp_path / "m" / "metadata.json").read_text())
+    assert metadata["positional"] is True and metadata["format_version"] == 2
+    assert metadata["input_signature"] == [{"shape": [None, 8], "dtype": "float32"}]
+
+
+def test_two_positional_inputs_run_the_function_with_two_arguments(tmp_path):
+    signature = (jax.ShapeDtypeStruct((-1, 2), jnp.float32),
+                 jax.ShapeDtypeStruct((-1,), jnp.float32))
+    mirrax.export(lambda a, b: a * b[:, None], tmp_path, signature)
+    served = mirrax.load_exported(tmp_path)
+    out = served(np.full((3, 2), 2.0, np.float32), np.full((3,), 5.0, np.float32))
+    np.testing.assert_array_equal(out, np.full((3, 2), 10.0))  # 2 * 5
+    with pytest.raises(mirrax.errors.InvalidExportInputError, match="received 1"):
+        served(np.ones((3, 2), np.float32))
+
+
+def test_a_bare_signature_stays_one_input_and_refuses_a_list_or_two_arguments(tmp_path):
+    mirrax.export(_Features8(), tmp_path, jax.ShapeDtypeStruct((-1, 8), jnp.float32))
+    served = mirrax.load_exported(tmp_path)
+    assert not served.positional
+    assert json.loads((tmp_path / "metadata.json").read_text())["format_version"] == 1
+    np.testing.assert_array_equal(served(_X8), _Y8)
+    with pytest.raises(mirrax.errors.InvalidExportInputError,
+                       match=r"received \['float32\[4, 8\]'\] \(a list\) where the signature "
+                             r"expects one array float32\[None, 8\]"):
+        served([_X8])  # was: jax's raw "must have the same pytree structure" ValueError
+    with pytest.raises(mirrax.errors.InvalidExportInputError, match="received 2 arguments"):
+        served(_X8, _X8)
+    with pytest.raises(mirrax.errors.InvalidExportInputError, match=r"received a str \('abc'\)"):
+        served("abc")
+
+
+def test_torch_tensors_are_served_as_numpy(tmp_path):
+    torch = pytest.importorskip("torch")
+    mirrax.export(_Features8(), tmp_path, jax.ShapeDtypeStruct((-1, 8), jnp.float32))
+    served = mirrax.load_exported(tmp_path)
+    x = torch.tensor(_X8, requires_grad=True)  # grad-tracking: .numpy() alone would refuse it
+    np.testing.assert_array_equal(served(x), _Y8)  # was: TypeError "Cannot interpret 'torch.float32'"
+    with pytest.raises(mirrax.errors.InvalidExportInputError, match="dtype float64"):
+        served(torch.zeros((4, 8), dtype=torch.float64))
+
+
+def test_a_signature_the_model_cannot_take_is_refused_before_writing(tmp_path):
+    model = mirrax.Model(_Features8())
+    with pytest.raises(mirrax.errors.IncompatibleInputError) as info:
+        mirrax.export(model, tmp_path / "m", jax.ShapeDtypeStruct((-1, 9), jnp.float32))
+    message = str(info.value)
+    # Was: jax's raw TypeError from dot_general.
+    assert "input_signature float32[None, 9]" in message
+    assert "dot_general requires contracting dimensions to have the same shape" in message
+    assert "test_export.py:" in message  # the model's line: _Features8.__call__
+    assert "Nothing was written" in message
+    assert os.listdir(tmp_path) == []
+    # Two positional inputs for a module that takes one: says what a list signature means.
+    with pytest.raises(mirrax.errors.IncompatibleInputError,
+                       match=r"2 positional input\(s\) \(a list signature is one entry per"):
+        mirrax.export(model, tmp_path / "m", [jax.ShapeDtypeStruct((-1, 8), jnp.float32)] * 2)
+    assert os.listdir(tmp_path) == []

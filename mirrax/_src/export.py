@@ -3,11 +3,12 @@
 The artifact is a directory of three files:
 
 - `forward.jax_export`: the forward function serialized with `jax.export` (StableHLO plus its
-  calling convention), taking `(weights, x)` where `weights` is a list of arrays;
+  calling convention), taking `(weights, x)` where `weights` is a list of arrays and `x` the
+  input (the tuple of positional inputs when the signature was a list or tuple);
 - `weights.npz`: those arrays, `weights_0`, `weights_1`, ... (NumPy's format, read with
   `allow_pickle=False`: loading never runs code from the file);
-- `metadata.json`: the format version, the platforms the program was lowered for, and the
-  input and output signatures (batch dimension `null`).
+- `metadata.json`: the format version, the platforms the program was lowered for, the input
+  and output signatures (batch dimension `null`), and whether the inputs are positional.
 
 Weights travel as arguments rather than as constants baked into the program: the program stays
 small whatever the model size (StableHLO's protobuf cannot exceed 2 GiB), and the weights stay
@@ -32,7 +33,10 @@ from mirrax import errors
 from mirrax._src import atomic_dirs
 
 FORMAT = "mirrax.export"
-FORMAT_VERSION = 1
+# Version 2 adds positional inputs (a list or tuple input_signature); an artifact with one
+# input is still written as version 1, so an older mirrax keeps reading it.
+FORMAT_VERSION = 2
+SINGLE_INPUT_VERSION = 1
 PROGRAM_FILE = "forward.jax_export"
 WEIGHTS_FILE = "weights.npz"
 METADATA_FILE = "metadata.json"
@@ -61,9 +65,15 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
     Args:
       model_or_fn: a `mirrax.Model`, an `nnx.Module`, or a pure function `fn(x)` (no weights).
       path: the directory to write (created if missing; an earlier export there is replaced).
-      input_signature: a `jax.ShapeDtypeStruct` or a pytree (tuples, lists, dicts) of them, the
-        shape of ONE call's input. A leading dimension of None or -1 means "any batch size"
-        and becomes the symbolic dimension "b", shared by every leaf, e.g.
+      input_signature: what ONE call takes, as `tf.function`'s `input_signature`:
+        - a `jax.ShapeDtypeStruct`, or a dict (or namedtuple, or other non-list pytree) of
+          them: the model's one input `x`; the artifact is called `exported(x)`;
+        - a list or tuple: one entry per POSITIONAL argument, as TF's
+          `input_signature=[tf.TensorSpec(...)]`. `[spec]` is called `exported(x)`, `[spec_a,
+          spec_b]` is called `exported(a, b)` and runs `model(a, b)`; an entry may itself be
+          a pytree (a tuple input `x = (a, b)` is written `[(spec_a, spec_b)]`).
+        A leading dimension of None or -1 means "any batch size" and becomes the symbolic
+        dimension "b", shared by every leaf, e.g.
         `jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32)` for images (batch, 8, 8, 1).
       platforms: the platforms to lower for; default ("cpu", "cuda") plus the current one. If
         lowering for all of them fails (e.g. a CUDA-only kernel is missing on a CPU machine),
@@ -71,20 +81,28 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
 
     Atomic, also when replacing an earlier artifact: the files are written into a new
     directory beside `path`, which is then swapped in by rename, so a kill at any moment
-    leaves the old or the new artifact loadable from `path`.
+    leaves the old or the new artifact loadable from `path`. The forward pass is traced before
+    anything is written: a signature the model cannot take leaves `path` as it was.
 
     Raises:
       InvalidArgumentTypeError (a TypeError): `model_or_fn` is none of the three, or
         `input_signature` holds no leaf or a leaf that is not a `jax.ShapeDtypeStruct`.
       InvalidArgumentError (a ValueError): a non-leading dimension is None or negative, or
         `platforms` names an unknown platform.
+      IncompatibleInputError (a ValueError): the forward pass fails when traced with
+        `input_signature` (e.g. 9 features for a first layer of 8); names the signature and
+        the model's error (chained as the cause).
       ExistingPathError (a FileExistsError): `path` is a file, or a non-empty directory that
         holds no mirrax export (export replaces the whole directory).
     """
-    forward, weights = _forward_and_weights(model_or_fn)
+    positional = _is_positional(input_signature)
+    forward, weights = _forward_and_weights(model_or_fn, positional)
     specs = _symbolic_specs(input_signature)
+    if positional:
+        specs = tuple(specs)  # the program's one argument after the weights: the inputs
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
     requested = _checked_platforms(platforms) if platforms is not None else _default_platforms()
+    _check_traces(forward, weight_specs, specs, input_signature, positional)
     try:
         exported = jax.export.export(jax.jit(forward), platforms=requested)(weight_specs, specs)
         fallback = None
@@ -96,12 +114,13 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
         fallback = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     metadata = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if positional else SINGLE_INPUT_VERSION,
         "jax_version": jax.__version__,
         "platforms": list(exported.platforms),
         "requested_platforms": requested,
         "platform_fallback_reason": fallback,
         "input_signature": _describe(input_signature),
+        "positional": positional,
         "output_signature": _describe(
             jax.tree.unflatten(exported.out_tree, list(exported.out_avals))),
         "num_weights": len(weights),
@@ -136,7 +155,10 @@ class ExportedModel:
 
     Attributes:
       input_signature: the pytree of `jax.ShapeDtypeStruct` the export was made with; the
-        batch dimension is the symbolic dimension "b".
+        batch dimension is the symbolic dimension "b". For positional inputs (a list or tuple
+        signature), a tuple with one entry per argument.
+      positional: whether the artifact takes positional inputs, `exported(a, b, ...)`, one per
+        entry of `input_signature`; else it takes one input, `exported(x)`.
       platforms: the platforms the program can run on, e.g. ("cpu", "cuda").
       metadata: the contents of `metadata.json`.
     """
@@ -148,33 +170,69 @@ class ExportedModel:
         self.metadata = metadata
         self.path = path
         self.platforms = tuple(exported.platforms)
+        self.positional = metadata.get("positional") is True
         self.input_signature = jax.tree.unflatten(
             exported.in_tree.children()[0].children()[1],
             [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[len(weights):]],
         )
 
-    def __call__(self, x):
-        """The forward pass's output for `x`, a pytree of arrays matching `input_signature`.
+    def __call__(self, *inputs):
+        """The forward pass's output for the inputs, arrays matching `input_signature`.
+
+        Called `exported(x)` with one pytree `x` of the signature's structure, or, for an
+        artifact exported with a list or tuple signature (`positional`), with one positional
+        argument per entry: `exported(a, b)`. Leaves may be NumPy or JAX arrays, or torch
+        tensors (copied to NumPy with `.detach().cpu().numpy()`, as mirrax's input pipeline
+        does) or tf tensors (`.numpy()`).
 
         Raises:
-          InvalidExportInputError: `x` differs from the signature in structure, rank, a
-            non-batch dimension, dtype, or the leaves' batch sizes differ.
+          InvalidExportInputError (a ValueError): the number of inputs is wrong, or an input
+            differs from the signature in structure (e.g. a list where one array is
+            expected), rank, a non-batch dimension, dtype, or the leaves' batch sizes differ.
         """
-        self._check(x)
+        x = self._check(self._packed(inputs))
         return self._call(self._weights, x)
 
+    def _packed(self, inputs: tuple):
+        """The program's input: the tuple of positional inputs, or the one input."""
+        want = f"expected {_signature_text(self.input_signature)}"
+        if self.positional:
+            if len(inputs) != len(self.input_signature):
+                raise InvalidExportInputError(
+                    f"exported model at {self.path}: takes {len(self.input_signature)} "
+                    f"positional input(s), one per entry of the list input_signature it was "
+                    f"exported with; received {len(inputs)}; {want}."
+                )
+            return tuple(inputs)
+        if len(inputs) != 1:
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: takes one input x; received {len(inputs)} "
+                f"arguments; {want}. Pass several arrays as one pytree of the signature's "
+                "structure, or export with a list input_signature (one entry per positional "
+                "argument) to call it with several."
+            )
+        return inputs[0]
+
     def _check(self, x):
+        """`x` with every leaf as an array (torch / tf tensors converted), once it fits."""
         expected = self.input_signature
         want = f"expected {_signature_text(expected)}"
+        treedef = jax.tree.structure(expected)
         try:
-            leaves = jax.tree.leaves(jax.tree.map(lambda _, v: v, expected, x))
+            values = treedef.flatten_up_to(x)
         except (ValueError, TypeError):
             raise InvalidExportInputError(
-                f"exported model at {self.path}: the input's structure "
-                f"{jax.tree.structure(x)} does not match the signature's; {want}."
+                f"exported model at {self.path}: the input's structure does not match the "
+                f"signature's: received {_received_text(x)}; {want}."
             ) from None
-        batch_sizes = set()
-        for spec, value in zip(jax.tree.leaves(expected), leaves):
+        specs = jax.tree.leaves(expected)
+        where = [""] * len(specs)
+        if not isinstance(expected, jax.ShapeDtypeStruct):
+            where = [_where(path, self.positional)
+                     for path, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+        arrays, batch_sizes = [], set()
+        for spec, value, at in zip(specs, values, where):
+            value = self._array(value, spec, at, want)
             shape, dtype = tuple(np.shape(value)), _dtype_of(value)
             dims = _dims(spec)
             fits = len(shape) == len(dims) and all(
@@ -188,15 +246,48 @@ class ExportedModel:
                 )
             if shape and dims and dims[0] is None:
                 batch_sizes.add(shape[0])
+            arrays.append(value)
         if len(batch_sizes) > 1:
             raise InvalidExportInputError(
                 f"exported model at {self.path}: the inputs' batch sizes differ "
                 f"({sorted(batch_sizes)}); every leaf shares one batch dimension; {want}."
             )
+        return jax.tree.unflatten(treedef, arrays)
+
+    def _array(self, value, spec, at: str, want: str):
+        """One input leaf as an array, or InvalidExportInputError saying what it is."""
+        if value is None or not jax.tree_util.treedef_is_leaf(jax.tree.structure(value)):
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: received {_received_text(value)} (a "
+                f"{type(value).__name__}){at} where the signature expects one array "
+                f"{_signature_text(spec)}; {want}. Pass the array itself, not wrapped in a "
+                f"{type(value).__name__}."
+            )
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+            return value
+        try:
+            if hasattr(value, "numpy"):  # torch.Tensor (maybe on a GPU, tracking grads), tf
+                if hasattr(value, "detach") and hasattr(value, "cpu"):
+                    value = value.detach().cpu()
+                return np.asarray(value.numpy())
+            if isinstance(value, (bool, int, float, complex)) or hasattr(value, "__array__"):
+                return np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: could not read the {type(value).__name__} "
+                f"received{at} as an array ({type(e).__name__}: {e}); {want}. Convert it to "
+                f"a NumPy array first, e.g. np.asarray(x, np.{spec.dtype})."
+            ) from None
+        raise InvalidExportInputError(
+            f"exported model at {self.path}: received a {type(value).__name__} "
+            f"({value!r:.60}){at}; the signature expects an array {_signature_text(spec)}; "
+            f"{want}. Pass a NumPy or JAX array (or a torch / tf tensor)."
+        )
 
     def __repr__(self):
         return (f"ExportedModel({self.path!r}, input_signature="
-                f"{_signature_text(self.input_signature)}, platforms={self.platforms})")
+                f"{_signature_text(self.input_signature)}, positional={self.positional}, "
+                f"platforms={self.platforms})")
 
 
 def load_exported(path) -> ExportedModel:
@@ -295,8 +386,11 @@ def load_exported(path) -> ExportedModel:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _forward_and_weights(model_or_fn):
-    """(forward(weights, x), weights): a pure function and the host arrays it takes."""
+def _forward_and_weights(model_or_fn, positional: bool):
+    """(forward(weights, x), weights): a pure function and the host arrays it takes.
+
+    With `positional`, `x` is the tuple of positional inputs, passed as `model(*x)`.
+    """
     from mirrax._src.training import mixed_precision
     from mirrax._src.training.model import Model, _forward
 
@@ -307,7 +401,7 @@ def _forward_and_weights(model_or_fn):
         module, policy = model_or_fn, mixed_precision.Policy("float32")
     elif callable(model_or_fn):
         fn = model_or_fn
-        return (lambda weights, x: fn(x)), []
+        return (lambda weights, x: fn(*x) if positional else fn(x)), []
     else:
         raise errors.InvalidArgumentTypeError(
             "export: model_or_fn must be a mirrax.Model, an nnx.Module or a function fn(x); "
@@ -324,9 +418,81 @@ def _forward_and_weights(model_or_fn):
     def forward(weights, x):
         values = [jax.random.wrap_key_data(w, impl=impl) if impl else w
                   for w, impl in zip(weights, key_impls)]
-        return _forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, values)), x, policy)
+        module = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+        return _forward(_Positional(module) if positional else module, x, policy)
 
     return forward, weights
+
+
+class _Positional(nnx.Module):
+    """`inner` called with the tuple of positional inputs spread, `inner(*args)`: the one
+    input `_forward` passes (and casts to the compute dtype) is that tuple."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, args):
+        return self.inner(*args)
+
+
+def _is_positional(input_signature) -> bool:
+    """A list or tuple signature is the positional inputs, as tf.function's; a namedtuple
+    is one input (a pytree with named fields)."""
+    return isinstance(input_signature, (list, tuple)) and not hasattr(input_signature, "_fields")
+
+
+def _check_traces(forward, weight_specs, specs, input_signature, positional: bool) -> None:
+    """Traces the forward pass once with the signature; a failure is the signature's."""
+    try:
+        jax.eval_shape(forward, weight_specs, specs)
+    except Exception as error:  # noqa: BLE001 - whatever the model raises, reported the same way
+        line = str(error).strip().splitlines()[0][:400] if str(error).strip() else ""
+        takes = (f"{len(input_signature)} positional input(s) (a list signature is one entry "
+                 "per positional argument, as tf.function's; for one input x write [spec] "
+                 "or spec)" if positional else "one input x")
+        hint = ("; the model reads the batch size in Python code, so give the signature a "
+                "fixed batch size" if "symbolic" in line.lower()
+                or "inconclusive" in type(error).__name__.lower() else "")
+        raise errors.IncompatibleInputError(
+            f"export: the forward pass fails for input_signature {_signature_text(specs)} "
+            f"({takes}): {type(error).__name__}: {line}{_origin(error)}{hint}. Give the "
+            "shape and dtype of one call's input as the model takes it (e.g. the number of "
+            "features its first layer expects). Nothing was written."
+        ) from error
+
+
+def _where(path, positional: bool) -> str:
+    """" at positional input 1['a']" / " at ['a']": where a leaf sits in the inputs."""
+    if positional:
+        rest = jax.tree_util.keystr(tuple(path[1:]))
+        return f" at positional input {path[0].idx}{rest}"
+    return f" at {jax.tree_util.keystr(tuple(path))}"
+
+
+def _origin(error) -> str:
+    """" (at file:line)": the innermost frame of the user's code that `error` passed through
+    (outside jax, flax and mirrax), else the innermost outside jax; "" if none."""
+    def package_dir(module):
+        return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+    import flax
+    import mirrax
+
+    jax_dirs = (package_dir(jax), os.path.join(os.path.dirname(package_dir(jax)), "jaxlib"))
+    library_dirs = jax_dirs + (package_dir(flax), package_dir(mirrax))
+    user = outside_jax = None
+    tb = error.__traceback__
+    while tb is not None:
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not filename.startswith(jax_dirs):
+            outside_jax = tb
+            if not filename.startswith(library_dirs):
+                user = tb
+        tb = tb.tb_next
+    frame = user or outside_jax
+    if frame is None:
+        return ""
+    return f" (at {frame.tb_frame.f_code.co_filename}:{frame.tb_lineno})"
 
 
 def _is_key(array) -> bool:
@@ -412,6 +578,19 @@ def _signature_text(specs) -> str:
     text = lambda s: f"{s.dtype}{list(_dims(s))}"  # noqa: E731
     return text(specs) if isinstance(specs, jax.ShapeDtypeStruct) else str(
         jax.tree.map(text, specs))
+
+
+def _received_text(x) -> str:
+    """What a call received, e.g. "[float32[4, 8]]" for a list holding one array."""
+    def text(leaf):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            return f"{str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)}"
+        return f"{type(leaf).__name__} {leaf!r:.40}"
+
+    if x is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
+        return text(x) if x is not None else "None"
+    described = str(jax.tree.map(text, x))
+    return described if len(described) <= 300 else described[:300] + " ..."
 
 
 def _dtype_of(value) -> np.dtype:

@@ -325,4 +325,43 @@ CASES = [
     Case("calling an exported model with float64 input",
          lambda env: mirrax.load_exported(_artifact(env))(np.zeros((3, 2), np.float64)),
          errors.InvalidExportInputError, ("dtype float64", "x.astype(np.float32)")),
+    # -- export: list signatures, wrapped inputs, signatures the model cannot take (issue 11) --
+    Case("calling a list-signature artifact with [x] (was: output of shape (1, batch, ...))",
+         lambda env: _positional_artifact(env)([np.zeros((3, 2), np.float32)]),
+         errors.InvalidExportInputError, ("received ['float32[3, 2]'] (a list) at positional input 0",
+                                          "expects one array float32[None, 2]",
+                                          "Pass the array itself")),
+    Case("calling a list-signature artifact with two arguments for one",
+         lambda env: _positional_artifact(env)(np.zeros((3, 2), np.float32),
+                                               np.zeros((3, 2), np.float32)),
+         errors.InvalidExportInputError, ("takes 1 positional input(s)", "received 2")),
+    Case("calling an exported model with [x] (was: jax's raw pytree-structure ValueError)",
+         lambda env: mirrax.load_exported(_artifact(env))([np.zeros((3, 2), np.float32)]),
+         errors.InvalidExportInputError, ("received ['float32[3, 2]'] (a list)",
+                                          "expects one array float32[None, 2]",
+                                          "Pass the array itself")),
+    Case("calling a one-input exported model with two arguments",
+         lambda env: mirrax.load_exported(_artifact(env))(np.zeros((3, 2), np.float32),
+                                                          np.zeros((3, 2), np.float32)),
+         errors.InvalidExportInputError, ("takes one input x; received 2 arguments",
+                                          "export with a list input_signature")),
+    Case("calling an exported model with a string",
+         lambda env: mirrax.load_exported(_artifact(env))("abc"),
+         errors.InvalidExportInputError, ("received a str ('abc')", "Pass a NumPy or JAX array")),
+    Case("export with 9 features for a layer of 2 (was: jax's raw dot_general TypeError)",
+         lambda env: mirrax.export(_linear(), env.tmp_path / "a",
+                                   jax.ShapeDtypeStruct((-1, 9), jnp.float32)),
+         errors.IncompatibleInputError, ("input_signature float32[None, 9]", "dot_general",
+                                         "Give the shape and dtype of one call's input",
+                                         "Nothing was written")),
+    Case("export with two positional specs for a module taking one",
+         lambda env: mirrax.export(_linear(), env.tmp_path / "a", [_SIG, _SIG]),
+         errors.IncompatibleInputError, ("2 positional input(s)",
+                                         "for one input x write [spec] or spec")),
 ]
+
+
+def _positional_artifact(env):
+    path = env.tmp_path / "positional"
+    mirrax.export(lambda x: x * 2.0, path, [_SIG], platforms=["cpu"])
+    return mirrax.load_exported(path)
