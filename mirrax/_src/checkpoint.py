@@ -97,6 +97,17 @@ def _is_closed_loop_callback(unraisable) -> bool:
             and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
 
 
+class _UnretrievedReadFilter(logging.Filter):
+    """Drops asyncio's "Future (or Task) exception was never retrieved" for failed TensorStore
+    reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (str(record.msg).startswith(("Future exception was never retrieved",
+                                                "Task exception was never retrieved"))
+                    and error is not None and "tensorstore_spec" in str(error))
+
+
 def _ignore_closed_loop_callbacks() -> None:
     """Drops the "Event loop is closed" tracebacks that follow a failed Orbax read.
 
@@ -119,6 +130,9 @@ def _ignore_closed_loop_callbacks() -> None:
     """
     if _UNRAISABLE_FILTER:
         return
+    # The sibling reads' futures and tasks, failed too and never awaited, are logged by asyncio
+    # when collected ("Future/Task exception was never retrieved", with TensorStore's error).
+    logging.getLogger("asyncio").addFilter(_UnretrievedReadFilter())
     previous = sys.unraisablehook
 
     def hook(unraisable):
