@@ -168,6 +168,10 @@ def test_gloos_connected_lines_are_not_relayed(capsys):
         sys.stderr.write("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n")
         sys.stderr.write("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\\n")
         sys.stderr.write("a warning\\n")
+        # Two threads' lines interleaved by the C++ stream (seen under mirrax launch).
+        sys.stderr.write("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 23 is connected to 3\\n")
+        sys.stderr.write(" peer ranks. Expected number of connected peer ranks is : 3\\n")
+        sys.stderr.write("3 peer ranks are fine\\n")
     """)
     assert main(["launch", "--"] + program) == 0
     captured = capsys.readouterr()
@@ -176,6 +180,7 @@ def test_gloos_connected_lines_are_not_relayed(capsys):
         "[worker 0] [Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected "
         "peer ranks is : 3",
         "[worker 0] a warning",
+        "[worker 0] 3 peer ranks are fine",
     ]
 
 

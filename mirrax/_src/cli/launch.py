@@ -40,6 +40,13 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _GLOO_CONNECTED = re.compile(
     rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer "
     rb"ranks is : (\d+)\s*")
+# Two threads of one worker may print that line at once, and the C++ stream interleaves the
+# pieces ("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. ... : 23 is connected to 3"
+# then " peer ranks. Expected ... : 3"): a line made only of those pieces is dropped too.
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+    rb"|\d+|\s+")
+_GLOO_WORDS = re.compile(rb"\[Gloo\] Rank|is connected to|connected peer ranks")
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
@@ -211,13 +218,15 @@ class _Output:
 
 def _relay(pipe, prefix: str, output: _Output, stream: TextIO) -> None:
     """Copies `pipe` (bytes) to `stream` line by line, each line after `prefix`, without Gloo's
-    "is connected" lines (`_GLOO_CONNECTED`)."""
+    "is connected" lines (`_GLOO_CONNECTED`), whole or interleaved (`_GLOO_PIECES`)."""
     with pipe:
         for raw in iter(pipe.readline, b""):
             if raw.endswith(b"\n"):
                 raw = raw[:-1]
             gloo = _GLOO_CONNECTED.fullmatch(raw)
             if gloo is not None and gloo[1] == gloo[2]:
+                continue
+            if gloo is None and _GLOO_WORDS.search(raw) and not _GLOO_PIECES.sub(b"", raw):
                 continue
             output.line(stream, prefix + raw.decode("utf-8", errors="replace"))
 
