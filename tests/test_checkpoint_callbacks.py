@@ -374,3 +374,27 @@ def test_save_best_only_on_a_monitor_fit_will_not_log_is_refused_before_any_step
     # With validation data it saves.
     model.fit(X, Y, batch_size=1, epochs=1, verbose=0, validation_data=(X, Y), callbacks=[best])
     assert os.listdir(tmp_path) == ["best"]
+
+
+def test_a_mid_epoch_backup_past_the_new_epochs_end_restarts_that_epoch(tmp_path):
+    # Backed up after batch 4 of 5 (batch_size 1 over X's 5 examples, save_freq=4); resumed
+    # with batch_size 5, one batch per epoch: batch 5 of epoch 1 does not exist, so the epoch
+    # restarts at its first batch (it used to run no step and log loss 0.0, which EarlyStopping
+    # took for the best epoch).
+    class Stop(mirrax.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                raise Interrupted()
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(Interrupted):
+        make_model().fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
+                         callbacks=[BackupAndRestore(backup, save_freq=4), Stop()])
+    model = make_model()
+    with pytest.warns(UserWarning, match="resumes epoch 1 at batch 5, but this input has 1 "
+                                         "batch"):
+        history = model.fit(X, Y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[BackupAndRestore(backup, save_freq=4)])
+    # 4 steps before the interruption, then 1 + 1 after it.
+    assert model.optimizer.iterations == 6
+    assert len(history.history["loss"]) == 2 and all(v > 0 for v in history.history["loss"])

@@ -381,3 +381,19 @@ def test_a_later_dataset_batch_that_does_not_fit_is_named_before_its_step():
     assert model.optimizer.iterations == 2
     with pytest.raises(errors.InvalidLabelError, match=r"batch 2 of the dataset"):
         model.evaluate([(x[:8], y[:8]), (x[:8], y[:8] * 0 + 5)], verbose=0)
+
+
+def test_fit_under_another_strategys_scope_is_refused_as_tf():
+    _, _, x, y = mlp_data()
+    model = mlp_model(mirrored(4))
+    with mirrored(2).scope():
+        for call in (lambda: model.fit(x, y, verbose=0), lambda: model.evaluate(x, y, verbose=0),
+                     lambda: model.predict(x, verbose=0)):
+            with pytest.raises(errors.MixedStrategyError,
+                               match=r"this Model belongs to MirroredStrategy\(num_replicas_in_sync"
+                                     r"=4.*scope of MirroredStrategy\(num_replicas_in_sync=2"):
+                call()
+    assert model.optimizer.iterations == 0
+    with mirrored(4).scope():  # its own scope, and outside every scope: its own strategy
+        model.fit(x, y, verbose=0)
+    model.fit(x, y, verbose=0)

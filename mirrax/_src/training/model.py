@@ -278,6 +278,19 @@ class Model:
                 f"{what}: the model is not compiled. Call model.compile(optimizer=..., loss=...) "
                 "first."
             )
+        self._check_scope(what)
+
+    def _check_scope(self, what: str):
+        """Refuses a call under another strategy's scope than the model's (as TF's "Mixing
+        different tf.distribute.Strategy objects"); outside every scope the model's is used."""
+        mine = self.distribute_strategy
+        if mine is not None and has_strategy() and get_strategy() is not mine:
+            raise errors.MixedStrategyError(
+                f"{what}: this Model belongs to {mine!r} but is called under the scope of "
+                f"{get_strategy()!r}; a model runs on the strategy it was compiled with. Call "
+                "it outside that scope (or under its own), or build a new module and Model "
+                "under the new strategy's scope."
+            )
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -459,6 +472,16 @@ class Model:
         # (epoch index, batches of that epoch already done).
         first_epoch, first_step = self._resume or (initial_epoch, 0)
         self._resume = None
+        known = steps_per_epoch if steps_per_epoch is not None else train.steps
+        if first_step and known is not None and first_step >= known:
+            # The backup was taken at batch `first_step` of an epoch that now has fewer
+            # batches (another batch_size, less data): restart that epoch, as Keras does
+            # with every mid-epoch resume, rather than run an epoch of no steps.
+            warnings.warn(
+                f"fit: the backup resumes epoch {first_epoch + 1} at batch {first_step + 1}, but "
+                f"this input has {known} batch(es) per epoch; epoch {first_epoch + 1} restarts at "
+                "its first batch.", stacklevel=2)
+            first_step = 0
         logs: dict = {}
         epoch_logs: dict = {}
         try:
@@ -467,6 +490,7 @@ class Model:
                 cbs.on_epoch_begin(epoch)
                 self.module.train()
                 step = first_step if epoch == first_epoch else 0
+                trained = 0
                 batches = itertools.islice(
                     train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
                 for group in _groups(batches, self.steps_per_execution):
@@ -482,6 +506,7 @@ class Model:
                     logs = self._logs() if batch_logs else {}
                     cbs.on_train_batch_end(last, logs)
                     step = last + 1
+                    trained += len(group)
                     if self.stop_training:
                         break
                 if epoch == first_epoch and step == 0 and not self.stop_training:
@@ -490,7 +515,8 @@ class Model:
                         "first epoch, so nothing was trained. Check that the dataset is not "
                         "empty (a generator must yield at least one batch, as Keras requires)."
                     )
-                epoch_logs = self._logs() if step else {}
+                # An epoch that ran no step has no values to log (not a loss of 0.0).
+                epoch_logs = self._logs() if trained else {}
                 if val is not None and (epoch + 1) % validation_freq == 0:
                     val_logs = self._evaluate(val, validation_steps, cbs, "fit(validation_data=...)")
                     epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -597,6 +623,7 @@ class Model:
         """
         verbose = _check_verbose("predict", verbose)
         steps = _check_count("predict", "steps", steps, allow_none=True)
+        self._check_scope("predict")
         strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
         data = _Input(self, strategy, x, None, None, batch_size, False, "predict", inputs_only=True)
         self.module.eval()
