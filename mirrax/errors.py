@@ -57,6 +57,14 @@ class StartedBackendError(MirraxError, RuntimeError):
     """A setting JAX reads when it starts (the CPU device count) was changed after it started."""
 
 
+class DivergentWorkersError(MirraxError, RuntimeError):
+    """The processes of a multi-worker run disagree (other datasets, data, or steps)."""
+
+
+class UnresponsivePeerError(MirraxError, TimeoutError):
+    """A process of a multi-worker run gave no answer at a host exchange within the timeout."""
+
+
 class MissingDatasetError(MirraxError, FileNotFoundError):
     """The files of a data set that mirrax reads from disk (e.g. CIFAR-10) are not there."""
 

@@ -329,3 +329,13 @@ def test_a_signature_the_model_cannot_take_is_refused_before_writing(tmp_path):
                        match=r"2 positional input\(s\) \(a list signature is one entry per"):
         mirrax.export(model, tmp_path / "m", [jax.ShapeDtypeStruct((-1, 8), jnp.float32)] * 2)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_empty_batch_is_refused_by_the_exported_model(tmp_path):
+    module = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    mirrax.export(module, tmp_path / "artifact", jax.ShapeDtypeStruct((-1, 2), jnp.float32))
+    serve = mirrax.load_exported(tmp_path / "artifact")
+    assert serve(np.ones((1, 2), np.float32)).shape == (1, 3)
+    # jax.export's symbolic batch size is >= 1; 0 rows used to be a raw jax ValueError.
+    with pytest.raises(mirrax.errors.InvalidExportInputError, match="a batch of 0 examples"):
+        serve(np.zeros((0, 2), np.float32))

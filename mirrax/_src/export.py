@@ -247,6 +247,12 @@ class ExportedModel:
             if shape and dims and dims[0] is None:
                 batch_sizes.add(shape[0])
             arrays.append(value)
+        if 0 in batch_sizes:
+            raise InvalidExportInputError(
+                f"exported model at {self.path}: received a batch of 0 examples; an exported "
+                "model serves batches of 1 or more (jax.export's symbolic batch size is >= 1). "
+                "Skip empty batches before calling it."
+            )
         if len(batch_sizes) > 1:
             raise InvalidExportInputError(
                 f"exported model at {self.path}: the inputs' batch sizes differ "

@@ -30,7 +30,7 @@ def _client():
 
     client = distributed.global_state.client
     if client is None:
-        raise errors.MirraxError(
+        raise errors.StartedBackendError(
             f"This process is one of {jax.process_count()} JAX processes but jax.distributed's "
             "coordination client is not available; create the strategy with "
             "mirrax.MultiWorkerMirroredStrategy() (it initializes jax.distributed) before any "
@@ -52,7 +52,7 @@ def exchange(name: str, value, timeout_seconds: float | None = None) -> list:
       A list with one value per process (`jax.process_count()` entries), index = process id.
 
     Raises:
-      MirraxError: a peer did not publish within the timeout (the message names it).
+      UnresponsivePeerError: a peer did not publish within the timeout (the message names it).
     """
     count = jax.process_count()
     if count == 1:
@@ -69,7 +69,7 @@ def exchange(name: str, value, timeout_seconds: float | None = None) -> list:
         try:
             raw = client.blocking_key_value_get(f"mirrax/{name}/{process}", timeout_ms)
         except Exception as e:  # the runtime's error type differs across jax versions
-            raise errors.MirraxError(
+            raise errors.UnresponsivePeerError(
                 f"Process {me} got no answer from process {process} at the host exchange "
                 f"{name!r} (waited up to {timeout_ms / 1000:g} s, or the connection to the "
                 f"coordinator failed: {e}). That process is stuck, crashed, or runs a different "
@@ -94,11 +94,11 @@ def check_same(name: str, what: str, values: list) -> None:
     """Raises when the processes disagree about `what` (a divergent program).
 
     Raises:
-      MirraxError: the values differ; the message lists each process's value.
+      DivergentWorkersError: the values differ; the message lists each process's value.
     """
     if any(v != values[0] for v in values[1:]):
         listing = "; ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
-        raise errors.MirraxError(
+        raise errors.DivergentWorkersError(
             f"The processes disagree about {what} at {name!r} ({listing}). Every process of a "
             "multi-worker run must execute the same program: the same distributed datasets, "
             "created in the same order, and the same steps."

@@ -1137,7 +1137,7 @@ def _metric_names(plain, weighted) -> list:
 
 
 def _check_class_weight(class_weight, sample_weight):
-    """{int class: float weight} as Keras accepts it (keys that convert to int)."""
+    """{int class: float weight}, as Keras's class_weight (int keys only)."""
     if class_weight is None:
         return None
     if sample_weight is not None:
@@ -1152,12 +1152,14 @@ def _check_class_weight(class_weight, sample_weight):
         )
     table = {}
     for key, weight in class_weight.items():
-        try:
-            index = int(key)
-        except (TypeError, ValueError):
+        # Only ints: int('1'), int(1.5) and True would silently name another class.
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) \
+                or key < 0:
             raise errors.InvalidArgumentTypeError(
-                f"fit: class_weight keys must be class indices (ints); received the key {key!r}."
-            ) from None
+                f"fit: class_weight keys must be class indices (ints >= 0); received the key "
+                f"{key!r} of type {type(key).__name__}. Write e.g. {{0: 1.0, 1: 5.0}}."
+            )
+        index = int(key)
         if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)) \
                 or not math.isfinite(float(weight)) or weight < 0:
             raise errors.InvalidArgumentError(
