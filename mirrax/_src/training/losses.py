@@ -13,6 +13,7 @@ backend does, so a probability of exactly 0 gives a large finite loss, never inf
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax.numpy as jnp
@@ -32,6 +33,33 @@ InvalidIdentifierError = errors.InvalidIdentifierError
 InvalidLabelError = errors.InvalidLabelError
 
 
+# Keras 3 loss arguments mirrax does not take, and what to use instead.
+_KERAS_ONLY_ARGUMENTS = {
+    "reduction": "mirrax losses reduce as Keras's 'sum_over_batch_size' (inside strategy.run, "
+                 "this replica's share of the global mean); for one loss per example, as "
+                 "reduction=None (TF's Reduction.NONE), call loss.per_example(y_true, y_pred)",
+    "ignore_class": "mask those examples with sample_weight (0 for the ignored class)",
+    "axis": "put the class axis last",
+    "dtype": "losses compute in float32 (mirrax.mixed_precision keeps them there)",
+}
+
+
+def _refusing_keras_only_arguments(init):
+    """`init`, raising UnsupportedArgumentError (naming the alternative) for Keras-only keywords."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        for name in kwargs:
+            if name in _KERAS_ONLY_ARGUMENTS:
+                raise errors.UnsupportedArgumentError(
+                    f"{type(self).__name__}({name}={kwargs[name]!r}): mirrax's losses do not take "
+                    f"Keras's {name!r} argument; {_KERAS_ONLY_ARGUMENTS[name]}."
+                )
+        return init(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Loss:
     """Base class of the losses, as `keras.losses.Loss` with reduction "sum_over_batch_size".
 
@@ -44,6 +72,11 @@ class Loss:
     """
 
     default_name = "loss"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            cls.__init__ = _refusing_keras_only_arguments(cls.__init__)
 
     def __init__(self, name: str | None = None):
         if name is not None and not isinstance(name, str):
@@ -128,6 +161,9 @@ class Loss:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+Loss.__init__ = _refusing_keras_only_arguments(Loss.__init__)
 
 
 class LossFunctionWrapper(Loss):
