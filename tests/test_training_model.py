@@ -159,6 +159,9 @@ def test_weights_of_a_dropout_model_leave_out_its_prng_state_as_keras():
     # count (typed keys cannot become NumPy arrays; Keras's weights leave seed state out too).
     weights = model.get_weights()
     assert [w.shape for w in weights] == [(3,), (4, 3), (3,), (3,), (3,), (3,)]
+    assert model.count_params() == 4 * 3 + 3 + 4 * 3  # kernel, bias, 4 BatchNorm vectors
+    with pytest.raises(mirrax.errors.UnsupportedArgumentError, match=r"save_weights\(path\)"):
+        model.save("model.keras")
     model.set_weights([w + 1.0 for w in weights])
     np.testing.assert_array_equal(model.module.dense.kernel[...], weights[1] + 1.0)
     # EarlyStopping's restore_best_weights and TensorBoard's histograms go through them.

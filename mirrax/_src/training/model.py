@@ -303,6 +303,24 @@ class Model:
         """
         return [np.asarray(v.get_value()) for _, v in _weights(self.module)]
 
+    def count_params(self) -> int:
+        """The number of values in the module's weights (`get_weights()`), as
+        `keras.Model.count_params` (trainable and non-trainable; PRNG state left out)."""
+        return int(sum(np.prod(np.shape(v.get_value())) for _, v in _weights(self.module)))
+
+    def save(self, filepath, *args, **kwargs):
+        """Refused: mirrax has no `.keras` archive (the model's code is an NNX module).
+
+        Raises:
+          UnsupportedArgumentError: always; the message names what to use instead.
+        """
+        raise errors.UnsupportedArgumentError(
+            f"Model.save({filepath!r}): mirrax writes no .keras archive. Use "
+            "model.save_weights(path) for the weights, mirrax.Checkpoint(model=model).save(path) "
+            "for weights and optimizer state, or mirrax.export(model, path, input_signature) for "
+            "a program that serves without the model's code."
+        )
+
     def set_weights(self, weights) -> None:
         """Sets the module's variables from `get_weights()`-ordered arrays (shapes must match).
 
