@@ -33,6 +33,12 @@ DELETING_SUFFIX = ".mirrax-deleting"
 
 
 def checked_path(path, what: str) -> str:
+    """`path` (str, bytes or os.PathLike) as an absolute str path.
+
+    Raises:
+      InvalidArgumentTypeError: `path` is not a str or os.PathLike.
+      InvalidArgumentError: `path` is empty (`''` would resolve to the working directory).
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise errors.InvalidArgumentTypeError(
             f"{what}: the path must be a str or os.PathLike; received {path!r} of type "
@@ -49,6 +55,8 @@ def checked_path(path, what: str) -> str:
 
 
 def barrier(name: str) -> None:
+    """Waits until every process reaches the barrier `name` (a no-op in one process), as
+    jax.experimental.multihost_utils.sync_global_devices."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -76,6 +84,8 @@ def exchange(a: str, b: str) -> bool:
 
 
 def rename(src: str, dst: str) -> None:
+    """`os.rename`; one name for every rename of a replace, so the kill tests can stop a save
+    between two renames (tests/test_checkpoint_atomic.py)."""
     os.rename(src, dst)
 
 
@@ -93,6 +103,11 @@ def remove_tree(path: str) -> None:
 
 
 def delete(path: str) -> None:
+    """Deletes a file or a directory tree (a symlink itself, never its target).
+
+    Raises:
+      OSError: as `shutil.rmtree` / `os.remove` (e.g. FileNotFoundError if `path` is gone).
+    """
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
@@ -100,6 +115,7 @@ def delete(path: str) -> None:
 
 
 def delete_if_exists(path: str) -> None:
+    """`delete(path)` if anything (even a broken symlink) is at `path`."""
     if os.path.lexists(path):
         delete(path)
 

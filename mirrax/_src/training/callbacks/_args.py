@@ -44,6 +44,11 @@ def number(owner: str, name: str, value, allow_none: bool = False, minimum=None)
 
 
 def flag(owner: str, name: str, value) -> bool:
+    """`value` as a bool; only True / False (and NumPy bools) are taken: "no" is not False.
+
+    Raises:
+      InvalidArgumentTypeError: any other value (the message names `owner` and `name`).
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise errors.InvalidArgumentTypeError(
             f"{owner}: {name} must be True or False; received {type(value).__name__} {value!r}."
@@ -61,6 +66,11 @@ def verbose(owner: str, value) -> int:
 
 
 def monitor(owner: str, value) -> str:
+    """`value` as the name of a logged quantity ("val_loss", "accuracy"), as Keras's `monitor`.
+
+    Raises:
+      InvalidArgumentTypeError: `value` is not a non-empty str.
+    """
     if not isinstance(value, str) or not value:
         raise errors.InvalidArgumentTypeError(
             f"{owner}: monitor must be the name of a logged quantity (a str such as 'val_loss' "
