@@ -152,6 +152,73 @@ def fit(out_dir, index):
     }
 
 
+def invariant(out_dir, index):
+    """Test 3 of replica invariance: fit (a CNN with Dropout, Adam, a partial last batch and
+    validation data) and a custom loop with mirrax.value_and_grad, in replica-invariant mode.
+    Weights are reported as CRC-32s of their bytes, so equal reports mean equal bits."""
+    import os
+    import zlib
+
+    import jax
+    import optax
+    from flax import nnx
+
+    import mirrax
+
+    strategy = mirrax.MultiWorkerMirroredStrategy(replica_invariant=True, micro_batches=8)
+    (x, y), _ = mirrax.data.load_digits()
+    x, y = x[:100], y[:100]  # batches of 32: 3 full and a partial one of 4
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+            self.dropout = nnx.Dropout(0.25, rngs=rngs)
+            self.dense = nnx.Linear(4 * 64, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.dropout(nnx.relu(self.conv(x)))
+            return self.dense(x.reshape(x.shape[0], -1))
+
+    def crcs(module):
+        return [zlib.crc32(np.asarray(p).tobytes())
+                for p in jax.tree.leaves(nnx.state(module, nnx.Param))]
+
+    loss = mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy.scope():
+        model = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
+        model.compile("adam", loss, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0,
+                        validation_data=(x[:40], y[:40]))
+    predictions = model.predict(x[:24], batch_size=16, verbose=0)
+
+    with strategy.scope():
+        module = CNN(nnx.Rngs(0, dropout=1))
+        optimizer = nnx.Optimizer(module, optax.adam(1e-2), wrt=nnx.Param)
+
+    def loss_fn(module, batch):
+        per_example = optax.softmax_cross_entropy_with_integer_labels(module(batch[0]), batch[1])
+        return mirrax.compute_average_loss(per_example, global_batch_size=32)
+
+    def step(module, optimizer, batch):
+        value, grads = mirrax.value_and_grad(loss_fn)(module, batch)
+        optimizer.update(module, grads)
+        return value
+
+    dataset = strategy.experimental_distribute_dataset(
+        [(x[i:i + 32], y[i:i + 32]) for i in range(0, 100, 32)])
+    losses = [float(strategy.reduce("sum", strategy.run(step, args=(module, optimizer, b))))
+              for b in dataset]
+    return {
+        "layout": [jax.process_count(), len(jax.local_devices())],
+        "launch_rank": os.environ.get("MIRRAX_LAUNCH_RANK"),
+        "history": history.history,
+        "weights": crcs(model.module),
+        "predictions": zlib.crc32(np.asarray(predictions).tobytes()),
+        "custom_losses": losses,
+        "custom_weights": crcs(module),
+    }
+
+
 def autoshard(out_dir, index):
     """Test 3: 2 workers x 1 replica, global batch 4, 12 examples (0..11), no shuffling."""
     strategy = _strategy()
@@ -368,6 +435,7 @@ SCENARIOS = {
     "decisions": decisions,
     "facts": facts,
     "fit": fit,
+    "invariant": invariant,
     "killed": killed,
     "uneven": uneven,
 }

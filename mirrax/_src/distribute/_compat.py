@@ -14,6 +14,14 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
+def abstract_varying_axes(shape) -> frozenset:
+    """`varying_axes` of a `jax.ShapeDtypeStruct` (what `jax.eval_shape` returns in shard_map)."""
+    manual = getattr(shape, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(shape, "vma", None) or frozenset())
+
+
 def pvary(x, axis_name: str):
     """Marks an unvarying value as varying along `axis_name` (no data movement)."""
     if axis_name in varying_axes(x):
@@ -21,3 +29,15 @@ def pvary(x, axis_name: str):
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axis_name, to="varying")
     return jax.lax.pvary(x, axis_name)
+
+
+def all_gather_invariant(x, axis_name: str):
+    """`all_gather(x, axis_name, tiled=True)` typed as unvarying along `axis_name`.
+
+    Every replica receives the same concatenation, so the result is replicated; JAX types a
+    plain all-gather as varying, which `shard_map` would refuse to return as replicated.
+    """
+    try:
+        return jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
+    except TypeError:  # a jax whose all_gather has no `to`
+        return jax.lax.all_gather_invariant(x, axis_name, tiled=True)

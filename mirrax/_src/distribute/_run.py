@@ -33,8 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _compat
-from mirrax._src.distribute.reduce import VariableAggregation
+from mirrax._src.distribute import _compat, invariant
+from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
     ReplicaContext,
@@ -439,7 +439,10 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
     fn_node, args, kwargs = jax.tree.unflatten(spec.treedef, rebuilt)
 
     replica_id = jax.lax.axis_index(REPLICA_AXIS)
-    rng_keys = [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    # Replica-invariant mode keys randomness by the global micro-batch index instead
+    # (invariant.micro_batch_call), which does not depend on the replica count.
+    rng_keys = [] if spec.strategy.replica_invariant else [
+        v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
     original_keys = [v.get_value() for v in rng_keys]
     for variable in rng_keys:
         variable.set_value(jax.random.fold_in(variable.get_value(), replica_id))
@@ -504,6 +507,7 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
     `old` maps each state path to its value before the step (for SUM: old + sum of updates).
     """
     flat = []
+    exact = spec.strategy.replica_invariant
     for path, variable in nnx.to_flat_state(new_state):
         value = variable.get_value()
         if not isinstance(value, jax.Array):
@@ -512,6 +516,22 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
         aggregation = aggregation_of(variable)
         varying = REPLICA_AXIS in _compat.varying_axes(value)
         before = old.get(path)
+        if exact and varying and aggregation in (VariableAggregation.SUM,
+                                                 VariableAggregation.MEAN):
+            # The fixed tree over the replicas (the same bits at every replica count). An
+            # unvarying SUM update (one already combined over micro-batches, or the same on
+            # every replica) is counted once, so it does not depend on the replica count.
+            if aggregation is VariableAggregation.MEAN:
+                value = invariant.exact_pmean(value).astype(value.dtype)
+            elif before is not None:
+                value = before + invariant.exact_psum(value - before)
+            else:
+                value = invariant.exact_psum(value)
+            flat.append((path, variable.replace(value)))
+            continue
+        if exact and not varying:
+            flat.append((path, variable))
+            continue
         if aggregation is VariableAggregation.SUM and before is not None:
             # Every replica's update counts, as in TF, even when JAX proves they are equal.
             delta = _compat.pvary(value - before, REPLICA_AXIS)
@@ -541,23 +561,6 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
             value = value.astype(variable.get_value().dtype)
         flat.append((path, variable.replace(value)))
     return nnx.from_flat_state(flat)
-
-
-def aggregation_of(variable) -> VariableAggregation:
-    """A variable's aggregation: its `aggregation` metadata, else the default for its type.
-
-    Defaults (docs/design.md, "`strategy.run`"): `nnx.BatchStat` → MEAN; metric state
-    (`nnx.metrics.MetricState`) → SUM; everything else (`nnx.Param`, optimizer state,
-    counters) → NONE.
-    """
-    explicit = variable.get_metadata().get("aggregation")
-    if explicit is not None:
-        return VariableAggregation.from_any(explicit, "aggregation metadata")
-    if isinstance(variable, nnx.BatchStat):
-        return VariableAggregation.MEAN
-    if isinstance(variable, nnx.metrics.MetricState):
-        return VariableAggregation.SUM
-    return VariableAggregation.NONE
 
 
 def _place(strategy, x, names, index, nodes=None):

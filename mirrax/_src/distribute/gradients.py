@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat
+from mirrax._src.distribute import _compat, invariant
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
 
@@ -60,11 +60,22 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
         BENCHMARKS.md's peers section was markedly slower with it), and NCCL on GPU groups a
         combined all-reduce's operands itself.
 
+    In replica-invariant mode (`replica_invariant=True` on the strategy) the arguments after
+    the module are the batch: each array has this replica's batch rows first, and `fn` runs
+    once per micro-batch at the same shapes whatever the replica count (a `lax.scan`); the
+    value is the pairwise sum of the micro-batches' values, the gradients their sum over
+    all micro-batches of all replicas in the fixed tree (docs/design.md, "Replica
+    invariance"). Aux leaves with the micro-batch's rows first come back joined into the
+    replica's rows; other aux leaves come back stacked, one per micro-batch.
+
     Returns:
       A function `(module, *args) -> (value, grads)`, as `nnx.value_and_grad` returns.
 
     Raises:
       TypeError: `all_reduce_dtype` is not a floating dtype.
+      UnsupportedArgumentError: `all_reduce_dtype` in replica-invariant mode.
+      InvalidBatchError: replica-invariant mode and no array argument after the module, or
+        one whose first axis is not the batch's.
     """
     if not callable(fn):
         raise errors.InvalidArgumentTypeError(
@@ -87,10 +98,25 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
         )
 
     def wrapped(module, *args):
+        if invariant.active():
+            return _micro_batch_value_and_grad(fn, module, args, has_aux, all_reduce_dtype)
         return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype,
                                      pack)
 
     return wrapped
+
+
+def _micro_batch_value_and_grad(fn, module, args, has_aux, all_reduce_dtype):
+    if all_reduce_dtype is not None:
+        raise errors.UnsupportedArgumentError(
+            "value_and_grad: all_reduce_dtype is not supported with replica_invariant=True: "
+            "the gradients are summed exactly in their own dtype, in one fixed tree. Leave "
+            f"all_reduce_dtype None; received {all_reduce_dtype!r}."
+        )
+    value, aux, grads = invariant.micro_batch_call(
+        lambda nodes, *batch: fn(nodes[0], *batch), (module,), args, differentiate=True,
+        has_aux=has_aux)
+    return ((value, aux) if has_aux else value), grads[0]
 
 
 def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.distribute import multihost
+from mirrax._src.distribute import invariant, multihost
 from mirrax._src.distribute.values import (
     PerReplica,
     by_replica,
@@ -334,6 +334,10 @@ class _Placer:
         if lengths is None:
             lengths = tuple(jax.tree.leaves(s)[0].shape[0] for s in shards)
         all_lengths = tuple(lengths) if all_lengths is None else tuple(all_lengths)
+        if self.rows is None and self.strategy.replica_invariant:
+            # Shards come padded to the mode's fixed rows (split_invariant), even a first
+            # batch that is partial.
+            self.rows = max(jax.tree.leaves(s)[0].shape[0] for s in shards)
         if self.rows is None:
             if max(all_lengths) == 0:
                 raise errors.InvalidBatchError(
@@ -372,6 +376,54 @@ def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> li
     ]
 
 
+def invariant_rows(strategy, rows, n: int, what: str) -> int:
+    """The per-replica rows of replica-invariant mode: the first global batch / replicas.
+
+    Raises:
+      InvalidBatchError: the first global batch is not a multiple of `strategy.micro_batches`.
+    """
+    if rows is not None:
+        return rows
+    invariant.check_global_batch(what, n, strategy.micro_batches)
+    return n // strategy.num_replicas_in_sync
+
+
+def split_invariant(strategy, host_batch, n: int, rows: int, replica_ids) -> tuple[list, list]:
+    """Replica-invariant mode's split: replica r gets the global batch's rows [r*rows, (r+1)*rows).
+
+    A partial batch fills the micro-batches in order and is padded at its end with copies of
+    its first example, so real examples and padding sit at the same global positions whatever
+    the replica count (TF's ceil split would move them).
+
+    Returns:
+      (shards, lengths): one shard of exactly `rows` rows per replica of `replica_ids`, and the
+      number of real examples in each.
+
+    Raises:
+      InvalidBatchError: the batch is larger than the first one (the micro-batch size is
+        fixed by the first batch).
+    """
+    total = rows * strategy.num_replicas_in_sync
+    if n > total:
+        raise errors.InvalidBatchError(
+            f"replica_invariant=True: a global batch of {n} examples is larger than the first "
+            f"batch ({total}), which fixed the micro-batch size at {total // strategy.micro_batches}. "
+            "Give every batch at most the first batch's size (only the last may be smaller)."
+        )
+
+    def pad(a):
+        a = np.asarray(a)
+        if n == total:
+            return a
+        filler = a[:1] if n else np.zeros((1,) + a.shape[1:], a.dtype)
+        return np.concatenate([a, np.repeat(filler, total - n, axis=0)])
+
+    padded = jax.tree.map(pad, host_batch)
+    shards = [jax.tree.map(lambda a: a[r * rows:(r + 1) * rows], padded) for r in replica_ids]
+    lengths = [min(max(n - r * rows, 0), rows) for r in replica_ids]
+    return shards, lengths
+
+
 class DistributedDataset:
     """A dataset of global batches, split over replicas; iterate it for `PerReplica` batches.
 
@@ -389,18 +441,36 @@ class DistributedDataset:
                                     _worker_batch_size(dataset.batch_size, workers))
         self._source = _batch_source(dataset)
         self._placer = _Placer(strategy)
+        self._rows = None  # replica-invariant mode: per-replica rows, fixed by the first batch
         self._uid = _new_dataset_uid(strategy, "experimental_distribute_dataset")
 
-    def _local_batches(self) -> Iterator[tuple[list, str]]:
+    def _local_batches(self) -> Iterator[tuple]:
         strategy = self._strategy
-        if self._policy is AutoShardPolicy.DATA:
+        invariant_mode = strategy.replica_invariant
+        if invariant_mode and self._policy is not AutoShardPolicy.DATA and jax.process_count() > 1:
+            raise errors.UnsupportedArgumentError(
+                f"experimental_distribute_dataset: replica_invariant=True needs every worker to "
+                f"read the same global batches (AutoShardPolicy.DATA), so that each batch is cut "
+                f"by position; this dataset is sharded by {self._policy.name}. Pass "
+                "InputOptions(experimental_auto_shard_policy=mirrax.AutoShardPolicy.DATA) or a "
+                "dataset every worker reads whole."
+            )
+        if self._policy is AutoShardPolicy.DATA or invariant_mode:
             for batch in self._source():
                 host, n = to_host_batch(batch)
+                name = f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
+                fingerprint = _fingerprint(host, n) if jax.process_count() > 1 else n
+                if invariant_mode:
+                    self._rows = invariant_rows(strategy, self._rows, n,
+                                                "experimental_distribute_dataset")
+                    shards, lengths = split_invariant(strategy, host, n, self._rows,
+                                                      strategy._local_replica_ids)
+                    yield shards, name, fingerprint, lengths
+                    continue
                 shards = split_global_batch(
                     host, n, strategy.num_replicas_in_sync, strategy._local_replica_ids
                 )
-                yield (shards, f"global batch of {n} over {strategy.num_replicas_in_sync} replicas",
-                       _fingerprint(host, n) if jax.process_count() > 1 else n)
+                yield shards, name, fingerprint, None
             return
         # FILE and OFF: this worker's batches hold global_batch / W examples; its replicas split
         # them by TF's rule as if they were all the replicas there are.
@@ -416,7 +486,7 @@ class DistributedDataset:
             for piece in pieces:
                 size = jax.tree.leaves(piece)[0].shape[0]
                 yield (split_global_batch(piece, size, local, range(local)),
-                       f"worker batch of {size} over {local} replicas", None)
+                       f"worker batch of {size} over {local} replicas", None, None)
 
     def __iter__(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
@@ -451,11 +521,11 @@ class DistributedDatasetsFromFunction:
         for batch in self._source():
             round_.append(to_host_batch(batch)[0])
             if len(round_) == local:
-                yield round_, "per-replica batch of 0", None
+                yield round_, "per-replica batch of 0", None, None
                 round_ = []
         if round_:
             empty = jax.tree.map(lambda a: a[:0], round_[0])
-            yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None
+            yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None, None
 
     def __iter__(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
@@ -552,8 +622,8 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
     `gather`) and the same static row count.
     """
     if jax.process_count() == 1:
-        for shards, name, _ in local_batches:
-            yield placer.place(shards, name)
+        for shards, name, _, lengths in local_batches:
+            yield placer.place(shards, name, lengths=lengths)
         return
     local = len(strategy._local_replica_ids)
     options = getattr(strategy, "communication_options", None)
@@ -564,7 +634,8 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
     while True:
         item = None if ended else next(local_batches, None)
         ended = item is None
-        lengths = None if ended else [int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
+        lengths = None if ended else item[3] or [
+            int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
         name = f"input/{iteration}/{step}"
         votes = multihost.exchange(name, {
             "dataset": uid, "lengths": lengths, "had_data": last is not None or not ended,
@@ -602,13 +673,13 @@ def place_agreed(strategy, placer: _Placer, local_batches: Iterator, uid: str,
             yield placer.place([last] * local, "filler", lengths=(0,) * local,
                                all_lengths=all_lengths)
         else:
-            shards, first_name, _ = item
+            shards, first_name, _, given = item
             real = next((s for s in shards if jax.tree.leaves(s)[0].shape[0]), None)
             if real is not None:
                 last = jax.tree.map(lambda a: a[:1], real)
             elif last is None:
                 last = jax.tree.map(lambda a: np.zeros((1,) + a.shape[1:], a.dtype), shards[0])
-            yield placer.place(shards, first_name, all_lengths=all_lengths)
+            yield placer.place(shards, first_name, lengths=given, all_lengths=all_lengths)
         step += 1
 
 

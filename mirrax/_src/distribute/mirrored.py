@@ -114,13 +114,23 @@ class MirroredStrategy(Strategy):
         list of `jax.Device`s / strings like "gpu:0", "/device:CPU:1".
       cross_device_ops: None or a `CrossDeviceOps` (`NcclAllReduce`, `HierarchicalCopyAllReduce`,
         `ReductionToOneDevice`); all map to XLA's all-reduce.
+      replica_invariant: True for results that are the same bits on every replica count that
+        divides `micro_batches` (docs/design.md, "Replica invariance"; mirrax's own, not TF's).
+        Each global batch is cut into `micro_batches` equal micro-batches, each computed as
+        one virtual replica; its size must be a multiple of `micro_batches`. Default False:
+        exact to float rounding per step, and the fastest.
+      micro_batches: a power of two (default 8), the virtual replica count of
+        replica-invariant mode; ignored (but checked) when `replica_invariant` is False.
 
     Raises:
       InvalidDeviceError: `devices` is empty, names an unknown device, or repeats one.
-      TypeError: `cross_device_ops` is not a `CrossDeviceOps`.
+      TypeError: `cross_device_ops` is not a `CrossDeviceOps`; `replica_invariant` not a bool.
+      InvalidArgumentError: `micro_batches` is not a power of two, or (replica_invariant=True)
+        the replica count does not divide it.
     """
 
-    def __init__(self, devices=None, cross_device_ops=None):
+    def __init__(self, devices=None, cross_device_ops=None, replica_invariant: bool = False,
+                 micro_batches: int = 8):
         if devices is None:
             resolved = list(jax.local_devices())
             cpu_devices.warn_if_count_ignored(resolved)
@@ -152,7 +162,7 @@ class MirroredStrategy(Strategy):
                 f"mirrax.NcclAllReduce(); received {type(cross_device_ops).__name__}."
             )
         self.cross_device_ops = cross_device_ops or NcclAllReduce()
-        super().__init__(resolved)
+        super().__init__(resolved, replica_invariant, micro_batches)
 
 
 class OneDeviceStrategy(Strategy):
@@ -160,16 +170,19 @@ class OneDeviceStrategy(Strategy):
 
     Args:
       device: a `jax.Device` or a string like "gpu:0" / "/cpu:0".
+      replica_invariant, micro_batches: as `MirroredStrategy` (so one device reproduces the
+        bits of 2, 4 or 8).
 
     Raises:
       InvalidDeviceError: `device` names no local device.
+      InvalidArgumentError: `micro_batches` is not a power of two.
     """
 
-    def __init__(self, device):
+    def __init__(self, device, replica_invariant: bool = False, micro_batches: int = 8):
         if isinstance(device, (list, tuple)):
             raise errors.InvalidArgumentTypeError(
                 f"OneDeviceStrategy: device must be ONE device (a jax.Device or a string like "
                 f"'cpu:0'); received a {type(device).__name__} {device!r}. For several devices "
                 "use mirrax.MirroredStrategy(devices)."
             )
-        super().__init__([resolve_device(device, "device")])
+        super().__init__([resolve_device(device, "device")], replica_invariant, micro_batches)

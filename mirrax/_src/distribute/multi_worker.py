@@ -26,6 +26,7 @@ import threading
 import jax
 
 from mirrax import errors
+from mirrax._src.distribute import invariant
 from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
 from mirrax._src.distribute.strategy import Strategy, StrategyExtended, local_index
 
@@ -154,6 +155,9 @@ class MultiWorkerMirroredStrategy(Strategy):
       cluster_resolver: a `ClusterResolver` (`TFConfigClusterResolver`,
         `SlurmClusterResolver`, `SimpleClusterResolver`); None reads `TF_CONFIG`.
       communication_options: a `CommunicationOptions` or None.
+      replica_invariant, micro_batches: as `MirroredStrategy`: with replica_invariant=True,
+        the same bits on every layout whose total replica count divides `micro_batches`
+        (1x4, 2x2 and 4x1 alike).
 
     Attributes:
       cluster_resolver: the resolver.
@@ -173,7 +177,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None):
+                 communication_options: CommunicationOptions | None = None,
+                 replica_invariant: bool = False, micro_batches: int = 8):
+        invariant.check_arguments(type(self).__name__, replica_invariant, micro_batches)
         if cluster_resolver is None:
             cluster_resolver = TFConfigClusterResolver()
         if not isinstance(cluster_resolver, ClusterResolver):
@@ -207,7 +213,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
             )
-        super().__init__(jax.devices())
+        super().__init__(jax.devices(), replica_invariant, micro_batches)
         self.extended = MultiWorkerExtended(self)
 
     def __repr__(self) -> str:

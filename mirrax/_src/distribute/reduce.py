@@ -1,8 +1,11 @@
-"""Reduction and aggregation enums: `ReduceOp` and `VariableAggregation`, as tf.distribute's."""
+"""Reduction and aggregation enums (`ReduceOp`, `VariableAggregation`, as tf.distribute's) and
+the aggregation each NNX variable gets."""
 
 from __future__ import annotations
 
 import enum
+
+from flax import nnx
 
 from mirrax import errors
 
@@ -78,3 +81,20 @@ def _member(cls, value, argument: str):
         f"{argument} must be one of {names}, or its name as a string in any case "
         f"(e.g. {next(iter(cls.__members__)).lower()!r}); received {value!r}."
     )
+
+
+def aggregation_of(variable) -> VariableAggregation:
+    """A variable's aggregation: its `aggregation` metadata, else the default for its type.
+
+    Defaults (docs/design.md, "`strategy.run`"): `nnx.BatchStat` → MEAN; metric state
+    (`nnx.metrics.MetricState`) → SUM; everything else (`nnx.Param`, optimizer state,
+    counters) → NONE.
+    """
+    explicit = variable.get_metadata().get("aggregation")
+    if explicit is not None:
+        return VariableAggregation.from_any(explicit, "aggregation metadata")
+    if isinstance(variable, nnx.BatchStat):
+        return VariableAggregation.MEAN
+    if isinstance(variable, nnx.metrics.MetricState):
+        return VariableAggregation.SUM
+    return VariableAggregation.NONE

@@ -9,6 +9,7 @@ default strategy's replica context (one replica, collectives are the identity).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -68,6 +69,28 @@ class ReplicaContext:
         self._batch_mask = mask
 
     @property
+    def traced(self) -> bool:
+        """True inside `strategy.run` (collectives are real); False in the default context."""
+        return self._traced
+
+    @property
+    def example_count(self):
+        """The int32 count of real examples of the distributed batch over all replicas, when
+        `strategy.run` knows it from the host; else None."""
+        return self._example_count
+
+    @contextlib.contextmanager
+    def micro_batch(self, mask, example_count):
+        """Sets the batch mask to one micro-batch's (replica-invariant mode), keeping the
+        whole step's example count, so `compute_average_loss` divides by the global count."""
+        saved = self._batch_mask, self._example_count
+        self._batch_mask, self._example_count = mask, example_count
+        try:
+            yield self
+        finally:
+            self._batch_mask, self._example_count = saved
+
+    @property
     def num_replicas_in_sync(self) -> int:
         return self.strategy.num_replicas_in_sync
 
@@ -82,7 +105,8 @@ class ReplicaContext:
 
         As `tf.distribute.ReplicaContext.all_reduce`: SUM adds, MEAN adds and divides by
         `num_replicas_in_sync`. `value` is any pytree of arrays; shapes and dtypes are kept (MEAN
-        of integers gives floats, as `jnp.mean`).
+        of integers gives floats, as `jnp.mean`). In replica-invariant mode float sums follow
+        the fixed pairwise tree over the replica index (every replica gets the same bits).
 
         Raises:
           ValueError: `reduce_op` is not SUM or MEAN.
@@ -90,6 +114,11 @@ class ReplicaContext:
         op = ReduceOp.from_any(reduce_op)
         if not self._traced:
             return jax.tree.map(jnp.asarray, value)
+        if self.strategy.replica_invariant:
+            # The fixed pairwise tree over the replicas, the same bits on every replica.
+            from mirrax._src.distribute import invariant
+
+            return invariant.exact_psum(value) if op is ReduceOp.SUM else invariant.exact_pmean(value)
         if op is ReduceOp.SUM:
             return jax.tree.map(lambda x: jax.lax.psum(x, REPLICA_AXIS), value)
         return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA_AXIS), value)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mirrax import errors
 from mirrax._src.distribute import _run
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import invariant
 from mirrax._src.distribute import multihost
 from mirrax._src.distribute.reduce import ReduceOp
 from mirrax._src.distribute.replica_context import (
@@ -71,10 +72,20 @@ class Strategy:
         devices (replica r on `mesh.devices[r]`).
       num_replicas_in_sync: number of replicas (devices) over all workers, a Python int.
       extended: a `StrategyExtended` with the device names.
+      replica_invariant: True when results are the same bits at every replica count that
+        divides `micro_batches` (docs/design.md, "Replica invariance").
+      micro_batches: the number of equal micro-batches each global batch is cut into in
+        replica-invariant mode (a power of two).
     """
 
-    def __init__(self, devices):
+    def __init__(self, devices, replica_invariant: bool = False, micro_batches: int = 8):
         devices = tuple(devices)
+        owner = type(self).__name__
+        invariant.check_arguments(owner, replica_invariant, micro_batches)
+        if replica_invariant:
+            invariant.check_replicas(owner, int(micro_batches), len(devices))
+        self._replica_invariant = replica_invariant
+        self._micro_batches = int(micro_batches)
         self._devices = devices
         self.mesh = Mesh(np.array(devices, dtype=object), (REPLICA_AXIS,))
         self._replicated = NamedSharding(self.mesh, P())
@@ -100,10 +111,20 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         return len(self._devices)
 
+    @property
+    def replica_invariant(self) -> bool:
+        return self._replica_invariant
+
+    @property
+    def micro_batches(self) -> int:
+        return self._micro_batches
+
     def __repr__(self) -> str:
+        mode = (f", replica_invariant=True, micro_batches={self._micro_batches}"
+                if self._replica_invariant else "")
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
-            f"devices=[{', '.join(short_device_name(d) for d in self._devices)}])"
+            f"devices=[{', '.join(short_device_name(d) for d in self._devices)}]{mode})"
         )
 
     # -- scope ------------------------------------------------------------------------------
@@ -241,6 +262,8 @@ class Strategy:
         return self._reduce_same(op, jnp.asarray(value), axis, 1)
 
     def _reduce_stacked(self, op: ReduceOp, value: PerReplica, x, axis):
+        if self._replica_invariant:
+            return self._reduce_invariant(op, value, x, axis)
         if axis is None:
             if value._masked(x) and len(set(value._lengths)) > 1:
                 raise errors.InvalidArgumentError(
@@ -263,6 +286,45 @@ class Strategy:
         if op is ReduceOp.SUM:
             return reduced
         return reduced / (x.shape[0] * x.shape[axis + 1] or 1)
+
+    def _reduce_invariant(self, op: ReduceOp, value: PerReplica, x, axis):
+        """`_reduce_stacked` in replica-invariant mode: every float sum in the fixed tree.
+
+        Over replicas: the pairwise tree over the replica index (which continues each
+        replica's tree over its micro-batches). Along a batch's axis 0: each micro-batch's
+        rows are summed at the same shape, then the micro-batches in the pairwise tree, so
+        the bits do not depend on the replica count.
+        """
+        replicas = x.shape[0]
+        if axis is None:
+            if value._masked(x) and len(set(value._lengths)) > 1:
+                raise errors.InvalidArgumentError(
+                    "strategy.reduce: the replicas' values have different lengths along axis 0 "
+                    f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
+                    "axis=0 to reduce along that axis too."
+                )
+            if value._masked(x):
+                x = x[:, : value._lengths[0]]
+            total = invariant.pairwise_sum(x)
+            return total if op is ReduceOp.SUM else total / jnp.asarray(replicas, total.dtype)
+        axis = _normalize_axis(axis, x.ndim - 1)
+        rows = x.shape[1] if x.ndim > 1 else 0
+        local = self._micro_batches // replicas
+        if axis == 0 and rows % local == 0:
+            micro = x.reshape((self._micro_batches, rows // local) + x.shape[2:])
+            if value._masked(x):
+                mask = value._mask.reshape(micro.shape[:2] + (1,) * (x.ndim - 2))
+                micro = jnp.where(mask, micro, jnp.zeros((), x.dtype))
+                count = value._mask.sum()
+            else:
+                count = x.shape[0] * rows
+            total = invariant.pairwise_sum(micro.sum(1))
+        else:
+            total = invariant.pairwise_sum(x.sum(axis + 1))
+            count = replicas * x.shape[axis + 1]
+        if op is ReduceOp.SUM:
+            return total
+        return total / jnp.maximum(count, 1).astype(jnp.result_type(total, jnp.float32))
 
     @staticmethod
     def _reduce_same(op: ReduceOp, x, axis, replicas: int):

@@ -30,6 +30,7 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute import gradients
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import invariant
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
@@ -248,12 +249,13 @@ class Model:
             mixed_precision.LossScale()
             if self.dtype_policy.uses_loss_scaling and auto_scale_loss else None
         )
+        micro = self.distribute_strategy.replica_invariant
         self._train_fn = _make_train_step(self.loss, self._loss_scale, self.dtype_policy,
-                                          self._weighted)
+                                          self._weighted, micro)
         self._train_many_fn = _make_multi_step(self._train_fn)
         self._test_fn = _make_test_step(self.loss, self._loss_scale, self.dtype_policy,
-                                        self._weighted)
-        self._predict_fn = _make_predict_step(self.dtype_policy)
+                                        self._weighted, micro)
+        self._predict_fn = _make_predict_step(self.dtype_policy, micro)
         self._rng = np.random.default_rng(0)
         self._checked_inputs = {}
         self._compiled = True
@@ -654,7 +656,8 @@ class Model:
         try:
             for step, batch in enumerate(data.batches(steps)):
                 cbs.on_predict_batch_begin(step)
-                predict_fn = self._predict_fn if self._compiled else _PREDICT_FLOAT32
+                predict_fn = self._predict_fn if self._compiled else (
+                    _PREDICT_FLOAT32_MICRO if strategy.replica_invariant else _PREDICT_FLOAT32)
                 out = strategy.run(predict_fn, args=(self.module, batch))
                 outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
                 cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
@@ -926,10 +929,27 @@ def _update_metrics(metrics, weighted, y, y_pred, sample_weight):
         metric.update_state(y, y_pred, sample_weight if uses_weights else None)
 
 
-def _make_train_step(loss_obj, loss_weight: float, policy, weighted):
+def _make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    """The training step; with `micro_batches` (replica-invariant mode) the loss, metrics and
+    loss tracker run once per micro-batch and are summed in the fixed tree."""
     def train_step(module, optimizer, metrics, tracker, loss_scale, batch):
         x, y, sample_weight = _unpack(batch)
         scale = 1.0 if loss_scale is None else loss_scale.scale[...]
+
+        if micro_batches:
+            def micro_loss(nodes, x, y, sample_weight):
+                module, metrics, tracker = nodes
+                y_pred = _forward(module, x, policy)
+                per_example = loss_obj.per_example(y, y_pred) * loss_weight
+                tracker.update(*_masked_sum(per_example, sample_weight))
+                _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+                return compute_average_loss(per_example, sample_weight) * scale
+
+            _, _, grads = invariant.micro_batch_call(
+                micro_loss, (module, metrics, tracker), (x, y, sample_weight),
+                differentiate=True, what="fit")
+            _apply_gradients(module, optimizer, grads[0], loss_scale, scale)
+            return
 
         def loss_fn(module):
             y_pred = _forward(module, x, policy)
@@ -940,44 +960,64 @@ def _make_train_step(loss_obj, loss_weight: float, policy, weighted):
         # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
         (_, (y_pred, per_example)), grads = gradients.packed_value_and_grad(
             loss_fn, module, has_aux=True)
-        if loss_scale is None:
-            optimizer.update(module, grads)
-        else:
-            # Gradients are already summed over replicas: an overflow on any replica is
-            # non-finite here on every replica, so all skip the same step.
-            grads = jax.tree.map(lambda g: g / scale, grads)
-            finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
-            before = jax.tree.map(lambda a: a, nnx.state((module, optimizer), _UPDATED))
-            optimizer.update(module, grads)
-            after = nnx.state((module, optimizer), _UPDATED)
-            nnx.update((module, optimizer), jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old), after, before))
-            loss_scale.adjust(finite)
+        _apply_gradients(module, optimizer, grads, loss_scale, scale)
         tracker.update(*_masked_sum(per_example, sample_weight))
         _update_metrics(metrics, weighted, y, y_pred, sample_weight)
 
     return train_step
 
 
-def _make_test_step(loss_obj, loss_weight: float, policy, weighted):
-    def test_step(module, metrics, tracker, batch):
-        x, y, sample_weight = _unpack(batch)
+def _apply_gradients(module, optimizer, grads, loss_scale, scale):
+    """The optimizer update of gradients summed over replicas (and float16 loss scaling)."""
+    if loss_scale is None:
+        optimizer.update(module, grads)
+        return
+    # Gradients are already summed over replicas: an overflow on any replica is non-finite
+    # here on every replica, so all skip the same step.
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+    before = jax.tree.map(lambda a: a, nnx.state((module, optimizer), _UPDATED))
+    optimizer.update(module, grads)
+    after = nnx.state((module, optimizer), _UPDATED)
+    nnx.update((module, optimizer), jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old), after, before))
+    loss_scale.adjust(finite)
+
+
+def _make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    def update(nodes, x, y, sample_weight):
+        module, metrics, tracker = nodes
         y_pred = _forward(module, x, policy)
         per_example = loss_obj.per_example(y, y_pred) * loss_weight
         tracker.update(*_masked_sum(per_example, sample_weight))
         _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+        return jnp.zeros((), jnp.float32)
+
+    def test_step(module, metrics, tracker, batch):
+        x, y, sample_weight = _unpack(batch)
+        if micro_batches:
+            invariant.micro_batch_call(update, (module, metrics, tracker), (x, y, sample_weight),
+                                       differentiate=False, what="evaluate")
+        else:
+            update((module, metrics, tracker), x, y, sample_weight)
 
     return test_step
 
 
-def _make_predict_step(policy):
+def _make_predict_step(policy, micro_batches=False):
     def predict_step(module, batch):
+        if micro_batches:
+            _, y_pred, _ = invariant.micro_batch_call(
+                lambda nodes, x: (jnp.zeros((), jnp.float32), _forward(nodes[0], x, policy)),
+                (module,), (batch[0],), differentiate=False, has_aux=True, what="predict")
+            return y_pred
         return _forward(module, batch[0], policy)
 
     return predict_step
 
 
 _PREDICT_FLOAT32 = _make_predict_step(mixed_precision.Policy("float32"))
+_PREDICT_FLOAT32_MICRO = _make_predict_step(mixed_precision.Policy("float32"), True)
 
 
 def _make_multi_step(train_step):
@@ -1723,6 +1763,15 @@ def _placed_array_batches(strategy, batches):
             mask = placer._mask(lengths)
             yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
                                values_lib.put_stacked(strategy, stacked))
+        elif strategy.replica_invariant:
+            # The batch size, not the first batch (which may be the only, partial, one), fixes
+            # the micro-batch size.
+            rows = input_lib.invariant_rows(strategy, placer.rows, batches.data.batch_size,
+                                            f"{batches.data._what} (batch_size)")
+            shards, lengths = input_lib.split_invariant(strategy, batch, n, rows,
+                                                        strategy._local_replica_ids)
+            yield placer.place(shards, f"global batch of {n} over {replicas} replicas",
+                               lengths=lengths)
         else:
             shards = input_lib.split_global_batch(batch, n, replicas, strategy._local_replica_ids)
             yield placer.place(shards, f"global batch of {n} over {replicas} replicas")

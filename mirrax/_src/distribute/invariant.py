@@ -1,0 +1,402 @@
+"""Replica-invariant mode: each global batch as `micro_batches` virtual replicas, summed in one fixed tree.
+
+With `replica_invariant=True, micro_batches=M` a strategy computes as if it had M replicas of one
+micro-batch each, whatever its real replica count R (a power of two that divides M). Replica r
+holds the L = M / R consecutive micro-batches r*L .. r*L + L - 1 of the global batch. Three
+things make the result the same bits at every R (docs/design.md, "Replica invariance"):
+
+- Same shapes, same kernels: `micro_batch_call` runs the user's loss once per micro-batch in a
+  loop, so each micro-batch's forward and backward pass is the same computation at every R.
+- One summation tree: a float sum over micro-batches is the balanced pairwise tree over the
+  micro-batch index. A replica adds its L micro-batches' values pairwise (`pairwise_sum`), and
+  `exact_psum` continues the same tree across replicas: an all-to-all gives replica j chunk j of
+  every replica's partial sum, it adds them pairwise in replica order, and an all-gather hands
+  the chunks to everyone. Every replica then holds the same bits, JAX types them as unvarying,
+  and the bytes moved are a ring all-reduce's (2(R-1)/R of the vector per replica).
+- Randomness keyed by the global micro-batch index r*L + l, not the replica id.
+
+State that the loss changes (BatchNorm statistics, metric totals, RNG counts) is combined over
+the M micro-batches by each variable's `VariableAggregation`, in the same tree, as `strategy.run`
+combines it over real replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute import _compat
+from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
+from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
+
+
+def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
+    """Refuses a non-bool `replica_invariant` or a `micro_batches` that is not a power of two.
+
+    Raises:
+      InvalidArgumentTypeError: `replica_invariant` is not a bool, `micro_batches` not an int.
+      InvalidArgumentError: `micro_batches` is not a power of two >= 1.
+    """
+    if not isinstance(replica_invariant, bool):
+        raise errors.InvalidArgumentTypeError(
+            f"{owner}: replica_invariant must be True or False; received {replica_invariant!r} "
+            f"of type {type(replica_invariant).__name__}."
+        )
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{owner}: micro_batches must be an int, a power of two (1, 2, 4, 8, 16, ...); "
+            f"received {micro_batches!r} of type {type(micro_batches).__name__}."
+        )
+    if micro_batches < 1 or micro_batches & (micro_batches - 1):
+        below = 1 << max(int(micro_batches).bit_length() - 1, 0)
+        raise errors.InvalidArgumentError(
+            f"{owner}: micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one "
+            f"pairwise summation tree covers it at every replica count; received "
+            f"{micro_batches}. Use {max(below, 1)} or {max(below, 1) * 2}."
+        )
+
+
+def check_replicas(owner: str, micro_batches: int, num_replicas: int) -> None:
+    """Refuses a replica count that does not divide `micro_batches` (replica_invariant=True).
+
+    Raises:
+      InvalidArgumentError: `num_replicas` does not divide `micro_batches`.
+    """
+    if micro_batches % num_replicas:
+        counts = ", ".join(str(1 << i) for i in range(micro_batches.bit_length()))
+        raise errors.InvalidArgumentError(
+            f"{owner}: replica_invariant=True cuts every global batch into micro_batches="
+            f"{micro_batches} micro-batches held in equal runs by the replicas, but "
+            f"{num_replicas} replicas do not divide {micro_batches}. Use a replica count that "
+            f"divides it ({counts}; e.g. devices=jax.local_devices()[:{1 << (num_replicas.bit_length() - 1)}]), "
+            f"or micro_batches a multiple of {num_replicas} that is a power of two"
+            + (f" (e.g. {1 << (num_replicas - 1).bit_length()})." if num_replicas & (num_replicas - 1)
+               else f" (e.g. {num_replicas}).")
+        )
+
+
+def check_global_batch(what: str, global_batch: int, micro_batches: int) -> None:
+    """Refuses a global batch size that `micro_batches` does not divide.
+
+    Raises:
+      InvalidBatchError: `global_batch % micro_batches != 0`.
+    """
+    if global_batch % micro_batches:
+        lower = global_batch // micro_batches * micro_batches
+        upper = lower + micro_batches
+        raise errors.InvalidBatchError(
+            f"{what}: replica_invariant=True cuts every global batch into micro_batches="
+            f"{micro_batches} equal micro-batches, but the first global batch has "
+            f"{global_batch} examples, which {micro_batches} does not divide. Use a global batch "
+            f"size that is a multiple of {micro_batches} (e.g. {lower or upper} or {upper}); a "
+            "smaller last batch is fine (it is padded), or give the strategy another "
+            "micro_batches."
+        )
+
+
+# -- the fixed summation tree ----------------------------------------------------------------
+
+
+def pairwise_sum(x):
+    """The balanced pairwise tree sum of `x` over its leading axis (a power of two long).
+
+    ((x0 + x1) + (x2 + x3)) + ...: the order that `exact_psum` continues across replicas.
+    """
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def exact_psum(tree):
+    """Sums each leaf over the replicas in the fixed pairwise tree; every replica gets the same bits.
+
+    Inside `strategy.run` of a strategy in replica-invariant mode. Float leaves are packed per
+    dtype into one vector: one all-to-all and one all-gather for the whole tree. Integer and
+    bool leaves use `psum`, which is exact in any order.
+
+    Args:
+      tree: a pytree of arrays, this replica's partial sums (varying or not).
+
+    Returns:
+      The same pytree, summed over replicas, unvarying (as `jax.lax.psum` returns it).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [None] * len(leaves)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        leaf = jnp.asarray(leaf)
+        leaves[i] = leaf
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            groups.setdefault(leaf.dtype, []).append(i)
+        else:
+            integer = leaf.astype(jnp.int32) if leaf.dtype == jnp.bool_ else leaf
+            out[i] = jax.lax.psum(_compat.pvary(integer, REPLICA_AXIS), REPLICA_AXIS)
+    for indices in groups.values():
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in indices])
+        total = _exact_psum_flat(_compat.pvary(flat, REPLICA_AXIS))
+        offset = 0
+        for i in indices:
+            size = leaves[i].size
+            out[i] = total[offset:offset + size].reshape(leaves[i].shape)
+            offset += size
+    return jax.tree.unflatten(treedef, out)
+
+
+def _exact_psum_flat(flat):
+    replicas = jax.lax.axis_size(REPLICA_AXIS)
+    n = flat.shape[0]
+    chunk = -(-n // replicas) if n else 1
+    x = jnp.pad(flat, (0, chunk * replicas - n)).reshape(replicas, chunk)
+    if replicas > 1:
+        # Row j becomes replica j's chunk of this replica's index: the tree's next levels.
+        x = jax.lax.all_to_all(x, REPLICA_AXIS, 0, 0, tiled=True)
+    return _compat.all_gather_invariant(pairwise_sum(x), REPLICA_AXIS)[:n]
+
+
+def exact_pmean(tree):
+    """`exact_psum(tree)` divided by the replica count (floats keep their dtype)."""
+    replicas = jax.lax.axis_size(REPLICA_AXIS)
+
+    def mean(x):
+        x = jnp.asarray(x)
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32
+        return x.astype(dtype) / jnp.asarray(replicas, dtype)
+
+    return jax.tree.map(mean, exact_psum(tree))
+
+
+def pairwise_sum_host(x, axis: int = 0):
+    """`pairwise_sum` along `axis` of a global (non-traced) array: the same tree, outside run."""
+    return pairwise_sum(jnp.moveaxis(jnp.asarray(x), axis, 0))
+
+
+# -- one loss per micro-batch ------------------------------------------------------------------
+
+
+def active(ctx=None) -> bool:
+    """True inside `strategy.run` of a strategy in replica-invariant mode."""
+    ctx = current_replica_context() if ctx is None else ctx
+    return ctx is not None and ctx.traced and ctx.strategy.replica_invariant
+
+
+def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bool,
+                     has_aux: bool = False, what: str = "mirrax.value_and_grad"):
+    """Runs `fn(nodes, *batch)` once per local micro-batch; sums and aggregates in the fixed tree.
+
+    Inside `strategy.run` in replica-invariant mode. `fn` returns a scalar value (or
+    `(value, aux)` with `has_aux`); it may update the NNX state of `nodes` (BatchNorm
+    statistics, metrics, RNG counts): each micro-batch starts from the same state and the
+    updates are combined over all micro-batches by each variable's aggregation.
+
+    Args:
+      fn: `fn(nodes, *micro_batch)`.
+      nodes: a tuple of NNX objects; the `nnx.Param`s of all of them are differentiated.
+      batch: a tuple of pytrees whose array leaves have this replica's batch rows first
+        (shape (rows, ...)); each is cut into L = micro_batches / replicas micro-batches of
+        rows / L. Python scalars are passed to every micro-batch as they are.
+      differentiate: also return the gradients of the value.
+
+    Returns:
+      `(value, aux, grads)`: `value`, this replica's share (the pairwise sum over its
+      micro-batches; varying, as in default mode); `aux` with leaves of shape (rows / L, ...)
+      joined back into (rows, ...) and other leaves stacked as (L, ...); `grads`, an
+      `nnx.State` of the parameters' gradients summed over all M micro-batches (unvarying), or
+      None without `differentiate`.
+
+    Raises:
+      UnsupportedArgumentError: a BatchNorm synchronizes over the replicas (`axis_name`).
+      InvalidBatchError: an array of `batch` does not have the batch's rows first, or the rows
+        do not split into the replica's micro-batches.
+    """
+    ctx = current_replica_context()
+    strategy = ctx.strategy
+    replicas = strategy.num_replicas_in_sync
+    local = strategy.micro_batches // replicas
+    _check_no_sync_batch_norm(nodes, what)
+
+    leaves, batch_def = jax.tree.flatten(batch)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+    mask = ctx.batch_mask
+    if not arrays:
+        raise errors.InvalidBatchError(
+            f"{what}: replica_invariant=True splits the batch into micro-batches, but the "
+            "arguments after the module hold no array (a loss that reads the batch from a "
+            "closure cannot be split). Call it as value_and_grad(loss_fn)(model, batch) with "
+            "loss_fn(model, batch) taking the batch as an argument."
+        )
+    rows = mask.shape[0] if mask is not None else leaves[arrays[0]].shape[0]
+    if rows % local:
+        raise errors.InvalidBatchError(
+            f"{what}: this replica's batch has {rows} rows, which do not split into its {local} "
+            f"micro-batches (micro_batches={strategy.micro_batches} over {replicas} replicas). "
+            f"Use a global batch size that is a multiple of {strategy.micro_batches}."
+        )
+    for i in arrays:
+        shape = np.shape(leaves[i])
+        if REPLICA_AXIS not in _compat.varying_axes(jnp.asarray(leaves[i])):
+            raise errors.InvalidBatchError(
+                f"{what}: replica_invariant=True splits the batch into this replica's "
+                f"micro-batches, but an array of shape {shape} after the module is the same on "
+                "every replica (it was passed to strategy.run as a plain array, not a "
+                "distributed batch). Pass the batch from strategy.experimental_distribute_dataset "
+                "(or a PerReplica), so each replica holds its own rows."
+            )
+        if not shape or shape[0] != rows:
+            raise errors.InvalidBatchError(
+                f"{what}: replica_invariant=True splits every array argument after the module "
+                f"along its first axis into micro-batches, but one has shape {shape} and the "
+                f"batch has {rows} rows. Pass only the batch (arrays of shape ({rows}, ...)) "
+                "after the module; reach other arrays through a closure."
+            )
+    size = rows // local
+    scanned = [jnp.reshape(leaves[i], (local, size) + np.shape(leaves[i])[1:]) for i in arrays]
+    if mask is None:
+        mask = jnp.ones((rows,), bool)
+    count = ctx.example_count
+    if count is None:
+        count = jax.lax.psum(_compat.pvary(mask.sum(dtype=jnp.int32), REPLICA_AXIS),
+                             REPLICA_AXIS)
+    masks = mask.reshape(local, size)
+
+    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+    param_leaves, param_def = jax.tree.flatten(params)
+    rest_leaves, rest_def = jax.tree.flatten(rest)
+    rest_variables = _variable_of_each_leaf(rest)
+    # Differentiate a varying view of the parameters: JAX then inserts no psum of its own,
+    # and the gradients are summed below, in the tree.
+    varying_params = [_compat.pvary(p, REPLICA_AXIS) for p in param_leaves]
+    first_micro_batch = jax.lax.axis_index(REPLICA_AXIS) * local
+    changed: list = []
+
+    def one(p_leaves, micro, micro_mask, index):
+        module = nnx.merge(graphdef, jax.tree.unflatten(param_def, p_leaves),
+                           jax.tree.unflatten(rest_def, rest_leaves))
+        keys = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.RngKey)]
+        originals = [v.get_value() for v in keys]
+        for variable in keys:
+            variable.set_value(jax.random.fold_in(variable.get_value(), first_micro_batch + index))
+        call_leaves = list(leaves)
+        for i, x in zip(arrays, micro):
+            call_leaves[i] = x
+        with ctx.micro_batch(micro_mask, count):
+            out = fn(module, *jax.tree.unflatten(batch_def, call_leaves))
+        for variable, key in zip(keys, originals):
+            variable.set_value(key)
+        value, aux = out if has_aux else (out, None)
+        _, _, new_rest = nnx.split(module, nnx.Param, ...)
+        new_leaves, new_def = jax.tree.flatten(new_rest)
+        if new_def != rest_def:
+            raise errors.UnsupportedArgumentError(
+                f"{what}: the loss function added or removed NNX variables, which "
+                "replica_invariant=True cannot combine over micro-batches. Create every "
+                "variable before training (in the module's __init__)."
+            )
+        if not changed:
+            changed.append([i for i, (a, b) in enumerate(zip(new_leaves, rest_leaves))
+                            if a is not b])
+        return jnp.asarray(value), (aux, [new_leaves[i] for i in changed[0]])
+
+    def body(inputs, index):
+        micro, micro_mask = inputs
+        if differentiate:
+            (value, (aux, new)), grads = jax.value_and_grad(one, has_aux=True)(
+                varying_params, micro, micro_mask, index)
+        else:
+            value, (aux, new) = one(varying_params, micro, micro_mask, index)
+            grads = None
+        return value, aux, new, grads
+
+    values, auxs, news, grads = _each_micro_batch(body, (scanned, masks), local)
+
+    if changed and changed[0]:
+        final = list(rest_leaves)
+        for position, i in enumerate(changed[0]):
+            final[i] = _combine(rest_variables[i], rest_leaves[i], news[position],
+                                strategy.micro_batches)
+        nnx.update(nodes, jax.tree.unflatten(rest_def, final))
+    if differentiate:
+        summed = exact_psum([pairwise_sum(g) for g in grads])
+        grads = jax.tree.unflatten(param_def, summed)
+    aux = jax.tree.map(
+        lambda a: a.reshape((rows,) + a.shape[2:]) if a.ndim >= 2 and a.shape[1] == size
+        else a, auxs)
+    return pairwise_sum(values), aux, grads
+
+
+def _each_micro_batch(body, inputs, count: int):
+    """`body(inputs[i], i)` for i in range(count), stacked along a new first axis.
+
+    A while loop whose trip count XLA cannot see (it passes an optimization barrier): XLA
+    removes a loop it knows runs once and optimizes the body together with what surrounds it,
+    which rounds differently at R = micro_batches (one micro-batch per replica) than at fewer
+    replicas; an opaque count keeps the body a loop body at every R.
+    """
+    first = jax.tree.map(lambda a: a[0], inputs)
+    shapes = jax.eval_shape(lambda: body(first, jnp.int32(0)))
+    # At least two slots: XLA turns an index into an axis of size 1 into a static slice and
+    # then lays the body's arrays out differently (seen as other bits at one micro-batch per
+    # replica); the spare slot is never computed.
+    slots = max(count, 2)
+    if slots > count:
+        inputs = jax.tree.map(
+            lambda a: jnp.concatenate([a, jnp.zeros((slots - count,) + a.shape[1:], a.dtype)]),
+            inputs)
+
+    def empty(shape):
+        out = jnp.zeros((slots,) + shape.shape, shape.dtype)
+        varying = REPLICA_AXIS in _compat.abstract_varying_axes(shape)
+        return _compat.pvary(out, REPLICA_AXIS) if varying else out
+
+    def step(i, stacked):
+        out = body(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                                inputs), i)
+        return jax.tree.map(lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, i, 0),
+                            stacked, out)
+
+    trips = jax.lax.optimization_barrier(jnp.int32(count))
+    stacked = jax.lax.fori_loop(jnp.int32(0), trips, step, jax.tree.map(empty, shapes))
+    return jax.tree.map(lambda a: a[:count], stacked)
+
+
+def _combine(variable, before, stacked, micro_batches: int):
+    """One variable's new value from its L per-micro-batch values (stacked), over all micro-batches."""
+    aggregation = aggregation_of(variable)
+    if aggregation is VariableAggregation.SUM:
+        return before + exact_psum(pairwise_sum(stacked - before[None]))
+    if aggregation is VariableAggregation.MEAN:
+        total = exact_psum(pairwise_sum(stacked.astype(jnp.result_type(stacked, jnp.float32))))
+        return (total / micro_batches).astype(stacked.dtype)
+    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        return _compat.all_gather_invariant(stacked[0][None], REPLICA_AXIS)[0]
+    # NONE: every micro-batch must agree; one that does not is varying, and strategy.run's
+    # write-back names it.
+    return stacked[0]
+
+
+def _variable_of_each_leaf(state) -> list:
+    """The nnx.Variable holding each leaf of `jax.tree.leaves(state)`, in that order."""
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out = []
+    for variable in variables:
+        count = len(jax.tree.leaves(variable.get_value())) if isinstance(variable, nnx.Variable) else 1
+        out.extend([variable] * count)
+    return out
+
+
+def _check_no_sync_batch_norm(nodes, what: str) -> None:
+    for path, node in nnx.iter_graph(nodes):
+        if isinstance(node, nnx.BatchNorm) and getattr(node, "axis_name", None) is not None:
+            name = ".".join(map(str, path[1:])) or type(node).__name__  # path[0]: the tuple slot
+            raise errors.UnsupportedArgumentError(
+                f"{what}: BatchNorm {name} synchronizes its statistics over the replicas "
+                f"(axis_name={node.axis_name!r}), which replica_invariant=True cannot make the "
+                "same at every replica count: each micro-batch is a virtual replica. Leave "
+                "axis_name out: in this mode BatchNorm normalizes each micro-batch (as on "
+                "micro_batches replicas without synchronization), and its running statistics "
+                "are the mean over all micro-batches."
+            )
