@@ -62,7 +62,7 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
 
     In replica-invariant mode (`replica_invariant=True` on the strategy) the arguments after
     the module are the batch: each array has this replica's batch rows first, and `fn` runs
-    once per micro-batch at the same shapes whatever the replica count (a `lax.scan`); the
+    once per micro-batch at the same shapes whatever the replica count (unrolled); the
     value is the pairwise sum of the micro-batches' values, the gradients their sum over
     all micro-batches of all replicas in the fixed tree (docs/design.md, "Replica
     invariance"). Aux leaves with the micro-batch's rows first come back joined into the

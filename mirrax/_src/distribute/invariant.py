@@ -5,8 +5,9 @@ micro-batch each, whatever its real replica count R (a power of two that divides
 holds the L = M / R consecutive micro-batches r*L .. r*L + L - 1 of the global batch. Three
 things make the result the same bits at every R (docs/design.md, "Replica invariance"):
 
-- Same shapes, same kernels: `micro_batch_call` runs the user's loss once per micro-batch in a
-  loop, so each micro-batch's forward and backward pass is the same computation at every R.
+- Same shapes, same kernels: `micro_batch_call` runs the user's loss once per micro-batch, each
+  between optimization barriers, so each micro-batch's forward and backward pass is the same
+  computation at every R.
 - One summation tree: a float sum over micro-batches is the balanced pairwise tree over the
   micro-batch index. A replica adds its L micro-batches' values pairwise (`pairwise_sum`), and
   `exact_psum` continues the same tree across replicas: an all-to-all gives replica j chunk j of
@@ -103,13 +104,17 @@ def check_global_batch(what: str, global_batch: int, micro_batches: int) -> None
 
 
 def pairwise_sum(x):
-    """The balanced pairwise tree sum of `x` over its leading axis (a power of two long).
+    """The balanced pairwise tree sum over the leading axis of `x` (a power of two long).
 
     ((x0 + x1) + (x2 + x3)) + ...: the order that `exact_psum` continues across replicas.
+    The rows first pass an optimization barrier, so each addition is an addition of two
+    arrays XLA cannot see are slices of one (it could otherwise turn the tree into a
+    reduction of its own order).
     """
-    while x.shape[0] > 1:
-        x = x[0::2] + x[1::2]
-    return x[0]
+    parts = list(_barrier([x[i] for i in range(x.shape[0])]))
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 def exact_psum(tree):
@@ -168,11 +173,6 @@ def exact_pmean(tree):
         return x.astype(dtype) / jnp.asarray(replicas, dtype)
 
     return jax.tree.map(mean, exact_psum(tree))
-
-
-def pairwise_sum_host(x, axis: int = 0):
-    """`pairwise_sum` along `axis` of a global (non-traced) array: the same tree, outside run."""
-    return pairwise_sum(jnp.moveaxis(jnp.asarray(x), axis, 0))
 
 
 # -- one loss per micro-batch ------------------------------------------------------------------
@@ -254,7 +254,7 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
                 "after the module; reach other arrays through a closure."
             )
     size = rows // local
-    scanned = [jnp.reshape(leaves[i], (local, size) + np.shape(leaves[i])[1:]) for i in arrays]
+    micro_leaves = [jnp.reshape(leaves[i], (local, size) + np.shape(leaves[i])[1:]) for i in arrays]
     if mask is None:
         mask = jnp.ones((rows,), bool)
     count = ctx.example_count
@@ -273,9 +273,9 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     first_micro_batch = jax.lax.axis_index(REPLICA_AXIS) * local
     changed: list = []
 
-    def one(p_leaves, micro, micro_mask, index):
+    def one(p_leaves, r_leaves, micro, micro_mask, index):
         module = nnx.merge(graphdef, jax.tree.unflatten(param_def, p_leaves),
-                           jax.tree.unflatten(rest_def, rest_leaves))
+                           jax.tree.unflatten(rest_def, r_leaves))
         keys = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.RngKey)]
         originals = [v.get_value() for v in keys]
         for variable in keys:
@@ -297,21 +297,22 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
                 "variable before training (in the module's __init__)."
             )
         if not changed:
-            changed.append([i for i, (a, b) in enumerate(zip(new_leaves, rest_leaves))
+            changed.append([i for i, (a, b) in enumerate(zip(new_leaves, r_leaves))
                             if a is not b])
         return jnp.asarray(value), (aux, [new_leaves[i] for i in changed[0]])
 
     def body(inputs, index):
-        micro, micro_mask = inputs
+        p_leaves, r_leaves, micro, micro_mask = inputs
         if differentiate:
             (value, (aux, new)), grads = jax.value_and_grad(one, has_aux=True)(
-                varying_params, micro, micro_mask, index)
+                p_leaves, r_leaves, micro, micro_mask, index)
         else:
-            value, (aux, new) = one(varying_params, micro, micro_mask, index)
+            value, (aux, new) = one(p_leaves, r_leaves, micro, micro_mask, index)
             grads = None
         return value, aux, new, grads
 
-    values, auxs, news, grads = _each_micro_batch(body, (scanned, masks), local)
+    values, auxs, news, grads = _each_micro_batch(
+        body, (varying_params, rest_leaves), (micro_leaves, masks), local)
 
     if changed and changed[0]:
         final = list(rest_leaves)
@@ -328,39 +329,41 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     return pairwise_sum(values), aux, grads
 
 
-def _each_micro_batch(body, inputs, count: int):
-    """`body(inputs[i], i)` for i in range(count), stacked along a new first axis.
+def _each_micro_batch(body, shared, inputs, count: int):
+    """`body((*shared, *inputs[i]), i)` for i in range(count), stacked along a new first axis.
 
-    A while loop whose trip count XLA cannot see (it passes an optimization barrier): XLA
-    removes a loop it knows runs once and optimizes the body together with what surrounds it,
-    which rounds differently at R = micro_batches (one micro-batch per replica) than at fewer
-    replicas; an opaque count keeps the body a loop body at every R.
+    Unrolled, each micro-batch an island between optimization barriers: its arguments (the
+    shared parameters and state included) enter through one barrier and its results leave
+    through another, so XLA compiles every island alone, the same way whatever `count` is,
+    and cannot fuse or share work across micro-batches (which would round differently at
+    different replica counts). Not a `lax.scan`: XLA:CPU runs a loop body's convolutions and
+    matrix products several times slower than straight-line code (the tutorial CNN's
+    gradient on 2 x 16 images: 157 ms in a loop, 13.5 ms unrolled).
     """
-    first = jax.tree.map(lambda a: a[0], inputs)
-    shapes = jax.eval_shape(lambda: body(first, jnp.int32(0)))
-    # At least two slots: XLA turns an index into an axis of size 1 into a static slice and
-    # then lays the body's arrays out differently (seen as other bits at one micro-batch per
-    # replica); the spare slot is never computed.
-    slots = max(count, 2)
-    if slots > count:
-        inputs = jax.tree.map(
-            lambda a: jnp.concatenate([a, jnp.zeros((slots - count,) + a.shape[1:], a.dtype)]),
-            inputs)
+    if count == 1:
+        # A spare row, never computed: at one micro-batch per replica a[0] would be a reshape
+        # of the input rather than a slice of it, and XLA then reads it in place, which rounded
+        # BatchNorm's statistics differently than at other replica counts.
+        inputs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)]), inputs)
+    outputs = []
+    for i in range(count):
+        arguments = _barrier(tuple(shared) + jax.tree.map(lambda a: a[i], tuple(inputs)))
+        outputs.append(_barrier(body(arguments, i)))
+    return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
 
-    def empty(shape):
-        out = jnp.zeros((slots,) + shape.shape, shape.dtype)
-        varying = REPLICA_AXIS in _compat.abstract_varying_axes(shape)
-        return _compat.pvary(out, REPLICA_AXIS) if varying else out
 
-    def step(i, stacked):
-        out = body(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                                inputs), i)
-        return jax.tree.map(lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, i, 0),
-                            stacked, out)
-
-    trips = jax.lax.optimization_barrier(jnp.int32(count))
-    stacked = jax.lax.fori_loop(jnp.int32(0), trips, step, jax.tree.map(empty, shapes))
-    return jax.tree.map(lambda a: a[:count], stacked)
+def _barrier(tree):
+    """`lax.optimization_barrier(tree)` keeping each leaf's vma type (one barrier would type
+    every output as varying if any input is)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(REPLICA_AXIS in _compat.varying_axes(leaf), []).append(i)
+    out = list(leaves)
+    for indices in groups.values():
+        for i, value in zip(indices, jax.lax.optimization_barrier([leaves[i] for i in indices])):
+            out[i] = value
+    return jax.tree.unflatten(treedef, out)
 
 
 def _combine(variable, before, stacked, micro_batches: int):
