@@ -101,12 +101,25 @@ def test_steps_per_execution_composes_with_the_mode():
     _assert_same_bits({r: _fit_run(_invariant(r), steps_per_execution=2) for r in (1, 4)})
 
 
-def test_gradient_accumulation_composes_with_the_mode_on_several_replicas():
-    # 2, 4 and 8 replicas only: with one device XLA compiles the step without the partitioned
-    # region and may rewrite optax.MultiSteps' divisions differently (docs/design.md,
-    # "Replica invariance", what breaks it), so 1 replica is not claimed here.
+def test_gradient_accumulation_composes_with_the_mode():
+    # optax.MultiSteps divides (a running mean of gradients): with XLA's algebraic simplifier
+    # on, one replica rewrote those divisions unlike two; the mode turns it off on CPU.
     _assert_same_bits({r: _fit_run(_invariant(r), steps_per_execution=2,
-                                   gradient_accumulation_steps=2) for r in (2, 8)})
+                                   gradient_accumulation_steps=2) for r in (1, 8)})
+
+
+def test_a_loss_on_probabilities_is_the_same_bits_on_1_and_2_replicas():
+    # Keras's default cross-entropy takes probabilities and renormalizes them (y / sum(y)):
+    # the division chain XLA's simplifier rewrote differently on one device than on two.
+    x, y = digits_data(128)
+    results = {}
+    for r in (1, 2):
+        with _invariant(r).scope():
+            model = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
+            model.compile("adam", "sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        results[r] = {"history": history.history, "weights": model.get_weights()}
+    _assert_same_bits(results)
 
 
 def _custom_loop(strategy, global_batch=64):
@@ -251,7 +264,8 @@ def test_all_reduce_and_reduce_follow_the_pairwise_tree():
     (6, "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
         "summation tree covers it at every replica count; received 6. Use 4 or 8."),
     (0, "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
-        "summation tree covers it at every replica count; received 0. Use 1 or 2."),
+        "summation tree covers it at every replica count; received 0. Use a power of two >= 1, "
+        "e.g. 8 (the default)."),
 ])
 def test_micro_batches_not_a_power_of_two_is_refused(micro_batches, message):
     with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
@@ -274,10 +288,13 @@ def test_a_replica_count_that_does_not_divide_micro_batches_is_refused():
             "MirroredStrategy: replica_invariant=True cuts every global batch into "
             "micro_batches=8 micro-batches held in equal runs by the replicas, but 3 replicas "
             "do not divide 8. Use a replica count that divides it (1, 2, 4, 8; e.g. "
-            "devices=jax.local_devices()[:2]), or micro_batches a multiple of 3 that is a power "
-            "of two (e.g. 4).")):
+            "devices=jax.local_devices()[:2]), 3 is not a power of two, so it divides no "
+            "micro_batches; use 2 or 4 devices.")):
         mirrax.MirroredStrategy(jax.devices()[:3], replica_invariant=True)
-    with pytest.raises(errors.InvalidArgumentError, match="8 replicas do not divide 4"):
+    with pytest.raises(errors.InvalidArgumentError, match=re.escape(
+            "but 8 replicas do not divide 4. Use a replica count that divides it (1, 2, 4; e.g. "
+            "devices=jax.local_devices()[:4]), or micro_batches=8 (or another power of two >= "
+            "8).")):
         mirrax.MirroredStrategy(jax.devices()[:8], replica_invariant=True, micro_batches=4)
 
 
@@ -411,14 +428,12 @@ class BatchNormNet(nnx.Module):
         return self.dense2(self.dropout(nnx.relu(self.norm(self.dense1(x)))))
 
 
-def test_batch_norm_statistics_are_the_same_bits_on_1_2_and_4_replicas():
+def test_batch_norm_statistics_are_the_same_bits_on_every_replica_count():
     # Running mean and variance are the mean over the 8 micro-batches of their updates, in the
     # tree; a partial last batch (232 = 3 x 64 + 40) normalizes its padded micro-batches too.
-    # Not 8 replicas: with one micro-batch per replica XLA compiled the running variance's
-    # tree sum so that one element differed by 1 ulp (docs/design.md, "what breaks it").
     x, y = digits_data(232)
     results = {}
-    for r in (1, 2, 4):
+    for r in REPLICAS:
         strategy = _invariant(r)
         with strategy.scope():
             model = mirrax.Model(BatchNormNet(nnx.Rngs(0, dropout=1)))
@@ -429,3 +444,104 @@ def test_batch_norm_statistics_are_the_same_bits_on_1_2_and_4_replicas():
                       "batch_stats": stats}
     assert not np.array_equal(results[1]["batch_stats"][0], np.zeros(32, np.float32))
     _assert_same_bits(results)
+
+
+def test_a_metric_updated_outside_the_loss_counts_every_replica_once():
+    # Each replica updates the metric with its own shard (outside mirrax.value_and_grad), so
+    # its total and its count are both summed over the replicas, as TF: the accuracy is the
+    # fraction of the 64 examples predicted right, an exact ratio of integers.
+    x, y = digits_data(64)
+    reference = None
+    for r in REPLICAS:
+        strategy = _invariant(r)
+        with strategy.scope():
+            model = CNN(nnx.Rngs(0, dropout=1))
+            accuracy = nnx.metrics.Accuracy()
+        model.eval()
+
+        def loss_fn(model, batch):
+            logits = model(batch[0])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1])
+            return mirrax.compute_average_loss(per_example), logits
+
+        def step(model, accuracy, batch):
+            (_, logits), _ = mirrax.value_and_grad(loss_fn, has_aux=True)(model, batch)
+            accuracy.update(logits=logits, labels=batch[1])
+
+        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        strategy.run(step, args=(model, accuracy, batch))
+        if reference is None:
+            logits = np.asarray(model(x))
+            reference = np.float32((logits.argmax(-1) == y).sum()) / np.float32(64)
+        assert float(accuracy.compute()) == reference, r
+
+
+def test_a_metric_passed_to_the_loss_is_combined_over_micro_batches_bit_for_bit():
+    x, y = digits_data(64)
+    results = {}
+    for r in REPLICAS:
+        strategy = _invariant(r)
+        with strategy.scope():
+            model = CNN(nnx.Rngs(0, dropout=1))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            mean_loss = nnx.metrics.Average()
+
+        def loss_fn(model, mean_loss, batch):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]),
+                                                                          batch[1])
+            mean_loss.update(values=per_example)
+            return mirrax.compute_average_loss(per_example)
+
+        def step(model, optimizer, mean_loss, batch):
+            _, grads = mirrax.value_and_grad(loss_fn)(model, mean_loss, batch)
+            optimizer.update(model, grads)
+
+        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        strategy.run(step, args=(model, optimizer, mean_loss, batch))
+        results[r] = {"mean_loss": np.asarray(mean_loss.compute()), "params": _params(model)}
+    assert int(nnx.state(mean_loss)["count"][...]) == 64
+    _assert_same_bits(results)
+
+
+def test_gradients_taken_without_mirrax_value_and_grad_warn():
+    strategy = _invariant(2)
+    x, y = digits_data(16)
+    with strategy.scope():
+        model = CNN(nnx.Rngs(0, dropout=1))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def step(model, optimizer, batch):
+        def loss_fn(model):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]),
+                                                                          batch[1])
+            return mirrax.compute_average_loss(per_example)
+
+        _, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+
+    with pytest.warns(UserWarning, match=re.escape(
+            "changed parameters on a strategy with replica_invariant=True without computing "
+            "gradients through mirrax.value_and_grad(loss_fn)(model, batch)")):
+        strategy.run(step, args=(model, optimizer, batch))
+
+
+def test_synchronized_batch_norm_is_refused_at_compile_and_per_replica_datasets_warn():
+    strategy = _invariant(2)
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.norm = nnx.BatchNorm(3, axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    with strategy.scope():
+        model = mirrax.Model(Net())
+    with pytest.raises(errors.UnsupportedArgumentError,
+                       match=re.escape("compile: BatchNorm norm synchronizes its statistics")):
+        model.compile("adam", "mse")
+    with pytest.warns(UserWarning, match=re.escape(
+            "distribute_datasets_from_function on a strategy with replica_invariant=True: its "
+            "batches are per replica")):
+        strategy.distribute_datasets_from_function(lambda ctx: [np.zeros((4, 3), np.float32)])

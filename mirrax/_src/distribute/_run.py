@@ -407,7 +407,8 @@ def _compile(spec: _Spec, state_leaves, dynamic, batch_info) -> _Program:
         return new_state, [x[None] if v else x for x, v in zip(outputs, varying)]
 
     out_specs = (P(), [P(REPLICA_AXIS) if v else P() for v in varying])
-    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+                       compiler_options=invariant.compiler_options(spec.strategy))
     return _Program(compiled, found["treedef"], varying, same_state)
 
 
@@ -481,7 +482,8 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
     for variable, key in zip(rng_keys, original_keys):
         variable.set_value(key)
     _, new_state = nnx.split(nodes)
-    new_state = _aggregate(spec, new_state, old_values, replica_id)
+    _warn_if_not_invariant(spec, new_state, old_values, ctx)
+    new_state = _aggregate(spec, new_state, old_values, replica_id, ctx)
 
     # Variables (e.g. the gradients nnx.grad returns) come back as their values.
     outputs = jax.tree.map(
@@ -499,7 +501,7 @@ def _body(spec: _Spec, state_leaves, dynamic, batch_info):
     return new_state, out_leaves, out_treedef
 
 
-def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
+def _aggregate(spec: _Spec, new_state, old: dict, replica_id, ctx):
     """Makes every state leaf unvarying, by its variable's aggregation.
 
     See docs/design.md, "`strategy.run`".
@@ -516,11 +518,14 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
         aggregation = aggregation_of(variable)
         varying = REPLICA_AXIS in _compat.varying_axes(value)
         before = old.get(path)
-        if exact and varying and aggregation in (VariableAggregation.SUM,
-                                                 VariableAggregation.MEAN):
-            # The fixed tree over the replicas (the same bits at every replica count). An
-            # unvarying SUM update (one already combined over micro-batches, or the same on
-            # every replica) is counted once, so it does not depend on the replica count.
+        if exact and aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN):
+            # The fixed tree over the replicas (the same bits at every replica count), with
+            # TF's meaning: every replica's SUM update counts. Values that
+            # invariant.micro_batch_call already combined over all micro-batches are final.
+            if ctx.is_combined(value) or value is before or (
+                    aggregation is VariableAggregation.MEAN and not varying):
+                flat.append((path, variable))
+                continue
             if aggregation is VariableAggregation.MEAN:
                 value = invariant.exact_pmean(value).astype(value.dtype)
             elif before is not None:
@@ -528,9 +533,6 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
             else:
                 value = invariant.exact_psum(value)
             flat.append((path, variable.replace(value)))
-            continue
-        if exact and not varying:
-            flat.append((path, variable))
             continue
         if aggregation is VariableAggregation.SUM and before is not None:
             # Every replica's update counts, as in TF, even when JAX proves they are equal.
@@ -561,6 +563,24 @@ def _aggregate(spec: _Spec, new_state, old: dict, replica_id):
             value = value.astype(variable.get_value().dtype)
         flat.append((path, variable.replace(value)))
     return nnx.from_flat_state(flat)
+
+
+def _warn_if_not_invariant(spec: _Spec, new_state, old: dict, ctx) -> None:
+    """Replica-invariant mode: warns when the step changed parameters without
+    `mirrax.value_and_grad` (e.g. with `nnx.value_and_grad`), which loses the guarantee."""
+    if not spec.strategy.replica_invariant or ctx.micro_batches_used:
+        return
+    changed = [path for path, variable in nnx.to_flat_state(new_state)
+               if isinstance(variable, nnx.Param) and variable.get_value() is not old.get(path)]
+    if changed:
+        warnings.warn(
+            f"strategy.run: {_fn_name(spec.fn)} changed parameters on a strategy with "
+            "replica_invariant=True without computing gradients through "
+            "mirrax.value_and_grad(loss_fn)(model, batch), so its results depend on the replica "
+            "count (nnx.value_and_grad or jax.grad sum each replica's whole shard at once). "
+            "Take the gradients with mirrax.value_and_grad, passing the batch as an argument.",
+            stacklevel=4,
+        )
 
 
 def _place(strategy, x, names, index, nodes=None):

@@ -113,8 +113,19 @@ def _micro_batch_value_and_grad(fn, module, args, has_aux, all_reduce_dtype):
             "the gradients are summed exactly in their own dtype, in one fixed tree. Leave "
             f"all_reduce_dtype None; received {all_reduce_dtype!r}."
         )
+    # NNX objects among the arguments (a metric the loss updates) travel with the module, so
+    # their updates are combined over the micro-batches; the rest is the batch.
+    held = [i for i, a in enumerate(args) if isinstance(a, (nnx.Pytree, nnx.Variable))]
+    batch = tuple(a for i, a in enumerate(args) if i not in held)
+
+    def call(nodes, *batch_parts):
+        rebuilt, parts = [], iter(batch_parts)
+        for i in range(len(args)):
+            rebuilt.append(nodes[1 + held.index(i)] if i in held else next(parts))
+        return fn(nodes[0], *rebuilt)
+
     value, aux, grads = invariant.micro_batch_call(
-        lambda nodes, *batch: fn(nodes[0], *batch), (module,), args, differentiate=True,
+        call, (module,) + tuple(args[i] for i in held), batch, differentiate=True,
         has_aux=has_aux)
     return ((value, aux) if has_aux else value), grads[0]
 

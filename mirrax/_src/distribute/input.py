@@ -14,6 +14,7 @@ import inspect
 import math
 import queue
 import threading
+import warnings
 import zlib
 from typing import Callable, Iterator
 
@@ -511,6 +512,12 @@ class DistributedDatasetsFromFunction:
         )
         check_one_argument(dataset_fn, "distribute_datasets_from_function: dataset_fn",
                            "InputContext")
+        if strategy.replica_invariant:
+            warnings.warn(
+                "distribute_datasets_from_function on a strategy with replica_invariant=True: "
+                "its batches are per replica, so which examples share a step depends on the "
+                "replica count and results are not replica-invariant. Use "
+                "experimental_distribute_dataset with global batches for that.", stacklevel=3)
         self._source = _batch_source(dataset_fn(self.input_context))
         self._placer = _Placer(strategy)
         self._uid = _new_dataset_uid(strategy, "distribute_datasets_from_function")

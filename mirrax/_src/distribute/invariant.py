@@ -5,9 +5,10 @@ micro-batch each, whatever its real replica count R (a power of two that divides
 holds the L = M / R consecutive micro-batches r*L .. r*L + L - 1 of the global batch. Three
 things make the result the same bits at every R (docs/design.md, "Replica invariance"):
 
-- Same shapes, same kernels: `micro_batch_call` runs the user's loss once per micro-batch, each
-  between optimization barriers, so each micro-batch's forward and backward pass is the same
-  computation at every R.
+- Same shapes, same kernels: `micro_batch_call` runs the user's loss once per micro-batch
+  (unrolled), so each micro-batch's forward and backward pass is the same computation at every
+  R; on CPU the step is compiled without XLA's algebraic simplifier and fusion
+  (`compiler_options`), whose rewrites depend on the program around that computation.
 - One summation tree: a float sum over micro-batches is the balanced pairwise tree over the
   micro-batch index. A replica adds its L micro-batches' values pairwise (`pairwise_sum`), and
   `exact_psum` continues the same tree across replicas: an all-to-all gives replica j chunk j of
@@ -43,7 +44,7 @@ def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
       InvalidArgumentTypeError: `replica_invariant` is not a bool, `micro_batches` not an int.
       InvalidArgumentError: `micro_batches` is not a power of two >= 1.
     """
-    if not isinstance(replica_invariant, bool):
+    if not isinstance(replica_invariant, (bool, np.bool_)):
         raise errors.InvalidArgumentTypeError(
             f"{owner}: replica_invariant must be True or False; received {replica_invariant!r} "
             f"of type {type(replica_invariant).__name__}."
@@ -55,10 +56,12 @@ def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
         )
     if micro_batches < 1 or micro_batches & (micro_batches - 1):
         below = 1 << max(int(micro_batches).bit_length() - 1, 0)
+        fix = (f"Use {below} or {below * 2}" if micro_batches > 1 else
+               "Use a power of two >= 1, e.g. 8 (the default)")
         raise errors.InvalidArgumentError(
             f"{owner}: micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one "
             f"pairwise summation tree covers it at every replica count; received "
-            f"{micro_batches}. Use {max(below, 1)} or {max(below, 1) * 2}."
+            f"{micro_batches}. {fix}."
         )
 
 
@@ -68,17 +71,21 @@ def check_replicas(owner: str, micro_batches: int, num_replicas: int) -> None:
     Raises:
       InvalidArgumentError: `num_replicas` does not divide `micro_batches`.
     """
-    if micro_batches % num_replicas:
-        counts = ", ".join(str(1 << i) for i in range(micro_batches.bit_length()))
-        raise errors.InvalidArgumentError(
-            f"{owner}: replica_invariant=True cuts every global batch into micro_batches="
-            f"{micro_batches} micro-batches held in equal runs by the replicas, but "
-            f"{num_replicas} replicas do not divide {micro_batches}. Use a replica count that "
-            f"divides it ({counts}; e.g. devices=jax.local_devices()[:{1 << (num_replicas.bit_length() - 1)}]), "
-            f"or micro_batches a multiple of {num_replicas} that is a power of two"
-            + (f" (e.g. {1 << (num_replicas - 1).bit_length()})." if num_replicas & (num_replicas - 1)
-               else f" (e.g. {num_replicas}).")
-        )
+    if micro_batches % num_replicas == 0:
+        return
+    counts = ", ".join(str(1 << i) for i in range(micro_batches.bit_length()))
+    fewer = 1 << (min(num_replicas, micro_batches).bit_length() - 1)
+    if num_replicas & (num_replicas - 1) == 0:
+        more = f"or micro_batches={num_replicas} (or another power of two >= {num_replicas})"
+    else:
+        more = (f"{num_replicas} is not a power of two, so it divides no micro_batches; "
+                f"use {fewer} or {fewer * 2} devices")
+    raise errors.InvalidArgumentError(
+        f"{owner}: replica_invariant=True cuts every global batch into micro_batches="
+        f"{micro_batches} micro-batches held in equal runs by the replicas, but "
+        f"{num_replicas} replicas do not divide {micro_batches}. Use a replica count that "
+        f"divides it ({counts}; e.g. devices=jax.local_devices()[:{fewer}]), {more}."
+    )
 
 
 def check_global_batch(what: str, global_batch: int, micro_batches: int) -> None:
@@ -90,14 +97,33 @@ def check_global_batch(what: str, global_batch: int, micro_batches: int) -> None
     if global_batch % micro_batches:
         lower = global_batch // micro_batches * micro_batches
         upper = lower + micro_batches
+        examples = f"{lower} or {upper}" if lower else f"{upper}"
         raise errors.InvalidBatchError(
             f"{what}: replica_invariant=True cuts every global batch into micro_batches="
             f"{micro_batches} equal micro-batches, but the first global batch has "
             f"{global_batch} examples, which {micro_batches} does not divide. Use a global batch "
-            f"size that is a multiple of {micro_batches} (e.g. {lower or upper} or {upper}); a "
+            f"size that is a multiple of {micro_batches} (e.g. {examples}); a "
             "smaller last batch is fine (it is padded), or give the strategy another "
             "micro_batches."
         )
+
+
+def compiler_options(strategy) -> dict | None:
+    """XLA options for the step programs of `strategy`: in replica-invariant mode on CPU, XLA's
+    algebraic simplifier and instruction fusion off.
+
+    Each replica count is its own XLA program, and both passes decide by the program around
+    the micro-batch's computation: the simplifier rewrites float expressions (a / (b / c)
+    into a * c / b, and the like) by patterns, and a fusion computes a * b + c as one fused
+    multiply-add when both ops land in it. With them on, a cross-entropy on probabilities,
+    optax.MultiSteps and a BatchNorm running variance rounded differently on 1 or 8 replicas
+    than on 2 (BENCHMARKS.md, "Replica-invariant mode", has the cost). Without them every
+    operation is computed alone, in IEEE arithmetic, the same at every replica count.
+    Other platforms: None (see docs/design.md, "Replica invariance", for GPU).
+    """
+    if not strategy.replica_invariant or strategy.mesh.devices.flat[0].platform != "cpu":
+        return None
+    return {"xla_disable_hlo_passes": "algsimp,fusion"}
 
 
 # -- the fixed summation tree ----------------------------------------------------------------
@@ -107,9 +133,8 @@ def pairwise_sum(x):
     """The balanced pairwise tree sum over the leading axis of `x` (a power of two long).
 
     ((x0 + x1) + (x2 + x3)) + ...: the order that `exact_psum` continues across replicas.
-    The rows first pass an optimization barrier, so each addition is an addition of two
-    arrays XLA cannot see are slices of one (it could otherwise turn the tree into a
-    reduction of its own order).
+    The rows pass an optimization barrier first, and on CPU the step is compiled without the
+    algebraic simplifier (`compiler_options`), so XLA keeps these additions as written.
     """
     parts = list(_barrier([x[i] for i in range(x.shape[0])]))
     while len(parts) > 1:
@@ -217,10 +242,12 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     strategy = ctx.strategy
     replicas = strategy.num_replicas_in_sync
     local = strategy.micro_batches // replicas
-    _check_no_sync_batch_norm(nodes, what)
+    check_no_sync_batch_norm(nodes, what)
 
     leaves, batch_def = jax.tree.flatten(batch)
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+    # Scalars (a temperature, a step count) are no batch: every micro-batch gets them as is.
+    arrays = [i for i, leaf in enumerate(leaves)
+              if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0]
     mask = ctx.batch_mask
     if not arrays:
         raise errors.InvalidBatchError(
@@ -314,11 +341,13 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     values, auxs, news, grads = _each_micro_batch(
         body, (varying_params, rest_leaves), (micro_leaves, masks), local)
 
+    ctx.micro_batches_used = True
     if changed and changed[0]:
         final = list(rest_leaves)
         for position, i in enumerate(changed[0]):
             final[i] = _combine(rest_variables[i], rest_leaves[i], news[position],
                                 strategy.micro_batches)
+            ctx.mark_combined(final[i])
         nnx.update(nodes, jax.tree.unflatten(rest_def, final))
     if differentiate:
         summed = exact_psum([pairwise_sum(g) for g in grads])
@@ -332,13 +361,12 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
 def _each_micro_batch(body, shared, inputs, count: int):
     """`body((*shared, *inputs[i]), i)` for i in range(count), stacked along a new first axis.
 
-    Unrolled, each micro-batch an island between optimization barriers: its arguments (the
-    shared parameters and state included) enter through one barrier and its results leave
-    through another, so XLA compiles every island alone, the same way whatever `count` is,
-    and cannot fuse or share work across micro-batches (which would round differently at
-    different replica counts). Not a `lax.scan`: XLA:CPU runs a loop body's convolutions and
-    matrix products several times slower than straight-line code (the tutorial CNN's
-    gradient on 2 x 16 images: 157 ms in a loop, 13.5 ms unrolled).
+    Unrolled, each micro-batch's arguments (the shared parameters and state included) and
+    results behind an optimization barrier. XLA:CPU removes barriers before fusion, so there
+    the isolation comes from compiling without fusion (`compiler_options`); the barriers keep
+    other backends from sharing work across micro-batches. Not a `lax.scan`: XLA:CPU runs a
+    loop body's convolutions and matrix products several times slower than straight-line
+    code (the tutorial CNN's gradient on 2 x 16 images: 157 ms in a loop, 13.5 ms unrolled).
     """
     if count == 1:
         # A spare row, never computed: at one micro-batch per replica a[0] would be a reshape
@@ -391,7 +419,12 @@ def _variable_of_each_leaf(state) -> list:
     return out
 
 
-def _check_no_sync_batch_norm(nodes, what: str) -> None:
+def check_no_sync_batch_norm(nodes, what: str) -> None:
+    """Refuses a BatchNorm with `axis_name` among `nodes` (replica-invariant mode).
+
+    Raises:
+      UnsupportedArgumentError: naming the BatchNorm's path.
+    """
     for path, node in nnx.iter_graph(nodes):
         if isinstance(node, nnx.BatchNorm) and getattr(node, "axis_name", None) is not None:
             name = ".".join(map(str, path[1:])) or type(node).__name__  # path[0]: the tuple slot

@@ -124,7 +124,8 @@ class MirroredStrategy(Strategy):
 
     Raises:
       InvalidDeviceError: `devices` is empty, names an unknown device, or repeats one.
-      TypeError: `cross_device_ops` is not a `CrossDeviceOps`; `replica_invariant` not a bool.
+      TypeError: `cross_device_ops` is not a `CrossDeviceOps`; `replica_invariant` not a bool;
+        `micro_batches` not an int.
       InvalidArgumentError: `micro_batches` is not a power of two, or (replica_invariant=True)
         the replica count does not divide it.
     """
@@ -175,6 +176,7 @@ class OneDeviceStrategy(Strategy):
 
     Raises:
       InvalidDeviceError: `device` names no local device.
+      TypeError: `replica_invariant` is not a bool or `micro_batches` not an int.
       InvalidArgumentError: `micro_batches` is not a power of two.
     """
 

@@ -56,6 +56,10 @@ class ReplicaContext:
         # the host (so `compute_average_loss` need not sum them across replicas); None if unknown.
         self._example_count = example_count
         self._traced = traced
+        # Replica-invariant mode: ids of the arrays that invariant.micro_batch_call already
+        # combined over every micro-batch of every replica, and whether it ran at all.
+        self._combined: set = set()
+        self.micro_batches_used = False
 
     @property
     def batch_mask(self):
@@ -78,6 +82,15 @@ class ReplicaContext:
         """The int32 count of real examples of the distributed batch over all replicas, when
         `strategy.run` knows it from the host; else None."""
         return self._example_count
+
+    def mark_combined(self, value) -> None:
+        """Records that `value` (a variable's new value) is already combined over all
+        micro-batches of all replicas, so the write-back must not combine it again."""
+        self._combined.add(id(value))
+        self.micro_batches_used = True
+
+    def is_combined(self, value) -> bool:
+        return id(value) in self._combined
 
     @contextlib.contextmanager
     def micro_batch(self, mask, example_count):

@@ -84,7 +84,7 @@ class Strategy:
         invariant.check_arguments(owner, replica_invariant, micro_batches)
         if replica_invariant:
             invariant.check_replicas(owner, int(micro_batches), len(devices))
-        self._replica_invariant = replica_invariant
+        self._replica_invariant = bool(replica_invariant)
         self._micro_batches = int(micro_batches)
         self._devices = devices
         self.mesh = Mesh(np.array(devices, dtype=object), (REPLICA_AXIS,))

@@ -229,6 +229,8 @@ class Model:
         gradient_accumulation_steps = _check_count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
         self.distribute_strategy = self._compile_strategy()
+        if self.distribute_strategy.replica_invariant:
+            invariant.check_no_sync_batch_norm((self.module,), "compile")
         tx = _resolve_optimizer(optimizer)
         self.steps_per_execution = steps_per_execution
         self.gradient_accumulation_steps = gradient_accumulation_steps
