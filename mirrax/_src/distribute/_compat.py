@@ -14,14 +14,6 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
-def abstract_varying_axes(shape) -> frozenset:
-    """`varying_axes` of a `jax.ShapeDtypeStruct` (what `jax.eval_shape` returns in shard_map)."""
-    manual = getattr(shape, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(shape, "vma", None) or frozenset())
-
-
 def pvary(x, axis_name: str):
     """Marks an unvarying value as varying along `axis_name` (no data movement)."""
     if axis_name in varying_axes(x):
@@ -37,7 +29,9 @@ def all_gather_invariant(x, axis_name: str):
     Every replica receives the same concatenation, so the result is replicated; JAX types a
     plain all-gather as varying, which `shard_map` would refuse to return as replicated.
     """
-    try:
-        return jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
-    except TypeError:  # a jax whose all_gather has no `to`
-        return jax.lax.all_gather_invariant(x, axis_name, tiled=True)
+    for to in ("invarying", "invariant"):  # jax 0.10's spelling, then a later one's
+        try:
+            return jax.lax.all_gather(x, axis_name, tiled=True, to=to)
+        except (TypeError, ValueError, AssertionError):
+            continue
+    return jax.lax.all_gather_invariant(x, axis_name, tiled=True)
