@@ -20,10 +20,8 @@ is listed. Reported per workload and replica count: parameters, the minimum (4 x
 the all-reduce bytes, their ratio to the minimum (target 1.00), the number of all-reduce ops
 before and after the combiner, and the non-gradient all-reduced arrays.
 
-The program is the one `strategy.run` itself compiled and cached: after one real step, the
-single entry of `strategy._run_cache` (read, never changed) holds the `jax.jit` function, which
-is lowered again on the same arguments it was called with (the flat `nnx.state((model,
-optimizer))` leaves and the `PerReplica` batch arrays, `(replicas, per-replica batch, ...)`).
+The program is the one `strategy.run` itself compiled and runs: after one real step,
+`strategy.experimental_lower` lowers it on the same arguments (nothing runs again).
 
 Workloads, each trained with `nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)` by
 `workloads.strategy_run_step` (`compute_average_loss` with the global batch size given, so the
@@ -193,20 +191,11 @@ def compile_train_step(strategy, name: str, per_replica_batch: int) -> dict:
     iterator = iter(strategy.experimental_distribute_dataset(make_batch(global_batch)))
     batch = next(iterator)
     iterator.close()
-    strategy.run(workloads.strategy_run_step(global_batch), args=(model, optimizer, batch))
-    if len(strategy._run_cache) != 1:
-        raise SystemExit(
-            f"communication.py: expected strategy.run to cache one program, found "
-            f"{len(strategy._run_cache)}; mirrax's run cache changed, update this benchmark."
-        )
-    (program,) = strategy._run_cache.values()
-    # The arguments `run` passed: the state leaves of nnx.split((model, optimizer)), each
-    # PerReplica's stacked (replicas, per-replica batch, ...) array, and the batch's mask with
-    # its count of real examples (an int32 scalar).
+    step = workloads.strategy_run_step(global_batch)
+    strategy.run(step, args=(model, optimizer, batch))
+    lowered = strategy.experimental_lower(step, args=(model, optimizer, batch))
     state_leaves = jax.tree.leaves(nnx.state((model, optimizer)))
-    dynamic = [leaf for value in batch for leaf in jax.tree.leaves(value._value)]
-    batch_info = (batch[0]._mask, np.int32(sum(batch[0]._lengths)))
-    lowered = program.compiled.lower(state_leaves, dynamic, batch_info)
+    dynamic = [leaf for value in batch for leaf in jax.tree.leaves(strategy.gather(value, 0))]
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     return {
         "lowered": lowered,

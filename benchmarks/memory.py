@@ -21,8 +21,8 @@ Alongside, by hand from the parameter count P (float32): params + Adam state (mu
 bytes (plus two int32 step counters), gradients 4 P. Without donation the old state (an
 argument) and the new state (an output) are both live, so the floor of the peak is about
 2 x 12 P + the batch + what of the gradients and activations does not fit in output buffers.
-The program is reached as in `communication.py`: one real `strategy.run` step, then the single
-entry of `strategy._run_cache` (read only) is lowered again on the same arguments and compiled.
+The program is reached as in `communication.py`: one real `strategy.run` step, then
+`strategy.experimental_lower` on the same arguments, compiled.
 
 Each replica count runs in a fresh subprocess (the fake CPU device count is read when JAX
 starts), as in `overhead.py`.

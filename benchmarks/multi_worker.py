@@ -37,8 +37,7 @@ pytree shaped like the model's parameters (the gradient), once through
 `strategy.run(lambda g: get_replica_context().all_reduce("sum", g))` and once as a bare
 `jax.jit(jax.shard_map(psum))` (the raw Gloo cost, no mirrax). The all-reduce ops in the
 compiled train step are counted in the optimized HLO of the very program `strategy.run` runs
-(lowered again from `strategy._run_cache` with the same arguments: this reads a private
-attribute, which a benchmark may).
+(`strategy.experimental_lower` on the same arguments).
 
 TensorFlow: when `import tensorflow` works, the same three configurations run the same models
 (Keras layers, Adam, a `tf.function` around `strategy.run`, `tf.nn.compute_average_loss`) on
@@ -321,20 +320,9 @@ def _union_ns(spans: list) -> int:
 
 
 def _train_step_hlo(strategy, train_step, model, optimizer, batch) -> dict:
-    """All-reduce ops and bytes in the optimized HLO of the program `strategy.run` compiled."""
-    import jax
-    from flax import nnx
-
-    try:
-        program = next(p for k, p in strategy._run_cache.items() if k[0] is train_step)
-        _, state = nnx.split((model, optimizer))
-        live = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        leaves = jax.tree.leaves([v.get_raw_value() for v in live])
-        dynamic = jax.tree.leaves(batch._value)
-        text = program.compiled.lower(leaves, dynamic, None).compile().as_text()
-    except Exception as e:  # a private structure changed: say so rather than fail the run
-        return {"error": f"{type(e).__name__}: {e}"}
-    return all_reduce_stats(text)
+    """All-reduce ops and bytes in the optimized HLO of the program `strategy.run` runs."""
+    lowered = strategy.experimental_lower(train_step, args=(model, optimizer, batch))
+    return all_reduce_stats(lowered.compile().as_text())
 
 
 # -- a TensorFlow worker -------------------------------------------------------------------------

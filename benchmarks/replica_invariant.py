@@ -81,19 +81,11 @@ def _child_argv(args) -> list:
                                       ())
 
 
-def _collectives(strategy, model, optimizer, batch) -> dict:
-    """{opcode: [count, bytes per replica]} of the compiled strategy.run program (one cached)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
+def _collectives(strategy, step, model, optimizer, batch) -> dict:
+    """{opcode: [count, bytes per replica]} of the compiled strategy.run program."""
     import communication
 
-    (program,) = strategy._run_cache.values()
-    state_leaves = jax.tree.leaves(nnx.state((model, optimizer)))
-    dynamic = [leaf for value in batch for leaf in jax.tree.leaves(value._value)]
-    batch_info = (batch[0]._mask, np.int32(sum(batch[0]._lengths)))
-    text = program.compiled.lower(state_leaves, dynamic, batch_info).compile().as_text()
+    text = strategy.experimental_lower(step, args=(model, optimizer, batch)).compile().as_text()
     found = collections.defaultdict(lambda: [0, 0])
     for opcode, arrays in communication.collectives(text):
         if opcode.endswith("-done"):
@@ -148,7 +140,7 @@ def _measure(args, devices: int) -> dict:
             wait_for(model, optimizer, in_flight[-1])
 
         def extras():
-            return {"collectives": _collectives(strategy, model, optimizer, batch),
+            return {"collectives": _collectives(strategy, step, model, optimizer, batch),
                     "next_loss": float(strategy.reduce(
                         "sum", strategy.run(step, args=(model, optimizer, batch))))}
 

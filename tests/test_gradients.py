@@ -26,15 +26,9 @@ def _grads_both_ways(module, batch):
     return loss, packed, plain
 
 
-def _program_text(strategy, module, batch, compiled=True) -> str:
-    """The HLO of the one program in `strategy`'s cache, lowered again on the arguments run
-    gave it (state in its order, the batch's stacked arrays, its mask and example count)."""
-    (program,) = strategy._run_cache.values()
-    variables = jax.tree.leaves((module,), is_leaf=lambda v: isinstance(v, nnx.Variable))
-    state = [variables[i].get_raw_value() for i in program.order]
-    xs, ys = batch
-    count = jnp.int32(sum(xs._lengths))  # run passes the step's example count with the mask
-    lowered = program.compiled.lower(state, [xs._value, ys._value], (xs._mask, count))
+def _program_text(strategy, fn, args, compiled=True) -> str:
+    """The HLO of the program `strategy.run(fn, args=args)` runs (strategy.experimental_lower)."""
+    lowered = strategy.experimental_lower(fn, args=args)
     return lowered.compile().as_text() if compiled else lowered.as_text()
 
 
@@ -67,9 +61,7 @@ def test_packed_gradients_use_one_all_reduce_of_all_parameter_bytes():
         return mirrax.value_and_grad(loss_fn, pack=True)(module)[1]
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
-    strategy._run_cache.clear()
-    strategy.run(packed_only, args=(module, batch))
-    text = _program_text(strategy, module, batch)
+    text = _program_text(strategy, packed_only, (module, batch))
     # 4x3 + 3 + 3x2 + 2 = 23 float32 parameters: ONE all-reduce of an f32[23] vector.
     reduces = [line for line in text.splitlines() if " all-reduce(" in line]
     assert len(reduces) == 1 and "f32[23]" in reduces[0], reduces
@@ -100,7 +92,6 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
         return exact, cheap
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
-    strategy._run_cache.clear()
     exact, cheap = strategy.run(both, args=(module, batch))
     for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(cheap)):
         a, b = np.asarray(a), np.asarray(b)
@@ -108,7 +99,7 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
         # float32 again after the sum.
         assert b.dtype == np.float32
         np.testing.assert_allclose(b, a, rtol=2 ** -7, atol=1e-6)
-    lowered = _program_text(strategy, module, batch, compiled=False)
+    lowered = _program_text(strategy, both, (module, batch), compiled=False)
     # The program mirrax emits sums a bf16 vector of the 23 gradients. (XLA:CPU then promotes
     # bf16 all-reduces back to f32, so on CPU no bytes are saved; NCCL sums bf16 natively.)
     assert re.search(r"stablehlo.all_reduce.*\n(.*\n){0,12}.*tensor<23xbf16>", lowered)
@@ -129,9 +120,7 @@ def test_within_one_cpu_process_it_does_not_pack_by_default():
         return mirrax.value_and_grad(loss_fn)(module)[1]
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
-    strategy._run_cache.clear()
-    strategy.run(default, args=(module, batch))
-    text = _program_text(strategy, module, batch)
+    text = _program_text(strategy, default, (module, batch))
     # JAX's own per-array sums, combined by XLA into one all-reduce of 4 operands.
     (line,) = [line for line in text.splitlines() if " all-reduce(" in line]
     assert "f32[23]" not in line and "f32[4,3]" in line

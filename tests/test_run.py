@@ -1,5 +1,7 @@
 """strategy.run: one compiled program, in-place NNX updates, exact gradients, aggregation, RNG."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -569,3 +571,30 @@ def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():
     for batch in strategy.experimental_distribute_dataset(data):
         strategy.run(step, args=(model, optimizer, batch))
     assert np.isfinite(np.asarray(model.kernel[...])).all()
+
+
+def test_experimental_lower_gives_the_program_run_executes_without_running_it():
+    strategy = mirrax.MirroredStrategy(jax.devices()[:2])
+    with strategy.scope():
+        module = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset(np.ones((4, 3), np.float32))))
+
+    def step(module, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: mirrax.compute_average_loss(m(x)[:, 0]))(
+            module)
+        optimizer.update(module, grads)
+        return loss
+
+    before = np.asarray(module.kernel[...])
+    lowered = strategy.experimental_lower(step, args=(module, optimizer, batch))
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert np.array_equal(np.asarray(module.kernel[...]), before)  # nothing ran
+    # 2 replicas: the gradient sum is an all-reduce in the program.
+    assert " all-reduce(" in lowered.compile().as_text()
+    strategy.run(step, args=(module, optimizer, batch))
+    assert not np.array_equal(np.asarray(module.kernel[...]), before)
+    with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match=re.escape(
+            "strategy.experimental_lower: fn must be callable (a function, method or NNX "
+            "module); received 3 of type int.")):
+        strategy.experimental_lower(3)

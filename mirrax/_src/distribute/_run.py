@@ -79,6 +79,25 @@ class _Program:
 
 def run(strategy, fn, args, kwargs):
     """Implements `Strategy.run` (validated there)."""
+    program, live, nodes, state_leaves, dynamic, batch_info, mask_value, lengths = _prepare(
+        strategy, fn, args, kwargs)
+    new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
+    return _finish(strategy, program, live, nodes, new_state, outputs, mask_value, lengths)
+
+
+def lower(strategy, fn, args, kwargs):
+    """Implements `Strategy.experimental_lower` (validated there): the program `run` would
+    execute, lowered on the arguments it would give it; nothing runs, nothing is written back."""
+    program, _, _, state_leaves, dynamic, batch_info, _, _ = _prepare(strategy, fn, args, kwargs)
+    return program.compiled.lower(state_leaves, dynamic, batch_info)
+
+
+def _prepare(strategy, fn, args, kwargs):
+    """Sorts the arguments, finds (or compiles) the cached program, places the state.
+
+    Returns (program, live Variables, NNX objects, state leaves, dynamic leaves, batch info,
+    the batch's mask, its lengths).
+    """
     if current_replica_context() is not None:
         raise errors.ReplicaContextError(
             "strategy.run was called inside a function that strategy.run is already running; "
@@ -195,7 +214,11 @@ def run(strategy, fn, args, kwargs):
         if len(strategy._run_cache) > _CACHE_SIZE:
             strategy._run_cache.pop(next(iter(strategy._run_cache)))
 
-    new_state, outputs = program.compiled(state_leaves, dynamic, batch_info)
+    return program, live, nodes, state_leaves, dynamic, batch_info, mask_value, lengths
+
+
+def _finish(strategy, program, live, nodes, new_state, outputs, mask_value, lengths):
+    """Writes the step's new state back into the caller's objects and wraps the outputs."""
     if program.same_state:  # a flat list: its first leaf, without a flatten on the fast path
         first = new_state[0] if new_state else (outputs[0] if outputs else None)
     else:

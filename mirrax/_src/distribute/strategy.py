@@ -185,22 +185,28 @@ class Strategy:
             the step (the message names it).
           MixedStrategyError: an argument belongs to another strategy.
         """
-        if not callable(fn):
-            raise errors.InvalidArgumentTypeError(
-                f"strategy.run: fn must be callable (a function, method or NNX module); received "
-                f"{fn!r} of type {type(fn).__name__}. Call it as strategy.run(step_fn, "
-                "args=(...))."
-            )
-        if not isinstance(args, (tuple, list)):
-            raise errors.InvalidArgumentTypeError(
-                f"strategy.run: args must be a tuple or list of positional arguments; received a "
-                f"{type(args).__name__}. For one argument write args=(x,)."
-            )
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise errors.InvalidArgumentTypeError(
-                f"strategy.run: kwargs must be a dict or None; received a {type(kwargs).__name__}."
-            )
+        _check_run_arguments("strategy.run", fn, args, kwargs)
         return _run.run(self, fn, args, kwargs or {})
+
+    def experimental_lower(self, fn: Callable, args=(), kwargs=None):
+        """The program `run(fn, args, kwargs)` would execute, lowered, without running it.
+
+        mirrax's own (TF has no equivalent): for reading the step's HLO (`.as_text()`), its
+        collectives, cost and memory (`.compile().cost_analysis()`, `.memory_analysis()`).
+        The program is compiled and cached as `run` would (the next `run` with the same
+        argument structure reuses it); no step runs and the arguments are not changed.
+
+        Args:
+          fn, args, kwargs: as `run`.
+
+        Returns:
+          A `jax.stages.Lowered` of the one program `run` would call on these arguments.
+
+        Raises:
+          As `run`.
+        """
+        _check_run_arguments("strategy.experimental_lower", fn, args, kwargs)
+        return _run.lower(self, fn, args, kwargs or {})
 
     # -- cross-replica operations ------------------------------------------------------------
 
@@ -530,6 +536,23 @@ class Strategy:
         if len(set(every)) == 1 and lengths is None:
             return None
         return tuple(every)
+
+
+def _check_run_arguments(what: str, fn, args, kwargs) -> None:
+    if not callable(fn):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: fn must be callable (a function, method or NNX module); received "
+            f"{fn!r} of type {type(fn).__name__}. Call it as {what}(step_fn, args=(...))."
+        )
+    if not isinstance(args, (tuple, list)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: args must be a tuple or list of positional arguments; received a "
+            f"{type(args).__name__}. For one argument write args=(x,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: kwargs must be a dict or None; received a {type(kwargs).__name__}."
+        )
 
 
 def _check_axis_type(axis, what: str, optional: bool) -> None:
