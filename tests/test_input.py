@@ -288,3 +288,14 @@ def test_torch_tensors_that_track_gradients_are_batches():
     shards = strategy.experimental_local_results(batch[0])
     np.testing.assert_array_equal(np.concatenate(shards), np.arange(8, dtype=np.float32).reshape(4, 2))
     assert [len(s) for s in strategy.experimental_local_results(batch[1])] == [2, 2]
+
+
+def test_a_distributed_batch_exposes_its_stacked_rows_mask_and_lengths():
+    # 10 examples over 4 replicas by TF's rule: ceil(10/4) = 3 rows each, 3, 3, 3, 1 real.
+    strategy = mirrored(4)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        np.arange(10, dtype=np.float32))))
+    assert batch.stacked.shape == (4, 3)
+    assert batch.lengths == (3, 3, 3, 1)
+    assert np.asarray(batch.mask).tolist() == [[True] * 3] * 3 + [[True, False, False]]
+    assert np.asarray(batch.stacked)[3, 0] == 9.0  # the last replica's one real example

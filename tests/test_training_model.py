@@ -420,14 +420,15 @@ def test_fits_array_batches_are_those_of_experimental_distribute_dataset():
         assert len(fast) == len(general) == 3
         for a, b in zip(fast, general):
             for leaf_a, leaf_b in zip(a, b):
-                np.testing.assert_array_equal(np.asarray(leaf_a._value), np.asarray(leaf_b._value))
-                np.testing.assert_array_equal(np.asarray(leaf_a._mask), np.asarray(leaf_b._mask))
-                assert leaf_a._lengths == leaf_b._lengths
-                assert leaf_a._value.sharding == leaf_b._value.sharding
+                np.testing.assert_array_equal(np.asarray(leaf_a.stacked),
+                                              np.asarray(leaf_b.stacked))
+                np.testing.assert_array_equal(np.asarray(leaf_a.mask), np.asarray(leaf_b.mask))
+                assert leaf_a.lengths == leaf_b.lengths
+                assert leaf_a.stacked.sharding == leaf_b.stacked.sharding
         # TF's split rule on the last batch: 7 -> ceil(7/4) = 2: 2, 2, 2, 1 (of 2 rows);
         # 3 -> 1, 1, 1, 0 (of the first batch's ceil(10/4) = 3 rows).
-        assert fast[-1][0]._lengths == {8: (2, 2, 2, 1), 10: (1, 1, 1, 0)}[size]
-        assert fast[-1][0]._value.shape == {8: (4, 2, 2), 10: (4, 3, 2)}[size]
+        assert fast[-1][0].lengths == {8: (2, 2, 2, 1), 10: (1, 1, 1, 0)}[size]
+        assert fast[-1][0].stacked.shape == {8: (4, 2, 2), 10: (4, 3, 2)}[size]
 
 
 def test_fit_and_evaluate_refuse_arrays_without_examples():

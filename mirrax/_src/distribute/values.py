@@ -75,6 +75,25 @@ class PerReplica(DistributedValues):
         self._lengths = lengths  # true rows of EVERY replica (all processes), or None
         self._ragged = ragged  # tuple of per-local-replica values when they cannot be stacked
 
+    @property
+    def stacked(self):
+        """The replicas' values stacked: a pytree of global arrays of shape
+        (num_replicas_in_sync, ...), sharded over `REPLICA_AXIS`; for a batch, each replica's
+        row is padded to the static per-replica size (None when the values cannot be stacked)."""
+        return self._value
+
+    @property
+    def mask(self):
+        """For a distributed batch: bool array (num_replicas_in_sync, rows) marking the real
+        examples of each replica's padded row; None otherwise."""
+        return self._mask
+
+    @property
+    def lengths(self):
+        """For a distributed batch: the tuple of every replica's real example count (all
+        processes), in replica order; None otherwise."""
+        return self._lengths
+
     def _masked(self, leaf) -> bool:
         """Whether `leaf` is batch-like: its per-replica first axis is the masked axis."""
         return self._mask is not None and leaf.ndim >= 2 and leaf.shape[1] == self._mask.shape[1]
