@@ -271,14 +271,7 @@ class Strategy:
         if self._replica_invariant:
             return self._reduce_invariant(op, value, x, axis)
         if axis is None:
-            if value._masked(x) and len(set(value._lengths)) > 1:
-                raise errors.InvalidArgumentError(
-                    "strategy.reduce: the replicas' values have different lengths along axis 0 "
-                    f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
-                    "axis=0 to reduce along that axis too."
-                )
-            if value._masked(x):
-                x = x[:, : value._lengths[0]]
+            x = _elementwise_rows(value, x)
             return x.sum(0) if op is ReduceOp.SUM else x.mean(0)
         axis = _normalize_axis(axis, x.ndim - 1)
         if value._masked(x) and axis == 0:
@@ -303,14 +296,7 @@ class Strategy:
         """
         replicas = x.shape[0]
         if axis is None:
-            if value._masked(x) and len(set(value._lengths)) > 1:
-                raise errors.InvalidArgumentError(
-                    "strategy.reduce: the replicas' values have different lengths along axis 0 "
-                    f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
-                    "axis=0 to reduce along that axis too."
-                )
-            if value._masked(x):
-                x = x[:, : value._lengths[0]]
+            x = _elementwise_rows(value, x)
             total = invariant.pairwise_sum(x)
             return total if op is ReduceOp.SUM else total / jnp.asarray(replicas, total.dtype)
         axis = _normalize_axis(axis, x.ndim - 1)
@@ -536,6 +522,24 @@ class Strategy:
         if len(set(every)) == 1 and lengths is None:
             return None
         return tuple(every)
+
+
+def _elementwise_rows(value: PerReplica, x):
+    """`x` (a leaf of `value`, stacked) without a batch's padding rows, for an elementwise
+    reduce over the replicas.
+
+    Raises:
+      ValueError: the replicas hold batches of different lengths.
+    """
+    if not value._masked(x):
+        return x
+    if len(set(value._lengths)) > 1:
+        raise errors.InvalidArgumentError(
+            "strategy.reduce: the replicas' values have different lengths along axis 0 "
+            f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
+            "axis=0 to reduce along that axis too."
+        )
+    return x[:, : value._lengths[0]]
 
 
 def _check_run_arguments(what: str, fn, args, kwargs) -> None:

@@ -939,12 +939,10 @@ def _make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batch
         scale = 1.0 if loss_scale is None else loss_scale.scale[...]
 
         if micro_batches:
+            score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+
             def micro_loss(nodes, x, y, sample_weight):
-                module, metrics, tracker = nodes
-                y_pred = _forward(module, x, policy)
-                per_example = loss_obj.per_example(y, y_pred) * loss_weight
-                tracker.update(*_masked_sum(per_example, sample_weight))
-                _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+                per_example = score(nodes, x, y, sample_weight)
                 return compute_average_loss(per_example, sample_weight) * scale
 
             _, _, grads = invariant.micro_batch_call(
@@ -986,13 +984,25 @@ def _apply_gradients(module, optimizer, grads, loss_scale, scale):
     loss_scale.adjust(finite)
 
 
-def _make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
-    def update(nodes, x, y, sample_weight):
+def _make_scorer(loss_obj, loss_weight: float, policy, weighted):
+    """`score((module, metrics, tracker), x, y, sample_weight)`: the forward pass, the
+    per-example losses (returned), and the loss tracker and metrics updated with them."""
+    def score(nodes, x, y, sample_weight):
         module, metrics, tracker = nodes
         y_pred = _forward(module, x, policy)
         per_example = loss_obj.per_example(y, y_pred) * loss_weight
         tracker.update(*_masked_sum(per_example, sample_weight))
         _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+        return per_example
+
+    return score
+
+
+def _make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+
+    def update(nodes, x, y, sample_weight):
+        score(nodes, x, y, sample_weight)
         return jnp.zeros((), jnp.float32)
 
     def test_step(module, metrics, tracker, batch):
