@@ -44,6 +44,18 @@ class MLP(nnx.Module):
         return self.dense2(nnx.relu(self.dense1(x)))
 
 
+class MLP256(nnx.Module):
+    """An MLP 784-256-256-10 (relu); input (batch, 784) float32, output (batch, 10) logits."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense1 = nnx.Linear(784, 256, rngs=rngs)
+        self.dense2 = nnx.Linear(256, 256, rngs=rngs)
+        self.dense3 = nnx.Linear(256, NUM_CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense3(nnx.relu(self.dense2(nnx.relu(self.dense1(x)))))
+
+
 def random_batch(x_shape: tuple, global_batch: int, seed: int = 0):
     """One global batch: x (global_batch, *x_shape) float32 normal, y (global_batch,) int32."""
     rng = np.random.default_rng(seed)

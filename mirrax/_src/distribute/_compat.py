@@ -1,8 +1,22 @@
-"""Shims over JAX APIs that changed between the versions mirrax supports (jax 0.10 and 0.11)."""
+"""Shims over JAX and flax APIs that differ between the versions mirrax supports (jax 0.10 and
+0.11, flax 0.12), and every use of a private JAX or flax API, each pinned by tests/test_compat.py.
+
+The private uses: flax's Variable slots (`_raw_value`, `_var_metadata`: the step's fast write-back
+and identity checks), jax's `jax._src.distributed.global_state` (the coordination client, for
+the processes' exchanges, and the layout jax.distributed was initialized with), and
+`jax._src.xla_bridge.backends_are_initialized` (whether JAX started its backends, asked
+without starting them).
+"""
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
+import sys
+
 import jax
+from flax import nnx
 
 
 def varying_axes(x) -> frozenset:
@@ -35,3 +49,73 @@ def all_gather_invariant(x, axis_name: str):
         except (TypeError, ValueError, AssertionError):
             continue
     return jax.lax.all_gather_invariant(x, axis_name, tiled=True)
+
+
+# -- flax's Variable internals -------------------------------------------------------------------
+# `strategy.run` writes a step's new values straight into the caller's Variables and checks their
+# metadata by identity; both live in slots of nnx.Variable (flax 0.12). Pinned by
+# tests/test_compat.py; where a flax version lays Variables out differently, the public
+# (slower) paths are used.
+
+RAW_VALUE_SLOT = "_raw_value"
+_METADATA_SLOT = "_var_metadata"
+HAS_RAW_VALUE_SLOT = RAW_VALUE_SLOT in getattr(nnx.Variable, "__slots__", ())
+_HAS_METADATA_SLOT = _METADATA_SLOT in getattr(nnx.Variable, "__slots__", ())
+
+
+# C-level reader of the metadata slot, for the per-step identity checks (run/nodes.py).
+metadata_dict = operator.attrgetter(_METADATA_SLOT)
+
+
+def variable_metadata(variable):
+    """The dict holding `variable`'s metadata (the object itself, for identity checks), or None
+    where this flax keeps it elsewhere."""
+    if not _HAS_METADATA_SLOT:
+        return None
+    metadata = getattr(variable, _METADATA_SLOT, None)
+    return metadata if type(metadata) is dict else None
+
+
+raw_value = operator.attrgetter(RAW_VALUE_SLOT) if HAS_RAW_VALUE_SLOT else (
+    lambda variable: variable.get_raw_value())
+
+
+def set_raw_values(variables, values) -> None:
+    """`variable.set_raw_value(value)` for each pair, outside any JAX trace (the caller checked
+    that the values are concrete arrays, so no trace is open).
+
+    NNX's setter runs its trace check on every set, even when told to bypass it (about 1.2 µs
+    per Variable; 2-3 µs for the first): where the value lives in the slot, the slot is written
+    directly.
+    """
+    if not variables:
+        return
+    if HAS_RAW_VALUE_SLOT and not getattr(variables[0], "hijax", False):
+        collections.deque(
+            map(object.__setattr__, variables, itertools.repeat(RAW_VALUE_SLOT), values),
+            maxlen=0)
+    else:
+        for variable, value in zip(variables, values):
+            variable.set_raw_value(value, _unsafe_bypass_check=True)
+
+
+# -- jax's private process state ------------------------------------------------------------------
+
+
+def distributed_state():
+    """jax.distributed's global state (`.client`, `.num_processes`, `.process_id`)."""
+    from jax._src import distributed  # private: the public API exposes no client
+
+    return distributed.global_state
+
+
+def backends_started(default: bool = True) -> bool:
+    """Whether JAX has created its backends in this process, checked without starting them.
+
+    `default` is the answer where this JAX version has no such query.
+    """
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    if xla_bridge is None:
+        return False
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else default

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import warnings
 
 from mirrax import errors
+from mirrax._src.distribute import _compat
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
 _COUNT_PATTERN = re.compile(re.escape(COUNT_FLAG) + r"=(\S*)")
@@ -21,13 +21,11 @@ _warned: set = set()
 
 
 def backends_started() -> bool:
-    """Whether JAX has created its backends in this process (checked without starting them)."""
-    xla_bridge = sys.modules.get("jax._src.xla_bridge")
-    if xla_bridge is None:
-        return False
-    started = getattr(xla_bridge, "backends_are_initialized", None)
-    # Without the (private) query, assume JAX started once it is imported: the safe answer.
-    return started() if started is not None else True
+    """Whether JAX has created its backends in this process (checked without starting them).
+
+    Without the (private) query, JAX is assumed started once imported: the safe answer.
+    """
+    return _compat.backends_started(default=True)
 
 
 def requested_cpu_device_count(flags: str | None = None) -> int | None:

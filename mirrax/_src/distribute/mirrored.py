@@ -7,15 +7,12 @@ process's devices of that platform.
 
 from __future__ import annotations
 
-import re
-
 import jax
 
 from mirrax import errors
 from mirrax._src.distribute import cpu_devices
-from mirrax._src.distribute.strategy import Strategy, short_device_name
-
-_DEVICE_PATTERN = re.compile(r"(?:.*/)?(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
+from mirrax._src.distribute.devices import resolve_device, short_name
+from mirrax._src.distribute.strategy import Strategy
 
 
 class CrossDeviceOps:
@@ -76,33 +73,6 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
 
 
-def resolve_device(device, argument: str = "devices") -> jax.Device:
-    """A `jax.Device` of this process for a `jax.Device` or a TF-style device string.
-
-    Raises:
-      InvalidDeviceError: the string is malformed or names no local device; the message lists
-        the devices there are.
-    """
-    if isinstance(device, jax.Device):
-        return device
-    if isinstance(device, str):
-        match = _DEVICE_PATTERN.match(device.strip())
-        if match:
-            kind, index = match["kind"].lower(), int(match["index"])
-            try:
-                local = [d for d in jax.local_devices(backend=kind)]
-            except RuntimeError:
-                local = []
-            if index < len(local):
-                return local[index]
-    available = ", ".join(short_device_name(d) for d in jax.local_devices())
-    raise errors.InvalidDeviceError(
-        f"{argument}: {device!r} names no device of this process. Use a jax.Device or a string "
-        f"like 'cpu:0' or 'gpu:1'; this process has: {available}. (For more CPU devices set "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts.)"
-    )
-
-
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism on one host, as `tf.distribute.MirroredStrategy`.
 
@@ -152,7 +122,7 @@ class MirroredStrategy(Strategy):
                     "device, or a non-empty list such as ['cpu:0', 'cpu:1']."
                 )
             if len(set(resolved)) != len(resolved):
-                names = [short_device_name(d) for d in resolved]
+                names = [short_name(d) for d in resolved]
                 raise errors.InvalidDeviceError(
                     f"MirroredStrategy: devices lists a device more than once ({names}); each "
                     "device holds one replica. Remove the duplicates."

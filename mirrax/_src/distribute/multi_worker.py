@@ -26,9 +26,10 @@ import threading
 import jax
 
 from mirrax import errors
-from mirrax._src.distribute import invariant
+from mirrax._src.distribute import _compat, invariant
 from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
-from mirrax._src.distribute.strategy import Strategy, StrategyExtended, local_index
+from mirrax._src.distribute.devices import tf_device_name
+from mirrax._src.distribute.strategy import Strategy, StrategyExtended
 
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 300
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 30
@@ -133,12 +134,8 @@ class MultiWorkerExtended(StrategyExtended):
 
     @property
     def worker_devices(self) -> tuple:
-        s = self._strategy
-        return tuple(
-            f"/job:{self.task_type}/replica:0/task:{self.task_id}/device:"
-            f"{s._devices[r].platform.upper()}:{local_index(s._devices[r])}"
-            for r in s._local_replica_ids
-        )
+        return tuple(tf_device_name(d, job=self.task_type, task=self.task_id)
+                     for d in self.replica_devices.local_devices)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -214,7 +211,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
             )
         super().__init__(jax.devices(), replica_invariant, micro_batches)
-        self.extended = MultiWorkerExtended(self)
+
+    def _new_extended(self) -> "MultiWorkerExtended":
+        return MultiWorkerExtended(self)
 
     def __repr__(self) -> str:
         r = self.cluster_resolver
@@ -232,10 +231,8 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
       RuntimeError: jax.distributed is already initialized with another layout, or JAX's
         backends started before it (jax.distributed must come first).
     """
-    from jax._src import distributed
-
     count, index = resolver.num_workers, resolver.worker_index
-    state = distributed.global_state
+    state = _compat.distributed_state()
     if state.client is not None:
         if (state.num_processes, state.process_id) != (count, index):
             raise RuntimeError(
@@ -244,7 +241,7 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
                 f"{index} of {count}. Create the strategy once per process, with one cluster."
             )
         return
-    if _backends_started():
+    if _compat.backends_started(default=False):
         raise RuntimeError(
             "MultiWorkerMirroredStrategy: JAX was already used in this process (its devices are "
             "initialized), so jax.distributed can no longer join the cluster. Create the "
@@ -412,9 +409,3 @@ def _is_lost_peer(error: BaseException) -> bool:
     return ("Gloo" in text or "NCCL" in text or "nccl" in text) and any(
         sign in text for sign in ("closed by peer", "reset by peer", "Connection refused",
                                   "remote process exited", "Broken pipe"))
-
-
-def _backends_started() -> bool:
-    xla_bridge = sys.modules.get("jax._src.xla_bridge")
-    started = getattr(xla_bridge, "backends_are_initialized", None)
-    return bool(started()) if started is not None else False

@@ -17,6 +17,7 @@ import json
 import jax
 
 from mirrax import errors
+from mirrax._src.distribute import _compat
 
 # Long enough for a slow peer (a first compilation, a long evaluation or checkpoint); a DEAD
 # peer is detected sooner by the coordination service's heartbeat, which ends every process.
@@ -26,9 +27,7 @@ DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 3600
 
 
 def _client():
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = _compat.distributed_state().client
     if client is None:
         raise errors.StartedBackendError(
             f"This process is one of {jax.process_count()} JAX processes but jax.distributed's "

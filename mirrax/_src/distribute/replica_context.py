@@ -175,6 +175,16 @@ def current_strategy_in_scope():
     return _state.strategy_stack[-1] if _state.strategy_stack else None
 
 
+@contextlib.contextmanager
+def strategy_scope(strategy):
+    """Makes `strategy` the innermost open scope on this thread while the block runs."""
+    _state.strategy_stack.append(strategy)
+    try:
+        yield strategy
+    finally:
+        _state.strategy_stack.pop()
+
+
 def current_replica_context() -> ReplicaContext | None:
     """The replica context of the `strategy.run` being traced on this thread, or None."""
     return _state.replica_context

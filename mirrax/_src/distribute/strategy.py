@@ -13,33 +13,24 @@ import weakref
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _run
+from mirrax._src.distribute import batching
+from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import input_options
 from mirrax._src.distribute import invariant
-from mirrax._src.distribute import multihost
+from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.reduce import ReduceOp
+from mirrax._src.distribute.run import runner as runner_lib
+from mirrax._src.distribute.run.arguments import check_owner, check_run_arguments
 from mirrax._src.distribute.replica_context import (
-    REPLICA_AXIS,
     ReplicaContext,
-    _state,
     current_replica_context,
     current_strategy_in_scope,
+    strategy_scope,
 )
-from mirrax._src.distribute.values import (
-    DistributedValues,
-    Mirrored,
-    PerReplica,
-    by_replica,
-    is_distributed,
-    mask_from_lengths,
-    put_stacked,
-    stack_host_values,
-)
+from mirrax._src.distribute.values import DistributedValues, PerReplica, is_distributed
 
 
 class StrategyExtended:
@@ -49,15 +40,21 @@ class StrategyExtended:
       worker_devices: names of the devices of this process that run replicas, e.g.
         ('/job:localhost/replica:0/task:0/device:CPU:0', ...).
       parameter_devices: where variables live; the same devices (variables are mirrored).
+      replica_devices: mirrax's own: a `ReplicaDevices` (the `jax.Device` of every replica,
+        the mesh, the replicated sharding, this process's replica ids), for mirrax's input
+        pipeline and distributed values.
+      pipeline_names: mirrax's own: the `PipelineNames` that name this strategy's distributed
+        datasets alike on every process.
     """
 
     def __init__(self, strategy: "Strategy"):
         self._strategy = strategy
+        self.replica_devices = strategy._replica_devices
+        self.pipeline_names = strategy._pipeline_names
 
     @property
     def worker_devices(self) -> tuple:
-        s = self._strategy
-        return tuple(device_name(s._devices[r]) for r in s._local_replica_ids)
+        return tuple(devices_lib.tf_device_name(d) for d in self.replica_devices.local_devices)
 
     @property
     def parameter_devices(self) -> tuple:
@@ -79,37 +76,30 @@ class Strategy:
     """
 
     def __init__(self, devices, replica_invariant: bool = False, micro_batches: int = 8):
-        devices = tuple(devices)
         owner = type(self).__name__
+        devices = tuple(devices)
         invariant.check_arguments(owner, replica_invariant, micro_batches)
         if replica_invariant:
             invariant.check_replicas(owner, int(micro_batches), len(devices))
         self._replica_invariant = bool(replica_invariant)
         self._micro_batches = int(micro_batches)
-        self._devices = devices
-        self.mesh = Mesh(np.array(devices, dtype=object), (REPLICA_AXIS,))
-        self._replicated = NamedSharding(self.mesh, P())
-        self._local_replica_ids = tuple(
-            i for i, d in enumerate(devices) if d.process_index == jax.process_index()
-        )
-        self._run_cache = _run.new_cache()
-        self._example_counts: dict = {}  # int -> replicated int32 scalar (strategy.run)
-        self._in_flight = _run.new_in_flight(devices)
-        self._compile_counts: dict = {}
-        self._datasets_made = 0  # names distributed datasets alike on every process
-        self._iterations_started = 0  # passes over them, counted alike on every process
-        self.extended = StrategyExtended(self)
+        self._replica_devices = devices_lib.ReplicaDevices(devices)
+        self._pipeline_names = input_options.PipelineNames()
+        self.mesh = self._replica_devices.mesh
+        self.extended = self._new_extended()
+        self._runner = runner_lib.Runner(self)
         _live_strategies.add(self)
+
+    def _new_extended(self) -> StrategyExtended:
+        return StrategyExtended(self)
 
     def _clear_caches(self) -> None:
         """Drops the compiled programs and cached device values (`clear_session`)."""
-        self._run_cache.clear()
-        self._example_counts.clear()
-        self._compile_counts.clear()
+        self._runner.clear()
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return len(self._devices)
+        return len(self._replica_devices)
 
     @property
     def replica_invariant(self) -> bool:
@@ -124,7 +114,7 @@ class Strategy:
                 if self._replica_invariant else "")
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
-            f"devices=[{', '.join(short_device_name(d) for d in self._devices)}]{mode})"
+            f"devices=[{devices_lib.listing(self._replica_devices.devices, limit=None)}]{mode})"
         )
 
     # -- scope ------------------------------------------------------------------------------
@@ -147,11 +137,8 @@ class Strategy:
                 "different strategies is not supported (as in tf.distribute). Close the outer "
                 "`with strategy.scope():` block first."
             )
-        _state.strategy_stack.append(self)
-        try:
+        with strategy_scope(self):
             yield self
-        finally:
-            _state.strategy_stack.pop()
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -185,8 +172,8 @@ class Strategy:
             the step (the message names it).
           MixedStrategyError: an argument belongs to another strategy.
         """
-        _check_run_arguments("strategy.run", fn, args, kwargs)
-        return _run.run(self, fn, args, kwargs or {})
+        check_run_arguments("strategy.run", fn, args, kwargs)
+        return self._runner.run(fn, args, kwargs or {})
 
     def experimental_lower(self, fn: Callable, args=(), kwargs=None):
         """The program `run(fn, args, kwargs)` would execute, lowered, without running it.
@@ -205,8 +192,8 @@ class Strategy:
         Raises:
           As `run`.
         """
-        _check_run_arguments("strategy.experimental_lower", fn, args, kwargs)
-        return _run.lower(self, fn, args, kwargs or {})
+        check_run_arguments("strategy.experimental_lower", fn, args, kwargs)
+        return self._runner.lower(fn, args, kwargs or {})
 
     # -- cross-replica operations ------------------------------------------------------------
 
@@ -233,7 +220,7 @@ class Strategy:
         """
         op = ReduceOp.from_any(reduce_op)
         if axis is not None:
-            _check_axis_type(axis, "strategy.reduce: axis", optional=True)
+            values_lib.check_axis_type(axis, "strategy.reduce: axis", optional=True)
         if not jax.tree.leaves(value, is_leaf=is_distributed):
             raise errors.InvalidArgumentError(
                 f"strategy.reduce: value holds no array to reduce; received {value!r}. Pass "
@@ -244,86 +231,9 @@ class Strategy:
         )
 
     def _reduce_one(self, op: ReduceOp, value, axis):
-        replicas = self.num_replicas_in_sync
         if isinstance(value, DistributedValues):
-            _run._check_owner(self, value, "strategy.reduce: value")
-        if isinstance(value, PerReplica):
-            if value._ragged is not None:
-                shapes = [jax.tree.map(np.shape, v) for v in value._ragged]
-                raise errors.InvalidArgumentError(
-                    f"strategy.reduce: the replicas' values have shapes {shapes}, which cannot "
-                    "be combined into one value. Make the shapes agree (except along axis 0, "
-                    "which axis=0 reduces)."
-                )
-            return jax.tree.map(lambda x: self._reduce_stacked(op, value, x, axis), value._value)
-        if isinstance(value, Mirrored):
-            return jax.tree.map(lambda x: self._reduce_same(op, x, axis, replicas), value._value)
-        if op is ReduceOp.SUM and replicas > 1:
-            raise errors.InvalidArgumentError(
-                f"strategy.reduce: cannot SUM the plain (non-distributed) value {value!r} over "
-                f"{replicas} replicas: it is one value, not one per replica (as "
-                "tf.distribute). Reduce the PerReplica value that strategy.run returned, or use "
-                "MEAN."
-            )
-        return self._reduce_same(op, jnp.asarray(value), axis, 1)
-
-    def _reduce_stacked(self, op: ReduceOp, value: PerReplica, x, axis):
-        if self._replica_invariant:
-            return self._reduce_invariant(op, value, x, axis)
-        if axis is None:
-            x = _elementwise_rows(value, x)
-            return x.sum(0) if op is ReduceOp.SUM else x.mean(0)
-        axis = _normalize_axis(axis, x.ndim - 1)
-        if value._masked(x) and axis == 0:
-            mask = value._mask.reshape(value._mask.shape + (1,) * (x.ndim - 2))
-            total = jnp.where(mask, x, jnp.zeros((), x.dtype)).sum((0, 1))
-            if op is ReduceOp.SUM:
-                return total
-            count = value._mask.sum()
-            return total / jnp.maximum(count, 1).astype(jnp.result_type(total, jnp.float32))
-        reduced = x.sum((0, axis + 1))
-        if op is ReduceOp.SUM:
-            return reduced
-        return reduced / (x.shape[0] * x.shape[axis + 1] or 1)
-
-    def _reduce_invariant(self, op: ReduceOp, value: PerReplica, x, axis):
-        """`_reduce_stacked` in replica-invariant mode: every float sum in the fixed tree.
-
-        Over replicas: the pairwise tree over the replica index (which continues each
-        replica's tree over its micro-batches). Along a batch's axis 0: each micro-batch's
-        rows are summed at the same shape, then the micro-batches in the pairwise tree, so
-        the bits do not depend on the replica count.
-        """
-        replicas = x.shape[0]
-        if axis is None:
-            x = _elementwise_rows(value, x)
-            total = invariant.pairwise_sum(x)
-            return total if op is ReduceOp.SUM else total / jnp.asarray(replicas, total.dtype)
-        axis = _normalize_axis(axis, x.ndim - 1)
-        rows = x.shape[1] if x.ndim > 1 else 0
-        local = self._micro_batches // replicas
-        if axis == 0 and rows % local == 0:
-            micro = x.reshape((self._micro_batches, rows // local) + x.shape[2:])
-            if value._masked(x):
-                mask = value._mask.reshape(micro.shape[:2] + (1,) * (x.ndim - 2))
-                micro = jnp.where(mask, micro, jnp.zeros((), x.dtype))
-                count = value._mask.sum()
-            else:
-                count = x.shape[0] * rows
-            total = invariant.pairwise_sum(micro.sum(1))
-        else:
-            total = invariant.pairwise_sum(x.sum(axis + 1))
-            count = replicas * x.shape[axis + 1]
-        if op is ReduceOp.SUM:
-            return total
-        return total / jnp.maximum(count, 1).astype(jnp.result_type(total, jnp.float32))
-
-    @staticmethod
-    def _reduce_same(op: ReduceOp, x, axis, replicas: int):
-        if axis is not None:
-            axis = _normalize_axis(axis, x.ndim)
-            x = x.sum(axis) if op is ReduceOp.SUM else x.mean(axis)
-        return x * replicas if op is ReduceOp.SUM else x
+            check_owner(self, value, "strategy.reduce: value")
+        return values_lib.reduce_value(self, op, value, axis)
 
     def gather(self, value, axis: int):
         """Concatenates the replicas' values along `axis`, as `tf.distribute.Strategy.gather`.
@@ -344,7 +254,7 @@ class Strategy:
           ValueError: `axis` out of range, or scalar per-replica values.
           MixedStrategyError: `value` comes from another strategy.
         """
-        _check_axis_type(axis, "strategy.gather: axis", optional=False)
+        values_lib.check_axis_type(axis, "strategy.gather: axis", optional=False)
         if not jax.tree.leaves(value, is_leaf=is_distributed):
             raise errors.InvalidArgumentError(
                 f"strategy.gather: value holds no array to gather; received {value!r}. Pass "
@@ -354,47 +264,8 @@ class Strategy:
 
     def _gather_one(self, value, axis):
         if isinstance(value, DistributedValues):
-            _run._check_owner(self, value, "strategy.gather: value")
-        if isinstance(value, PerReplica):
-            if value._ragged is not None:
-                pieces = [jnp.asarray(v) for v in value._ragged]
-                return jnp.concatenate(pieces, _normalize_axis(axis, pieces[0].ndim))
-            return jax.tree.map(lambda x: self._gather_stacked(value, x, axis), value._value)
-        if isinstance(value, Mirrored):
-            value = value._value
-        replicas = self.num_replicas_in_sync
-
-        def repeat(x):
-            if jnp.ndim(x) == 0:
-                raise errors.InvalidArgumentError(
-                    f"strategy.gather: {x!r} is a scalar, which has no axis to concatenate "
-                    "along. Gather arrays of rank >= 1 (e.g. x[None], shape (1,))."
-                )
-            return jnp.concatenate([jnp.asarray(x)] * replicas, _normalize_axis(axis, jnp.ndim(x)))
-
-        return jax.tree.map(repeat, value)
-
-    def _gather_stacked(self, value: PerReplica, x, axis):
-        if x.ndim == 1:
-            raise errors.InvalidArgumentError(
-                "strategy.gather: the per-replica values are scalars, which have no axis to "
-                "concatenate along. Use strategy.experimental_local_results(value), or return "
-                "x[None] (shape (1,)) from the step to gather one value per replica."
-            )
-        axis = _normalize_axis(axis, x.ndim - 1)
-        if value._masked(x) and axis == 0:
-            rows = x.shape[1]
-            keep = np.concatenate(
-                [r * rows + np.arange(n) for r, n in enumerate(value._lengths)]
-            ).astype(np.int32)
-            return self._on_every_process(lambda x: x.reshape((-1,) + x.shape[2:])[keep], x)
-        return self._on_every_process(lambda x: jnp.concatenate(list(x), axis), x)
-
-    def _on_every_process(self, fn, *args):
-        """`fn(*args)` as a program whose result is replicated, so every process can read it."""
-        if jax.process_count() == 1:
-            return fn(*args)
-        return jax.jit(fn, out_shardings=self._replicated)(*args)
+            check_owner(self, value, "strategy.gather: value")
+        return values_lib.gather_value(self, value, axis)
 
     def experimental_local_results(self, value) -> tuple:
         """The values of this process's replicas, as `Strategy.experimental_local_results`.
@@ -413,7 +284,7 @@ class Strategy:
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         if not any(is_distributed(leaf) for leaf in leaves):
             return (value,)
-        count = len(self._local_replica_ids)
+        count = len(self._replica_devices.local_replica_ids)
         columns = [
             leaf.values if is_distributed(leaf) else (leaf,) * count for leaf in leaves
         ]
@@ -477,125 +348,9 @@ class Strategy:
                 "experimental_distribute_values_from_function: value_fn must be callable as "
                 f"value_fn(value_context); received {type(value_fn).__name__}."
             )
-        input_lib.check_one_argument(
+        input_options.check_one_argument(
             value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext")
-        values = [
-            value_fn(input_lib.ValueContext(r, self.num_replicas_in_sync))
-            for r in self._local_replica_ids
-        ]
-        stacked, lengths = stack_host_values(values)
-        if jax.process_count() > 1:
-            lengths = self._agree_value_lengths(values, stacked, lengths)
-            if lengths is not None:
-                stacked, _ = stack_host_values(values, rows=max(lengths))
-        if stacked is None:
-            placed = tuple(
-                jax.device_put(v, self._devices[r]) for v, r in zip(values, self._local_replica_ids)
-            )
-            return PerReplica(self, None, ragged=placed)
-        if lengths is None:
-            return PerReplica(self, put_stacked(self, stacked))
-        local_lengths = [lengths[r] for r in self._local_replica_ids]
-        mask = put_stacked(self, mask_from_lengths(local_lengths, max(lengths)))
-        return PerReplica(self, put_stacked(self, stacked), mask=mask, lengths=lengths)
-
-    def _agree_value_lengths(self, values, stacked, lengths):
-        """Every replica's first-axis length (all processes), or None when no padding is needed.
-
-        Raises:
-          ValueError: some process's values cannot be stacked (trailing shapes differ), which
-            a multi-process PerReplica cannot hold.
-        """
-        self._values_made = getattr(self, "_values_made", 0) + 1
-        mine = None if stacked is None else [
-            int(jax.tree.leaves(v)[0].shape[0]) if jax.tree.leaves(v)[0].ndim else -1
-            for v in values
-        ]
-        votes = multihost.exchange(f"values/{self._values_made}", mine)
-        if any(v is None for v in votes):
-            raise errors.InvalidArgumentError(
-                "experimental_distribute_values_from_function: the replicas' values have "
-                "different trailing shapes on some process, which a multi-process PerReplica "
-                "cannot hold. Return values of one shape (first axis may differ)."
-            )
-        every = by_replica(self, votes)
-        if len(set(every)) == 1 and lengths is None:
-            return None
-        return tuple(every)
-
-
-def _elementwise_rows(value: PerReplica, x):
-    """`x` (a leaf of `value`, stacked) without a batch's padding rows, for an elementwise
-    reduce over the replicas.
-
-    Raises:
-      ValueError: the replicas hold batches of different lengths.
-    """
-    if not value._masked(x):
-        return x
-    if len(set(value._lengths)) > 1:
-        raise errors.InvalidArgumentError(
-            "strategy.reduce: the replicas' values have different lengths along axis 0 "
-            f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
-            "axis=0 to reduce along that axis too."
-        )
-    return x[:, : value._lengths[0]]
-
-
-def _check_run_arguments(what: str, fn, args, kwargs) -> None:
-    if not callable(fn):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: fn must be callable (a function, method or NNX module); received "
-            f"{fn!r} of type {type(fn).__name__}. Call it as {what}(step_fn, args=(...))."
-        )
-    if not isinstance(args, (tuple, list)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: args must be a tuple or list of positional arguments; received a "
-            f"{type(args).__name__}. For one argument write args=(x,)."
-        )
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: kwargs must be a dict or None; received a {type(kwargs).__name__}."
-        )
-
-
-def _check_axis_type(axis, what: str, optional: bool) -> None:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what} must be an int{' or None' if optional else ''}; received {axis!r} of type "
-            f"{type(axis).__name__}."
-            + ("" if optional else " gather needs the axis to concatenate along, e.g. axis=0.")
-        )
-
-
-def _normalize_axis(axis, ndim: int) -> int:
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise errors.InvalidArgumentTypeError(f"axis must be an int or None; received {axis!r}.")
-    if not -ndim <= axis < ndim:
-        raise errors.InvalidArgumentError(
-            f"axis {axis} is out of range for per-replica values of rank {ndim}; use an axis in "
-            f"[{-ndim}, {ndim})."
-        )
-    return int(axis) % ndim
-
-
-def device_name(device) -> str:
-    """TF-style full device name: '/job:localhost/replica:0/task:P/device:CPU:i'."""
-    return (
-        f"/job:localhost/replica:0/task:{device.process_index}/device:"
-        f"{device.platform.upper()}:{local_index(device)}"
-    )
-
-
-def short_device_name(device) -> str:
-    """'cpu:3', 'gpu:0': platform and index among this process's devices of that platform."""
-    return f"{device.platform}:{local_index(device)}"
-
-
-def local_index(device) -> int:
-    """The index of `device` among its process's devices of the same platform."""
-    same = [d for d in jax.devices(device.platform) if d.process_index == device.process_index]
-    return same.index(device)
+        return batching.values_from_function(self, value_fn)
 
 
 # -- the default strategy and the context functions ------------------------------------------

@@ -16,14 +16,15 @@ arithmetic: combine them with `strategy.reduce` / `gather`, or read `.values`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute.replica_context import REPLICA_AXIS
+from mirrax._src.distribute import invariant
+from mirrax._src.distribute.reduce import ReduceOp
 
 
 class _ByIdentity:
@@ -50,6 +51,11 @@ class DistributedValues:
     """
 
     _strategy: Any
+
+    @property
+    def strategy(self):
+        """The strategy whose replicas hold this value (mirrax's own; TF keeps it private)."""
+        return self._strategy
 
     @property
     def values(self) -> tuple:
@@ -103,7 +109,7 @@ class PerReplica(DistributedValues):
         if self._ragged is not None:
             return self._ragged
         strategy = self._strategy
-        replicas = strategy._local_replica_ids
+        replicas = strategy.extended.replica_devices.local_replica_ids
 
         def per_replica(leaf):
             rows = local_rows(leaf, strategy)
@@ -131,14 +137,24 @@ class Mirrored(DistributedValues):
         self._value = value
 
     @property
+    def replicated(self):
+        """The value: a pytree of global arrays replicated over the strategy's mesh."""
+        return self._value
+
+    @property
     def values(self) -> tuple:
         strategy = self._strategy
         leaves, treedef = jax.tree.flatten(self._value)
         columns = [local_rows(leaf, strategy, stacked=False) for leaf in leaves]
         return tuple(
             jax.tree.unflatten(treedef, [column[i] for column in columns])
-            for i in range(len(strategy._local_replica_ids))
+            for i in range(len(strategy.extended.replica_devices.local_replica_ids))
         )
+
+
+class DistributedInput:
+    """Base of distributed datasets and their iterators (input.py): what `strategy.run` refuses
+    as an argument, since it wants one batch, not the pipeline."""
 
 
 def _flatten_per_replica(v: PerReplica):
@@ -171,85 +187,187 @@ def local_rows(leaf: jax.Array, strategy, stacked: bool = True) -> list:
     `leaf` is replicated and every replica gets the whole array.
     """
     by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
-    rows = [by_device[strategy._devices[r]] for r in strategy._local_replica_ids]
+    rows = [by_device[d] for d in strategy.extended.replica_devices.local_devices]
     return [row[0] for row in rows] if stacked else rows
 
 
-def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first_row=False):
-    """Stacks per-replica host values into arrays with a leading replica axis.
+# -- the arithmetic of strategy.reduce and strategy.gather (validated there) ------------------------
 
-    Args:
-      values: one pytree per local replica, all with the same structure; leaves are array-likes.
-      rows: pad every replica's first axis to this many rows (a distributed batch's static
-        per-replica size); None pads to the largest replica when first axes differ.
-      fill_with_first_row: pad with copies of the first real row of the first non-empty value
-        instead of zeros (a batch: padding rows then look like real data, so a model that is
-        undefined on all-zero inputs gives finite values, and gradients, there).
 
-    Returns:
-      (stacked, lengths): `stacked` is a pytree of NumPy arrays of shape (len(values), ...) or
-      None when the values cannot be stacked (trailing shapes differ); `lengths` is the tuple of
-      true first-axis sizes when padding was needed (or `rows` was given), else None.
-    """
-    flat = [jax.tree.flatten(v) for v in values]
-    treedef = flat[0][1]
-    for leaves, other in flat[1:]:
-        if other != treedef:
+def reduce_value(strategy, op: ReduceOp, value, axis):
+    """`strategy.reduce(op, value, axis)` for one `PerReplica`, `Mirrored` or plain value whose
+    owner the caller checked; see `Strategy.reduce` for the semantics and errors."""
+    replicas = strategy.num_replicas_in_sync
+    if isinstance(value, PerReplica):
+        if value._ragged is not None:
+            shapes = [jax.tree.map(np.shape, v) for v in value._ragged]
             raise errors.InvalidArgumentError(
-                f"Per-replica values must all have the same structure; received {treedef} and "
-                f"{other}. Return the same pytree structure for every replica."
+                f"strategy.reduce: the replicas' values have shapes {shapes}, which cannot "
+                "be combined into one value. Make the shapes agree (except along axis 0, "
+                "which axis=0 reduces)."
             )
-    columns = [[np.asarray(leaves[i]) for leaves, _ in flat] for i in range(treedef.num_leaves)]
-    same = all(len({(a.shape, a.dtype) for a in column}) == 1 for column in columns)
-    if same and rows is None:
-        return jax.tree.unflatten(treedef, [np.stack(column) for column in columns]), None
-    lengths = None
-    for column in columns:
-        if any(a.ndim == 0 or a.shape[1:] != column[0].shape[1:] for a in column):
-            return None, None
-        column_lengths = tuple(a.shape[0] for a in column)
-        if lengths is not None and column_lengths != lengths:
-            return None, None
-        lengths = column_lengths
-    target = rows if rows is not None else max(lengths)
-    donor = next((i for i, n in enumerate(lengths) if n), None)
-    stacked = []
-    for column in columns:
-        out = np.zeros((len(column), target) + column[0].shape[1:], np.result_type(*column))
-        if fill_with_first_row and donor is not None:
-            out[...] = column[donor][0]
-        for i, a in enumerate(column):
-            out[i, : a.shape[0]] = a
-        stacked.append(out)
-    return jax.tree.unflatten(treedef, stacked), lengths
+        return jax.tree.map(lambda x: _reduce_stacked(strategy, op, value, x, axis), value._value)
+    if isinstance(value, Mirrored):
+        return jax.tree.map(lambda x: _reduce_same(op, x, axis, replicas), value._value)
+    if op is ReduceOp.SUM and replicas > 1:
+        raise errors.InvalidArgumentError(
+            f"strategy.reduce: cannot SUM the plain (non-distributed) value {value!r} over "
+            f"{replicas} replicas: it is one value, not one per replica (as "
+            "tf.distribute). Reduce the PerReplica value that strategy.run returned, or use "
+            "MEAN."
+        )
+    return _reduce_same(op, jnp.asarray(value), axis, 1)
 
 
-def put_stacked(strategy, host):
-    """Places host arrays of shape (num_local_replicas, ...) as global (num_replicas, ...) arrays,
-    row r on replica r's device (sharded along `REPLICA_AXIS`)."""
-    sharding = NamedSharding(strategy.mesh, P(REPLICA_AXIS))
+def _reduce_stacked(strategy, op: ReduceOp, value: PerReplica, x, axis):
+    if strategy.replica_invariant:
+        return _reduce_invariant(strategy, op, value, x, axis)
+    if axis is None:
+        x = _elementwise_rows(value, x)
+        return x.sum(0) if op is ReduceOp.SUM else x.mean(0)
+    axis = normalize_axis(axis, x.ndim - 1)
+    if value._masked(x) and axis == 0:
+        mask = value._mask.reshape(value._mask.shape + (1,) * (x.ndim - 2))
+        total = jnp.where(mask, x, jnp.zeros((), x.dtype)).sum((0, 1))
+        if op is ReduceOp.SUM:
+            return total
+        count = value._mask.sum()
+        return total / jnp.maximum(count, 1).astype(jnp.result_type(total, jnp.float32))
+    reduced = x.sum((0, axis + 1))
+    if op is ReduceOp.SUM:
+        return reduced
+    return reduced / (x.shape[0] * x.shape[axis + 1] or 1)
+
+
+def _reduce_invariant(strategy, op: ReduceOp, value: PerReplica, x, axis):
+    """`_reduce_stacked` in replica-invariant mode: every float sum in the fixed tree.
+
+    Over replicas: the pairwise tree over the replica index (which continues each replica's
+    tree over its micro-batches). Along a batch's axis 0: each micro-batch's rows are summed
+    at the same shape, then the micro-batches in the pairwise tree, so the bits do not depend
+    on the replica count.
+    """
+    replicas = x.shape[0]
+    if axis is None:
+        x = _elementwise_rows(value, x)
+        total = invariant.pairwise_sum(x)
+        return total if op is ReduceOp.SUM else total / jnp.asarray(replicas, total.dtype)
+    axis = normalize_axis(axis, x.ndim - 1)
+    rows = x.shape[1] if x.ndim > 1 else 0
+    micro_batches = strategy.micro_batches
+    local = micro_batches // replicas
+    if axis == 0 and rows % local == 0:
+        micro = x.reshape((micro_batches, rows // local) + x.shape[2:])
+        if value._masked(x):
+            mask = value._mask.reshape(micro.shape[:2] + (1,) * (x.ndim - 2))
+            micro = jnp.where(mask, micro, jnp.zeros((), x.dtype))
+            count = value._mask.sum()
+        else:
+            count = x.shape[0] * rows
+        total = invariant.pairwise_sum(micro.sum(1))
+    else:
+        total = invariant.pairwise_sum(x.sum(axis + 1))
+        count = replicas * x.shape[axis + 1]
+    if op is ReduceOp.SUM:
+        return total
+    return total / jnp.maximum(count, 1).astype(jnp.result_type(total, jnp.float32))
+
+
+def _reduce_same(op: ReduceOp, x, axis, replicas: int):
+    if axis is not None:
+        axis = normalize_axis(axis, x.ndim)
+        x = x.sum(axis) if op is ReduceOp.SUM else x.mean(axis)
+    return x * replicas if op is ReduceOp.SUM else x
+
+
+def _elementwise_rows(value: PerReplica, x):
+    """`x` (a leaf of `value`, stacked) without a batch's padding rows, for an elementwise
+    reduce over the replicas.
+
+    Raises:
+      ValueError: the replicas hold batches of different lengths.
+    """
+    if not value._masked(x):
+        return x
+    if len(set(value._lengths)) > 1:
+        raise errors.InvalidArgumentError(
+            "strategy.reduce: the replicas' values have different lengths along axis 0 "
+            f"({list(value._lengths)}), so they cannot be combined elementwise. Pass "
+            "axis=0 to reduce along that axis too."
+        )
+    return x[:, : value._lengths[0]]
+
+
+def gather_value(strategy, value, axis):
+    """`strategy.gather(value, axis)` for one `PerReplica`, `Mirrored` or plain value whose
+    owner the caller checked; see `Strategy.gather` for the semantics and errors."""
+    if isinstance(value, PerReplica):
+        if value._ragged is not None:
+            pieces = [jnp.asarray(v) for v in value._ragged]
+            return jnp.concatenate(pieces, normalize_axis(axis, pieces[0].ndim))
+        return jax.tree.map(lambda x: _gather_stacked(strategy, value, x, axis), value._value)
+    if isinstance(value, Mirrored):
+        value = value._value
+    replicas = strategy.num_replicas_in_sync
+
+    def repeat(x):
+        if jnp.ndim(x) == 0:
+            raise errors.InvalidArgumentError(
+                f"strategy.gather: {x!r} is a scalar, which has no axis to concatenate "
+                "along. Gather arrays of rank >= 1 (e.g. x[None], shape (1,))."
+            )
+        return jnp.concatenate([jnp.asarray(x)] * replicas, normalize_axis(axis, jnp.ndim(x)))
+
+    return jax.tree.map(repeat, value)
+
+
+def _gather_stacked(strategy, value: PerReplica, x, axis):
+    if x.ndim == 1:
+        raise errors.InvalidArgumentError(
+            "strategy.gather: the per-replica values are scalars, which have no axis to "
+            "concatenate along. Use strategy.experimental_local_results(value), or return "
+            "x[None] (shape (1,)) from the step to gather one value per replica."
+        )
+    axis = normalize_axis(axis, x.ndim - 1)
+    if value._masked(x) and axis == 0:
+        rows = x.shape[1]
+        keep = np.concatenate(
+            [r * rows + np.arange(n) for r, n in enumerate(value._lengths)]
+        ).astype(np.int32)
+        return _on_every_process(strategy, lambda x: x.reshape((-1,) + x.shape[2:])[keep], x)
+    return _on_every_process(strategy, lambda x: jnp.concatenate(list(x), axis), x)
+
+
+def _on_every_process(strategy, fn, *args):
+    """`fn(*args)` as a program whose result is replicated, so every process can read it."""
     if jax.process_count() == 1:
-        return jax.device_put(host, sharding)
-    return jax.tree.map(
-        lambda a: jax.make_array_from_process_local_data(
-            sharding, a, (strategy.num_replicas_in_sync,) + a.shape[1:]
-        ),
-        host,
-    )
+        return fn(*args)
+    replicated = strategy.extended.replica_devices.replicated
+    return jax.jit(fn, out_shardings=replicated)(*args)
 
 
-def by_replica(strategy, per_process: Sequence[Sequence]) -> tuple:
-    """Lays out per-process lists (one entry per LOCAL replica of that process, in replica
-    order) as one tuple over all of `strategy`'s replicas."""
-    taken: dict = {}
-    out = []
-    for device in strategy._devices:
-        p = device.process_index
-        out.append(per_process[p][taken.get(p, 0)])
-        taken[p] = taken.get(p, 0) + 1
-    return tuple(out)
+def normalize_axis(axis, ndim: int) -> int:
+    """`axis` in [0, ndim).
+
+    Raises:
+      TypeError: `axis` is not an int.
+      ValueError: `axis` is outside [-ndim, ndim).
+    """
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise errors.InvalidArgumentTypeError(f"axis must be an int or None; received {axis!r}.")
+    if not -ndim <= axis < ndim:
+        raise errors.InvalidArgumentError(
+            f"axis {axis} is out of range for per-replica values of rank {ndim}; use an axis in "
+            f"[{-ndim}, {ndim})."
+        )
+    return int(axis) % ndim
 
 
-def mask_from_lengths(lengths: Sequence[int], rows: int) -> np.ndarray:
-    """Bool array (len(lengths), rows): True for the first lengths[r] rows of replica r."""
-    return np.arange(rows)[None, :] < np.asarray(lengths)[:, None]
+def check_axis_type(axis, what: str, optional: bool) -> None:
+    """Refuses an `axis` argument that is not an int (or None where `optional`)."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} must be an int{' or None' if optional else ''}; received {axis!r} of type "
+            f"{type(axis).__name__}."
+            + ("" if optional else " gather needs the axis to concatenate along, e.g. axis=0.")
+        )

@@ -28,10 +28,10 @@ import optax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import gradients
+from mirrax._src.distribute import batching, gradients
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import input_options
 from mirrax._src.distribute import invariant
-from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
@@ -1666,7 +1666,7 @@ class _Input:
             if jax.process_count() == 1:
                 iterator = input_lib.DistributedIterator(
                     _placed_array_batches(self.strategy, _ArrayBatches(self, order)),
-                    input_lib.InputOptions(experimental_fetch_to_device=prefetch))
+                    input_options.InputOptions(experimental_fetch_to_device=prefetch))
             else:
                 iterator = iter(self.strategy.experimental_distribute_dataset(
                     _ArrayBatches(self, order)))
@@ -1759,12 +1759,12 @@ def _placed_array_batches(strategy, batches):
     placer. On CPU `device_put` may alias a NumPy array instead of copying it: that is safe
     here because every batch of `_ArrayBatches` is a fresh fancy-indexed copy nobody else holds.
     """
-    placer = input_lib._Placer(strategy)
+    placer = batching.Placer(strategy)
     replicas = strategy.num_replicas_in_sync
     checked = False
     for batch in batches:
         if not checked:
-            batch, n = input_lib.to_host_batch(batch)  # dtypes and sizes, once per pass
+            batch, n = batching.to_host_batch(batch)  # dtypes and sizes, once per pass
             checked = True
         else:
             n = len(jax.tree.leaves(batch)[0])
@@ -1774,18 +1774,19 @@ def _placed_array_batches(strategy, batches):
             stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
             mask = placer._mask(lengths)
             yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
-                               values_lib.put_stacked(strategy, stacked))
+                               batching.put_stacked(strategy, stacked))
         elif strategy.replica_invariant:
             # The batch size, not the first batch (which may be the only, partial, one), fixes
             # the micro-batch size.
-            rows = input_lib.invariant_rows(strategy, placer.rows, batches.data.batch_size,
+            rows = batching.invariant_rows(strategy, placer.rows, batches.data.batch_size,
                                             f"{batches.data._what} (batch_size)")
-            shards, lengths = input_lib.split_invariant(strategy, batch, n, rows,
-                                                        strategy._local_replica_ids)
+            shards, lengths = batching.split_invariant(strategy, batch, n, rows,
+                                                        strategy.extended.replica_devices.local_replica_ids)
             yield placer.place(shards, f"global batch of {n} over {replicas} replicas",
                                lengths=lengths)
         else:
-            shards = input_lib.split_global_batch(batch, n, replicas, strategy._local_replica_ids)
+            shards = batching.split_global_batch(
+                batch, n, replicas, strategy.extended.replica_devices.local_replica_ids)
             yield placer.place(shards, f"global batch of {n} over {replicas} replicas")
 
 

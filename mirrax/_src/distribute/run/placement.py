@@ -1,0 +1,92 @@
+"""Putting `strategy.run`'s replicated inputs on the replicas, and refusing another strategy's.
+
+An array already replicated on this strategy's mesh enters as it is; one placed elsewhere by a
+single-device computation is copied over; one placed by ANOTHER multi-replica strategy is
+refused with a message naming the argument (or the NNX object and variable path) that holds it,
+since silently moving a model between strategies would hide a bug.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from mirrax import errors
+from mirrax._src.distribute import devices as devices_lib
+from mirrax._src.distribute.run.arguments import inside_transformation, is_variable
+
+
+def place(strategy, x, names, index, nodes=None):
+    """`x` replicated on `strategy`'s mesh (a copy unless it already is); non-arrays unchanged.
+
+    `names[index]` (or, with `nodes`, the NNX objects) names the argument in the error.
+
+    Raises:
+      MixedStrategyError: `x` lives on another multi-replica strategy's devices.
+      ReplicaContextError: `x` is traced.
+    """
+    if not isinstance(x, jax.Array):
+        return x
+    if isinstance(x, jax.core.Tracer):
+        raise inside_transformation("the state of the NNX objects")
+    replica_devices = strategy.extended.replica_devices
+    target = replica_devices.replicated
+    if x.sharding == target:
+        return x
+    if elsewhere(strategy, x):
+        raise _mixed_placement(strategy, x, names, index, nodes)
+    if jax.process_count() > 1 and x.is_fully_addressable:
+        # This process's copy of a replicated value (every process holds the same one, e.g.
+        # just initialized or restored): copy it to the local devices; JAX would otherwise
+        # attempt a cross-host transfer.
+        return jax.make_array_from_single_device_arrays(
+            x.shape, target, [jax.device_put(x, d) for d in replica_devices.local_devices])
+    return jax.device_put(x, target)
+
+
+def elsewhere(strategy, x) -> bool:
+    """True for an array placed by a multi-replica strategy on other devices than `strategy`'s."""
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(sharding, NamedSharding)
+        and sharding.mesh.size > 1
+        and strategy.num_replicas_in_sync > 1
+        and tuple(sharding.mesh.devices.flat) != tuple(strategy.mesh.devices.flat)
+    )
+
+
+def _mixed_placement(strategy, x, names, index, nodes) -> Exception:
+    """The MixedStrategyError for `x`, placed by another multi-replica strategy.
+
+    Names what the user passed: the argument position and, for NNX state, the object's type
+    and the variable's path inside it (e.g. "args[0] (a Net): variable l.kernel (Param)").
+    """
+    theirs = devices_lib.listing(x.sharding.mesh.devices.flat)
+    mine = devices_lib.listing(strategy.mesh.devices.flat)
+    if nodes is None:
+        what = f"argument {names[index]} (a {type(x).__name__} of shape {tuple(x.shape)})"
+        fix = f"jax.device_get({names[index]}) (a NumPy copy) in its place"
+    else:
+        offenders = []
+        for node in nodes:
+            for path, variable in nnx.to_flat_state(nnx.state(node)):
+                value = variable.get_raw_value() if is_variable(variable) else variable
+                if any(leaf is x or elsewhere(strategy, leaf)
+                       for leaf in jax.tree.leaves(value)):
+                    offenders.append(
+                        f"{names.of_node(node)} (a {type(node).__name__}): variable "
+                        f"{'.'.join(map(str, path)) or '(itself)'} ({type(variable).__name__})")
+                    break
+        what = "; ".join(offenders) or "the state of the NNX objects"
+        fix = ("its state back to the host first: nnx.update(obj, jax.device_get(nnx.state("
+               "obj))) for each object named (for a mirrax.Model, on the module, before "
+               "mirrax.Model(module) and compile)")
+    return errors.MixedStrategyError(
+        f"strategy.run: {what} lives on another strategy's devices ({theirs}), but this "
+        f"{type(strategy).__name__} runs on {mine}: the object was placed there when another "
+        "multi-replica strategy used it (its strategy.run, or a Model's fit / evaluate / "
+        f"predict). One object is used by one multi-replica strategy at a time. To use it "
+        f"here, bring {fix}; or create (or restore) it anew for this strategy."
+    )

@@ -1,0 +1,302 @@
+"""The per-strategy runner of `strategy.run`: its caches, its in-flight queue, one call's path.
+
+A call is sorted into slots (arguments.py), its NNX objects' Variables are found (nodes.py,
+skipping the flatten when the same objects come back unchanged), the program for its structure
+is found or compiled (program.py), the state is placed and, where nobody else holds it, donated,
+and the step's new state is written back into the caller's Variables, so mutation looks in
+place as in TF.
+
+Donation and aliases: a state array that only its Variable (and mirrax) references is donated:
+after the step it is deleted and the Variable holds the new value. An array that something else
+also references (the user kept `w = model.kernel.value`, a callback kept the best weights, an
+async checkpoint is reading it) is copied for the step instead, so every array a user holds
+stays valid and keeps the value it had: the semantics of TF's `variable.read_value()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute import _compat
+from mirrax._src.distribute.replica_context import current_replica_context
+from mirrax._src.distribute.run import arguments, captures, nodes as nodes_lib, program as prog
+from mirrax._src.distribute.run.arguments import StaticSlot, is_variable
+from mirrax._src.distribute.run.placement import place
+from mirrax._src.distribute.values import Mirrored, PerReplica
+
+_CACHE_SIZE = 256
+_MEMO_SIZE = 16  # programs remembered per set of NNX objects
+_RETRACE_WARNING_AT = 6
+# XLA:CPU runs a multi-device program's all-reduce as a rendezvous of host threads; with about
+# 100 such steps queued it deadlocks and aborts the process. On CPU, wait for the oldest step
+# once this many are in flight (accelerators queue steps on their own streams and need no cap).
+_CPU_MAX_IN_FLIGHT = 4
+# References to a state array that mirrax itself holds during the donation check; more means
+# someone else holds it, so it is copied instead of donated. An array the last step wrote back:
+# the Variable's slot, the list of arrays passed, the list of arrays written back, and
+# `sys.getrefcount`'s argument. Any other array a Variable holds: the slot, the list passed,
+# the argument. An array placed for this call: the list passed, the argument.
+_WRITTEN_REFERENCES = 4
+_HELD_REFERENCES = 3
+_COPY_REFERENCES = 2
+
+
+class LRU:
+    """A dict of at most `size` entries that drops the least recently used."""
+
+    def __init__(self, size: int = _CACHE_SIZE):
+        self._size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class _Binding:
+    """A program bound to one set of NNX objects: their Variables in the program's state
+    order, and the arrays the last step wrote into them."""
+
+    __slots__ = ("live", "written")
+
+    def __init__(self, live):
+        self.live = live
+        self.written = None
+
+
+class Runner:
+    """Runs, lowers and caches the programs of one strategy's `run` calls."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._programs = LRU()
+        self._nodes = nodes_lib.NodeCache()
+        self._example_counts = LRU()  # int -> replicated int32 scalar
+        self._compile_counts: dict = {}
+        devices = strategy.extended.replica_devices.devices
+        self._in_flight = (collections.deque()
+                           if len(devices) > 1 and devices[0].platform == "cpu" else None)
+
+    def clear(self) -> None:
+        """Drops the compiled programs and cached device values (`clear_session`)."""
+        self._programs.clear()
+        self._nodes.clear()
+        self._example_counts.clear()
+        self._compile_counts.clear()
+
+    def run(self, fn, args, kwargs):
+        """Implements `Strategy.run` (validated there)."""
+        program, binding, call, state_leaves, batch_info, written = self._prepare(
+            fn, args, kwargs)
+        if program.donates:
+            state_leaves = self._protect_aliases(binding, state_leaves, written)
+        new_state, outputs = program.compiled(state_leaves, call.dynamic, batch_info)
+        del state_leaves
+        return self._finish(program, binding, call, new_state, outputs)
+
+    def lower(self, fn, args, kwargs):
+        """Implements `Strategy.experimental_lower` (validated there): the program `run` would
+        execute, lowered on the arguments it would give it; nothing runs, nothing is written."""
+        program, _, call, state_leaves, batch_info, _ = self._prepare(fn, args, kwargs)
+        return program.compiled.lower(state_leaves, call.dynamic, batch_info)
+
+    # -- one call -----------------------------------------------------------------------------
+
+    def _prepare(self, fn, args, kwargs):
+        """Sorts the arguments, finds (or compiles) the program, gathers the state arrays.
+
+        Returns (program, binding, call, state leaves, batch info, whether the state leaves
+        are the arrays the last step wrote back).
+        """
+        if current_replica_context() is not None:
+            raise errors.ReplicaContextError(
+                "strategy.run was called inside a function that strategy.run is already "
+                "running; nested run is not supported. Call the inner function directly: it "
+                "already runs once per replica."
+            )
+        strategy = self._strategy
+        call = arguments.classify(strategy, fn, args, kwargs)
+        for position, index in call.array_positions:
+            call.dynamic[position] = place(strategy, call.dynamic[position], call.names, index)
+        # The batch mask enters sharded, with the step's number of real examples (all
+        # replicas) replicated, so `compute_average_loss` needs no cross-replica sum.
+        batch_info = None
+        if call.mask is not None:
+            count = None if call.lengths is None else self._example_count(call.lengths)
+            batch_info = (call.mask, count)
+        mask_key = None if batch_info is None else batch_info[1] is not None
+
+        node_state = self._nodes.lookup(call.nodes)
+        call_key = (call.fn_key, call.treedef, call.slots, mask_key)
+        program = binding = bound = None
+        if node_state.key is not None:
+            bound = node_state.memo.get(call_key)
+            if bound is not None:
+                program, binding = bound
+            else:
+                key = (call_key, node_state.key)
+                program = self._programs.get(key)
+                if program is not None and program.order is not None:
+                    variables = node_state.variables
+                    binding = _Binding([variables[i] for i in program.order])
+        if binding is None:
+            graphdef, state = nnx.split(tuple(call.nodes))
+            state_def = jax.tree.structure(state)
+            live = jax.tree.leaves(state, is_leaf=is_variable)
+            if node_state.key is None:
+                key = (call_key, graphdef, state_def)
+                program = self._programs.get(key)
+            binding = _Binding(live)
+        state_leaves, written = self._state_leaves(binding, call)
+        if program is None:
+            program = self._compile(call, key, graphdef, state_def, binding, node_state,
+                                    state_leaves, batch_info)
+        if node_state.key is not None and bound is None:
+            memo = node_state.memo
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[call_key] = (program, binding)
+        return program, binding, call, state_leaves, batch_info, written
+
+    def _state_leaves(self, binding, call) -> tuple[list, bool]:
+        """The state arrays to pass, and whether they are the ones this runner wrote back last
+        step (passed as they are: their placement is known); others are placed."""
+        raw = list(map(_compat.raw_value, binding.live))
+        written = binding.written
+        if written is not None and len(written) == len(raw) and all(
+                map(operator.is_, raw, written)):
+            return raw, True
+        binding.written = None
+        strategy = self._strategy
+        placed = [place(strategy, x, call.names, None, call.nodes) for x in jax.tree.leaves(raw)]
+        return placed, False
+
+    @staticmethod
+    def _protect_aliases(binding, state_leaves, written: bool) -> list:
+        """`state_leaves` with a copy in place of every array someone else also references
+        (see the module docstring), so donating the list deletes only mirrax's own arrays."""
+        live = binding.live
+        if len(state_leaves) != len(live):  # values that are pytrees: nothing is donated
+            return [jnp.copy(x) for x in state_leaves]
+        counts = list(map(sys.getrefcount, state_leaves))
+        if written and max(counts) <= _WRITTEN_REFERENCES:
+            return state_leaves
+        protected = None
+        for i, (count, variable) in enumerate(zip(counts, live)):
+            if written:
+                expected = _WRITTEN_REFERENCES
+            elif state_leaves[i] is _compat.raw_value(variable):
+                expected = _HELD_REFERENCES
+            else:
+                expected = _COPY_REFERENCES
+            if count > expected:
+                if protected is None:
+                    protected = list(state_leaves)
+                protected[i] = jnp.copy(state_leaves[i])
+        return state_leaves if protected is None else protected
+
+    def _compile(self, call, key, graphdef, state_def, binding, node_state, state_leaves,
+                 batch_info):
+        strategy = self._strategy
+        captures.check_captures(call.fn, call.fn_node)
+        captures.check_static_holders(call.slots, call.names)
+        self._warn_on_retracing(call)
+        node_names = tuple(call.names.of_node(node) for node in call.nodes)
+        spec = prog.Spec(strategy, call.fn, call.fn_node, call.treedef, call.slots, graphdef,
+                         state_def, node_names)
+        program = prog.compile_program(spec, state_leaves, call.dynamic, batch_info)
+        if node_state.key is not None and state_def.num_leaves == len(binding.live):
+            index = {id(v): i for i, v in enumerate(node_state.variables)}
+            program.order = tuple(index[id(v)] for v in binding.live)
+        self._programs.put(key, program)
+        return program
+
+    def _finish(self, program, binding, call, new_state, outputs):
+        """Writes the step's new state into the caller's objects and wraps the outputs."""
+        if program.same_state:  # a flat list: its first leaf, without a flatten
+            first = new_state[0] if new_state else (outputs[0] if outputs else None)
+        else:
+            first = next(iter(jax.tree.leaves((new_state, outputs))), None)
+        if isinstance(first, jax.core.Tracer):
+            # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the
+            # jitted function (so no argument was traced): the new state exists only inside
+            # that trace, and writing it back into the caller's objects would fail in flax.
+            raise arguments.inside_transformation("the step's result")
+        self._bound_in_flight(new_state, outputs)
+        live = binding.live
+        if program.same_state and len(live) == len(new_state) and live:
+            _compat.set_raw_values(live, new_state)
+            binding.written = new_state
+        elif call.nodes:
+            nnx.update(tuple(call.nodes), new_state)
+            binding.written = None
+        strategy = self._strategy
+        mask, lengths = call.mask, call.lengths
+        wrapped = [
+            PerReplica(strategy, x, mask=mask, lengths=lengths) if varying
+            else Mirrored(strategy, x)
+            for x, varying in zip(outputs, program.out_varying)
+        ]
+        return jax.tree.unflatten(program.out_treedef, wrapped)
+
+    # -- caches and queues --------------------------------------------------------------------
+
+    def _bound_in_flight(self, new_state, outputs) -> None:
+        queue_ = self._in_flight
+        if queue_ is None:
+            return
+        token = outputs[0] if outputs else next(iter(jax.tree.leaves(new_state)), None)
+        if token is None:
+            return
+        queue_.append(token)
+        if len(queue_) > _CPU_MAX_IN_FLIGHT:
+            jax.block_until_ready(queue_.popleft())
+
+    def _example_count(self, lengths) -> jax.Array:
+        """The int32 total of `lengths` (every replica's real rows), replicated; cached."""
+        total = int(sum(lengths))
+        count = self._example_counts.get(total)
+        if count is None:
+            replicated = self._strategy.extended.replica_devices.replicated
+            count = jax.make_array_from_callback(
+                (), replicated, lambda _: np.asarray(total, np.int32))
+            self._example_counts.put(total, count)
+        return count
+
+    def _warn_on_retracing(self, call) -> None:
+        """Warns, as tf.function does, when one function keeps being compiled anew."""
+        counts = self._compile_counts
+        counts[call.fn_key] = counts.get(call.fn_key, 0) + 1
+        if counts[call.fn_key] == _RETRACE_WARNING_AT:
+            statics = [repr(slot.value) for slot in call.slots if isinstance(slot, StaticSlot)]
+            warnings.warn(
+                f"strategy.run has compiled {arguments.fn_name(call.fn)} {_RETRACE_WARNING_AT} "
+                "times. Each new input shape, structure or Python value (compile-time constant) "
+                "makes a new program; this call's Python values: "
+                f"{', '.join(statics) or 'none'}. Pass values that change every step as arrays "
+                "(jnp.int32(step)) and keep batch shapes fixed.",
+                stacklevel=5,
+            )
