@@ -76,7 +76,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "--donate",
         action="store_true",
         help="donate the hand-written step's state buffers (overhead.py's default; slower on "
-        "XLA:CPU, and fit does not donate)",
+        "XLA:CPU; fit donates since issue 13)",
     )
     parser.add_argument(
         "--profile",

@@ -109,7 +109,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no-donate",
         action="store_true",
-        help="compile the hand-written step without donate_argnums (mirrax does not donate)",
+        help="compile the hand-written step without donate_argnums (mirrax donates)",
     )
     parser.add_argument(
         "--profile",

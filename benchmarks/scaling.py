@@ -24,21 +24,19 @@ step leaves a core idle (cores busy < `cores`), more devices can fill it and the
 pass the core count (per-core efficiency > 1): that measures the 1-device step's idle core,
 not scaling.
 
-Part 2, overlap (at `--overlap-devices`, default 4). The program `strategy.run` compiled is
-reached as in `communication.py`: after the timed steps, the single entry of
-`strategy._run_cache` is lowered again on the arguments `run` gave it (recorded during one more
-step by wrapping the entry's jitted function, then put back as it was), and compiled once
-per XLA option set in `OPTION_SETS` (`lowered.compile(compiler_options=...)`, the per-program
-form of `XLA_FLAGS`). From each optimized HLO (`compiled.as_text()`, `is_scheduled=true`, the
+Part 2, overlap (at `--overlap-devices`, default 4). The program `strategy.run` runs is
+reached as in `communication.py`: `strategy.experimental_lower` of the timed step, compiled
+once per XLA option set in `OPTION_SETS` (`lowered.compile(compiler_options=...)`, the
+per-program form of `XLA_FLAGS`). From each optimized HLO (`compiled.as_text()`, `is_scheduled=true`, the
 entry computation printed in schedule order) it reports: the all-reduce ops, whether they are
 asynchronous (`all-reduce-start`/`-done` pairs) and how many compute instructions (anything but
 parameter, constant, get-tuple-element, tuple, bitcast) are scheduled between a start and its
 done; for synchronous all-reduces, how many compute instructions are INDEPENDENT of each
 all-reduce (neither feed it nor use its result, directly or transitively): XLA:CPU's thunk
 executor may run those concurrently with it, nothing else can overlap it. The compiled variants
-are then timed against each other, interleaved, by calling each `Compiled` directly on the same
-state and batch (nothing donated, so the inputs stay valid; the model does not train, the work
-per step is the same).
+are then timed against each other, interleaved, by calling each `Compiled` directly on arrays
+of the program's input shapes and shardings (zeros), feeding the new state back in (the work
+per step does not depend on the values).
 
 Usage:
   python benchmarks/scaling.py                    # 1, 2, 4 and 8 fake CPU devices
@@ -234,7 +232,8 @@ def _measure(args, devices: int) -> dict:
         )
         rows.append(row)
         if devices == args.overlap_devices and not args.skip_overlap:
-            overlap += _overlap(args, strategy, mirrax_step, name, devices)
+            overlap += _overlap(args, strategy, lambda: strategy.experimental_lower(
+                train_step, args=(model, optimizer, batch)), name, devices)
     env = overhead.environment(jax, local)
     env["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     env["load_average_before"] = load_before
@@ -242,32 +241,23 @@ def _measure(args, devices: int) -> dict:
     return {"environment": env, "rows": rows, "overlap": overlap}
 
 
-def _overlap(args, strategy, step_fn, name: str, devices: int) -> list:
-    """Compiles strategy.run's program once per OPTION_SETS entry; reads and times each."""
+def _overlap(args, strategy, lower, name: str, devices: int) -> list:
+    """Compiles strategy.run's program once per OPTION_SETS entry; reads and times each.
+
+    `lower()` is `strategy.experimental_lower` of the timed step. Each variant runs on arrays
+    of the program's input shapes and shardings (zeros; the timing does not depend on the
+    values), feeding its new state back in as a training loop does (the state is donated).
+    """
     import jax
+    import numpy as np
 
-    if len(strategy._run_cache) != 1:
-        raise SystemExit(
-            f"scaling.py: expected strategy.run to cache one program, found "
-            f"{len(strategy._run_cache)}; mirrax's run cache changed, update this benchmark."
-        )
-    (program,) = strategy._run_cache.values()
-    # The arguments `run` gives its program (state leaves, batch arrays, batch mask and example
-    # count: private and changing) are recorded during one more step rather than rebuilt here;
-    # the program is put back as it was.
-    original, recorded = program.compiled, []
+    lowered = lower()
+    shardings = lowered.compile().input_shardings[0]
 
-    def record(*arguments):
-        recorded.append(arguments)
-        return original(*arguments)
-
-    program.compiled = record
-    try:
-        jax.block_until_ready(step_fn())
-    finally:
-        program.compiled = original
-    (arguments,) = recorded
-    lowered = original.lower(*arguments)
+    def fresh_arguments() -> list:  # each variant its own: the state is donated
+        return list(jax.tree.map(
+            lambda info, sharding: jax.device_put(np.zeros(info.shape, info.dtype), sharding),
+            lowered.args_info[0], shardings))
     variants, rows = {}, []
     for label, options in OPTION_SETS.items():
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
@@ -284,8 +274,10 @@ def _overlap(args, strategy, step_fn, name: str, devices: int) -> list:
         if report["schedule_same_as_default"]:
             continue  # the same program: timing it again would only measure noise
 
-        def step(compiled=compiled):
-            return compiled(*arguments)
+        def step(compiled=compiled, holder=[fresh_arguments()]):
+            new_state, outputs = compiled(*holder[0])
+            holder[0][0] = new_state
+            return outputs
 
         variants[label] = (step, jax.block_until_ready)
     steps = WORKLOADS[name][1] * args.steps_scale

@@ -93,6 +93,20 @@ def test_evaluate_and_predict_see_every_example_once(strategy):
     np.testing.assert_array_equal(model.predict(dataset, verbose=0), x)
 
 
+def test_predict_copies_outputs_at_the_end_unless_a_callback_reads_each_batch():
+    """Without a batch callback, predict copies outputs to the host up to 32 steps late; with
+    one, each batch's outputs reach the callback. Both give every example once, in order."""
+    model = identity_model(mirrored(2))
+    x = np.arange(1.0, 82.0, dtype=np.float32)[:, None]  # 81 examples, batches of 2: 41 steps
+    np.testing.assert_array_equal(model.predict(x, batch_size=2, verbose=0), x)
+    seen = []
+    reader = mirrax.callbacks.LambdaCallback(
+        on_predict_batch_end=lambda batch, logs: seen.append(logs["outputs"]))
+    np.testing.assert_array_equal(model.predict(x, batch_size=2, verbose=0, callbacks=[reader]), x)
+    assert len(seen) == 41 and seen[-1].shape == (1, 1)  # 81 = 40 * 2 + 1
+    np.testing.assert_array_equal(np.concatenate(seen), x)
+
+
 class Linear1(nnx.Module):
     def __init__(self):
         self.w = nnx.Param(jnp.ones(()))

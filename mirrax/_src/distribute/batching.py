@@ -11,12 +11,10 @@ from typing import Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mirrax import errors
 from mirrax._src.distribute import invariant, multihost
 from mirrax._src.distribute.input_options import ValueContext
-from mirrax._src.distribute.replica_context import REPLICA_AXIS
 from mirrax._src.distribute.values import PerReplica
 
 
@@ -72,7 +70,7 @@ def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first
 def put_stacked(strategy, host):
     """Places host arrays of shape (num_local_replicas, ...) as global (num_replicas, ...) arrays,
     row r on replica r's device (sharded along `REPLICA_AXIS`)."""
-    sharding = NamedSharding(strategy.mesh, P(REPLICA_AXIS))
+    sharding = strategy.extended.replica_devices.stacked
     if jax.process_count() == 1:
         return jax.device_put(host, sharding)
     return jax.tree.map(

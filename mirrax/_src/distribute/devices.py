@@ -28,6 +28,7 @@ class ReplicaDevices:
       devices: tuple of `jax.Device`, one per replica, over all processes.
       mesh: the one-axis `jax.sharding.Mesh` (`REPLICA_AXIS`) over `devices`.
       replicated: the `NamedSharding` that puts a value whole on every replica.
+      stacked: the `NamedSharding` that puts row r of a (num_replicas, ...) array on replica r.
       local_replica_ids: the replica indices whose devices belong to this process, ascending.
     """
 
@@ -35,6 +36,7 @@ class ReplicaDevices:
         self.devices = tuple(devices)
         self.mesh = Mesh(np.array(self.devices, dtype=object), (REPLICA_AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
+        self.stacked = NamedSharding(self.mesh, P(REPLICA_AXIS))
         me = jax.process_index()
         self.local_replica_ids = tuple(
             i for i, d in enumerate(self.devices) if d.process_index == me)

@@ -338,6 +338,34 @@ def _gather_stacked(strategy, value: PerReplica, x, axis):
     return _on_every_process(strategy, lambda x: jnp.concatenate(list(x), axis), x)
 
 
+def gather_to_host(strategy, value):
+    """`np.asarray(strategy.gather(value, axis=0))` leaf by leaf, done on the host: one copy of
+    each stacked array from its devices, then NumPy's reshape and row selection (no program on
+    the devices, so a loop can queue many steps before reading their outputs). One process
+    only (the caller's condition): a multi-process array is not all here.
+    """
+    replicas = strategy.num_replicas_in_sync
+
+    def one(leaf):
+        if isinstance(leaf, PerReplica):
+            if leaf._ragged is not None:
+                return np.asarray(gather_value(strategy, leaf, 0))
+            return jax.tree.map(lambda x: _rows_on_host(leaf, x), leaf._value)
+        value = leaf._value if isinstance(leaf, Mirrored) else leaf
+        return jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * replicas), value)
+
+    return jax.tree.map(one, value, is_leaf=is_distributed)
+
+
+def _rows_on_host(value: PerReplica, x):
+    if x.ndim == 1:
+        return np.asarray(_gather_stacked(None, value, x, 0))  # raises the scalar message
+    host = np.asarray(x)
+    if value._masked(x):
+        return np.concatenate([host[r, :n] for r, n in enumerate(value._lengths)])
+    return host.reshape((-1,) + host.shape[2:])
+
+
 def _on_every_process(strategy, fn, *args):
     """`fn(*args)` as a program whose result is replicated, so every process can read it."""
     if jax.process_count() == 1:

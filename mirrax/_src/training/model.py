@@ -15,6 +15,7 @@ compiled step.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import math
@@ -32,6 +33,7 @@ from mirrax._src.distribute import batching, gradients
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute import input_options
 from mirrax._src.distribute import invariant
+from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
@@ -655,16 +657,29 @@ class Model:
             steps=steps if steps is not None else data.steps,
         )
         cbs.on_predict_begin()
+        # Outputs are copied to the host at the end, so steps queue without a device round
+        # trip each, unless a callback reads each batch's outputs or several processes hold
+        # them (strategy.gather then replicates them first).
+        per_batch = (jax.process_count() > 1
+                     or _needs_batch_logs(cbs, "on_predict_batch_end"))
+        pending: collections.deque = collections.deque()
         try:
             for step, batch in enumerate(data.batches(steps)):
                 cbs.on_predict_batch_begin(step)
                 predict_fn = self._predict_fn if self._compiled else (
                     _PREDICT_FLOAT32_MICRO if strategy.replica_invariant else _PREDICT_FLOAT32)
                 out = strategy.run(predict_fn, args=(self.module, batch))
-                outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
-                cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
+                if per_batch:
+                    outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
+                    cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
+                else:
+                    pending.append(out)
+                    if len(pending) > _PREDICT_AHEAD:  # bounds the device memory held
+                        outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
+                    cbs.on_predict_batch_end(step, {})
         finally:
             data.close()
+        outputs += [values_lib.gather_to_host(strategy, out) for out in pending]
         if not outputs:
             raise errors.EmptyDatasetError(
                 "predict: the input yielded no batch, so there is nothing to predict (Keras "
@@ -862,14 +877,20 @@ def _weights(module) -> list:
     return list(nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState))))
 
 
+# predict copies a batch's outputs to the host this many steps after dispatching it.
+_PREDICT_AHEAD = 32
+
+
 def _needs_batch_logs(cbs, hook: str) -> bool:
     """Whether any callback reads per-batch logs (the live progress bar, a batch hook)."""
     for callback in cbs.callbacks:
         if isinstance(callback, callbacks_lib.History):
             continue
         if isinstance(callback, callbacks_lib.ProgbarLogger):
-            # Only the live bar on a terminal shows batch values; elsewhere the epoch's line.
-            if callback.verbose == 1 and sys.stdout.isatty():
+            # Only the live bar on a terminal shows batch values (predict's shows none);
+            # elsewhere the epoch's line.
+            if (callback.verbose == 1 and sys.stdout.isatty()
+                    and hook != "on_predict_batch_end"):
                 return True
             continue
         for name in (hook, "on_batch_end"):
@@ -1662,7 +1683,7 @@ class _Input:
             yield from self._stream_batches(steps)
             return
         elif self.arrays:
-            order = self.model._rng.permutation(self.n) if self.shuffle else np.arange(self.n)
+            order = self.model._rng.permutation(self.n) if self.shuffle else None
             if jax.process_count() == 1:
                 iterator = input_lib.DistributedIterator(
                     _placed_array_batches(self.strategy, _ArrayBatches(self, order)),
@@ -1732,7 +1753,13 @@ class _Input:
 
 
 class _ArrayBatches:
-    """Global batches cut from arrays in a given order: (x, y, sample_weight) or (x,)."""
+    """Global batches cut from arrays in a given order (None: as stored): (x, y,
+    sample_weight) or (x,).
+
+    In stored order a batch is a slice (a view, no copy), so on CPU the placed batch may share
+    the arrays' memory while its step runs: the arrays must not be modified during the pass
+    (by a callback). A shuffled batch is a fresh copy.
+    """
 
     def __init__(self, data: _Input, order):
         self.data, self.order = data, order
@@ -1740,7 +1767,10 @@ class _ArrayBatches:
     def __iter__(self):
         d = self.data
         for start in range(0, d.n, d.batch_size):
-            index = self.order[start : start + d.batch_size]
+            if self.order is None:
+                index = slice(start, start + d.batch_size)
+            else:
+                index = self.order[start : start + d.batch_size]
             x = jax.tree.map(lambda a: np.asarray(a)[index], d.x)
             if d.inputs_only:
                 yield (x,)
@@ -1756,8 +1786,9 @@ def _placed_array_batches(strategy, batches):
     first batch's per-replica size, padding and mask), made more cheaply: a global batch that
     splits evenly over the replicas is reshaped to (replicas, rows, ...) and placed with one
     `device_put` per leaf; others (the first and the partial last batch) go through the general
-    placer. On CPU `device_put` may alias a NumPy array instead of copying it: that is safe
-    here because every batch of `_ArrayBatches` is a fresh fancy-indexed copy nobody else holds.
+    placer. On CPU `device_put` may alias a NumPy array instead of copying it: a batch of
+    `_ArrayBatches` is a fresh copy (shuffled) or a view of the user's arrays, which the pass
+    only reads.
     """
     placer = batching.Placer(strategy)
     replicas = strategy.num_replicas_in_sync

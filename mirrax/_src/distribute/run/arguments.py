@@ -152,7 +152,7 @@ def classify(strategy, fn, args, kwargs) -> Call:
     elif inspect.ismethod(fn) and is_graph_node(fn.__self__):
         fn_node = fn.__self__
     structure = (fn_node, tuple(args), dict(kwargs))
-    leaves, treedef = jax.tree.flatten(structure, is_leaf=is_argument_leaf)
+    leaves, treedef = _flatten(structure)
     names = LazyNames(structure)
     nodes, node_index = [], {}
     slots, dynamic, array_positions = [], [], []
@@ -215,6 +215,45 @@ def classify(strategy, fn, args, kwargs) -> Call:
         fn_key = fn
     return Call(fn, fn_node, fn_key, treedef, tuple(slots), nodes, dynamic, mask, lengths,
                 names, array_positions)
+
+
+_FLAT_LEAF_TYPES: dict = {}
+_FLAT_TREEDEFS: dict = {}
+
+
+def _is_flat_leaf(x) -> bool:
+    kind = type(x)
+    answer = _FLAT_LEAF_TYPES.get(kind)
+    if answer is None:
+        answer = _FLAT_LEAF_TYPES[kind] = is_argument_leaf(x) or isinstance(
+            x, (jax.Array, np.ndarray, np.generic))
+    return answer
+
+
+def _flatten(structure):
+    """`jax.tree.flatten(structure, is_leaf=is_argument_leaf)`; for the common call (no function
+    object, no kwargs, each argument a leaf or a tuple of leaves: `args=(model, optimizer,
+    batch)` with the batch a tuple of `PerReplica`s) without the flatten's Python callbacks."""
+    fn_node, args, kwargs = structure
+    if fn_node is None and not kwargs:
+        shape, leaves = [], []
+        for arg in args:
+            if _is_flat_leaf(arg):
+                shape.append(None)
+                leaves.append(arg)
+            elif type(arg) is tuple and all(map(_is_flat_leaf, arg)):
+                shape.append(len(arg))
+                leaves.extend(arg)
+            else:
+                break
+        else:
+            shape = tuple(shape)
+            treedef = _FLAT_TREEDEFS.get(shape)
+            if treedef is None:
+                template = tuple(0 if n is None else (0,) * n for n in shape)
+                treedef = _FLAT_TREEDEFS[shape] = jax.tree.structure((None, template, {}))
+            return leaves, treedef
+    return jax.tree.flatten(structure, is_leaf=is_argument_leaf)
 
 
 def check_run_arguments(what: str, fn, args, kwargs) -> None:

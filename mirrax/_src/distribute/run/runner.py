@@ -21,7 +21,6 @@ import sys
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -48,6 +47,14 @@ _CPU_MAX_IN_FLIGHT = 4
 _WRITTEN_REFERENCES = 4
 _HELD_REFERENCES = 3
 _COPY_REFERENCES = 2
+
+
+def _copy(x):
+    """A copy of `x` in new buffers on the same devices: a per-device transfer, not a program,
+    so processes that copy different arrays (each holds its own references) stay in step."""
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return x
 
 
 class LRU:
@@ -200,7 +207,7 @@ class Runner:
         (see the module docstring), so donating the list deletes only mirrax's own arrays."""
         live = binding.live
         if len(state_leaves) != len(live):  # values that are pytrees: nothing is donated
-            return [jnp.copy(x) for x in state_leaves]
+            return [_copy(x) for x in state_leaves]
         counts = list(map(sys.getrefcount, state_leaves))
         if written and max(counts) <= _WRITTEN_REFERENCES:
             return state_leaves
@@ -215,7 +222,7 @@ class Runner:
             if count > expected:
                 if protected is None:
                     protected = list(state_leaves)
-                protected[i] = jnp.copy(state_leaves[i])
+                protected[i] = _copy(state_leaves[i])
         return state_leaves if protected is None else protected
 
     def _compile(self, call, key, graphdef, state_def, binding, node_state, state_leaves,
