@@ -388,7 +388,8 @@ def _markdown(results: list) -> str:
             "Overlap: strategy.run's program compiled with each option set "
             "(`lowered.compile(compiler_options=...)`), read from `compiled.as_text()` (schedule "
             "order) and timed against the default compile, interleaved, by calling each "
-            "`Compiled` on the same arguments. Independent = compute instructions that neither "
+            "`Compiled` on zero-filled arguments of the program's shapes (its new state fed "
+            "back in). Independent = compute instructions that neither "
             "feed the all-reduce nor use its result: the only ones that can run beside it."
         )
     return "\n".join(lines)

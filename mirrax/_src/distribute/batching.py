@@ -196,13 +196,15 @@ class Placer:
         self.rows = max(self.rows, max(all_lengths))
         # Padding rows repeat a real example: finite wherever the model is finite on real data.
         stacked, _ = stack_host_values(shards, rows=self.rows, fill_with_first_row=True)
-        mask = self._mask(tuple(lengths))
+        mask = self.mask(tuple(lengths))
         return jax.tree.map(
             lambda a: PerReplica(self.strategy, a, mask, all_lengths),
             put_stacked(self.strategy, stacked),
         )
 
-    def _mask(self, lengths):
+    def mask(self, lengths):
+        """The placed bool (num_replicas, rows) mask of a batch with these per-replica lengths
+        (full batches' mask made once)."""
         if all(n == self.rows for n in lengths):
             key = (self.rows, len(lengths))
             if key not in self._full_masks:

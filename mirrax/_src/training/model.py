@@ -1084,7 +1084,7 @@ def _groups(batches, size: int):
 def _mask_of(batch):
     """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
     return next(leaf for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
-                if isinstance(leaf, PerReplica))._mask
+                if isinstance(leaf, PerReplica)).mask
 
 
 # -- argument checks (one block, so they can move with the data adapter) ---------------------
@@ -1803,7 +1803,7 @@ def _placed_array_batches(strategy, batches):
         if n % replicas == 0 and rows == placer.rows:
             lengths = (rows,) * replicas
             stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
-            mask = placer._mask(lengths)
+            mask = placer.mask(lengths)
             yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
                                batching.put_stacked(strategy, stacked))
         elif strategy.replica_invariant:
