@@ -21,7 +21,7 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
-from mirrax._src.distribute import invariant
+from mirrax._src.distribute import exact_sums
 from tests.multiprocess import harness
 
 REPLICAS = (1, 2, 4, 8)
@@ -249,7 +249,7 @@ def test_all_reduce_and_reduce_follow_the_pairwise_tree():
             ctx = mirrax.get_replica_context()
             local = b[:, 0]  # this replica's 8 / r values
             # The replica's own pairwise sum over its micro-batches, then across replicas.
-            return ctx.all_reduce("sum", invariant.pairwise_sum(local.reshape(-1, 1))[0])
+            return ctx.all_reduce("sum", exact_sums.pairwise_sum(local.reshape(-1, 1))[0])
 
         out = strategy.run(step, args=(batch,))
         sums[r] = (np.asarray(strategy.experimental_local_results(out)[0]),

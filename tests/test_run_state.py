@@ -8,8 +8,13 @@ import optax
 from flax import nnx
 
 import mirrax
-from tests.conftest import mirrored
 from tests.test_run import MLP, mlp_data, sgd_step
+
+
+def _two_replicas():
+    """A strategy of this file's own, so its compiles do not count toward the retracing
+    warning of the suite's shared strategies."""
+    return mirrax.MirroredStrategy(["cpu:0", "cpu:1"])
 
 
 def _trained(strategy):
@@ -28,7 +33,7 @@ def _buffer(array) -> int:
 
 
 def test_state_buffers_are_donated_when_nobody_else_holds_them():
-    strategy = mirrored(2)
+    strategy = _two_replicas()
     model, optimizer, batch = _trained(strategy)
     lowered = strategy.experimental_lower(sgd_step, args=(model, optimizer, batch))
     assert "tf.aliasing_output" in lowered.as_text() or "jax.buffer_donor" in lowered.as_text()
@@ -40,7 +45,7 @@ def test_state_buffers_are_donated_when_nobody_else_holds_them():
 
 
 def test_an_array_the_user_holds_stays_valid_with_its_old_value():
-    strategy = mirrored(2)
+    strategy = _two_replicas()
     model, optimizer, batch = _trained(strategy)
     kept = model.l1.kernel.get_value()  # as TF's variable.read_value(): a snapshot
     snapshot = np.asarray(jax.device_get(kept)).copy()
@@ -57,7 +62,7 @@ def test_donation_gives_the_same_numbers_as_a_copy_of_every_array():
     since both paths run the same program on the same values."""
     losses = {}
     for hold in (False, True):
-        strategy = mirrored(2)
+        strategy = _two_replicas()
         model, optimizer, batch = _trained(strategy)
         held, out = [], []
         for _ in range(3):
@@ -72,7 +77,7 @@ def test_donation_gives_the_same_numbers_as_a_copy_of_every_array():
 
 
 def test_a_submodule_replaced_between_steps_is_the_one_trained():
-    strategy = mirrored(2)
+    strategy = _two_replicas()
     model, optimizer, batch = _trained(strategy)
     old_layer = model.l2
     before_old = np.asarray(old_layer.kernel.get_value()).copy()
@@ -86,7 +91,7 @@ def test_a_submodule_replaced_between_steps_is_the_one_trained():
 
 
 def test_a_variable_replaced_in_place_is_the_one_updated():
-    strategy = mirrored(2)
+    strategy = _two_replicas()
     model, optimizer, batch = _trained(strategy)
     old = model.l1.bias
     model.l1.bias = nnx.Param(jnp.full((3,), 5.0))  # same shape: same program structure
@@ -113,7 +118,7 @@ def _grow_step(model, x):
 
 
 def test_a_layer_appended_between_steps_takes_part_in_the_next_step():
-    strategy = mirrored(2)
+    strategy = _two_replicas()
     with strategy.scope():
         model = Stack()
     x = jnp.ones((2, 4))
@@ -128,7 +133,7 @@ def test_a_layer_appended_between_steps_takes_part_in_the_next_step():
 
 def test_variable_metadata_changed_between_steps_is_seen():
     """A Variable's aggregation is metadata; changing it between steps makes a new program."""
-    strategy = mirrored(2)
+    strategy = _two_replicas()
 
     class Counter(nnx.Module):
         def __init__(self):

@@ -422,14 +422,14 @@ def test_fit_and_evaluate_take_an_already_distributed_dataset():
 
 
 def test_fits_array_batches_are_those_of_experimental_distribute_dataset():
-    from mirrax._src.training.model import _placed_array_batches
+    from mirrax._src.distribute.batching import place_host_batches
 
     strategy = mirrored(4)
     x = np.arange(23 * 2, dtype=np.float32).reshape(23, 2)
     y = np.arange(23, dtype=np.int32)
     for size in (8, 10):  # 8, 8, 7 (4 rows per replica); 10, 10, 3 (3, 3, 3, 1 per replica)
         batches = [(x[i : i + size], y[i : i + size]) for i in range(0, 23, size)]
-        fast = list(_placed_array_batches(strategy, batches))
+        fast = list(place_host_batches(strategy, batches))
         general = list(strategy.experimental_distribute_dataset(batches))
         assert len(fast) == len(general) == 3
         for a, b in zip(fast, general):

@@ -19,6 +19,7 @@ import sys
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from mirrax import errors
 
@@ -58,8 +59,6 @@ def barrier(name: str) -> None:
     """Waits until every process reaches the barrier `name` (a no-op in one process), as
     jax.experimental.multihost_utils.sync_global_devices."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 

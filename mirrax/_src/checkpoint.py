@@ -29,8 +29,6 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src import atomic_dirs
-from mirrax._src.distribute.input import DistributedIterator
-from mirrax._src.training.model import Model
 
 _LOG = logging.getLogger("mirrax")
 
@@ -220,30 +218,33 @@ def _value_part(item: str, owner: Checkpoint, name: str) -> _Part:
     return _Part(item, get, set_)
 
 
-def _iterator_part(item: str, iterator: DistributedIterator) -> _Part:
-    """A data iterator's position: the batches handed to the caller (prefetched ones are not
-    counted). Restoring re-reads that many batches from a fresh iterator and discards them."""
-    return _Part(
-        item,
-        lambda: {"position": np.asarray(iterator._handed, np.int64)},
-        lambda restored: iterator._skip_to(int(np.asarray(restored["position"]))),
-        iterator._check_fresh,
-    )
+def _protocol_part(item: str, obj) -> _Part:
+    """An object that names its own state (`checkpoint_state()`, `restore_checkpoint_state(state)`,
+    and optionally `check_restorable()`, called before any restore): a data iterator's position."""
+    return _Part(item, obj.checkpoint_state, obj.restore_checkpoint_state,
+                 getattr(obj, "check_restorable", None))
 
 
 def _parts(owner: Checkpoint, name: str, obj) -> list:
-    if isinstance(obj, Model):
-        parts = [_nnx_part(f"{name}.module", obj.module)]
-        if obj.optimizer is not None:
-            parts.append(_nnx_part(f"{name}.optimizer", obj.optimizer.nnx_optimizer))
-        return parts
+    """The stored parts of `obj` tracked as `name`.
+
+    mirrax's checkpoint protocol, for objects that are not NNX objects or plain values: an
+    object with `checkpoint_children()` (a `mirrax.Model`: {"module": ..., "optimizer": ...})
+    is stored as its children, each under f"{name}.{key}"; an object with `checkpoint_state()`
+    and `restore_checkpoint_state(state)` (a `DistributedIterator`: its position) stores that
+    dict of arrays.
+    """
+    children = getattr(obj, "checkpoint_children", None)
+    if callable(children):
+        return [part for key, child in children().items()
+                for part in _parts(owner, f"{name}.{key}", child)]
     if isinstance(obj, nnx.Variable):
         return [_Part(name, lambda: {"value": obj.get_value()},
                       lambda restored: obj.set_value(restored["value"]))]
     if isinstance(obj, nnx.Pytree):
         return [_nnx_part(name, obj)]
-    if isinstance(obj, DistributedIterator):
-        return [_iterator_part(name, obj)]
+    if callable(getattr(obj, "checkpoint_state", None)):
+        return [_protocol_part(name, obj)]
     if isinstance(obj, (bool, int, float, np.ndarray, np.generic, jax.Array)):
         return [_value_part(name, owner, name)]
     raise errors.InvalidArgumentTypeError(

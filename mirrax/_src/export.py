@@ -24,13 +24,18 @@ import struct
 import zipfile
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from mirrax import errors
 from mirrax._src import atomic_dirs
+from mirrax._src.training import mixed_precision
+from mirrax._src.training.model import Model
+from mirrax._src.training.steps import forward as _forward
 
 FORMAT = "mirrax.export"
 # Version 2 adds positional inputs (a list or tuple input_signature); an artifact with one
@@ -397,9 +402,6 @@ def _forward_and_weights(model_or_fn, positional: bool):
 
     With `positional`, `x` is the tuple of positional inputs, passed as `model(*x)`.
     """
-    from mirrax._src.training import mixed_precision
-    from mirrax._src.training.model import Model, _forward
-
     if isinstance(model_or_fn, Model):
         module = model_or_fn.module
         policy = getattr(model_or_fn, "dtype_policy", None) or mixed_precision.Policy("float32")
@@ -475,17 +477,18 @@ def _where(path, positional: bool) -> str:
     return f" at {jax.tree_util.keystr(tuple(path))}"
 
 
+# mirrax's own package directory (mirrax/), for telling library frames from the user's.
+_MIRRAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _origin(error) -> str:
     """" (at file:line)": the innermost frame of the user's code that `error` passed through
     (outside jax, flax and mirrax), else the innermost outside jax; "" if none."""
     def package_dir(module):
         return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
-    import flax
-    import mirrax
-
     jax_dirs = (package_dir(jax), os.path.join(os.path.dirname(package_dir(jax)), "jaxlib"))
-    library_dirs = jax_dirs + (package_dir(flax), package_dir(mirrax))
+    library_dirs = jax_dirs + (package_dir(flax), _MIRRAX_DIR)
     user = outside_jax = None
     tb = error.__traceback__
     while tb is not None:
@@ -510,7 +513,6 @@ def _host_copy(array) -> np.ndarray:
     if isinstance(array, jax.Array) and not array.is_fully_addressable:
         if array.is_fully_replicated:
             return np.asarray(array.addressable_data(0))
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(array, tiled=True))
     return np.asarray(array)
 

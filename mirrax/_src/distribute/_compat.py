@@ -17,6 +17,7 @@ import sys
 
 import jax
 from flax import nnx
+from jax._src import distributed as _distributed  # private: the public API exposes no client
 
 
 def varying_axes(x) -> frozenset:
@@ -104,9 +105,7 @@ def set_raw_values(variables, values) -> None:
 
 def distributed_state():
     """jax.distributed's global state (`.client`, `.num_processes`, `.process_id`)."""
-    from jax._src import distributed  # private: the public API exposes no client
-
-    return distributed.global_state
+    return _distributed.global_state
 
 
 def backends_started(default: bool = True) -> bool:

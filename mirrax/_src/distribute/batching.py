@@ -272,6 +272,49 @@ def split_invariant(strategy, host_batch, n: int, rows: int, replica_ids) -> tup
     return shards, lengths
 
 
+def place_host_batches(strategy, batches, batch_size: int | None = None,
+                       what: str = "the input") -> Iterator:
+    """Distributed batches of host global batches, made in the caller's thread, one process.
+
+    The same batches `experimental_distribute_dataset(batches)` yields (TF's split rule, the
+    first batch's per-replica size, padding and mask), made more cheaply: a global batch that
+    splits evenly over the replicas is reshaped to (replicas, rows, ...) and placed with one
+    `device_put` per leaf; others (the first and the partial last batch) go through the general
+    `Placer`. On CPU `device_put` may alias a NumPy array instead of copying it, so the batches
+    must not be modified while their steps run. `batch_size` fixes the micro-batch size in
+    replica-invariant mode (default: the first batch's size); `what` names the input in errors.
+    """
+    placer = Placer(strategy)
+    replicas = strategy.num_replicas_in_sync
+    local = strategy.extended.replica_devices.local_replica_ids
+    checked = False
+    for batch in batches:
+        if not checked:
+            batch, n = to_host_batch(batch)  # dtypes and sizes, once per pass
+            checked = True
+            if batch_size is None:
+                batch_size = n
+        else:
+            n = len(jax.tree.leaves(batch)[0])
+        rows = n // replicas
+        if n % replicas == 0 and rows == placer.rows:
+            lengths = (rows,) * replicas
+            stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
+            mask = placer.mask(lengths)
+            yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
+                               put_stacked(strategy, stacked))
+        elif strategy.replica_invariant:
+            # The batch size, not the first batch (which may be the only, partial, one), fixes
+            # the micro-batch size.
+            rows = invariant_rows(strategy, placer.rows, batch_size, f"{what} (batch_size)")
+            shards, lengths = split_invariant(strategy, batch, n, rows, local)
+            yield placer.place(shards, f"global batch of {n} over {replicas} replicas",
+                               lengths=lengths)
+        else:
+            shards = split_global_batch(batch, n, replicas, local)
+            yield placer.place(shards, f"global batch of {n} over {replicas} replicas")
+
+
 def batch_fingerprint(host_batch, n: int) -> str:
     """A short digest of a global batch's bytes: DATA-sharded workers must all read the same.
 

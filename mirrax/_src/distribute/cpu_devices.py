@@ -12,6 +12,8 @@ import os
 import re
 import warnings
 
+import jax
+
 from mirrax import errors
 from mirrax._src.distribute import _compat
 
@@ -77,8 +79,6 @@ def set_cpu_device_count(count: int) -> None:
             "CPU devices (replicas) wanted, e.g. 8."
         )
     if backends_started():
-        import jax
-
         running = len(jax.devices("cpu"))
         if running == count:
             return
@@ -103,8 +103,6 @@ def warn_if_count_ignored(devices) -> None:
     requested = requested_cpu_device_count()
     if requested is None:
         return
-    import jax
-
     running = len(jax.devices("cpu"))
     if requested == running or (requested, running) in _warned:
         return

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.data.files import FileDataset
 from mirrax._src.distribute.batching import (
     Placer,
     batch_fingerprint,
@@ -210,8 +211,6 @@ def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
       ValueError: FILE on a dataset that is not a FileDataset, or with fewer files than
         workers (the message suggests DATA).
     """
-    from mirrax._src.data.files import FileDataset
-
     workers = jax.process_count()
     if workers == 1:
         return AutoShardPolicy.DATA
@@ -327,6 +326,21 @@ class DistributedIterator(DistributedInput):
     def get_next(self) -> PerReplica:
         """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
         return next(self)
+
+    # -- mirrax's checkpoint protocol (checkpoint.py): the position, not the data ------------
+
+    def checkpoint_state(self) -> dict:
+        """{"position": int64 array}: the batches handed to the caller (prefetched ones are not
+        counted), as `mirrax.Checkpoint` stores it."""
+        return {"position": np.asarray(self._handed, np.int64)}
+
+    def restore_checkpoint_state(self, state: dict) -> None:
+        """Fast-forwards this fresh iterator to `state["position"]` (see `_skip_to`)."""
+        self._skip_to(int(np.asarray(state["position"])))
+
+    def check_restorable(self) -> None:
+        """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""
+        self._check_fresh()
 
     def _check_fresh(self) -> None:
         """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""

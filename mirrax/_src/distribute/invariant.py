@@ -10,10 +10,10 @@ things make the result the same bits at every R (docs/design.md, "Replica invari
   R; on CPU the step is compiled without XLA's algebraic simplifier and fusion
   (`compiler_options`), whose rewrites depend on the program around that computation.
 - One summation tree: a float sum over micro-batches is the balanced pairwise tree over the
-  micro-batch index. A replica adds its L micro-batches' values pairwise (`pairwise_sum`), and
-  `exact_psum` continues the same tree across replicas: an all-to-all gives replica j chunk j of
-  every replica's partial sum, it adds them pairwise in replica order, and an all-gather hands
-  the chunks to everyone. Every replica then holds the same bits, JAX types them as unvarying,
+  micro-batch index (exact_sums.py). A replica adds its L micro-batches' values pairwise
+  (`pairwise_sum`), and `exact_psum` continues the same tree across replicas: an all-to-all
+  gives replica j chunk j of every replica's partial sum, it adds them pairwise in replica
+  order, and an all-gather hands the chunks to everyone. Every replica then holds the same bits, JAX types them as unvarying,
   and the bytes moved are a ring all-reduce's (2(R-1)/R of the vector per replica).
 - Randomness keyed by the global micro-batch index r*L + l, not the replica id.
 
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat
+from mirrax._src.distribute import _compat, exact_sums
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
@@ -124,80 +124,6 @@ def compiler_options(strategy) -> dict | None:
     if not strategy.replica_invariant or strategy.mesh.devices.flat[0].platform != "cpu":
         return None
     return {"xla_disable_hlo_passes": "algsimp,fusion"}
-
-
-# -- the fixed summation tree ----------------------------------------------------------------
-
-
-def pairwise_sum(x):
-    """The balanced pairwise tree sum over the leading axis of `x` (a power of two long).
-
-    ((x0 + x1) + (x2 + x3)) + ...: the order that `exact_psum` continues across replicas.
-    The rows pass an optimization barrier first, and on CPU the step is compiled without the
-    algebraic simplifier (`compiler_options`), so XLA keeps these additions as written.
-    """
-    parts = list(_barrier([x[i] for i in range(x.shape[0])]))
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def exact_psum(tree):
-    """Sums each leaf over the replicas in the fixed pairwise tree; every replica gets the same bits.
-
-    Inside `strategy.run` of a strategy in replica-invariant mode. Float leaves are packed per
-    dtype into one vector: one all-to-all and one all-gather for the whole tree. Integer and
-    bool leaves use `psum`, which is exact in any order.
-
-    Args:
-      tree: a pytree of arrays, this replica's partial sums (varying or not).
-
-    Returns:
-      The same pytree, summed over replicas, unvarying (as `jax.lax.psum` returns it).
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    out = [None] * len(leaves)
-    groups: dict = {}
-    for i, leaf in enumerate(leaves):
-        leaf = jnp.asarray(leaf)
-        leaves[i] = leaf
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            groups.setdefault(leaf.dtype, []).append(i)
-        else:
-            integer = leaf.astype(jnp.int32) if leaf.dtype == jnp.bool_ else leaf
-            out[i] = jax.lax.psum(_compat.pvary(integer, REPLICA_AXIS), REPLICA_AXIS)
-    for indices in groups.values():
-        flat = jnp.concatenate([leaves[i].reshape(-1) for i in indices])
-        total = _exact_psum_flat(_compat.pvary(flat, REPLICA_AXIS))
-        offset = 0
-        for i in indices:
-            size = leaves[i].size
-            out[i] = total[offset:offset + size].reshape(leaves[i].shape)
-            offset += size
-    return jax.tree.unflatten(treedef, out)
-
-
-def _exact_psum_flat(flat):
-    replicas = jax.lax.axis_size(REPLICA_AXIS)
-    n = flat.shape[0]
-    chunk = -(-n // replicas) if n else 1
-    x = jnp.pad(flat, (0, chunk * replicas - n)).reshape(replicas, chunk)
-    if replicas > 1:
-        # Row j becomes replica j's chunk of this replica's index: the tree's next levels.
-        x = jax.lax.all_to_all(x, REPLICA_AXIS, 0, 0, tiled=True)
-    return _compat.all_gather_invariant(pairwise_sum(x), REPLICA_AXIS)[:n]
-
-
-def exact_pmean(tree):
-    """`exact_psum(tree)` divided by the replica count (floats keep their dtype)."""
-    replicas = jax.lax.axis_size(REPLICA_AXIS)
-
-    def mean(x):
-        x = jnp.asarray(x)
-        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32
-        return x.astype(dtype) / jnp.asarray(replicas, dtype)
-
-    return jax.tree.map(mean, exact_psum(tree))
 
 
 # -- one loss per micro-batch ------------------------------------------------------------------
@@ -350,12 +276,12 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
             ctx.mark_combined(final[i])
         nnx.update(nodes, jax.tree.unflatten(rest_def, final))
     if differentiate:
-        summed = exact_psum([pairwise_sum(g) for g in grads])
+        summed = exact_sums.exact_psum([exact_sums.pairwise_sum(g) for g in grads])
         grads = jax.tree.unflatten(param_def, summed)
     aux = jax.tree.map(
         lambda a: a.reshape((rows,) + a.shape[2:]) if a.ndim >= 2 and a.shape[1] == size
         else a, auxs)
-    return pairwise_sum(values), aux, grads
+    return exact_sums.pairwise_sum(values), aux, grads
 
 
 def _each_micro_batch(body, shared, inputs, count: int):
@@ -375,32 +301,18 @@ def _each_micro_batch(body, shared, inputs, count: int):
         inputs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)]), inputs)
     outputs = []
     for i in range(count):
-        arguments = _barrier(tuple(shared) + jax.tree.map(lambda a: a[i], tuple(inputs)))
-        outputs.append(_barrier(body(arguments, i)))
+        arguments = exact_sums.barrier(tuple(shared) + jax.tree.map(lambda a: a[i], tuple(inputs)))
+        outputs.append(exact_sums.barrier(body(arguments, i)))
     return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
-
-
-def _barrier(tree):
-    """`lax.optimization_barrier(tree)` keeping each leaf's vma type (one barrier would type
-    every output as varying if any input is)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    groups: dict = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(REPLICA_AXIS in _compat.varying_axes(leaf), []).append(i)
-    out = list(leaves)
-    for indices in groups.values():
-        for i, value in zip(indices, jax.lax.optimization_barrier([leaves[i] for i in indices])):
-            out[i] = value
-    return jax.tree.unflatten(treedef, out)
 
 
 def _combine(variable, before, stacked, micro_batches: int):
     """One variable's new value from its L per-micro-batch values (stacked), over all micro-batches."""
     aggregation = aggregation_of(variable)
     if aggregation is VariableAggregation.SUM:
-        return before + exact_psum(pairwise_sum(stacked - before[None]))
+        return before + exact_sums.exact_psum(exact_sums.pairwise_sum(stacked - before[None]))
     if aggregation is VariableAggregation.MEAN:
-        total = exact_psum(pairwise_sum(stacked.astype(jnp.result_type(stacked, jnp.float32))))
+        total = exact_sums.exact_psum(exact_sums.pairwise_sum(stacked.astype(jnp.result_type(stacked, jnp.float32))))
         return (total / micro_batches).astype(stacked.dtype)
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         return _compat.all_gather_invariant(stacked[0][None], REPLICA_AXIS)[0]

@@ -22,11 +22,12 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import jax
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, invariant
+from mirrax._src.distribute import _compat, invariant, multihost
 from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
 from mirrax._src.distribute.devices import tf_device_name
 from mirrax._src.distribute.strategy import Strategy, StrategyExtended
@@ -345,12 +346,8 @@ def _let_failing_peers_report() -> None:
     """Marks this worker failed in the coordination service's store; the chief then waits up
     to `_PEER_REPORT_SECONDS` in all for the others' marks (workers that fail at the same step,
     e.g. on an input disagreement every worker detects, all print their error)."""
-    import time
-
     try:
-        from mirrax._src.distribute import multihost
-
-        client = multihost._client()
+        client = multihost.coordination_client()
         me, count = jax.process_index(), jax.process_count()
         client.key_value_set(f"mirrax/failed/{me}", "1")
         if me != 0:

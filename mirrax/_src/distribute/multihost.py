@@ -26,7 +26,13 @@ from mirrax._src.distribute import _compat
 DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 3600
 
 
-def _client():
+def coordination_client():
+    """jax.distributed's coordination client (its key-value store carries the exchanges).
+
+    Raises:
+      StartedBackendError: several JAX processes but no client (jax.distributed not initialized
+        by mirrax).
+    """
     client = _compat.distributed_state().client
     if client is None:
         raise errors.StartedBackendError(
@@ -56,7 +62,7 @@ def exchange(name: str, value, timeout_seconds: float | None = None) -> list:
     count = jax.process_count()
     if count == 1:
         return [value]
-    client = _client()
+    client = coordination_client()
     me = jax.process_index()
     timeout_ms = int(1000 * (timeout_seconds or DEFAULT_EXCHANGE_TIMEOUT_SECONDS))
     client.key_value_set(f"mirrax/{name}/{me}", json.dumps(value))
@@ -84,7 +90,7 @@ def forget(name: str) -> None:
     """Deletes this process's entry of the exchange `name` (once every peer has read it)."""
     if jax.process_count() > 1:
         try:
-            _client().key_value_delete(f"mirrax/{name}/{jax.process_index()}")
+            coordination_client().key_value_delete(f"mirrax/{name}/{jax.process_index()}")
         except Exception:  # best effort: a leftover key costs a few bytes on the coordinator
             pass
 

@@ -18,12 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.distribute import exact_sums
+from mirrax._src.distribute.axis import REPLICA_AXIS
 from mirrax._src.distribute.reduce import ReduceOp
 
-REPLICA_AXIS = "replica"
-"""The name of the strategy mesh's only axis. Pass it as `nnx.BatchNorm(axis_name=REPLICA_AXIS)`
-for batch statistics synchronized over all replicas, or to any `jax.lax` collective inside
-`strategy.run`."""
 
 
 class _ThreadState(threading.local):
@@ -129,9 +127,8 @@ class ReplicaContext:
             return jax.tree.map(jnp.asarray, value)
         if self.strategy.replica_invariant:
             # The fixed pairwise tree over the replicas, the same bits on every replica.
-            from mirrax._src.distribute import invariant
-
-            return invariant.exact_psum(value) if op is ReduceOp.SUM else invariant.exact_pmean(value)
+            return (exact_sums.exact_psum(value) if op is ReduceOp.SUM
+                    else exact_sums.exact_pmean(value))
         if op is ReduceOp.SUM:
             return jax.tree.map(lambda x: jax.lax.psum(x, REPLICA_AXIS), value)
         return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA_AXIS), value)

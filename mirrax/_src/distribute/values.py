@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.distribute import invariant
+from mirrax._src.distribute import exact_sums
 from mirrax._src.distribute.reduce import ReduceOp
 
 
@@ -250,7 +250,7 @@ def _reduce_invariant(strategy, op: ReduceOp, value: PerReplica, x, axis):
     replicas = x.shape[0]
     if axis is None:
         x = _elementwise_rows(value, x)
-        total = invariant.pairwise_sum(x)
+        total = exact_sums.pairwise_sum(x)
         return total if op is ReduceOp.SUM else total / jnp.asarray(replicas, total.dtype)
     axis = normalize_axis(axis, x.ndim - 1)
     rows = x.shape[1] if x.ndim > 1 else 0
@@ -264,9 +264,9 @@ def _reduce_invariant(strategy, op: ReduceOp, value: PerReplica, x, axis):
             count = value._mask.sum()
         else:
             count = x.shape[0] * rows
-        total = invariant.pairwise_sum(micro.sum(1))
+        total = exact_sums.pairwise_sum(micro.sum(1))
     else:
-        total = invariant.pairwise_sum(x.sum(axis + 1))
+        total = exact_sums.pairwise_sum(x.sum(axis + 1))
         count = replicas * x.shape[axis + 1]
     if op is ReduceOp.SUM:
         return total

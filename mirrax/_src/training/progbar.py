@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Iterable, Optional, TextIO
 
+import jax
+
 # The clock the bar reads (seconds); a module attribute so tests can make times exact.
 _clock = time.monotonic
 
@@ -50,8 +52,6 @@ class _WorkerLog:
 
 
 def _process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 

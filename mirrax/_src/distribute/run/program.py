@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, invariant
+from mirrax._src.distribute import _compat, exact_sums, invariant
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
@@ -255,11 +255,11 @@ def _aggregate(spec: Spec, new_state, old: dict, replica_id, ctx):
                 flat.append((path, variable))
                 continue
             if aggregation is VariableAggregation.MEAN:
-                value = invariant.exact_pmean(value).astype(value.dtype)
+                value = exact_sums.exact_pmean(value).astype(value.dtype)
             elif before is not None:
-                value = before + invariant.exact_psum(value - before)
+                value = before + exact_sums.exact_psum(value - before)
             else:
-                value = invariant.exact_psum(value)
+                value = exact_sums.exact_psum(value)
             flat.append((path, variable.replace(value)))
             continue
         if aggregation is VariableAggregation.SUM and before is not None:

@@ -52,9 +52,14 @@ _COPY_REFERENCES = 2
 def _copy(x):
     """A copy of `x` in new buffers on the same devices: a per-device transfer, not a program,
     so processes that copy different arrays (each holds its own references) stay in step."""
-    if isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_addressable:
         return jax.device_put(x, x.sharding, may_alias=False)
-    return x
+    # Several processes: copy this process's shards (device_put wants addressable devices).
+    shards = [jax.device_put(shard.data, shard.device, may_alias=False)
+              for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
 class LRU:

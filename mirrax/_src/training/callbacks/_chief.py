@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 
 def is_chief() -> bool:
     """True in process 0 of a multi-process run, and always in a single-process one.
@@ -10,6 +12,4 @@ def is_chief() -> bool:
     callbacks (CSV logs, TensorBoard events) come from the chief only; the other processes
     would write the same content into the same paths.
     """
-    import jax
-
     return jax.process_index() == 0

@@ -12,6 +12,7 @@ import os
 import shutil
 from typing import Optional
 
+from mirrax._src.checkpoint import Checkpoint, CheckpointManager
 from mirrax import errors
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
@@ -155,7 +156,6 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
-        from mirrax._src.checkpoint import Checkpoint, CheckpointManager
 
         self._checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
         # Two kept: the previous backup stays until the next one is committed, and is the

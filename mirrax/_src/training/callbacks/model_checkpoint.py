@@ -7,6 +7,7 @@ import os
 import warnings
 from typing import Optional
 
+from mirrax._src.checkpoint import Checkpoint
 from mirrax import errors
 from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks._chief import is_chief
@@ -196,7 +197,6 @@ class ModelCheckpoint(Callback):
         if self.save_weights_only:
             self.model.save_weights(path, overwrite=True)
         else:
-            from mirrax._src.checkpoint import Checkpoint
 
             Checkpoint(model=self.model).save(path)
 

@@ -8,6 +8,7 @@ import time
 import warnings
 from typing import Optional
 
+import jax
 import numpy as np
 
 from mirrax import errors
@@ -256,8 +257,6 @@ class TensorBoard(Callback):
     # -- profiling ------------------------------------------------------------------------------
 
     def _start_trace(self) -> None:
-        import jax
-
         try:
             jax.profiler.start_trace(self._train_dir)
             self._is_tracing = True
@@ -265,8 +264,6 @@ class TensorBoard(Callback):
             warnings.warn(f"TensorBoard: could not start the JAX profiler: {error}", stacklevel=3)
 
     def _stop_trace(self) -> None:
-        import jax
-
         try:
             jax.profiler.stop_trace()
         except Exception as error:

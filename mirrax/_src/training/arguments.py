@@ -1,0 +1,314 @@
+"""The checks of `Model`'s arguments before any step: counts, flags, fractions, `compile`'s
+arguments, class and sample weights, and one abstract run of the module and loss on the first
+example (`check_fits_model`), so a bad call is a named mirrax error, not a failure inside the
+compiled step."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.training import mixed_precision
+from mirrax._src.training import steps as steps_lib
+
+
+def python_numbers(x) -> bool:
+    """Whether x looks like examples given as nested Python lists of numbers (X.tolist())."""
+    if not isinstance(x, list) or not x:
+        return False
+    first = x[0]
+    if isinstance(first, list) and first:
+        first = first[0]
+    return isinstance(first, (int, float, list)) and not isinstance(first, bool)
+
+
+def check_count(what: str, name: str, value, minimum: int = 1, allow_none: bool = False):
+    """`value` as an int >= `minimum` (or None when allowed); bools, floats and strings refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        hint = f" (an int, e.g. {name}={int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: {name} must be an int{' or None' if allow_none else ''}; received "
+            f"{type(value).__name__} {value!r}. Pass a whole number >= {minimum}{hint}."
+        )
+    if value < minimum:
+        raise errors.InvalidArgumentError(
+            f"{what}: {name} must be >= {minimum}; received {name}={value!r}."
+            + (" Pass None for the default." if allow_none else "")
+        )
+    return int(value)
+
+
+def check_verbose(what: str, verbose) -> int:
+    """Keras's verbose: "auto" (1), 0, 1 or 2."""
+    if verbose == "auto":
+        return 1
+    if not isinstance(verbose, (int, np.integer)) or verbose not in (0, 1, 2):  # True is 1
+        raise errors.InvalidArgumentError(
+            f"{what}: verbose must be 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
+            f"epoch); received {verbose!r}."
+        )
+    return int(verbose)
+
+
+def check_bool(what: str, name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: {name} must be True or False; received {type(value).__name__} {value!r}."
+        )
+    return bool(value)
+
+
+def check_fraction(what: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: {name} must be a float in [0, 1); received {type(value).__name__} {value!r}."
+        )
+    if not 0.0 <= value < 1.0:
+        raise errors.InvalidArgumentError(
+            f"{what}: {name} must be in [0, 1) (the fraction held out); received {value!r}. "
+            "Pass e.g. 0.2 to hold out the last 20%."
+        )
+    return float(value)
+
+
+def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
+    epochs = check_count("fit", "epochs", epochs)
+    initial_epoch = check_count("fit", "initial_epoch", initial_epoch, minimum=0)
+    if initial_epoch >= epochs:
+        raise errors.InvalidArgumentError(
+            f"fit: initial_epoch={initial_epoch} is not below epochs={epochs}, so no epoch would "
+            "train. As Keras, epochs is the index to stop at, not a count: to train n more "
+            f"epochs from epoch {initial_epoch}, pass epochs={initial_epoch} + n."
+        )
+    if shuffle == "batch":
+        raise errors.UnsupportedArgumentError(
+            "fit: shuffle='batch' (tf.keras 2's chunked shuffle for HDF5) is not supported; "
+            "pass shuffle=True (every epoch reshuffles the arrays) or False."
+        )
+    return epochs, initial_epoch, check_verbose("fit", verbose), check_bool("fit", "shuffle", shuffle)
+
+
+def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile,
+                        auto_scale_loss):
+    if loss is None:
+        raise errors.InvalidArgumentError(
+            "compile: loss is required (mirrax has no add_loss), e.g. "
+            "loss='sparse_categorical_crossentropy'."
+        )
+    if isinstance(loss, (dict, list, tuple)):
+        raise errors.UnsupportedArgumentError(
+            f"compile: a {type(loss).__name__} of losses (one per output) is not supported; "
+            f"received loss={loss!r}. Pass one loss whose function combines the outputs, e.g. "
+            "loss=lambda y, y_pred: ..."
+        )
+    if loss_weights is not None:
+        if isinstance(loss_weights, (dict, list, tuple)):
+            raise errors.UnsupportedArgumentError(
+                f"compile: per-output loss_weights ({loss_weights!r}) are not supported (mirrax "
+                "models have one loss); pass one float that scales the loss, or weight the "
+                "outputs inside the loss function."
+            )
+        if isinstance(loss_weights, bool) or not isinstance(loss_weights, (int, float, np.number)):
+            raise errors.InvalidArgumentTypeError(
+                f"compile: loss_weights must be a float; received {type(loss_weights).__name__} "
+                f"{loss_weights!r}."
+            )
+        if not math.isfinite(float(loss_weights)):
+            raise errors.InvalidArgumentError(
+                f"compile: loss_weights must be finite; received {loss_weights!r}."
+            )
+    for name, value in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise errors.InvalidArgumentTypeError(
+                f"compile: {name} must be a list; received {type(value).__name__} {value!r}. "
+                f"Pass e.g. {name}=[{value!r}]."
+                if isinstance(value, str) or callable(value) else
+                f"compile: {name} must be a list of metrics; received {type(value).__name__} "
+                f"{value!r}. A dict of per-output metrics is not supported (one output)."
+            )
+    if check_bool("compile", "run_eagerly", run_eagerly):
+        raise errors.UnsupportedArgumentError(
+            "compile: run_eagerly=True is not supported: every step is one compiled program "
+            "over the replicas. To debug a step, run it under `with jax.disable_jit():` or "
+            "call the module eagerly on a batch."
+        )
+    if jit_compile is False:
+        raise errors.UnsupportedArgumentError(
+            "compile: jit_compile=False is not supported: steps are always compiled by XLA "
+            "(pass 'auto' or True)."
+        )
+    if jit_compile not in ("auto", True):
+        raise errors.InvalidArgumentError(
+            f"compile: jit_compile must be 'auto' or True; received {jit_compile!r}."
+        )
+    check_bool("compile", "auto_scale_loss", auto_scale_loss)
+
+
+def metric_names(plain, weighted) -> list:
+    """Log names of the metrics then the weighted metrics, as Keras 3's CompileMetrics."""
+    names = [m.name for m in plain]
+    for metric in weighted:
+        name = metric.name if metric.name not in names else f"weighted_{metric.name}"
+        base, index = name, 1
+        while name in names:
+            name = f"{base}_{index}"
+            index += 1
+        names.append(name)
+    return names
+
+
+def check_class_weight(class_weight, sample_weight):
+    """{int class: float weight}, as Keras's class_weight (int keys only)."""
+    if class_weight is None:
+        return None
+    if sample_weight is not None:
+        raise errors.InvalidArgumentError(
+            "fit: class_weight and sample_weight were both given; as Keras, pass one of them "
+            "(multiply the class weights into sample_weight to combine them)."
+        )
+    if not hasattr(class_weight, "items"):
+        raise errors.InvalidArgumentTypeError(
+            "fit: class_weight must be a dict {class index: weight}; received "
+            f"{type(class_weight).__name__} {class_weight!r}. Pass e.g. {{0: 1.0, 1: 5.0}}."
+        )
+    table = {}
+    for key, weight in class_weight.items():
+        # Only ints: int('1'), int(1.5) and True would silently name another class.
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) \
+                or key < 0:
+            raise errors.InvalidArgumentTypeError(
+                f"fit: class_weight keys must be class indices (ints >= 0); received the key "
+                f"{key!r} of type {type(key).__name__}. Write e.g. {{0: 1.0, 1: 5.0}}."
+            )
+        index = int(key)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)) \
+                or not math.isfinite(float(weight)) or weight < 0:
+            raise errors.InvalidArgumentError(
+                f"fit: class_weight[{key!r}] must be a finite float >= 0; received {weight!r}."
+            )
+        table[index] = float(weight)
+    return table
+
+
+def check_sample_weight(what: str, sample_weight, n: int):
+    sample_weight = np.asarray(sample_weight, np.float32)
+    if sample_weight.shape != (n,):
+        raise errors.InvalidArgumentError(
+            f"{what}: sample_weight must hold one weight per example, shape ({n},); received "
+            f"shape {sample_weight.shape}. Pass a 1-D array of length {n}."
+        )
+    if not np.isfinite(sample_weight).all():
+        raise errors.InvalidArgumentError(
+            f"{what}: sample_weight holds NaN or infinite values (first at index "
+            f"{int(np.argmin(np.isfinite(sample_weight)))}), which would make the loss NaN."
+        )
+    return sample_weight
+
+
+def host_array(leaf):
+    """A leaf as NumPy (tf.Tensor and torch.Tensor have `.numpy()`)."""
+    return np.asarray(to_numpy(leaf))
+
+
+def to_numpy(leaf):
+    """A tf / torch tensor as NumPy (a torch tensor detached and on the host first)."""
+    if isinstance(leaf, (np.ndarray, jax.Array)) or not hasattr(leaf, "numpy"):
+        return leaf
+    if hasattr(leaf, "detach") and hasattr(leaf, "cpu"):  # torch: grad-tracking or on a GPU
+        leaf = leaf.detach().cpu()
+    return leaf.numpy()
+
+
+def _shapes(tree) -> str:
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) == 1 and not isinstance(tree, dict):
+        return f"{tuple(np.shape(leaves[0]))} ({_dtype(leaves[0])})"
+    return str(jax.tree.map(lambda a: tuple(np.shape(a)), tree))
+
+
+def _dtype(leaf):
+    return leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else "(no message)"
+
+
+def _first_layer_hint(module) -> str:
+    """What the module's first Linear / Conv layer takes, to name the expected input."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, (nnx.Linear, nnx.Conv, nnx.LinearGeneral)):
+            where = ".".join(map(str, path)) or "the module"
+            return (f" The module's first {type(node).__name__} ({where}) takes inputs whose "
+                    f"last axis is {node.in_features}.")
+    return ""
+
+
+def check_fits_model(model, x, y, what: str):
+    """Runs the module (and the loss) abstractly on the first example of a batch.
+
+    So shapes or dtypes that do not fit give one named error before any step, instead of a
+    jax / flax error from inside the compiled step. Returns the model's output shape.
+
+    Raises:
+      IncompatibleInputError: the module cannot take x, or the loss cannot compare y with the
+        module's output.
+    """
+    def one(a):
+        a = host_array(a) if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a
+        return jax.ShapeDtypeStruct((1,) + tuple(a.shape[1:]), a.dtype)
+
+    x1 = jax.tree.map(one, x)
+    y1 = None if y is None else jax.tree.map(one, y)
+    policy = getattr(model, "dtype_policy", None) or mixed_precision.Policy("float32")
+    # One abstract run per input signature (fit called once per epoch checks once).
+    key = (jax.tree.structure((x1, y1)), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(
+        (x1, y1))), policy.name, id(model.loss))
+    checked = model._checked_inputs
+    if key in checked:
+        return checked[key]
+    graphdef, state = nnx.split(model.module)
+    try:
+        y_pred = jax.eval_shape(lambda s, v: steps_lib.forward(nnx.merge(graphdef, s), v, policy), state, x1)
+    except errors.MirraxError:
+        raise
+    except Exception as error:  # any failure of the user's module on this input
+        detail = _first_line(error)
+        raise errors.IncompatibleInputError(
+            f"{what}: the model cannot take x of shape {_shapes(x)}: {type(error).__name__}: "
+            f"{detail}.{_first_layer_hint(model.module)} Give x the shape the module expects "
+            "(batch first), or change the module's input size."
+        ) from error
+    if y is None or model.loss is None:
+        checked[key] = y_pred
+        return y_pred
+    try:
+        per_example = jax.eval_shape(model.loss.per_example, y1, y_pred)
+    except errors.MirraxError:
+        raise
+    except ValueError as error:
+        if "does not fit" in str(error) or "expected" in str(error):
+            raise errors.IncompatibleInputError(f"{what}: {error}") from error
+        raise
+    except Exception as error:
+        detail = _first_line(error)
+        raise errors.IncompatibleInputError(
+            f"{what}: the loss cannot compare y of shape {_shapes(y)} with the model's output "
+            f"of shape {_shapes(y_pred)}: {type(error).__name__}: {detail}. Give y the shape "
+            "the loss expects for this output."
+        ) from error
+    if tuple(getattr(per_example, "shape", ())[:1]) != (1,):
+        raise errors.IncompatibleInputError(
+            f"{what}: the loss must give one value per example (shape (batch,)); for a batch of "
+            f"1 it gave shape {tuple(per_example.shape)} (y {_shapes(y)}, output "
+            f"{_shapes(y_pred)}). Return one loss per example from the loss function."
+        )
+    checked[key] = y_pred
+    return y_pred

@@ -1,0 +1,443 @@
+"""`Model`'s inputs into distributed batches: arrays (cut into global batches, in order or
+shuffled), datasets, generators and loaders (normalized to (x, y, sample_weight)), with the
+checks each needs, and the validation split."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import warnings
+
+import jax
+import numpy as np
+
+from mirrax import errors
+from mirrax._src.distribute import batching
+from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import input_options
+from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
+from mirrax._src.distribute.values import PerReplica
+from mirrax._src.training import losses as losses_lib
+from mirrax._src.training import arguments as checks
+
+
+def _class_weights_of(y, table) -> np.ndarray:
+    """Per-example weights of labels `y` (ints, or one-hot / probabilities: argmax), as Keras."""
+    y = np.asarray(y)
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    if y.ndim != 1:
+        raise errors.InvalidArgumentError(
+            f"fit: class_weight needs one label per example; received labels of shape {y.shape}."
+        )
+    y = np.round(y).astype(np.int64)
+    return np.array([table.get(int(label), 1.0) for label in y], np.float32)
+
+
+def _check_source(what: str, x):
+    """Refuses an x that can be no input at all (before anything is read from it)."""
+    if x is None:
+        raise errors.InvalidArgumentError(
+            f"{what}: x is required (arrays, an iterable of batches, or a distributed dataset)."
+        )
+    if inspect.isgeneratorfunction(x) or (callable(x) and not hasattr(x, "__iter__")):
+        name = getattr(x, "__name__", type(x).__name__)
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x is the function {name!r}, not its batches; call it: pass {name}() "
+            "(a generator of (x, y) batches), as Keras takes a generator."
+        )
+    if isinstance(x, (str, bytes)) or not (hasattr(x, "__iter__") or hasattr(x, "as_numpy_iterator")):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x must be NumPy/JAX arrays (or a dict of them), an iterable of batches "
+            f"(list, generator, torch DataLoader, Grain loader, tf.data) or a distributed "
+            f"dataset; received {type(x).__name__} {x!r:.80}."
+        )
+
+
+def _normalize_batch(batch, inputs_only: bool, class_weight=None):
+    """A user batch as a tuple (x, y[, sample_weight]) (or (x,) for predict), as Keras unpacks.
+
+    Lists count as tuples (a torch DataLoader's default collate yields [x, y]).
+    """
+    if inputs_only:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return (jax.tree.map(checks.to_numpy, x),)
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise errors.InvalidBatchError(
+            "fit/evaluate: each batch of a dataset must be a tuple or list (x, y) or (x, y, "
+            f"sample_weight); received a {type(batch).__name__}{size}. For a multi-input "
+            "model, make x a dict of arrays."
+        )
+    if class_weight is not None:
+        if len(batch) == 3:
+            raise errors.InvalidArgumentError(
+                "fit: class_weight was given but the dataset's batches carry sample weights; "
+                "as Keras, pass one of them."
+            )
+    x, y = jax.tree.map(checks.to_numpy, (batch[0], batch[1]))
+    if class_weight is not None:
+        return (x, y, _class_weights_of(checks.host_array(y), class_weight))
+    if len(batch) == 2:
+        return (x, y)
+    return (x, y, np.asarray(checks.host_array(batch[2]), np.float32))
+
+
+def as_arrays(value):
+    """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), or a
+    dict of them, as NumPy, so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
+    def convert(leaf):
+        return checks.to_numpy(leaf) if hasattr(leaf, "shape") else leaf
+
+    if isinstance(value, dict):
+        return {key: convert(leaf) for key, leaf in value.items()}
+    return convert(value)
+
+
+def is_arrays(x) -> bool:
+    """True for in-memory examples: an array, or a dict of arrays (a multi-input model's x).
+
+    Tuples and lists are datasets (sequences of batches), as everywhere in mirrax.
+    """
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return True
+    return isinstance(x, dict) and bool(x) and all(
+        isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(x)
+    )
+
+
+def num_examples(x) -> int:
+    return len(jax.tree.leaves(x)[0])
+
+
+def split_validation(x, y, sample_weight, fraction):
+    n = num_examples(x)
+    cut = int(n * (1.0 - fraction))
+    if cut == 0 or cut == n:
+        raise errors.InvalidArgumentError(
+            f"fit: validation_split={fraction} of {n} examples leaves "
+            f"{'no training' if cut == 0 else 'no validation'} example; pass a fraction that "
+            f"keeps at least one of each (e.g. {max(1, n // 5)}/{n} = {max(1, n // 5) / n:.2f})."
+        )
+    take = lambda tree, s: None if tree is None else jax.tree.map(lambda a: a[s], tree)  # noqa: E731
+    head, tail = slice(0, cut), slice(cut, n)
+    return take(x, head), take(y, head), take(sample_weight, head), (
+        take(x, tail), take(y, tail), take(sample_weight, tail))
+
+
+def unpack_validation(data):
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and is_arrays(as_arrays(data[0])):
+        return data[0], data[1], data[2] if len(data) == 3 else None
+    if isinstance(data, (tuple, list)) and data and is_arrays(as_arrays(data[0])):
+        raise errors.InvalidArgumentError(
+            f"fit: validation_data as arrays must be (x_val, y_val) or (x_val, y_val, "
+            f"sample_weight); received a {type(data).__name__} of {len(data)}."
+        )
+    return data, None, None
+
+
+class ModelInput:
+    """One input of fit/evaluate/predict, as a source of distributed (x, y, sample_weight) batches."""
+
+    def __init__(self, model, strategy, x, y, sample_weight, batch_size, shuffle, what,
+                 inputs_only=False, class_weight=None):
+        self.strategy = strategy
+        self.shuffle = shuffle
+        self.model = model
+        self.inputs_only = inputs_only
+        self.class_weight = class_weight
+        x, y, sample_weight = (as_arrays(v) for v in (x, y, sample_weight))
+        self.one_shot = False
+        self._pass = None
+        self._what = what
+        # Sparse labels of every dataset batch are checked on the host against this (set from
+        # the first batch's model output), and every new batch signature runs abstractly
+        # through the model before its step (`_fits`): a bad batch 5 is named, not a NaN loss
+        # or a jax error from inside the compiled step.
+        self.num_classes = None
+        self._signatures: set = set()
+        if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
+            if y is not None or batch_size is not None or sample_weight is not None:
+                raise errors.InvalidArgumentError(
+                    f"{what}: x is a distributed dataset, which carries its own labels, weights "
+                    "and batch size; do not pass y, sample_weight or batch_size."
+                )
+            if class_weight is not None:
+                raise errors.UnsupportedArgumentError(
+                    f"{what}: class_weight is not supported with a distributed dataset (its "
+                    "batches are already split over the replicas); put the weights in the "
+                    "batches as (x, y, sample_weight), or pass the undistributed dataset."
+                )
+            self.arrays = False
+            self.dataset, self.steps = x, None
+            return
+        self.arrays = is_arrays(x)
+        if not self.arrays:
+            self._init_dataset(x, y, sample_weight, batch_size, what)
+            return
+        n = num_examples(x)
+        if isinstance(y, (list, tuple)):
+            y = np.asarray(y)  # labels as a Python list, as Keras accepts them
+        if y is None and not inputs_only:
+            raise errors.InvalidArgumentError(
+                f"{what}: y is required with array inputs (the labels).")
+        for name, other in (("y", y), ("sample_weight", sample_weight)):
+            if other is None:
+                continue
+            leaf = jax.tree.leaves(other)[0] if is_arrays(other) else np.asarray(other)
+            length = len(leaf) if np.ndim(leaf) else 0
+            if length != n:
+                raise errors.InvalidArgumentError(
+                    f"{what}: x has {n} examples but {name} has {length}; they must have the "
+                    "same length along axis 0."
+                )
+        if n == 0:
+            raise errors.EmptyDatasetError(
+                f"{what}: x has 0 examples (shape {jax.tree.leaves(x)[0].shape}); there is "
+                "nothing to train on or evaluate. Check how the arrays were loaded or split."
+            )
+        self.batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
+        self.x, self.y = x, y
+        if sample_weight is not None:
+            sample_weight = checks.check_sample_weight(what, sample_weight, n)
+        elif class_weight is not None:
+            sample_weight = _class_weights_of(y, class_weight)
+        self.sample_weight = sample_weight
+        self.n = n
+        self.steps = math.ceil(n / self.batch_size)
+        self.dataset = None
+        y_pred = checks.check_fits_model(model, x, y, what)
+        if y is not None and isinstance(model.loss, losses_lib.SparseCategoricalCrossentropy):
+            losses_lib.SparseCategoricalCrossentropy.check_labels(np.asarray(y), y_pred.shape[-1])
+
+    def _init_dataset(self, x, y, sample_weight, batch_size, what):
+        _check_source(what, x)
+        if batch_size is not None:
+            raise errors.InvalidArgumentError(
+                f"{what}: batch_size={batch_size} was given with a {type(x).__name__}, "
+                "which is already batched. Remove batch_size (it applies to NumPy arrays "
+                "only)."
+            )
+        for name, value in (("y", y), ("sample_weight", sample_weight)):
+            if value is not None:
+                several = isinstance(x, (list, tuple)) and x and all(
+                    is_arrays(as_arrays(item)) for item in x)
+                raise errors.InvalidArgumentError(
+                    f"{what}: {name} must be None when x is a dataset of (x, y[, sample_weight]) "
+                    f"batches; received {name} of type {type(value).__name__}. Put it in the "
+                    "batches."
+                    + (" A list or tuple x is a sequence of batches in mirrax; for a model with "
+                       "several inputs pass x as a dict of arrays (Keras's list of input "
+                       "arrays is not supported)." if several else "")
+                    + (" x holds Python numbers (e.g. from X.tolist()): pass the examples as "
+                       "arrays, np.asarray(x) and np.asarray(y)." if checks.python_numbers(x) else "")
+                )
+        self.dataset = None
+        try:
+            self.steps = len(x) if hasattr(x, "__len__") else None
+        except TypeError:  # objects whose __len__ refuses (an unsized tf.data dataset)
+            self.steps = None
+        if self.steps == 0:
+            raise errors.EmptyDatasetError(
+                f"{what}: x is an empty {type(x).__name__} (0 batches); there is nothing to "
+                "train on or evaluate (Keras refuses an empty input too)."
+            )
+        # A generator is consumed across epochs, as Keras does with steps_per_epoch.
+        self.one_shot = hasattr(x, "__iter__") and not hasattr(x, "as_numpy_iterator") and iter(x) is x
+        missing = object()
+        if self.one_shot:
+            first = next(x, missing)
+            if first is not missing:
+                x = itertools.chain([first], x)
+        else:
+            items = x.as_numpy_iterator() if hasattr(x, "as_numpy_iterator") else x
+            first = next(iter(items), missing)
+        if first is missing:
+            raise errors.EmptyDatasetError(
+                f"{what}: x ({type(x).__name__}) yielded no batch; there is nothing to train on "
+                "or evaluate. As Keras: a generator must yield at least one batch."
+            )
+        batch = _normalize_batch(first, self.inputs_only, self.class_weight)
+        y_pred = checks.check_fits_model(self.model, batch[0], None if self.inputs_only else batch[1],
+                                   what)
+        if not self.inputs_only:
+            rows = len(checks.host_array(jax.tree.leaves(batch[0])[0]))
+            if len(batch) == 3:
+                checks.check_sample_weight(f"{what} (the first batch)", batch[2], rows)
+            if isinstance(self.model.loss, losses_lib.SparseCategoricalCrossentropy):
+                self.num_classes = y_pred.shape[-1]
+                losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),
+                                                                      self.num_classes)
+        self.source = x
+        self._stream = None
+
+    def close(self):
+        """Ends the pass kept open across epochs (its prefetching, if any)."""
+        if self._pass is not None:
+            self._pass.close()
+            self._pass = None
+
+    def epoch_batches(self, steps_per_epoch, prefetch=True):
+        """One training epoch's batches, as Keras's epoch iterator.
+
+        Without `steps_per_epoch`: one pass. With it: up to `steps_per_epoch` batches from the
+        pass where the previous epoch stopped; a pass that ends within the epoch ends the epoch
+        with Keras's warning, and the next epoch starts a new pass (reshuffled).
+        """
+        if steps_per_epoch is None or self.one_shot:
+            yield from self.batches(steps_per_epoch, prefetch)
+            return
+        count = 0
+        for fresh in (self._pass is None, True):
+            if fresh:
+                self.close()
+                self._pass = self.batches(None, prefetch)
+            count = 0
+            for batch in self._pass:
+                yield batch
+                count += 1
+                if count >= steps_per_epoch:
+                    return
+            if count or fresh:
+                break
+            # The previous epoch ended exactly at the end of a pass: start the next one.
+        self._pass = None
+        if count:
+            warnings.warn(
+                "Your input ran out of data; interrupting training. Make sure that your "
+                "dataset or generator can generate at least `steps_per_epoch * epochs` "
+                f"batches (this epoch got {count} of steps_per_epoch={steps_per_epoch}).",
+                stacklevel=3,
+            )
+
+    def batches(self, steps=None, prefetch=True):
+        """Distributed batches for one epoch (or `steps` of them).
+
+        `prefetch`: for array inputs in one process, make batches in a background thread (when
+        the loop waits for every step, e.g. to read batch logs) or else in the caller's thread
+        (steps are dispatched asynchronously, so the next batch is cut while the devices run).
+        """
+        if self.dataset is not None:
+            iterator = iter(self.dataset)
+        elif self.one_shot:
+            yield from self._stream_batches(steps)
+            return
+        elif self.arrays:
+            order = self.model._rng.permutation(self.n) if self.shuffle else None
+            if jax.process_count() == 1:
+                iterator = input_lib.DistributedIterator(
+                    batching.place_host_batches(self.strategy, _ArrayBatches(self, order),
+                                                self.batch_size, self._what),
+                    input_options.InputOptions(experimental_fetch_to_device=prefetch))
+            else:
+                iterator = iter(self.strategy.experimental_distribute_dataset(
+                    _ArrayBatches(self, order)))
+        else:
+            iterator = iter(self.strategy.experimental_distribute_dataset(
+                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
+                                   self.num_classes)))
+        count = 0
+        try:
+            for batch in iterator:
+                if steps is not None and count >= steps:
+                    break
+                if not self.arrays:
+                    self._fits(batch, count)
+                yield batch
+                count += 1
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def _fits(self, batch, index: int) -> None:
+        """Runs a distributed batch abstractly through the model when its signature is new.
+
+        Raises:
+          IncompatibleInputError: the batch's shapes or dtypes do not fit the model or loss.
+        """
+        leaves, structure = jax.tree.flatten(batch)
+        signature = (structure, tuple((leaf.shape[2:], leaf.dtype) for leaf in leaves))
+        if signature in self._signatures:
+            return
+        def global_spec(value):  # a PerReplica's array is (replicas, rows, ...)
+            leaf = jax.tree.leaves(value)[0]
+            return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1],) + tuple(leaf.shape[2:]),
+                                        leaf.dtype)
+
+        parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
+        checks.check_fits_model(self.model, parts[0], None if self.inputs_only else parts[1],
+                          f"{self._what} (batch {index + 1})")
+        self._signatures.add(signature)
+
+    def _stream_batches(self, steps):
+        """Up to `steps` batches from the one iterator over a generator, kept across epochs."""
+        first_pass = self._stream is None
+        if first_pass:
+            self._stream = iter(self.strategy.experimental_distribute_dataset(
+                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
+                                   self.num_classes)))
+        count = 0
+        for batch in self._stream:
+            self._fits(batch, count)
+            yield batch
+            count += 1
+            if steps is not None and count >= steps:
+                return
+        if count == 0 and not first_pass:
+            raise errors.EmptyDatasetError(
+                f"{self._what}: the generator given as x is exhausted: it yielded no batch for "
+                "this epoch. A generator is read once across all epochs; make it endless and "
+                "pass steps_per_epoch (as Keras), or pass a re-iterable dataset (a list of "
+                "batches, a Grain dataset)."
+            )
+
+
+class _ArrayBatches:
+    """Global batches cut from arrays in a given order (None: as stored): (x, y,
+    sample_weight) or (x,).
+
+    In stored order a batch is a slice (a view, no copy), so on CPU the placed batch may share
+    the arrays' memory while its step runs: the arrays must not be modified during the pass
+    (by a callback). A shuffled batch is a fresh copy.
+    """
+
+    def __init__(self, data: ModelInput, order):
+        self.data, self.order = data, order
+
+    def __iter__(self):
+        d = self.data
+        for start in range(0, d.n, d.batch_size):
+            if self.order is None:
+                index = slice(start, start + d.batch_size)
+            else:
+                index = self.order[start : start + d.batch_size]
+            x = jax.tree.map(lambda a: np.asarray(a)[index], d.x)
+            if d.inputs_only:
+                yield (x,)
+                continue
+            y = jax.tree.map(lambda a: np.asarray(a)[index], d.y)
+            yield (x, y) if d.sample_weight is None else (x, y, d.sample_weight[index])
+
+
+class _NormalizedBatches:
+    """Batches of a user dataset as (x, y, sample_weight) (or (x,) for predict); with
+    `num_classes`, each batch's sparse labels are checked on the host (a min and a max)."""
+
+    def __init__(self, source, inputs_only, class_weight=None, num_classes=None):
+        self.source, self.inputs_only, self.class_weight = source, inputs_only, class_weight
+        self.num_classes = num_classes
+
+    def __iter__(self):
+        items = self.source.as_numpy_iterator() if hasattr(self.source, "as_numpy_iterator") else self.source
+        for index, batch in enumerate(items):
+            batch = _normalize_batch(batch, self.inputs_only, self.class_weight)
+            if self.num_classes is not None:
+                try:
+                    losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),
+                                                                          self.num_classes)
+                except errors.InvalidLabelError as error:
+                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") \
+                        from None
+            yield batch

@@ -1,0 +1,214 @@
+"""The step functions a `Model` runs through `strategy.run`: the forward pass under the dtype
+policy, the loss tracker, and the train, test and predict steps built at `compile`."""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute import gradients
+from mirrax._src.distribute import invariant
+from mirrax._src.distribute.losses import compute_average_loss
+from mirrax._src.distribute.strategy import get_replica_context
+from mirrax._src.distribute.values import PerReplica
+from mirrax._src.training import mixed_precision
+
+
+class LossTracker(nnx.Pytree):
+    """[sum of the real examples' weighted losses, their count], SUM-aggregated over replicas.
+
+    One variable, so the write-back adds both over the replicas in one all-reduce.
+    """
+
+    def __init__(self):
+        self.sums = nnx.metrics.MetricState(jnp.zeros((2,), jnp.float32))
+
+    def update(self, total, count):
+        self.sums[...] += jnp.stack([total, count]).astype(jnp.float32)
+
+    def reset(self):
+        self.sums[...] = jnp.zeros((2,), jnp.float32)
+
+    def result(self):
+        total, count = self.sums[...]
+        return total / jnp.maximum(count, 1.0)
+
+
+def _masked_sum(per_example, sample_weight):
+    mask = get_replica_context().batch_mask
+    weighted = per_example if sample_weight is None else per_example * sample_weight
+    valid = jnp.ones(per_example.shape[:1], bool) if mask is None else mask
+    return jnp.where(valid, weighted, 0.0).sum(), valid.sum().astype(jnp.float32)
+
+
+def forward(module, x, policy):
+    """The module's output in float32, computed in the policy's dtype (parameters cast)."""
+    if policy.compute_dtype == "float32":
+        return module(x)
+    dtype = jnp.dtype(policy.compute_dtype)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    view = nnx.merge(graphdef, mixed_precision.cast_floating(params, dtype), rest)
+    y_pred = view(mixed_precision.cast_floating(x, dtype))
+    return jax.tree.map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, y_pred
+    )
+
+
+def _unpack(batch):
+    """(x, y, sample_weight) of a batch given as (x, y) or (x, y, sample_weight)."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return tuple(batch) + (None,) * (3 - len(batch))
+    raise errors.InvalidBatchError(
+        "fit/evaluate: each batch must be a tuple (x, y) or (x, y, sample_weight); received "
+        f"a {type(batch).__name__}."
+    )
+
+
+# What an optimizer step changes (and a skipped float16 step restores).
+_UPDATED = nnx.Any(nnx.Param, nnx.OptState)
+
+
+def _update_metrics(metrics, weighted, y, y_pred, sample_weight):
+    # As Keras: `metrics` ignore the sample weights, `weighted_metrics` use them.
+    for metric, uses_weights in zip(metrics, weighted):
+        metric.update_state(y, y_pred, sample_weight if uses_weights else None)
+
+
+def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    """The training step; with `micro_batches` (replica-invariant mode) the loss, metrics and
+    loss tracker run once per micro-batch and are summed in the fixed tree."""
+    def train_step(module, optimizer, metrics, tracker, loss_scale, batch):
+        x, y, sample_weight = _unpack(batch)
+        scale = 1.0 if loss_scale is None else loss_scale.scale[...]
+
+        if micro_batches:
+            score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+
+            def micro_loss(nodes, x, y, sample_weight):
+                per_example = score(nodes, x, y, sample_weight)
+                return compute_average_loss(per_example, sample_weight) * scale
+
+            _, _, grads = invariant.micro_batch_call(
+                micro_loss, (module, metrics, tracker), (x, y, sample_weight),
+                differentiate=True, what="fit")
+            _apply_gradients(module, optimizer, grads[0], loss_scale, scale)
+            return
+
+        def loss_fn(module):
+            y_pred = forward(module, x, policy)
+            per_example = loss_obj.per_example(y, y_pred) * loss_weight
+            share = compute_average_loss(per_example, sample_weight)
+            return share * scale, (y_pred, per_example)
+
+        # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
+        (_, (y_pred, per_example)), grads = gradients.packed_value_and_grad(
+            loss_fn, module, has_aux=True)
+        _apply_gradients(module, optimizer, grads, loss_scale, scale)
+        tracker.update(*_masked_sum(per_example, sample_weight))
+        _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+
+    return train_step
+
+
+def _apply_gradients(module, optimizer, grads, loss_scale, scale):
+    """The optimizer update of gradients summed over replicas (and float16 loss scaling)."""
+    if loss_scale is None:
+        optimizer.update(module, grads)
+        return
+    # Gradients are already summed over replicas: an overflow on any replica is non-finite
+    # here on every replica, so all skip the same step.
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+    before = jax.tree.map(lambda a: a, nnx.state((module, optimizer), _UPDATED))
+    optimizer.update(module, grads)
+    after = nnx.state((module, optimizer), _UPDATED)
+    nnx.update((module, optimizer), jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old), after, before))
+    loss_scale.adjust(finite)
+
+
+def _make_scorer(loss_obj, loss_weight: float, policy, weighted):
+    """`score((module, metrics, tracker), x, y, sample_weight)`: the forward pass, the
+    per-example losses (returned), and the loss tracker and metrics updated with them."""
+    def score(nodes, x, y, sample_weight):
+        module, metrics, tracker = nodes
+        y_pred = forward(module, x, policy)
+        per_example = loss_obj.per_example(y, y_pred) * loss_weight
+        tracker.update(*_masked_sum(per_example, sample_weight))
+        _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+        return per_example
+
+    return score
+
+
+def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+
+    def update(nodes, x, y, sample_weight):
+        score(nodes, x, y, sample_weight)
+        return jnp.zeros((), jnp.float32)
+
+    def test_step(module, metrics, tracker, batch):
+        x, y, sample_weight = _unpack(batch)
+        if micro_batches:
+            invariant.micro_batch_call(update, (module, metrics, tracker), (x, y, sample_weight),
+                                       differentiate=False, what="evaluate")
+        else:
+            update((module, metrics, tracker), x, y, sample_weight)
+
+    return test_step
+
+
+def make_predict_step(policy, micro_batches=False):
+    def predict_step(module, batch):
+        if micro_batches:
+            _, y_pred, _ = invariant.micro_batch_call(
+                lambda nodes, x: (jnp.zeros((), jnp.float32), forward(nodes[0], x, policy)),
+                (module,), (batch[0],), differentiate=False, has_aux=True, what="predict")
+            return y_pred
+        return forward(module, batch[0], policy)
+
+    return predict_step
+
+
+PREDICT_FLOAT32 = make_predict_step(mixed_precision.Policy("float32"))
+
+
+PREDICT_FLOAT32_MICRO = make_predict_step(mixed_precision.Policy("float32"), True)
+
+
+def make_multi_step(train_step):
+    """k training steps in one program: each micro-step sees its own batch mask."""
+
+    def train_steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
+        ctx = get_replica_context()
+        saved = ctx.batch_mask
+        try:
+            for batch, mask in zip(batches, masks):
+                ctx.batch_mask = mask
+                train_step(module, optimizer, metrics, tracker, loss_scale, batch)
+        finally:
+            ctx.batch_mask = saved
+
+    return train_steps
+
+
+def groups(batches, size: int):
+    """Consecutive groups of `size` batches (the last may be shorter)."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def mask_of(batch):
+    """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
+    return next(leaf for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
+                if isinstance(leaf, PerReplica)).mask
