@@ -451,3 +451,45 @@ def test_fit_and_evaluate_refuse_arrays_without_examples():
     for call in (model.fit, model.evaluate):
         with pytest.raises(ValueError, match=r"x has 0 examples \(shape \(0, 1\)\)"):
             call(empty_x, empty_y, verbose=0)
+
+
+# -- the hooks fit asks callbacks (Callback.needs_batch_logs, Callback.resume_point) -------------
+
+
+class _Recorder(mirrax.callbacks.Callback):
+    def __init__(self, needs: bool, point=None):
+        super().__init__()
+        self.needs, self.point, self.batch_logs, self.epochs = needs, point, [], []
+
+    def needs_batch_logs(self, hook):
+        return self.needs
+
+    def resume_point(self):
+        return self.point
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_logs.append(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
+def test_fit_makes_batch_logs_only_for_a_callback_that_needs_them():
+    model = identity_model(mirrored(2))
+    x = np.array([[2.0], [3.0], [4.0], [5.0]], np.float32)
+    quiet, reader = _Recorder(needs=False), _Recorder(needs=True)
+    model.fit(x, np.zeros(4, np.float32), batch_size=4, verbose=0, callbacks=[quiet])
+    assert quiet.batch_logs == [{}]  # its hook ran, without logs: no wait for the step
+    model.fit(x, np.zeros(4, np.float32), batch_size=4, verbose=0, callbacks=[reader])
+    # The identity model's loss is the mean of its inputs: (2 + 3 + 4 + 5) / 4.
+    assert reader.batch_logs == [{"loss": 3.5}]
+
+
+def test_fit_resumes_where_a_callback_says():
+    model = identity_model(mirrored(2))
+    x = np.ones((4, 1), np.float32)
+    resumer = _Recorder(needs=False, point=(2, 0))
+    history = model.fit(x, np.zeros(4, np.float32), batch_size=4, epochs=4, verbose=0,
+                        callbacks=[resumer])
+    assert resumer.epochs == [2, 3]  # epochs 0 and 1 were done before the resume point
+    assert len(history.history["loss"]) == 2

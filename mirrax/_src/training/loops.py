@@ -3,12 +3,10 @@ run out, and which callbacks need per-batch logs."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 
 from mirrax import errors
-from mirrax._src.training import callbacks as callbacks_lib
 
 
 def warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
@@ -49,26 +47,6 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
 
 # predict copies a batch's outputs to the host this many steps after dispatching it.
 PREDICT_AHEAD = 32
-
-
-def needs_batch_logs(cbs, hook: str) -> bool:
-    """Whether any callback reads per-batch logs (the live progress bar, a batch hook)."""
-    for callback in cbs.callbacks:
-        if isinstance(callback, callbacks_lib.History):
-            continue
-        if isinstance(callback, callbacks_lib.ProgbarLogger):
-            # Only the live bar on a terminal shows batch values (predict's shows none);
-            # elsewhere the epoch's line.
-            if (callback.verbose == 1 and sys.stdout.isatty()
-                    and hook != "on_predict_batch_end"):
-                return True
-            continue
-        for name in (hook, "on_batch_end"):
-            if name in vars(callback) or getattr(type(callback), name) is not getattr(
-                callbacks_lib.Callback, name
-            ):
-                return True
-    return False
 
 
 def has_learning_rate(optimizer) -> bool:

@@ -393,13 +393,11 @@ class Model:
         self.stop_training = False
         self.module.train()
         # Reading the logs waits for the step; do it per step only when a callback uses them.
-        batch_logs = loops.needs_batch_logs(cbs, "on_train_batch_end")
-        self._resume = None
+        batch_logs = cbs.needs_batch_logs("on_train_batch_end")
         cbs.on_train_begin()
         # A callback that restored a backup (BackupAndRestore) says where training resumes:
         # (epoch index, batches of that epoch already done).
-        first_epoch, first_step = self._resume or (initial_epoch, 0)
-        self._resume = None
+        first_epoch, first_step = cbs.resume_point() or (initial_epoch, 0)
         known = steps_per_epoch if steps_per_epoch is not None else train.steps
         if first_step and known is not None and first_step >= known:
             # The backup was taken at batch `first_step` of an epoch that now has fewer
@@ -517,7 +515,7 @@ class Model:
         self._reset_metrics()
         self.module.eval()
         cbs.on_test_begin()
-        batch_logs = loops.needs_batch_logs(cbs, "on_test_batch_end")
+        batch_logs = cbs.needs_batch_logs("on_test_batch_end")
         count = 0
         for step, batch in enumerate(data.batches(steps, prefetch=batch_logs)):
             cbs.on_test_batch_begin(step)
@@ -565,7 +563,7 @@ class Model:
         # trip each, unless a callback reads each batch's outputs or several processes hold
         # them (strategy.gather then replicates them first).
         per_batch = (jax.process_count() > 1
-                     or loops.needs_batch_logs(cbs, "on_predict_batch_end"))
+                     or cbs.needs_batch_logs("on_predict_batch_end"))
         pending: collections.deque = collections.deque()
         try:
             for step, batch in enumerate(data.batches(steps)):

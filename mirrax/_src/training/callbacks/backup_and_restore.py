@@ -148,11 +148,8 @@ class BackupAndRestore(Callback):
         self._manager = None
         self._counter: Optional[BatchCounter] = None
         self._resume = (0, 0)
+        self._restored = False
         self._epoch = 0
-        if self.save_freq != "epoch":
-            # Bound per instance: `fit` reads the step's logs (waiting for it) only for
-            # callbacks that have a batch hook, and epoch-level backups need none.
-            self.on_train_batch_end = self._on_train_batch_end
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
@@ -163,6 +160,7 @@ class BackupAndRestore(Callback):
         self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=2)
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
         self._resume = (0, 0)
+        self._restored = False
         backups = self._manager.checkpoints
         for i, path in enumerate(reversed(backups)):
             try:
@@ -174,8 +172,15 @@ class BackupAndRestore(Callback):
                              "restoring the previous one.", path, error)
                 continue
             self._resume = (self._checkpoint.epoch, self._checkpoint.step)
-            self.model._resume = self._resume
+            self._restored = True
             break
+
+    def resume_point(self):
+        """The restored backup's (epoch, step), or None when there was none."""
+        return self._resume if self._restored else None
+
+    def needs_batch_logs(self, hook: str) -> bool:
+        return False  # backups are taken by batch count, not from the logs
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._epoch = epoch
@@ -183,9 +188,9 @@ class BackupAndRestore(Callback):
             resumed_epoch, resumed_step = self._resume
             self._counter.start_epoch(resumed_step if epoch == resumed_epoch else 0)
 
-    def _on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Backs up after every `save_freq` batches (int `save_freq` only)."""
-        if self._counter.due(batch):
+        if self._counter is not None and self._counter.due(batch):
             epoch, step = self._epoch, batch + 1
             if step == self.params.get("steps"):
                 # The epoch's last batch: resuming starts the next epoch.

@@ -48,6 +48,25 @@ class Callback:
         """Receives the model the callback is used with."""
         self.model = model
 
+    # -- what the training loop asks of a callback (mirrax's own) -------------------------------
+
+    def needs_batch_logs(self, hook: str) -> bool:
+        """Whether this callback reads the logs passed to `hook` ("on_train_batch_end",
+        "on_test_batch_end", "on_predict_batch_end"): reading them waits for the step, so the
+        loop makes them only when some callback needs them. Default: when the subclass
+        overrides that hook (or, for training, `on_batch_end`), or sets it on the instance (as
+        `LambdaCallback` does). Override it where a hook does not always read its logs.
+        """
+        names = (hook, "on_batch_end") if hook == "on_train_batch_end" else (hook,)
+        return any(name in vars(self) or getattr(type(self), name) is not getattr(Callback, name)
+                   for name in names)
+
+    def resume_point(self) -> Optional[tuple]:
+        """Where `fit` resumes after `on_train_begin`: (epoch index, batches of that epoch
+        already done), or None (start at `initial_epoch`). `BackupAndRestore` returns the
+        position of the backup it restored; the first callback with one wins."""
+        return None
+
     # -- old-style training-batch names -------------------------------------------------------
 
     def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:

@@ -128,6 +128,15 @@ class CallbackList(Callback):
         for callback in self.callbacks:
             callback.set_model(model)
 
+    def needs_batch_logs(self, hook: str) -> bool:
+        """Whether any callback reads the logs of `hook` (see `Callback.needs_batch_logs`)."""
+        return any(callback.needs_batch_logs(hook) for callback in self.callbacks)
+
+    def resume_point(self) -> Optional[tuple]:
+        """The first callback's resume point that is not None (see `Callback.resume_point`)."""
+        return next((point for point in (c.resume_point() for c in self.callbacks)
+                     if point is not None), None)
+
     def _call(self, hook: str, *args, **kwargs) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(*args, **kwargs)

@@ -107,10 +107,10 @@ class ModelCheckpoint(Callback):
         self.best: Optional[float] = initial_value_threshold
         self._epoch = 0
         self._counter: Optional[BatchCounter] = None
-        if self.save_freq != "epoch":
-            # Bound per instance: `fit` reads the step's logs (waiting for it) only for
-            # callbacks that have a batch hook, and epoch-level saves need none.
-            self.on_train_batch_end = self._on_train_batch_end
+
+    def needs_batch_logs(self, hook: str) -> bool:
+        # Batch-level saves monitor the batch's logs; epoch-level saves need none.
+        return hook == "on_train_batch_end" and self.save_freq != "epoch"
 
     def _resolve_mode(self) -> None:
         self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(
@@ -145,9 +145,9 @@ class ModelCheckpoint(Callback):
         if self._counter is not None:
             self._counter.start_epoch(0)
 
-    def _on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Saves after every `save_freq` batches (int `save_freq` only)."""
-        if self._counter.due(batch):
+        if self._counter is not None and self._counter.due(batch):
             self._save_model(self._epoch, batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:

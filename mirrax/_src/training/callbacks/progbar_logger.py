@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from mirrax._src.training.callbacks.callback import Callback
@@ -66,6 +67,11 @@ class ProgbarLogger(Callback):
         self._start_progbar()
         if self.verbose:
             print_msg(f"Epoch {epoch + 1}/{self.epochs}")
+
+    def needs_batch_logs(self, hook: str) -> bool:
+        # Only the live bar on a terminal shows batch values (predict's shows none); elsewhere
+        # the epoch's line.
+        return self.verbose == 1 and sys.stdout.isatty() and hook != "on_predict_batch_end"
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Redraws the bar at step `batch + 1` with the running logs."""
