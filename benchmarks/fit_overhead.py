@@ -26,8 +26,9 @@ the order flips every round, so drift hits all alike), after one epoch that comp
 - hand-written ms/step: `steps` steps, at most `--max-in-flight` dispatched ahead.
 - hand-written + float(loss): the same, but the loss is read on the host after every step,
   as fit's batch logs are (a device-to-host sync per step): what that sync costs the floor.
-- fit, no batch logs: fit with `Model._logs` patched to return {} (this benchmark only), so no
-  per-step conversion of the loss to a Python float: what skipping the logs would give.
+- fit, no batch logs: fit with the timing callback declaring `needs_batch_logs` False, so no
+  per-step conversion of the loss to a Python float. Since fit reads batch logs only for a
+  callback that needs them, this now equals "fit" (the timing callback has no batch hooks).
 - per-epoch breakdown: a callback that also timestamps `on_train_batch_begin/end` splits an
   epoch into time inside the steps, time between them (input pipeline, loop, hooks) and time
   at its start and end; the same with `validation_data` (`steps // 5` batches, at least 1), whose
@@ -211,17 +212,9 @@ def _measure(args, devices: int) -> dict:
         def timed_fit(clock_cls, validation_data=None, batch_logs=True):
             clock = clock_cls()
             if not batch_logs:
-                if not callable(getattr(type(model), "_logs", None)):
-                    raise SystemExit(
-                        "fit_overhead.py: mirrax.Model has no _logs method any more; update "
-                        "the 'fit_no_batch_logs' variant to the new way fit makes its logs."
-                    )
-                model._logs = dict  # an instance attribute shadowing the method: logs are {}
-            try:
-                call, _ = fit(clock, validation_data)
-            finally:
-                if not batch_logs:
-                    del model._logs
+                # The clock's batch hooks then get logs={}: fit reads no loss per step.
+                clock.needs_batch_logs = lambda hook: False
+            call, _ = fit(clock, validation_data)
             begin, end = clock.epochs[-1]
             times = {"epoch": end - begin, "call": call}
             if clock_cls is StepClock:
@@ -298,6 +291,8 @@ def _measure(args, devices: int) -> dict:
         inline = mirrax.InputOptions(experimental_fetch_to_device=False)
         plain_step = workloads.strategy_run_step(global_batch)
 
+        train_function = model.make_train_function()
+
         def train(source, logs, plain=False):
             start = time.perf_counter()
             for batch in source:
@@ -305,11 +300,9 @@ def _measure(args, devices: int) -> dict:
                     state = (model.module, model.optimizer.nnx_optimizer)
                     strategy.run(plain_step, args=state + (batch,))
                     continue
-                state = (model.module, model.optimizer.nnx_optimizer, model.metrics,
-                         model._tracker, model._dynamic_scale)
-                strategy.run(model._train_fn, args=state + (batch,))
+                train_function(batch)
                 if logs:
-                    model._logs()
+                    model.get_metrics_result()
             jax.block_until_ready(nnx.state(model.module))
             return time.perf_counter() - start
 

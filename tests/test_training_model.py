@@ -1,6 +1,7 @@
 """mirrax.Model: compile / fit / evaluate / predict, distributed and exact."""
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 import optax
 import pytest
@@ -237,7 +238,7 @@ def test_float16_overflow_on_one_replica_skips_the_step_everywhere():
     x = np.array([[1.0], [1e6]], np.float32)
     model.fit(x, np.zeros(2, np.float32), batch_size=2, verbose=0)
     assert float(model.get_weights()[0]) == 1.0  # the step was skipped on every replica
-    assert float(model._dynamic_scale.scale[...]) == 16384.0  # 2**15 / 2
+    assert float(model.optimizer.dynamic_scale.scale[...]) == 16384.0  # 2**15 / 2
     model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, verbose=0)
     assert float(model.get_weights()[0]) == pytest.approx(1.0 - 0.01)  # Keras SGD: lr 0.01, grad 1
 
@@ -493,3 +494,37 @@ def test_fit_resumes_where_a_callback_says():
                         callbacks=[resumer])
     assert resumer.epochs == [2, 3]  # epochs 0 and 1 were done before the resume point
     assert len(history.history["loss"]) == 2
+
+
+class _ClippedModel(mirrax.Model):
+    """A Keras-style override: the default step, then every weight clipped to [0, 1.5]."""
+
+    def train_step(self, data):
+        super().train_step(data)
+        for variable in jax.tree.leaves(nnx.state(self.module, nnx.Param),
+                                        is_leaf=lambda v: isinstance(v, nnx.Variable)):
+            variable[...] = jnp.clip(variable[...], 0.0, 1.5)
+
+
+def test_an_overridden_train_step_is_what_fit_runs_on_every_replica():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = _ClippedModel(Linear1())
+        model.compile(optax.sgd(1.0), loss=lambda y, y_pred: y_pred[:, 0])
+    # loss = w * x with x = -1: the gradient is -1, so SGD(1.0) moves w from 1 to 2 each step;
+    # the override clips it to 1.5, and the loss tracker (the default step's) logs -w * 1 = -1.
+    history = model.fit(-np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4,
+                        epochs=2, verbose=0)
+    assert float(model.get_weights()[0]) == 1.5
+    assert history.history["loss"] == [-1.0, -1.5]
+    train_function = model.make_train_function()
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        (-np.ones((4, 1), np.float32), np.zeros(4, np.float32)))))
+    train_function(batch)
+    assert float(model.get_weights()[0]) == 1.5 and model.get_metrics_result()["loss"] == -1.5
+
+
+def test_train_step_outside_fit_says_where_it_runs():
+    model = identity_model(mirrored(2))
+    with pytest.raises(mirrax.errors.ReplicaContextError, match="runs inside strategy.run"):
+        model.train_step((np.ones((2, 1)), np.zeros(2)))

@@ -251,7 +251,7 @@ def _first_layer_hint(module) -> str:
     return ""
 
 
-def check_fits_model(model, x, y, what: str):
+def check_fits_model(model, checked: dict, x, y, what: str):
     """Runs the module (and the loss) abstractly on the first example of a batch.
 
     So shapes or dtypes that do not fit give one named error before any step, instead of a
@@ -271,7 +271,6 @@ def check_fits_model(model, x, y, what: str):
     # One abstract run per input signature (fit called once per epoch checks once).
     key = (jax.tree.structure((x1, y1)), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(
         (x1, y1))), policy.name, id(model.loss))
-    checked = model._checked_inputs
     if key in checked:
         return checked[key]
     graphdef, state = nnx.split(model.module)

@@ -141,10 +141,12 @@ class ModelInput:
     """One input of fit/evaluate/predict, as a source of distributed (x, y, sample_weight) batches."""
 
     def __init__(self, model, strategy, x, y, sample_weight, batch_size, shuffle, what,
-                 inputs_only=False, class_weight=None):
+                 inputs_only=False, class_weight=None, rng=None, checked=None):
         self.strategy = strategy
         self.shuffle = shuffle
         self.model = model
+        self.rng = rng  # shuffles array inputs (the compiled model's, seeded at compile)
+        self.checked = {} if checked is None else checked  # input signatures already run
         self.inputs_only = inputs_only
         self.class_weight = class_weight
         x, y, sample_weight = (as_arrays(v) for v in (x, y, sample_weight))
@@ -207,7 +209,7 @@ class ModelInput:
         self.n = n
         self.steps = math.ceil(n / self.batch_size)
         self.dataset = None
-        y_pred = checks.check_fits_model(model, x, y, what)
+        y_pred = checks.check_fits_model(model, self.checked, x, y, what)
         if y is not None and isinstance(model.loss, losses_lib.SparseCategoricalCrossentropy):
             losses_lib.SparseCategoricalCrossentropy.check_labels(np.asarray(y), y_pred.shape[-1])
 
@@ -259,7 +261,7 @@ class ModelInput:
                 "or evaluate. As Keras: a generator must yield at least one batch."
             )
         batch = _normalize_batch(first, self.inputs_only, self.class_weight)
-        y_pred = checks.check_fits_model(self.model, batch[0], None if self.inputs_only else batch[1],
+        y_pred = checks.check_fits_model(self.model, self.checked, batch[0], None if self.inputs_only else batch[1],
                                    what)
         if not self.inputs_only:
             rows = len(checks.host_array(jax.tree.leaves(batch[0])[0]))
@@ -324,7 +326,7 @@ class ModelInput:
             yield from self._stream_batches(steps)
             return
         elif self.arrays:
-            order = self.model._rng.permutation(self.n) if self.shuffle else None
+            order = self.rng.permutation(self.n) if self.shuffle else None
             if jax.process_count() == 1:
                 iterator = input_lib.DistributedIterator(
                     batching.place_host_batches(self.strategy, _ArrayBatches(self, order),
@@ -367,7 +369,7 @@ class ModelInput:
                                         leaf.dtype)
 
         parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
-        checks.check_fits_model(self.model, parts[0], None if self.inputs_only else parts[1],
+        checks.check_fits_model(self.model, self.checked, parts[0], None if self.inputs_only else parts[1],
                           f"{self._what} (batch {index + 1})")
         self._signatures.add(signature)
 

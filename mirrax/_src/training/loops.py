@@ -1,12 +1,23 @@
-"""What `fit`, `evaluate` and `predict` share around their loops: Keras's warnings for inputs that
-run out, and which callbacks need per-batch logs."""
+"""The loops of `Model.fit`, `evaluate`, `predict` and the `*_on_batch` calls: each step one
+`strategy.run` of the compiled step, the callbacks around it, the logs read from the loss
+tracker and metrics, and Keras's warnings for inputs that run out."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import warnings
 
+import jax
+import numpy as np
 
 from mirrax import errors
+from mirrax._src.distribute import values as values_lib
+from mirrax._src.distribute.values import PerReplica
+from mirrax._src.training import arguments as checks
+from mirrax._src.training import callbacks as callbacks_lib
+from mirrax._src.training import data_adapter
+from mirrax._src.training import steps as steps_lib
 
 
 def warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
@@ -55,3 +66,289 @@ def has_learning_rate(optimizer) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq):
+    """`Model.fit` (its arguments, docs and errors there)."""
+    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(
+        epochs, initial_epoch, verbose, shuffle)
+    steps_per_epoch = checks.check_count("fit", "steps_per_epoch", steps_per_epoch, allow_none=True)
+    validation_steps = checks.check_count("fit", "validation_steps", validation_steps,
+                                    allow_none=True)
+    validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
+    validation_split = checks.check_fraction("fit", "validation_split", validation_split)
+    class_weight = checks.check_class_weight(class_weight, sample_weight)
+    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
+    strategy = model.distribute_strategy
+    if validation_split and validation_data is None:
+        if not data_adapter.is_arrays(x):
+            raise errors.InvalidArgumentError(
+                "fit: validation_split is only supported for NumPy array inputs (it takes "
+                f"the last {validation_split:.0%} of the arrays); received a "
+                f"{type(x).__name__}. Pass validation_data= instead."
+            )
+        x, y, sample_weight, validation_data = data_adapter.split_validation(
+            x, y, sample_weight, validation_split
+        )
+    train = data_adapter.ModelInput(
+        model, strategy, x, y, sample_weight, batch_size, shuffle, "fit", class_weight=class_weight,
+        rng=compiled.rng, checked=compiled.checked_inputs)
+    if steps_per_epoch is not None and train.steps is not None and steps_per_epoch > train.steps:
+        raise errors.InvalidArgumentError(
+            f"fit: steps_per_epoch={steps_per_epoch} but the input holds {train.steps} "
+            f"batch(es) per pass, so every epoch would run out of data (Keras warns \"Your "
+            "input ran out of data\" and trains short epochs). Pass steps_per_epoch <= "
+            f"{train.steps}, or omit it for one pass per epoch."
+        )
+    val = None
+    if validation_data is not None:
+        vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
+        vbatch = validation_batch_size if validation_batch_size is not None else batch_size
+        val = data_adapter.ModelInput(
+            model, strategy, vx, vy, vw, vbatch if data_adapter.is_arrays(vx) else None, False,
+            "fit(validation_data=...)", checked=compiled.checked_inputs)
+    elif validation_batch_size is not None:
+        raise errors.InvalidArgumentError(
+            f"fit: validation_batch_size={validation_batch_size!r} was given without "
+            "validation data; pass validation_data= or validation_split=, or drop it."
+        )
+    check_generators_last(train, steps_per_epoch, val, validation_steps,
+                           range(initial_epoch, epochs), validation_freq)
+    steps = steps_per_epoch if steps_per_epoch is not None else train.steps
+    cbs = callbacks_lib.CallbackList(
+        callbacks, add_history=True, add_progbar=verbose != 0, model=model,
+        verbose=verbose, epochs=epochs, steps=steps,
+    )
+    cbs.set_params(dict(cbs.params, metrics=log_keys(model, compiled, val is not None, cbs.callbacks)))
+    model.stop_training = False
+    model.module.train()
+    # Reading the logs waits for the step; do it per step only when a callback uses them.
+    batch_logs = cbs.needs_batch_logs("on_train_batch_end")
+    cbs.on_train_begin()
+    # A callback that restored a backup (BackupAndRestore) says where training resumes:
+    # (epoch index, batches of that epoch already done).
+    first_epoch, first_step = cbs.resume_point() or (initial_epoch, 0)
+    known = steps_per_epoch if steps_per_epoch is not None else train.steps
+    if first_step and known is not None and first_step >= known:
+        # The backup was taken at batch `first_step` of an epoch that now has fewer
+        # batches (another batch_size, less data): restart that epoch, as Keras does
+        # with every mid-epoch resume, rather than run an epoch of no steps.
+        warnings.warn(
+            f"fit: the backup resumes epoch {first_epoch + 1} at batch {first_step + 1}, but "
+            f"this input has {known} batch(es) per epoch; epoch {first_epoch + 1} restarts at "
+            "its first batch.", stacklevel=2)
+        first_step = 0
+    logs: dict = {}
+    epoch_logs: dict = {}
+    try:
+        for epoch in range(first_epoch, epochs):
+            reset_metrics(model, compiled)
+            cbs.on_epoch_begin(epoch)
+            model.module.train()
+            step = first_step if epoch == first_epoch else 0
+            trained = 0
+            batches = itertools.islice(
+                train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
+            for group in steps_lib.groups(batches, model.steps_per_execution):
+                last = step + len(group) - 1
+                cbs.on_train_batch_begin(step)
+                state = (model.module, model.optimizer.nnx_optimizer, model.metrics,
+                         compiled.tracker, compiled.dynamic_scale)
+                if len(group) == 1:
+                    strategy.run(compiled.train_fn, args=state + (group[0],))
+                else:
+                    masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
+                    strategy.run(compiled.train_many_fn, args=state + (tuple(group), masks))
+                logs = logs_of(model, compiled) if batch_logs else {}
+                cbs.on_train_batch_end(last, logs)
+                step = last + 1
+                trained += len(group)
+                if model.stop_training:
+                    break
+            if epoch == first_epoch and step == 0 and not model.stop_training:
+                raise errors.EmptyDatasetError(
+                    f"fit: the training input ({type(x).__name__}) yielded no batch in the "
+                    "first epoch, so nothing was trained. Check that the dataset is not "
+                    "empty (a generator must yield at least one batch, as Keras requires)."
+                )
+            # An epoch that ran no step has no values to log (not a loss of 0.0).
+            epoch_logs = logs_of(model, compiled) if trained else {}
+            if val is not None and (epoch + 1) % validation_freq == 0:
+                val_logs = evaluate_loop(model, compiled, val, validation_steps, cbs, "fit(validation_data=...)")
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                model.module.train()
+            if has_learning_rate(model.optimizer):
+                epoch_logs["learning_rate"] = model.optimizer.learning_rate
+            cbs.on_epoch_end(epoch, epoch_logs)
+            if model.stop_training:
+                break
+    finally:
+        train.close()
+    model.module.eval()
+    cbs.on_train_end(epoch_logs if epochs > first_epoch else {})
+    return model.history
+
+
+def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict):
+    """`Model.evaluate` (its arguments, docs and errors there)."""
+    verbose = checks.check_verbose("evaluate", verbose)
+    steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
+    return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
+    data = data_adapter.ModelInput(model, model.distribute_strategy, x, y, sample_weight,
+                                   batch_size, False, "evaluate", checked=compiled.checked_inputs)
+    cbs = callbacks_lib.CallbackList(
+        callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
+        steps=steps if steps is not None else data.steps,
+    )
+    try:
+        logs = evaluate_loop(model, compiled, data, steps, cbs, "evaluate")
+    finally:
+        data.close()
+    if return_dict:
+        return logs
+    values = list(logs.values())
+    return values[0] if len(values) == 1 else values
+
+
+def predict(model, strategy, predict_fn, checked, x, batch_size, verbose, steps, callbacks):
+    """`Model.predict` (its arguments, docs and errors there) on `strategy`, each step
+    `strategy.run(predict_fn, ...)`; `checked` holds the input signatures already checked."""
+    verbose = checks.check_verbose("predict", verbose)
+    steps = checks.check_count("predict", "steps", steps, allow_none=True)
+    data = data_adapter.ModelInput(model, strategy, x, None, None, batch_size, False, "predict",
+                                   inputs_only=True, checked=checked)
+    model.module.eval()
+    outputs = []
+    cbs = callbacks_lib.CallbackList(
+        callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
+        steps=steps if steps is not None else data.steps,
+    )
+    cbs.on_predict_begin()
+    # Outputs are copied to the host at the end, so steps queue without a device round
+    # trip each, unless a callback reads each batch's outputs or several processes hold
+    # them (strategy.gather then replicates them first).
+    per_batch = (jax.process_count() > 1
+                 or cbs.needs_batch_logs("on_predict_batch_end"))
+    pending: collections.deque = collections.deque()
+    try:
+        for step, batch in enumerate(data.batches(steps)):
+            cbs.on_predict_batch_begin(step)
+            out = strategy.run(predict_fn, args=(model.module, None, None, None, None, batch))
+            if per_batch:
+                outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
+                cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
+            else:
+                pending.append(out)
+                if len(pending) > PREDICT_AHEAD:  # bounds the device memory held
+                    outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
+                cbs.on_predict_batch_end(step, {})
+    finally:
+        data.close()
+    outputs += [values_lib.gather_to_host(strategy, out) for out in pending]
+    if not outputs:
+        raise errors.EmptyDatasetError(
+            "predict: the input yielded no batch, so there is nothing to predict (Keras "
+            "refuses an empty input too). Check that the dataset is not empty."
+        )
+    warn_if_ran_out("predict", "steps", steps, len(outputs))
+    cbs.on_predict_end()
+    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+
+
+def train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_dict):
+    """`Model.train_on_batch` (its arguments, docs and errors there)."""
+    class_weight = checks.check_class_weight(class_weight, sample_weight)
+    data = one_batch(model, compiled, "train_on_batch", x, y, sample_weight, class_weight)
+    return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
+    reset_metrics(model, compiled)
+    model.module.train()
+    state = (model.module, model.optimizer.nnx_optimizer, model.metrics, compiled.tracker,
+             compiled.dynamic_scale)
+    for batch in data.batches():
+        model.distribute_strategy.run(compiled.train_fn, args=state + (batch,))
+    model.module.eval()
+    return result_of(logs_of(model, compiled), return_dict)
+
+
+def test_on_batch(model, compiled, x, y, sample_weight, return_dict):
+    """`Model.test_on_batch` (its arguments, docs and errors there)."""
+    data = one_batch(model, compiled, "test_on_batch", x, y, sample_weight, None)
+    return_dict = checks.check_bool("test_on_batch", "return_dict", return_dict)
+    reset_metrics(model, compiled)
+    model.module.eval()
+    for batch in data.batches():
+        model.distribute_strategy.run(
+            compiled.test_fn, args=(model.module, None, model.metrics, compiled.tracker, None, batch))
+    return result_of(logs_of(model, compiled), return_dict)
+
+
+def log_keys(model, compiled, validation: bool, callbacks: list):
+    """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
+    None when a callback of the user's own (or a LambdaCallback, whose functions are the
+    user's) may add keys (as Keras's callbacks may write into the logs): the monitoring callbacks then look for their key at each epoch end."""
+    if any(isinstance(c, callbacks_lib.LambdaCallback)
+           or not type(c).__module__.startswith("mirrax.") for c in callbacks):
+        return None
+    keys = ["loss"] + list(compiled.metric_names)
+    if validation:
+        keys += [f"val_{key}" for key in keys]
+    if has_learning_rate(model.optimizer):
+        keys.append("learning_rate")
+    return keys
+
+
+def evaluate_loop(model, compiled, data, steps, cbs, what):
+    """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`."""
+    strategy = model.distribute_strategy
+    reset_metrics(model, compiled)
+    model.module.eval()
+    cbs.on_test_begin()
+    batch_logs = cbs.needs_batch_logs("on_test_batch_end")
+    count = 0
+    for step, batch in enumerate(data.batches(steps, prefetch=batch_logs)):
+        cbs.on_test_batch_begin(step)
+        strategy.run(compiled.test_fn,
+                     args=(model.module, None, model.metrics, compiled.tracker, None, batch))
+        cbs.on_test_batch_end(step, logs_of(model, compiled) if batch_logs else {})
+        count += 1
+    if count == 0:
+        raise errors.EmptyDatasetError(
+            f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "
+            "refuses an empty input too). Check that the dataset is not empty."
+        )
+    warn_if_ran_out(what, "steps", steps, count)
+    logs = logs_of(model, compiled)
+    cbs.on_test_end(logs)
+    return logs
+
+
+def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
+    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
+    if not data_adapter.is_arrays(x):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x must be an array (or a dict of arrays) holding one batch; received "
+            f"{type(x).__name__}. Use fit() / evaluate() for datasets."
+        )
+    return data_adapter.ModelInput(model, model.distribute_strategy, x, y, sample_weight,
+                                   max(data_adapter.num_examples(x), 1), False, what,
+                                   class_weight=class_weight, checked=compiled.checked_inputs)
+
+
+def result_of(logs: dict, return_dict: bool):
+    if return_dict:
+        return logs
+    values = list(logs.values())
+    return values[0] if len(values) == 1 else values
+
+
+def reset_metrics(model, compiled):
+    compiled.tracker.reset()
+    for metric in model.metrics:
+        metric.reset_state()
+
+
+def logs_of(model, compiled) -> dict:
+    logs = {"loss": float(compiled.tracker.result())}
+    for name, metric in zip(compiled.metric_names, model.metrics):
+        logs[name] = float(metric.result())
+    return logs

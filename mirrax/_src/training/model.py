@@ -15,9 +15,6 @@ compiled step.
 
 from __future__ import annotations
 
-import collections
-import itertools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +25,7 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src import checkpoint
 from mirrax._src.distribute import invariant
-from mirrax._src.distribute import values as values_lib
-from mirrax._src.distribute.strategy import get_strategy, has_strategy
-from mirrax._src.distribute.values import PerReplica
-from mirrax._src.training import callbacks as callbacks_lib
+from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metrics as metrics_lib
 from mirrax._src.training import mixed_precision
@@ -72,10 +66,14 @@ class Model:
         self.distribute_strategy = None
         # As Keras, a model made under a strategy's scope belongs to it (compile uses it).
         self._scope_strategy = get_strategy() if has_strategy() else None
-        self._compiled = False
-        # Input signatures already run abstractly through the module and loss (see
-        # checks.check_fits_model); compile clears it (the loss or policy may change).
-        self._checked_inputs: dict = {}
+        self.steps_per_execution = None
+        self.gradient_accumulation_steps = None
+        self.dtype_policy = None
+        # The compiled steps and their state (steps.CompiledState); None until compile.
+        self._compiled: steps_lib.CompiledState | None = None
+        self._bound = None  # the replica's objects while a step is traced (_bound_step)
+        self._uncompiled_predict_fn = self._bound_step("predict_step")
+        self._uncompiled_checked: dict = {}  # predict's checked inputs before compile
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -149,28 +147,35 @@ class Model:
             tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
         self.optimizer = optimizers.OptimizerHandle(tx, nnx.Optimizer(self.module, tx, wrt=nnx.Param))
         self.loss = losses_lib.get(loss)
-        self._loss_scale = 1.0 if loss_weights is None else float(loss_weights)
+        loss_scale = 1.0 if loss_weights is None else float(loss_weights)
         plain = [metrics_lib.get(m, loss=self.loss) for m in (metrics or [])]
         weighted = [metrics_lib.get(m, loss=self.loss) for m in (weighted_metrics or [])]
         self.metrics = plain + weighted
-        self._weighted = (False,) * len(plain) + (True,) * len(weighted)
-        self._metric_names = checks.metric_names(plain, weighted)
-        self._tracker = steps_lib.LossTracker()
+        weighted_flags = (False,) * len(plain) + (True,) * len(weighted)
         self.dtype_policy = mixed_precision.global_policy()
-        self._dynamic_scale = (
-            mixed_precision.LossScale()
-            if self.dtype_policy.uses_loss_scaling and auto_scale_loss else None
-        )
         micro = self.distribute_strategy.replica_invariant
-        self._train_fn = steps_lib.make_train_step(self.loss, self._loss_scale, self.dtype_policy,
-                                          self._weighted, micro)
-        self._train_many_fn = steps_lib.make_multi_step(self._train_fn)
-        self._test_fn = steps_lib.make_test_step(self.loss, self._loss_scale, self.dtype_policy,
-                                        self._weighted, micro)
-        self._predict_fn = steps_lib.make_predict_step(self.dtype_policy, micro)
-        self._rng = np.random.default_rng(0)
-        self._checked_inputs = {}
-        self._compiled = True
+        compiled = steps_lib.CompiledState(
+            loss_scale=loss_scale,
+            weighted=weighted_flags,
+            metric_names=checks.metric_names(plain, weighted),
+            tracker=steps_lib.LossTracker(),
+            dynamic_scale=(mixed_precision.LossScale()
+                           if self.dtype_policy.uses_loss_scaling and auto_scale_loss else None),
+            rng=np.random.default_rng(0),
+            train_impl=steps_lib.make_train_step(self.loss, loss_scale, self.dtype_policy,
+                                                 weighted_flags, micro),
+            test_impl=steps_lib.make_test_step(self.loss, loss_scale, self.dtype_policy,
+                                               weighted_flags, micro),
+            predict_impl=steps_lib.make_predict_step(self.dtype_policy, micro),
+        )
+        # New step functions at every compile: they key strategy.run's program cache, so a
+        # recompiled model (another loss, policy or metrics) never reuses an old program.
+        compiled.train_fn = self._bound_step("train_step")
+        compiled.train_many_fn = steps_lib.make_multi_step(compiled.train_fn)
+        compiled.test_fn = self._bound_step("test_step")
+        compiled.predict_fn = self._bound_step("predict_step")
+        self.optimizer.dynamic_scale = compiled.dynamic_scale
+        self._compiled = compiled
 
     def _compile_strategy(self):
         """The strategy of compile: in scope now, else in scope at __init__, else the default."""
@@ -342,135 +347,8 @@ class Model:
           UnsupportedArgumentError: class_weight with a distributed dataset.
         """
         self._check_compiled("fit")
-        epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(
-            epochs, initial_epoch, verbose, shuffle)
-        steps_per_epoch = checks.check_count("fit", "steps_per_epoch", steps_per_epoch, allow_none=True)
-        validation_steps = checks.check_count("fit", "validation_steps", validation_steps,
-                                        allow_none=True)
-        validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
-        validation_split = checks.check_fraction("fit", "validation_split", validation_split)
-        class_weight = checks.check_class_weight(class_weight, sample_weight)
-        x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
-        strategy = self.distribute_strategy
-        if validation_split and validation_data is None:
-            if not data_adapter.is_arrays(x):
-                raise errors.InvalidArgumentError(
-                    "fit: validation_split is only supported for NumPy array inputs (it takes "
-                    f"the last {validation_split:.0%} of the arrays); received a "
-                    f"{type(x).__name__}. Pass validation_data= instead."
-                )
-            x, y, sample_weight, validation_data = data_adapter.split_validation(
-                x, y, sample_weight, validation_split
-            )
-        train = data_adapter.ModelInput(self, strategy, x, y, sample_weight, batch_size, shuffle, "fit",
-                       class_weight=class_weight)
-        if steps_per_epoch is not None and train.steps is not None and steps_per_epoch > train.steps:
-            raise errors.InvalidArgumentError(
-                f"fit: steps_per_epoch={steps_per_epoch} but the input holds {train.steps} "
-                f"batch(es) per pass, so every epoch would run out of data (Keras warns \"Your "
-                "input ran out of data\" and trains short epochs). Pass steps_per_epoch <= "
-                f"{train.steps}, or omit it for one pass per epoch."
-            )
-        val = None
-        if validation_data is not None:
-            vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
-            vbatch = validation_batch_size if validation_batch_size is not None else batch_size
-            val = data_adapter.ModelInput(self, strategy, vx, vy, vw, vbatch if data_adapter.is_arrays(vx) else None,
-                         False, "fit(validation_data=...)")
-        elif validation_batch_size is not None:
-            raise errors.InvalidArgumentError(
-                f"fit: validation_batch_size={validation_batch_size!r} was given without "
-                "validation data; pass validation_data= or validation_split=, or drop it."
-            )
-        loops.check_generators_last(train, steps_per_epoch, val, validation_steps,
-                               range(initial_epoch, epochs), validation_freq)
-        steps = steps_per_epoch if steps_per_epoch is not None else train.steps
-        cbs = callbacks_lib.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, model=self,
-            verbose=verbose, epochs=epochs, steps=steps,
-        )
-        cbs.set_params(dict(cbs.params, metrics=self._log_keys(val is not None, cbs.callbacks)))
-        self.stop_training = False
-        self.module.train()
-        # Reading the logs waits for the step; do it per step only when a callback uses them.
-        batch_logs = cbs.needs_batch_logs("on_train_batch_end")
-        cbs.on_train_begin()
-        # A callback that restored a backup (BackupAndRestore) says where training resumes:
-        # (epoch index, batches of that epoch already done).
-        first_epoch, first_step = cbs.resume_point() or (initial_epoch, 0)
-        known = steps_per_epoch if steps_per_epoch is not None else train.steps
-        if first_step and known is not None and first_step >= known:
-            # The backup was taken at batch `first_step` of an epoch that now has fewer
-            # batches (another batch_size, less data): restart that epoch, as Keras does
-            # with every mid-epoch resume, rather than run an epoch of no steps.
-            warnings.warn(
-                f"fit: the backup resumes epoch {first_epoch + 1} at batch {first_step + 1}, but "
-                f"this input has {known} batch(es) per epoch; epoch {first_epoch + 1} restarts at "
-                "its first batch.", stacklevel=2)
-            first_step = 0
-        logs: dict = {}
-        epoch_logs: dict = {}
-        try:
-            for epoch in range(first_epoch, epochs):
-                self._reset_metrics()
-                cbs.on_epoch_begin(epoch)
-                self.module.train()
-                step = first_step if epoch == first_epoch else 0
-                trained = 0
-                batches = itertools.islice(
-                    train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
-                for group in steps_lib.groups(batches, self.steps_per_execution):
-                    last = step + len(group) - 1
-                    cbs.on_train_batch_begin(step)
-                    state = (self.module, self.optimizer.nnx_optimizer, self.metrics,
-                             self._tracker, self._dynamic_scale)
-                    if len(group) == 1:
-                        strategy.run(self._train_fn, args=state + (group[0],))
-                    else:
-                        masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
-                        strategy.run(self._train_many_fn, args=state + (tuple(group), masks))
-                    logs = self._logs() if batch_logs else {}
-                    cbs.on_train_batch_end(last, logs)
-                    step = last + 1
-                    trained += len(group)
-                    if self.stop_training:
-                        break
-                if epoch == first_epoch and step == 0 and not self.stop_training:
-                    raise errors.EmptyDatasetError(
-                        f"fit: the training input ({type(x).__name__}) yielded no batch in the "
-                        "first epoch, so nothing was trained. Check that the dataset is not "
-                        "empty (a generator must yield at least one batch, as Keras requires)."
-                    )
-                # An epoch that ran no step has no values to log (not a loss of 0.0).
-                epoch_logs = self._logs() if trained else {}
-                if val is not None and (epoch + 1) % validation_freq == 0:
-                    val_logs = self._evaluate(val, validation_steps, cbs, "fit(validation_data=...)")
-                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                    self.module.train()
-                if loops.has_learning_rate(self.optimizer):
-                    epoch_logs["learning_rate"] = self.optimizer.learning_rate
-                cbs.on_epoch_end(epoch, epoch_logs)
-                if self.stop_training:
-                    break
-        finally:
-            train.close()
-        self.module.eval()
-        cbs.on_train_end(epoch_logs if epochs > first_epoch else {})
-        return self.history
+        return loops.fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
 
-    def _log_keys(self, validation: bool, callbacks: list):
-        """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
-        None when a callback of the user's own (or a LambdaCallback, whose functions are the
-        user's) may add keys (as Keras's callbacks may write into the logs): the monitoring callbacks then look for their key at each epoch end."""
-        if any(isinstance(c, callbacks_lib.LambdaCallback)
-               or not type(c).__module__.startswith("mirrax.") for c in callbacks):
-            return None
-        keys = ["loss"] + list(self._metric_names)
-        if validation:
-            keys += [f"val_{key}" for key in keys]
-        if loops.has_learning_rate(self.optimizer):
-            keys.append("learning_rate")
-        return keys
 
     # -- evaluate / predict ----------------------------------------------------------------------
 
@@ -491,46 +369,8 @@ class Model:
           shapes that do not fit the model. EmptyDatasetError: the input yields no batch.
         """
         self._check_compiled("evaluate")
-        verbose = checks.check_verbose("evaluate", verbose)
-        steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
-        return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
-        data = data_adapter.ModelInput(self, self.distribute_strategy, x, y, sample_weight, batch_size, False,
-                      "evaluate")
-        cbs = callbacks_lib.CallbackList(
-            callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
-            steps=steps if steps is not None else data.steps,
-        )
-        try:
-            logs = self._evaluate(data, steps, cbs, "evaluate")
-        finally:
-            data.close()
-        if return_dict:
-            return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        return loops.evaluate(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
 
-    def _evaluate(self, data, steps, cbs, what):
-        """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`."""
-        strategy = self.distribute_strategy
-        self._reset_metrics()
-        self.module.eval()
-        cbs.on_test_begin()
-        batch_logs = cbs.needs_batch_logs("on_test_batch_end")
-        count = 0
-        for step, batch in enumerate(data.batches(steps, prefetch=batch_logs)):
-            cbs.on_test_batch_begin(step)
-            strategy.run(self._test_fn, args=(self.module, self.metrics, self._tracker, batch))
-            cbs.on_test_batch_end(step, self._logs() if batch_logs else {})
-            count += 1
-        if count == 0:
-            raise errors.EmptyDatasetError(
-                f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "
-                "refuses an empty input too). Check that the dataset is not empty."
-            )
-        loops.warn_if_ran_out(what, "steps", steps, count)
-        logs = self._logs()
-        cbs.on_test_end(logs)
-        return logs
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """The module's outputs for every example, in input order, as NumPy (as `keras.Model.predict`).
@@ -547,49 +387,14 @@ class Model:
           InvalidArgumentError / InvalidArgumentTypeError: bad arguments.
           IncompatibleInputError: x does not fit the model. EmptyDatasetError: no batch.
         """
-        verbose = checks.check_verbose("predict", verbose)
-        steps = checks.check_count("predict", "steps", steps, allow_none=True)
         self._check_scope("predict")
         strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
-        data = data_adapter.ModelInput(self, strategy, x, None, None, batch_size, False, "predict", inputs_only=True)
-        self.module.eval()
-        outputs = []
-        cbs = callbacks_lib.CallbackList(
-            callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
-            steps=steps if steps is not None else data.steps,
-        )
-        cbs.on_predict_begin()
-        # Outputs are copied to the host at the end, so steps queue without a device round
-        # trip each, unless a callback reads each batch's outputs or several processes hold
-        # them (strategy.gather then replicates them first).
-        per_batch = (jax.process_count() > 1
-                     or cbs.needs_batch_logs("on_predict_batch_end"))
-        pending: collections.deque = collections.deque()
-        try:
-            for step, batch in enumerate(data.batches(steps)):
-                cbs.on_predict_batch_begin(step)
-                predict_fn = self._predict_fn if self._compiled else (
-                    steps_lib.PREDICT_FLOAT32_MICRO if strategy.replica_invariant else steps_lib.PREDICT_FLOAT32)
-                out = strategy.run(predict_fn, args=(self.module, batch))
-                if per_batch:
-                    outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
-                    cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
-                else:
-                    pending.append(out)
-                    if len(pending) > loops.PREDICT_AHEAD:  # bounds the device memory held
-                        outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
-                    cbs.on_predict_batch_end(step, {})
-        finally:
-            data.close()
-        outputs += [values_lib.gather_to_host(strategy, out) for out in pending]
-        if not outputs:
-            raise errors.EmptyDatasetError(
-                "predict: the input yielded no batch, so there is nothing to predict (Keras "
-                "refuses an empty input too). Check that the dataset is not empty."
-            )
-        loops.warn_if_ran_out("predict", "steps", steps, len(outputs))
-        cbs.on_predict_end()
-        return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+        if self._compiled is not None:
+            predict_fn, checked = self._compiled.predict_fn, self._compiled.checked_inputs
+        else:
+            predict_fn, checked = self._uncompiled_predict_fn, self._uncompiled_checked
+        return loops.predict(self, strategy, predict_fn, checked, x, batch_size, verbose, steps,
+                             callbacks)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
 
@@ -605,30 +410,13 @@ class Model:
           NotCompiledError; InvalidArgumentTypeError (x not arrays); the checks of `fit`.
         """
         self._check_compiled("train_on_batch")
-        class_weight = checks.check_class_weight(class_weight, sample_weight)
-        data = self._one_batch("train_on_batch", x, y, sample_weight, class_weight)
-        return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
-        self._reset_metrics()
-        self.module.train()
-        state = (self.module, self.optimizer.nnx_optimizer, self.metrics, self._tracker,
-                 self._dynamic_scale)
-        for batch in data.batches():
-            self.distribute_strategy.run(self._train_fn, args=state + (batch,))
-        self.module.eval()
-        return self._result(self._logs(), return_dict)
+        return loops.train_on_batch(self, self._compiled, x, y, sample_weight, class_weight, return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict: bool = False):
         """Loss and metrics of one GLOBAL batch of arrays, as `keras.Model.test_on_batch`
         (metrics reset first, as Keras 3); returns as `train_on_batch`."""
         self._check_compiled("test_on_batch")
-        data = self._one_batch("test_on_batch", x, y, sample_weight, None)
-        return_dict = checks.check_bool("test_on_batch", "return_dict", return_dict)
-        self._reset_metrics()
-        self.module.eval()
-        for batch in data.batches():
-            self.distribute_strategy.run(self._test_fn,
-                                         args=(self.module, self.metrics, self._tracker, batch))
-        return self._result(self._logs(), return_dict)
+        return loops.test_on_batch(self, self._compiled, x, y, sample_weight, return_dict)
 
     def predict_on_batch(self, x):
         """The module's outputs for one batch of arrays, as NumPy (`keras.Model.predict_on_batch`)."""
@@ -640,40 +428,117 @@ class Model:
             )
         return self.predict(x, batch_size=max(data_adapter.num_examples(x), 1), verbose=0)
 
-    def _one_batch(self, what, x, y, sample_weight, class_weight):
-        x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
-        if not data_adapter.is_arrays(x):
-            raise errors.InvalidArgumentTypeError(
-                f"{what}: x must be an array (or a dict of arrays) holding one batch; received "
-                f"{type(x).__name__}. Use fit() / evaluate() for datasets."
-            )
-        return data_adapter.ModelInput(self, self.distribute_strategy, x, y, sample_weight,
-                      max(data_adapter.num_examples(x), 1), False, what, class_weight=class_weight)
-
-    @staticmethod
-    def _result(logs: dict, return_dict: bool):
-        if return_dict:
-            return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
 
     def reset_metrics(self) -> None:
         """Resets the loss tracker and every metric, as `keras.Model.reset_metrics`."""
         self._check_compiled("reset_metrics")
-        self._reset_metrics()
+        loops.reset_metrics(self, self._compiled)
 
-    # -- helpers ---------------------------------------------------------------------------------
+    def get_metrics_result(self) -> dict:
+        """{"loss": ..., <metric name>: ...} as Python floats, as `keras.Model.get_metrics_result`
+        (what fit logs; reading it waits for the last step)."""
+        self._check_compiled("get_metrics_result")
+        return loops.logs_of(self, self._compiled)
 
-    def _reset_metrics(self):
-        self._tracker.reset()
-        for metric in self.metrics:
-            metric.reset_state()
+    def make_train_function(self):
+        """`train_function(batch)`: one step of `fit` on a distributed batch (an element of
+        `strategy.experimental_distribute_dataset(...)`: (x, y) or (x, y, sample_weight) of
+        the global batch size), as `keras.Model.make_train_function`; returns None. No
+        callbacks, no logs (read them with `get_metrics_result`).
 
-    def _logs(self) -> dict:
-        logs = {"loss": float(self._tracker.result())}
-        for name, metric in zip(self._metric_names, self.metrics):
-            logs[name] = float(metric.result())
-        return logs
+        Raises:
+          NotCompiledError: the model is not compiled.
+        """
+        self._check_compiled("make_train_function")
+        compiled, strategy = self._compiled, self.distribute_strategy
+
+        def train_function(batch):
+            strategy.run(compiled.train_fn, args=(self.module, self.optimizer.nnx_optimizer,
+                                                  self.metrics, compiled.tracker,
+                                                  compiled.dynamic_scale, batch))
+
+        return train_function
+
+    # -- the steps (overridable, as Keras's) -----------------------------------------------------
+
+    def train_step(self, data):
+        """One training step on this replica's shard of a batch, as `keras.Model.train_step`.
+
+        `fit` (and `train_on_batch`) run it inside `strategy.run`, once per replica, with
+        `data = (x, y, sample_weight)`: this replica's rows of the global batch (padding rows
+        of a partial batch carry sample weight 0, and `get_replica_context().batch_mask`
+        marks the real rows). Inside, `self.module`, `self.optimizer.nnx_optimizer`,
+        `self.metrics` and `self.loss_tracker` are this replica's objects: update them in
+        place (e.g. `mirrax.value_and_grad(loss_fn)(self.module, ...)`, then
+        `self.optimizer.nnx_optimizer.update(self.module, grads)`, and
+        `self.loss_tracker.update(total, count)` for the logged loss). Gradients of
+        replicated parameters are summed over the replicas by JAX (divide the loss by the
+        global batch, as `compute_average_loss` does). The return value is ignored: fit's
+        logs are read from the loss tracker and the metrics. Traced once per program, so it
+        must be a pure function of its inputs and the objects above (as a `tf.function`).
+
+        The default: the compiled loss (mixed precision and loss scaling included) and its
+        gradients, the optimizer's update, the loss tracker and the metrics.
+        """
+        module, optimizer, metrics, tracker, loss_scale = self._bound_objects("train_step")
+        self._compiled.train_impl(module, optimizer, metrics, tracker, loss_scale, data)
+
+    def test_step(self, data):
+        """One evaluation step on this replica's shard, as `keras.Model.test_step`: updates the
+        loss tracker and metrics (see `train_step` for where it runs and what it may use)."""
+        module, _, metrics, tracker, _ = self._bound_objects("test_step")
+        self._compiled.test_impl(module, metrics, tracker, data)
+
+    def predict_step(self, data):
+        """The outputs for this replica's shard `data = (x,)`, as `keras.Model.predict_step`:
+        an array (or pytree of arrays) with the shard's rows first (see `train_step`)."""
+        module = self._bound_objects("predict_step")[0]
+        if self._compiled is not None:
+            return self._compiled.predict_impl(module, data)
+        # Not compiled: float32, micro-batched in replica-invariant mode.
+        micro = get_replica_context().strategy.replica_invariant
+        impl = steps_lib.PREDICT_FLOAT32_MICRO if micro else steps_lib.PREDICT_FLOAT32
+        return impl(module, data)
+
+    @property
+    def loss_tracker(self):
+        """The `LossTracker` of the logged loss (`update(total, count)`, `result()`, `reset()`):
+        inside a step, this replica's; None before compile."""
+        if self._bound is not None:
+            return self._bound[3]
+        return None if self._compiled is None else self._compiled.tracker
+
+    def _bound_objects(self, what: str) -> tuple:
+        if self._bound is None:
+            raise errors.ReplicaContextError(
+                f"Model.{what} runs inside strategy.run (fit, evaluate and predict call it on "
+                f"every replica); call fit / evaluate / predict instead of {what} directly.")
+        return self._bound
+
+    def _bound_step(self, method: str):
+        """The function `strategy.run` runs for `self.<method>(data)`: while it is traced, the
+        model's module, optimizer, metrics and loss tracker are the replica's objects (so an
+        override reads them through `self`, as in Keras)."""
+        model = self
+
+        def step(module, optimizer, metrics, tracker, loss_scale, data):
+            saved = (model.module, model.metrics, model._bound)
+            handle = model.optimizer
+            saved_optimizer = None if handle is None else handle.nnx_optimizer
+            model.module, model.metrics = module, metrics
+            model._bound = (module, optimizer, metrics, tracker, loss_scale)
+            if handle is not None and optimizer is not None:
+                handle.nnx_optimizer = optimizer
+            try:
+                return getattr(model, method)(data)
+            finally:
+                model.module, model.metrics, model._bound = saved
+                if handle is not None:
+                    handle.nnx_optimizer = saved_optimizer
+
+        step.__name__ = method
+        return step
+
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None):

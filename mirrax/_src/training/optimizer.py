@@ -34,11 +34,15 @@ class OptimizerHandle:
         step without recompiling. Requires the rate to live in `optax.inject_hyperparams`
         state (string optimizers do).
       iterations: number of updates applied so far (int).
+      dynamic_scale: under the "mixed_float16" policy with `auto_scale_loss`, the
+        `mirrax.mixed_precision.LossScale` (its `scale` is the current loss scale), as Keras's
+        `LossScaleOptimizer.dynamic_scale`; else None.
     """
 
-    def __init__(self, tx, nnx_optimizer):
+    def __init__(self, tx, nnx_optimizer, dynamic_scale=None):
         self.tx = tx
         self.nnx_optimizer = nnx_optimizer
+        self.dynamic_scale = dynamic_scale
 
     def _hyperparams(self):
         state = self.nnx_optimizer.opt_state

@@ -3,6 +3,9 @@ policy, the loss tracker, and the train, test and predict steps built at `compil
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 
 import jax
 import jax.numpy as jnp
@@ -212,3 +215,37 @@ def mask_of(batch):
     """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
     return next(leaf for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
                 if isinstance(leaf, PerReplica)).mask
+
+
+@dataclasses.dataclass
+class CompiledState:
+    """What `Model.compile` builds besides the public attributes (optimizer, loss, metrics).
+
+    Attributes:
+      loss_scale: the float `loss_weights` scales the loss by.
+      weighted: per metric, whether it is updated with the sample weights.
+      metric_names: the log names of the metrics, in order.
+      tracker: the `LossTracker` of the logged loss.
+      dynamic_scale: the `LossScale` of mixed_float16 training, else None.
+      rng: the NumPy generator that shuffles array inputs (seeded at compile).
+      checked_inputs: input signatures already run abstractly through the module and loss.
+      train_impl, test_impl, predict_impl: the default steps (`Model.train_step` & co. call
+        them on the model's objects).
+      train_fn, train_many_fn, test_fn, predict_fn: what fit / evaluate / predict pass to
+        `strategy.run` (they call `Model.train_step`, `test_step`, `predict_step`).
+    """
+
+    loss_scale: float
+    weighted: tuple
+    metric_names: list
+    tracker: LossTracker
+    dynamic_scale: Any
+    rng: Any
+    train_impl: Callable
+    test_impl: Callable
+    predict_impl: Callable
+    train_fn: Callable = None
+    train_many_fn: Callable = None
+    test_fn: Callable = None
+    predict_fn: Callable = None
+    checked_inputs: dict = dataclasses.field(default_factory=dict)
