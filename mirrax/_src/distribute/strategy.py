@@ -15,12 +15,12 @@ from typing import Callable
 import jax
 
 from mirrax import errors
-from mirrax._src.distribute import batching
 from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute import input_options
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute import values as values_lib
+from mirrax._src.distribute import values_from_function
 from mirrax._src.distribute.reduce import ReduceOp
 from mirrax._src.distribute.run import runner as runner_lib
 from mirrax._src.distribute.run.arguments import check_owner, check_run_arguments
@@ -350,7 +350,7 @@ class Strategy:
             )
         input_options.check_one_argument(
             value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext")
-        return batching.values_from_function(self, value_fn)
+        return values_from_function.values_from_function(self, value_fn)
 
 
 # -- the default strategy and the context functions ------------------------------------------

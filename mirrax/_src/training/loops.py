@@ -352,3 +352,18 @@ def logs_of(model, compiled) -> dict:
     for name, metric in zip(compiled.metric_names, model.metrics):
         logs[name] = float(metric.result())
     return logs
+
+
+def one_batch_size(what: str, x) -> int:
+    """The size of the one batch of arrays `x` (`predict_on_batch`).
+
+    Raises:
+      InvalidArgumentTypeError: `x` is not arrays.
+    """
+    x = data_adapter.as_arrays(x)
+    if not data_adapter.is_arrays(x):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x must be an array (or a dict of arrays); received "
+            f"{type(x).__name__}. Use predict() for datasets."
+        )
+    return max(data_adapter.num_examples(x), 1)

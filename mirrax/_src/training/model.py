@@ -7,17 +7,12 @@ the caller's objects hold the current values after every step (no separate sync 
 callbacks that read or write the model). Batches are global batches split by the strategy's
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
-Arguments and inputs are checked before the first step (the "argument checks" block below):
-counts, flags, lengths and shapes, and one abstract run (`jax.eval_shape`) of the module and
-the loss on the first example, so a bad call is a named mirrax error, not a failure inside the
-compiled step.
+The rooms: the loops in loops.py, the steps in steps.py, inputs in data_adapter.py, argument
+checks in arguments.py, the optimizer handle in optimizer.py, weights in weights.py.
 """
 
 from __future__ import annotations
 
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -28,12 +23,11 @@ from mirrax._src.distribute import invariant
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metrics as metrics_lib
-from mirrax._src.training import mixed_precision
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import data_adapter
-from mirrax._src.training import loops
+from mirrax._src.training import loops, mixed_precision
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import steps as steps_lib
+from mirrax._src.training import weights as weights_lib
 
 
 class Model:
@@ -47,7 +41,7 @@ class Model:
       module: the `nnx.Module` to train; `model.module` returns it and `model(x)` calls it.
 
     Attributes:
-      module, optimizer (an `optimizers.OptimizerHandle` after compile), loss, metrics, stop_training,
+      module, optimizer (an `OptimizerHandle` after compile), loss, metrics, stop_training,
       history (the `History` of the last fit), distribute_strategy.
     """
 
@@ -71,7 +65,7 @@ class Model:
         self.dtype_policy = None
         # The compiled steps and their state (steps.CompiledState); None until compile.
         self._compiled: steps_lib.CompiledState | None = None
-        self._bound = None  # the replica's objects while a step is traced (_bound_step)
+        self._binding = steps_lib.StepBinding()  # the replica's objects while a step is traced
         self._uncompiled_predict_fn = self._bound_step("predict_step")
         self._uncompiled_checked: dict = {}  # predict's checked inputs before compile
 
@@ -220,12 +214,12 @@ class Model:
         `nnx.Dropout`): parameters and batch statistics, as Keras's `weights` leave out its
         seed generators' state. Checkpoints (`save_weights`, `mirrax.Checkpoint`) keep all.
         """
-        return [np.asarray(v.get_value()) for _, v in _weights(self.module)]
+        return [np.asarray(v.get_value()) for _, v in weights_lib.module_weights(self.module)]
 
     def count_params(self) -> int:
         """The number of values in the module's weights (`get_weights()`), as
         `keras.Model.count_params` (trainable and non-trainable; PRNG state left out)."""
-        return int(sum(np.prod(np.shape(v.get_value())) for _, v in _weights(self.module)))
+        return int(sum(np.prod(np.shape(v.get_value())) for _, v in weights_lib.module_weights(self.module)))
 
     def save(self, filepath, *args, **kwargs):
         """Refused: mirrax has no `.keras` archive (the model's code is an NNX module).
@@ -246,28 +240,7 @@ class Model:
         Raises:
           ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
         """
-        named = _weights(self.module)
-        variables = [v for _, v in named]
-        if isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__len__"):
-            raise errors.InvalidArgumentTypeError(
-                f"set_weights: weights must be a list of arrays (as model.get_weights() "
-                f"returns); received {type(weights).__name__} {weights!r:.60}."
-            )
-        if len(weights) != len(variables):
-            raise errors.InvalidArgumentError(
-                f"set_weights: the model has {len(variables)} variables but {len(weights)} "
-                "arrays were given; pass a list from model.get_weights()."
-            )
-        paths = [".".join(map(str, path)) for path, _ in named]
-        for index, (variable, value) in enumerate(zip(variables, weights)):
-            old = variable.get_value()
-            if tuple(np.shape(value)) != tuple(old.shape):
-                raise errors.InvalidArgumentError(
-                    f"set_weights: weights[{index}] has shape {np.shape(value)}, but the "
-                    f"variable {paths[index]} has shape {old.shape}; pass the arrays in "
-                    "model.get_weights()'s order and shapes."
-                )
-            variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
+        weights_lib.set_weights(self.module, weights)
 
     def save_weights(self, filepath, overwrite: bool = True) -> None:
         """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
@@ -371,7 +344,6 @@ class Model:
         self._check_compiled("evaluate")
         return loops.evaluate(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
 
-
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """The module's outputs for every example, in input order, as NumPy (as `keras.Model.predict`).
 
@@ -420,14 +392,7 @@ class Model:
 
     def predict_on_batch(self, x):
         """The module's outputs for one batch of arrays, as NumPy (`keras.Model.predict_on_batch`)."""
-        x = data_adapter.as_arrays(x)
-        if not data_adapter.is_arrays(x):
-            raise errors.InvalidArgumentTypeError(
-                f"predict_on_batch: x must be an array (or a dict of arrays); received "
-                f"{type(x).__name__}. Use predict() for datasets."
-            )
-        return self.predict(x, batch_size=max(data_adapter.num_examples(x), 1), verbose=0)
-
+        return self.predict(x, batch_size=loops.one_batch_size("predict_on_batch", x), verbose=0)
 
     def reset_metrics(self) -> None:
         """Resets the loss tracker and every metric, as `keras.Model.reset_metrics`."""
@@ -504,41 +469,15 @@ class Model:
     def loss_tracker(self):
         """The `LossTracker` of the logged loss (`update(total, count)`, `result()`, `reset()`):
         inside a step, this replica's; None before compile."""
-        if self._bound is not None:
-            return self._bound[3]
+        if self._binding.current is not None:
+            return self._binding.current[3]
         return None if self._compiled is None else self._compiled.tracker
 
     def _bound_objects(self, what: str) -> tuple:
-        if self._bound is None:
-            raise errors.ReplicaContextError(
-                f"Model.{what} runs inside strategy.run (fit, evaluate and predict call it on "
-                f"every replica); call fit / evaluate / predict instead of {what} directly.")
-        return self._bound
+        return self._binding.objects(what)
 
     def _bound_step(self, method: str):
-        """The function `strategy.run` runs for `self.<method>(data)`: while it is traced, the
-        model's module, optimizer, metrics and loss tracker are the replica's objects (so an
-        override reads them through `self`, as in Keras)."""
-        model = self
-
-        def step(module, optimizer, metrics, tracker, loss_scale, data):
-            saved = (model.module, model.metrics, model._bound)
-            handle = model.optimizer
-            saved_optimizer = None if handle is None else handle.nnx_optimizer
-            model.module, model.metrics = module, metrics
-            model._bound = (module, optimizer, metrics, tracker, loss_scale)
-            if handle is not None and optimizer is not None:
-                handle.nnx_optimizer = optimizer
-            try:
-                return getattr(model, method)(data)
-            finally:
-                model.module, model.metrics, model._bound = saved
-                if handle is not None:
-                    handle.nnx_optimizer = saved_optimizer
-
-        step.__name__ = method
-        return step
-
+        return steps_lib.bound_step(self, self._binding, method)
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None):
@@ -557,42 +496,5 @@ class Model:
           InvalidArgumentTypeError: print_fn not callable, a flag not a bool, line_length not
             an int. UnsupportedArgumentError: positions or layer_range given.
         """
-        if print_fn is not None and not callable(print_fn):
-            raise errors.InvalidArgumentTypeError(
-                f"summary: print_fn must be a function of one str (e.g. print); received "
-                f"{type(print_fn).__name__} {print_fn!r}."
-            )
-        for name, value in (("positions", positions), ("layer_range", layer_range)):
-            if value is not None:
-                raise errors.UnsupportedArgumentError(
-                    f"summary: {name}={value!r} is not supported (the table lists variables, "
-                    "not layers, in fixed columns); leave it None."
-                )
-        checks.check_bool("summary", "expand_nested", expand_nested)
-        show_trainable = checks.check_bool("summary", "show_trainable", show_trainable)
-        line_length = checks.check_count("summary", "line_length", line_length, minimum=40,
-                                   allow_none=True)
-        print_fn = print_fn or print
-        rows, total = [], 0
-        for path, variable in nnx.to_flat_state(nnx.state(self.module)):
-            value = variable.get_value()
-            size = int(np.prod(np.shape(value)))
-            total += size
-            rows.append((".".join(map(str, path)), type(variable).__name__, str(np.shape(value)), size,
-                         "yes" if isinstance(variable, nnx.Param) else "no"))
-        # The fixed columns take 40 characters (11 + 17 + 10 + separators), 10 more with
-        # show_trainable.
-        fixed = 40 + (10 if show_trainable else 0)
-        width = max([len(r[0]) for r in rows] + [8, (line_length or 0) - fixed])
-        extra = f" {'Trainable':>9}" if show_trainable else ""
-        print_fn(f'Model: "{type(self.module).__name__}"')
-        print_fn(f"{'Variable':<{width}}  {'Type':<10} {'Shape':<16} {'Count':>10}{extra}")
-        for name, kind, shape, size, trainable in rows:
-            extra = f" {trainable:>9}" if show_trainable else ""
-            print_fn(f"{name:<{width}}  {kind:<10} {shape:<16} {size:>10,}{extra}")
-        print_fn(f"Total: {total:,} values")
-
-
-def _weights(module) -> list:
-    """(path, variable) of every variable but PRNG state, in `nnx.state`'s order."""
-    return list(nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState))))
+        weights_lib.print_summary(self.module, line_length, positions, print_fn,
+                                  expand_nested, show_trainable, layer_range)

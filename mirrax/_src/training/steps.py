@@ -249,3 +249,47 @@ class CompiledState:
     test_fn: Callable = None
     predict_fn: Callable = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
+
+
+class StepBinding:
+    """The replica's objects (module, optimizer, metrics, loss tracker, loss scale) while a
+    `Model`'s step is traced, so `Model.train_step` & co. reach them through the model."""
+
+    def __init__(self):
+        self.current = None
+
+    def objects(self, what: str) -> tuple:
+        """The bound objects.
+
+        Raises:
+          ReplicaContextError: no step is being traced (the method was called directly).
+        """
+        if self.current is None:
+            raise errors.ReplicaContextError(
+                f"Model.{what} runs inside strategy.run (fit, evaluate and predict call it on "
+                f"every replica); call fit / evaluate / predict instead of {what} directly.")
+        return self.current
+
+
+def bound_step(model, binding: StepBinding, method: str):
+    """The function `strategy.run` runs for `model.<method>(data)`: while it is traced, the
+    model's `module`, `metrics` and `optimizer.nnx_optimizer` are the replica's objects (so an
+    override reads them through `self`, as in Keras), and `binding` holds all of them."""
+
+    def step(module, optimizer, metrics, tracker, loss_scale, data):
+        saved = (model.module, model.metrics, binding.current)
+        handle = model.optimizer
+        saved_optimizer = None if handle is None else handle.nnx_optimizer
+        model.module, model.metrics = module, metrics
+        binding.current = (module, optimizer, metrics, tracker, loss_scale)
+        if handle is not None and optimizer is not None:
+            handle.nnx_optimizer = optimizer
+        try:
+            return getattr(model, method)(data)
+        finally:
+            model.module, model.metrics, binding.current = saved
+            if handle is not None:
+                handle.nnx_optimizer = saved_optimizer
+
+    step.__name__ = method
+    return step
