@@ -59,6 +59,22 @@ def test_restore_past_the_end_of_a_shorter_dataset_raises(tmp_path):
         mirrax.Checkpoint(iterator=short).restore(tmp_path / "ckpt")
 
 
+def test_a_failed_iterator_restore_changes_no_other_object(tmp_path):
+    """The iterator is restored first: when its dataset is too short, the counter tracked
+    with it keeps its value (Checkpoint.restore changes nothing unless everything fits)."""
+    strategy = mirrored(2)
+    iterator = iter(strategy.experimental_distribute_dataset(_BATCHES))
+    for _ in range(3):
+        next(iterator)
+    mirrax.Checkpoint(iterator=iterator, weights=mirrax.metrics.Sum()).save(tmp_path / "ckpt")
+    short = iter(strategy.experimental_distribute_dataset(_BATCHES[:2]))
+    total = mirrax.metrics.Sum()
+    total.update_state(np.float32(7.0))
+    with pytest.raises(ValueError, match="dataset ended after 2"):
+        mirrax.Checkpoint(iterator=short, weights=total).restore(tmp_path / "ckpt")
+    assert float(total.result()) == 7.0  # not the saved 0.0
+
+
 def test_iterator_position_and_a_dropout_model_restore_together(tmp_path):
     from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net
 

@@ -151,3 +151,17 @@ def test_variable_metadata_changed_between_steps_is_seen():
     strategy.run(add_one, args=(counter,))
     # MEAN of the replicas' 2 + 1 = 3.
     assert float(counter.total.get_value()) == 3.0
+
+
+def test_an_array_held_before_the_first_step_stays_valid():
+    """The first step places the fresh (single-device) weights on the replicas: the placed
+    copy must not share the held array's buffer, or donating it would delete the array."""
+    strategy = _two_replicas()
+    w1, w2, x, y = mlp_data()
+    model = MLP(w1, w2)  # outside any scope: its arrays live on one device
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    kept = [model.l1.kernel.get_value()]
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+    strategy.run(sgd_step, args=(model, optimizer, batch))
+    assert not kept[0].is_deleted()
+    np.testing.assert_array_equal(np.asarray(kept[0]), w1)

@@ -528,3 +528,27 @@ def test_train_step_outside_fit_says_where_it_runs():
     model = identity_model(mirrored(2))
     with pytest.raises(mirrax.errors.ReplicaContextError, match="runs inside strategy.run"):
         model.train_step((np.ones((2, 1)), np.zeros(2)))
+
+
+@pytest.mark.parametrize("point", [(-1, 0), (1,), "ab", (1.5, 0), (True, 0), (0, -2)])
+def test_a_malformed_resume_point_is_refused_by_name(point):
+    model = identity_model(mirrored(2))
+    with pytest.raises(mirrax.errors.InvalidArgumentError,
+                       match=r"_Recorder.resume_point\(\) returned .* two ints >= 0"):
+        model.fit(np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4, epochs=2,
+                  verbose=0, callbacks=[_Recorder(needs=False, point=point)])
+
+
+def test_a_resume_point_past_the_last_epoch_warns_that_nothing_trains():
+    model = identity_model(mirrored(2))
+    with pytest.warns(UserWarning, match="at or after epochs=3: training is already done"):
+        history = model.fit(np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4,
+                            epochs=3, verbose=0, callbacks=[_Recorder(needs=False, point=(3, 0))])
+    assert history.history == {}
+
+
+def test_train_function_refuses_a_batch_that_is_not_distributed():
+    model = identity_model(mirrored(2))
+    train_function = model.make_train_function()
+    with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="a distributed batch"):
+        train_function((np.ones((4, 1), np.float32), np.zeros(4, np.float32)))

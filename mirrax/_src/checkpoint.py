@@ -434,7 +434,9 @@ def _restore_parts(path: str, what: str, parts: list, stored: dict, counter: boo
             f"a data file is truncated or corrupt ({_root_cause(e)}). Nothing was changed. "
             "Restore an earlier checkpoint (CheckpointManager.checkpoints lists them)."
         ) from e
-    for part in parts:
+    # Parts with a check first: their set can still fail (an iterator fast-forwarding past the
+    # end of its dataset), and must fail before any other object is changed.
+    for part in sorted(parts, key=lambda part: part.check is None):
         part.set(_unstorable(restored[part.item], part.get()))
     return restored
 

@@ -2,8 +2,10 @@
 
 A strategy owns a one-axis `jax.sharding.Mesh` (`REPLICA_AXIS`) over its devices; one replica
 per device. Subclasses (MirroredStrategy, OneDeviceStrategy, TPUStrategy, the default strategy)
-only choose the devices. Every public method validates its input and hands over to one private
-helper (`_run.run`, the reductions below, `input.py`).
+only choose the devices. `Strategy` is a facade: every public method validates its input and
+hands over to a collaborator it owns (its `run.runner.Runner`, its `devices.ReplicaDevices`
+and `input_options.PipelineNames`, both on `strategy.extended`) or to a module function
+(values.py for reduce / gather, input.py for datasets).
 """
 
 from __future__ import annotations

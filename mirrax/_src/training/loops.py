@@ -134,10 +134,15 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
         # batches (another batch_size, less data): restart that epoch, as Keras does
         # with every mid-epoch resume, rather than run an epoch of no steps.
         warnings.warn(
-            f"fit: the backup resumes epoch {first_epoch + 1} at batch {first_step + 1}, but "
-            f"this input has {known} batch(es) per epoch; epoch {first_epoch + 1} restarts at "
-            "its first batch.", stacklevel=2)
+            f"fit: a callback's resume point (a restored backup) resumes epoch "
+            f"{first_epoch + 1} at batch {first_step + 1}, but this input has {known} batch(es) "
+            f"per epoch; epoch {first_epoch + 1} restarts at its first batch.", stacklevel=3)
         first_step = 0
+    if first_epoch >= epochs:
+        warnings.warn(
+            f"fit: a callback's resume point (a restored backup) is epoch {first_epoch + 1}, at "
+            f"or after epochs={epochs}: training is already done and this fit trains nothing. "
+            "Pass a larger epochs to train more.", stacklevel=3)
     logs: dict = {}
     epoch_logs: dict = {}
     try:
@@ -367,3 +372,21 @@ def one_batch_size(what: str, x) -> int:
             f"{type(x).__name__}. Use predict() for datasets."
         )
     return max(data_adapter.num_examples(x), 1)
+
+
+def make_train_function(model, compiled):
+    """`Model.make_train_function` (its docs and errors there)."""
+    strategy = model.distribute_strategy
+
+    def train_function(batch):
+        if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(
+                batch, is_leaf=lambda v: isinstance(v, PerReplica))):
+            raise errors.InvalidArgumentTypeError(
+                "train_function: batch must be a distributed batch, an element of "
+                "strategy.experimental_distribute_dataset(...); received "
+                f"{type(batch).__name__}. (A plain array would reach every replica whole.)")
+        strategy.run(compiled.train_fn, args=(model.module, model.optimizer.nnx_optimizer,
+                                              model.metrics, compiled.tracker,
+                                              compiled.dynamic_scale, batch))
+
+    return train_function

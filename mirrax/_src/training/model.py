@@ -415,14 +415,7 @@ class Model:
           NotCompiledError: the model is not compiled.
         """
         self._check_compiled("make_train_function")
-        compiled, strategy = self._compiled, self.distribute_strategy
-
-        def train_function(batch):
-            strategy.run(compiled.train_fn, args=(self.module, self.optimizer.nnx_optimizer,
-                                                  self.metrics, compiled.tracker,
-                                                  compiled.dynamic_scale, batch))
-
-        return train_function
+        return loops.make_train_function(self, self._compiled)
 
     # -- the steps (overridable, as Keras's) -----------------------------------------------------
 
@@ -430,9 +423,9 @@ class Model:
         """One training step on this replica's shard of a batch, as `keras.Model.train_step`.
 
         `fit` (and `train_on_batch`) run it inside `strategy.run`, once per replica, with
-        `data = (x, y, sample_weight)`: this replica's rows of the global batch (padding rows
-        of a partial batch carry sample weight 0, and `get_replica_context().batch_mask`
-        marks the real rows). Inside, `self.module`, `self.optimizer.nnx_optimizer`,
+        `data = (x, y)` or `(x, y, sample_weight)` (as the input has weights or not): this
+        replica's rows of the global batch (`get_replica_context().batch_mask` marks the real
+        rows of a partial batch). Inside, `self.module`, `self.optimizer.nnx_optimizer`,
         `self.metrics` and `self.loss_tracker` are this replica's objects: update them in
         place (e.g. `mirrax.value_and_grad(loss_fn)(self.module, ...)`, then
         `self.optimizer.nnx_optimizer.update(self.module, grads)`, and

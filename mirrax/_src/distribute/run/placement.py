@@ -17,10 +17,12 @@ from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute.run.arguments import inside_transformation, is_variable
 
 
-def place(strategy, x, names, index, nodes=None):
+def place(strategy, x, names, index, nodes=None, fresh=False):
     """`x` replicated on `strategy`'s mesh (a copy unless it already is); non-arrays unchanged.
 
-    `names[index]` (or, with `nodes`, the NNX objects) names the argument in the error.
+    `names[index]` (or, with `nodes`, the NNX objects) names the argument in the error. With
+    `fresh`, a copy never shares `x`'s buffers (device_put may reuse the buffer already on its
+    device for that device's shard): the copy is then safe to donate while `x` is held.
 
     Raises:
       MixedStrategyError: `x` lives on another multi-replica strategy's devices.
@@ -36,12 +38,16 @@ def place(strategy, x, names, index, nodes=None):
         return x
     if elsewhere(strategy, x):
         raise _mixed_placement(strategy, x, names, index, nodes)
-    if jax.process_count() > 1 and x.is_fully_addressable:
-        # This process's copy of a replicated value (every process holds the same one, e.g.
-        # just initialized or restored): copy it to the local devices; JAX would otherwise
-        # attempt a cross-host transfer.
-        return jax.make_array_from_single_device_arrays(
-            x.shape, target, [jax.device_put(x, d) for d in replica_devices.local_devices])
+    if x.is_fully_addressable and (fresh or jax.process_count() > 1):
+        # One copy per local device, assembled: with several processes, this process's copy
+        # of a replicated value (every process holds the same one, e.g. just initialized or
+        # restored; JAX would otherwise attempt a cross-host transfer); with `fresh`, copies
+        # that share no buffer with `x` (a replicated device_put reuses x's own buffer for
+        # the shard on x's device, even with may_alias=False).
+        copies = [jax.device_put(x, d, may_alias=False if fresh else None)
+                  for d in replica_devices.local_devices]
+        if not isinstance(copies[0], jax.core.Tracer):  # inside an outer jit: refused later
+            return jax.make_array_from_single_device_arrays(x.shape, target, copies)
     return jax.device_put(x, target)
 
 

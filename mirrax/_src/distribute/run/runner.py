@@ -10,7 +10,11 @@ Donation and aliases: a state array that only its Variable (and mirrax) referenc
 after the step it is deleted and the Variable holds the new value. An array that something else
 also references (the user kept `w = model.kernel.value`, a callback kept the best weights, an
 async checkpoint is reading it) is copied for the step instead, so every array a user holds
-stays valid and keeps the value it had: the semantics of TF's `variable.read_value()`.
+stays valid and keeps the value it had: the semantics of TF's `variable.read_value()`. An
+array placed on the replicas for a step is a fresh copy, never sharing the buffers of the
+array it came from. Not seen: a per-device piece taken with `addressable_data(i)` or
+`addressable_shards[i].data` shares its parent's buffer without referencing the parent, so
+it is deleted with it (as in plain JAX); copy it (`np.asarray`) to keep it.
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ class Runner:
             return raw, True
         binding.written = None
         strategy = self._strategy
-        placed = [place(strategy, x, call.names, None, call.nodes) for x in jax.tree.leaves(raw)]
+        placed = [place(strategy, x, call.names, None, call.nodes, fresh=True)
+                  for x in jax.tree.leaves(raw)]
         return placed, False
 
     @staticmethod

@@ -129,13 +129,39 @@ class CallbackList(Callback):
             callback.set_model(model)
 
     def needs_batch_logs(self, hook: str) -> bool:
-        """Whether any callback reads the logs of `hook` (see `Callback.needs_batch_logs`)."""
-        return any(callback.needs_batch_logs(hook) for callback in self.callbacks)
+        """Whether any callback reads the logs of `hook` (see `Callback.needs_batch_logs`).
+
+        Raises:
+          InvalidArgumentTypeError: a callback's answer is not a bool.
+        """
+        for callback in self.callbacks:
+            answer = callback.needs_batch_logs(hook)
+            if not isinstance(answer, bool):
+                raise errors.InvalidArgumentTypeError(
+                    f"{type(callback).__name__}.needs_batch_logs({hook!r}) returned "
+                    f"{answer!r}; it must return True or False.")
+            if answer:
+                return True
+        return False
 
     def resume_point(self) -> Optional[tuple]:
-        """The first callback's resume point that is not None (see `Callback.resume_point`)."""
-        return next((point for point in (c.resume_point() for c in self.callbacks)
-                     if point is not None), None)
+        """The first callback's resume point that is not None (see `Callback.resume_point`).
+
+        Raises:
+          InvalidArgumentError: a resume point that is not (epoch, step) of ints >= 0.
+        """
+        for callback in self.callbacks:
+            point = callback.resume_point()
+            if point is None:
+                continue
+            if not (isinstance(point, tuple) and len(point) == 2 and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in point)):
+                raise errors.InvalidArgumentError(
+                    f"{type(callback).__name__}.resume_point() returned {point!r}; it must "
+                    "return None or (epoch index, batches of that epoch already done), two "
+                    "ints >= 0, e.g. (2, 0).")
+            return point
+        return None
 
     def _call(self, hook: str, *args, **kwargs) -> None:
         for callback in self.callbacks:
