@@ -21,10 +21,10 @@ import numpy as np
 import optax
 
 from mirrax import errors
+from mirrax._src.training import targets
 from mirrax._src.distribute.losses import compute_average_loss
 
-EPSILON = 1e-7
-"""Keras's `backend.epsilon()`: probabilities are clipped to [EPSILON, 1 - EPSILON]."""
+"""Keras's `backend.epsilon()`: probabilities are clipped to [targets.EPSILON, 1 - targets.EPSILON]."""
 
 
 # These two belong in mirrax/errors.py (with the rest of the hierarchy); they live here until
@@ -107,7 +107,7 @@ class Loss:
                 f"{type(self).__name__}: y_pred must have a leading batch axis, but received a "
                 "scalar. Pass the predictions for a batch of examples, shape (batch, ...)."
             )
-        return _mean_trailing(self._elementwise(y_true, y_pred))
+        return targets.mean_trailing(self._elementwise(y_true, y_pred))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         """The weighted mean loss, as `keras.losses.Loss.__call__` ("sum_over_batch_size").
@@ -157,7 +157,7 @@ class Loss:
             )
         # As Keras: average the axes the weights do not cover, weigh, then average the rest.
         covered = elementwise.mean(axis=tuple(range(weight.ndim, elementwise.ndim)))
-        return compute_average_loss(_mean_trailing(covered * weight))
+        return compute_average_loss(targets.mean_trailing(covered * weight))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -196,25 +196,6 @@ class LossFunctionWrapper(Loss):
         return values.astype(jnp.float32)
 
 
-def sparse_labels(name: str, y_true, y_pred, one_hot_class: str):
-    """Integer class ids (int32, shape y_pred.shape[:-1]) from labels with or without a trailing 1.
-
-    Raises:
-      ValueError: the labels' shape does not fit predictions of shape (batch, ..., classes).
-    """
-    labels = jnp.asarray(y_true)
-    if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
-        labels = labels.reshape(labels.shape[:-1])
-    if y_pred.ndim < 2 or labels.shape != y_pred.shape[:-1]:
-        raise errors.IncompatibleInputError(
-            f"{name}: y_true of shape {jnp.shape(y_true)} does not fit y_pred of shape "
-            f"{y_pred.shape}; expected integer labels of shape {y_pred.shape[:-1]} (or with "
-            "a trailing 1) for predictions of shape (batch, ..., num_classes). For one-hot "
-            f"labels use {one_hot_class}."
-        )
-    return labels.astype(jnp.int32)
-
-
 class SparseCategoricalCrossentropy(Loss):
     """Cross-entropy with integer labels, as `keras.losses.SparseCategoricalCrossentropy`.
 
@@ -237,18 +218,18 @@ class SparseCategoricalCrossentropy(Loss):
 
     def __init__(self, from_logits: bool = False, name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = check_flag(type(self).__name__, "from_logits", from_logits)
+        self.from_logits = targets.check_flag(type(self).__name__, "from_logits", from_logits)
 
     def _elementwise(self, y_true, y_pred):
         y_pred = y_pred.astype(jnp.float32)
-        labels = sparse_labels(self.name, y_true, y_pred, "CategoricalCrossentropy")
+        labels = targets.sparse_labels(self.name, y_true, y_pred, "CategoricalCrossentropy")
         num_classes = y_pred.shape[-1]
         valid = (labels >= 0) & (labels < num_classes)
         safe = jnp.where(valid, labels, 0)
         if self.from_logits:
             loss = optax.losses.softmax_cross_entropy_with_integer_labels(y_pred, safe)
         else:
-            log_probs = jnp.log(_clip(_normalise(y_pred)))
+            log_probs = jnp.log(targets.clip_probabilities(targets.normalise(y_pred)))
             loss = -jnp.take_along_axis(log_probs, safe[..., None], axis=-1)[..., 0]
         return jnp.where(valid, loss, jnp.nan)
 
@@ -304,8 +285,8 @@ class _SmoothedCrossentropy(Loss):
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
                  name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = check_flag(type(self).__name__, "from_logits", from_logits)
-        self.label_smoothing = _check_smoothing(label_smoothing, type(self).__name__)
+        self.from_logits = targets.check_flag(type(self).__name__, "from_logits", from_logits)
+        self.label_smoothing = targets.check_smoothing(label_smoothing, type(self).__name__)
 
 
 class CategoricalCrossentropy(_SmoothedCrossentropy):
@@ -340,7 +321,7 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
             labels = optax.smooth_labels(labels, self.label_smoothing)
         if self.from_logits:
             return optax.losses.softmax_cross_entropy(y_pred, labels)
-        return -(labels * jnp.log(_clip(_normalise(y_pred)))).sum(axis=-1)
+        return -(labels * jnp.log(targets.clip_probabilities(targets.normalise(y_pred)))).sum(axis=-1)
 
 
 class BinaryCrossentropy(_SmoothedCrossentropy):
@@ -360,12 +341,12 @@ class BinaryCrossentropy(_SmoothedCrossentropy):
     default_name = "binary_crossentropy"
 
     def _elementwise(self, y_true, y_pred):
-        labels, y_pred = _same_shape(self.name, y_true, y_pred)
+        labels, y_pred = targets.same_shape(self.name, y_true, y_pred)
         if self.label_smoothing:
             labels = labels * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
         if self.from_logits:
             return optax.losses.sigmoid_binary_cross_entropy(y_pred, labels)
-        p = _clip(y_pred)
+        p = targets.clip_probabilities(y_pred)
         return -(labels * jnp.log(p) + (1.0 - labels) * jnp.log(1.0 - p))
 
 
@@ -378,7 +359,7 @@ class MeanSquaredError(Loss):
     default_name = "mean_squared_error"
 
     def _elementwise(self, y_true, y_pred):
-        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        y_true, y_pred = targets.same_shape(self.name, y_true, y_pred)
         return optax.losses.squared_error(y_pred, y_true)
 
 
@@ -391,7 +372,7 @@ class MeanAbsoluteError(Loss):
     default_name = "mean_absolute_error"
 
     def _elementwise(self, y_true, y_pred):
-        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        y_true, y_pred = targets.same_shape(self.name, y_true, y_pred)
         return jnp.abs(y_pred - y_true)
 
 
@@ -422,7 +403,7 @@ class Huber(Loss):
         self.delta = float(delta)
 
     def _elementwise(self, y_true, y_pred):
-        y_true, y_pred = _same_shape(self.name, y_true, y_pred)
+        y_true, y_pred = targets.same_shape(self.name, y_true, y_pred)
         return optax.losses.huber_loss(y_pred, y_true, delta=self.delta)
 
 
@@ -490,68 +471,3 @@ def get(identifier):
     )
 
 
-def _mean_trailing(values):
-    values = jnp.asarray(values).astype(jnp.float32)
-    if values.ndim > 1:
-        values = values.mean(axis=tuple(range(1, values.ndim)))
-    return values
-
-
-def _normalise(probs):
-    return probs / probs.sum(axis=-1, keepdims=True)
-
-
-def _clip(probs):
-    return jnp.clip(probs, EPSILON, 1.0 - EPSILON)
-
-
-def check_flag(owner: str, name: str, value) -> bool:
-    """`value` if it is a bool (a string such as 'yes' would silently count as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise errors.InvalidArgumentTypeError(
-            f"{owner}: {name} must be True or False; received {type(value).__name__} {value!r}."
-        )
-    return bool(value)
-
-
-def _check_smoothing(label_smoothing, owner: str) -> float:
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.number)):
-        raise errors.InvalidArgumentTypeError(
-            f"{owner}: label_smoothing must be a float in [0, 1]; received "
-            f"{type(label_smoothing).__name__} {label_smoothing!r}."
-        )
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise errors.InvalidArgumentError(
-            f"{owner}: label_smoothing must be a float in [0, 1]; received {label_smoothing!r}."
-        )
-    return float(label_smoothing)
-
-
-def match_rank(a, b):
-    """Keras's `squeeze_or_expand_to_same_rank`: ranks that differ by one trailing 1 are matched.
-
-    A rank-1 array next to a (batch, 1) one is expanded to (batch, 1); otherwise the trailing
-    size-1 axis of the higher-rank array is squeezed. Other shapes are returned unchanged.
-    """
-    if a.ndim == b.ndim + 1 and a.shape[-1] == 1:
-        if b.ndim == 1:
-            b = b[:, None]
-        else:
-            a = a.reshape(a.shape[:-1])
-    elif b.ndim == a.ndim + 1 and b.shape[-1] == 1:
-        if a.ndim == 1:
-            a = a[:, None]
-        else:
-            b = b.reshape(b.shape[:-1])
-    return a, b
-
-
-def _same_shape(name: str, y_true, y_pred):
-    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    if y_true.shape != y_pred.shape:
-        raise errors.IncompatibleInputError(
-            f"{name}: y_true of shape {jnp.shape(y_true)} does not match y_pred of shape "
-            f"{jnp.shape(y_pred)}; give targets of the predictions' shape (a trailing axis of "
-            "size 1 may be added or left out)."
-        )
-    return y_true, y_pred

@@ -1,4 +1,6 @@
-"""Keras metrics as NNX objects whose state the replicas add up: Mean, accuracies, Precision, AUC.
+"""Keras metrics as NNX objects whose state the replicas add up: the `Metric` base, Mean, Sum,
+accuracies and errors (Precision, Recall and AUC in confusion_metrics.py; names in
+metric_registry.py).
 
 A metric holds only sums and counts (float32 `nnx.metrics.MetricState` variables: a total and a
 count, or confusion counts per threshold), and `result()` is computed from them. Pass metrics to
@@ -23,7 +25,6 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -31,10 +32,9 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute.replica_context import current_replica_context
 from mirrax._src.distribute.strategy import get_replica_context
-from mirrax._src.training import losses as losses_lib
-from mirrax._src.training.losses import InvalidIdentifierError, match_rank, sparse_labels
+from mirrax._src.training.targets import match_rank, sparse_labels
 
-_NEG_INF = float("-inf")
+NEG_INF = float("-inf")
 
 
 class Metric(nnx.Pytree):
@@ -139,12 +139,12 @@ class Mean(Metric):
         if sample_weight is None:
             per_example, weight = _mean_trailing(values), None
         else:
-            weight = _align_weight(self.name, sample_weight, values.shape)
+            weight = align_weight(self.name, sample_weight, values.shape)
             if values.ndim > weight.ndim:
                 values = values.mean(axis=tuple(range(weight.ndim, values.ndim)))
             weight = jnp.broadcast_to(weight, values.shape)
             per_example, weight = _mean_trailing(values * weight), _mean_trailing(weight)
-        mask = _batch_mask(self.name, values.shape[0])
+        mask = batch_mask(self.name, values.shape[0])
         if mask is None:
             count = values.shape[0] if weight is None else weight.sum()
         else:
@@ -155,7 +155,7 @@ class Mean(Metric):
 
     def result(self):
         """`total / count` as a float32 scalar (0.0 before any weight was added)."""
-        return _divide_no_nan(self.total.get_value(), self.count.get_value())
+        return divide_no_nan(self.total.get_value(), self.count.get_value())
 
 
 class Sum(Metric):
@@ -189,11 +189,11 @@ class Sum(Metric):
             self._add(self.total, values * weight)
             return
         if sample_weight is not None:
-            weight = _align_weight(self.name, sample_weight, values.shape)
+            weight = align_weight(self.name, sample_weight, values.shape)
             weight = weight.reshape(weight.shape + (1,) * (values.ndim - weight.ndim))
             values = values * jnp.broadcast_to(weight, values.shape)
         per_example = values.sum(axis=tuple(range(1, values.ndim))) if values.ndim > 1 else values
-        mask = _batch_mask(self.name, values.shape[0])
+        mask = batch_mask(self.name, values.shape[0])
         if mask is not None:
             per_example = jnp.where(mask, per_example, 0.0)
         self._add(self.total, per_example.sum())
@@ -334,335 +334,25 @@ class MeanAbsoluteError(MeanMetricWrapper):
         super().__init__(_absolute_error, name=name, dtype=dtype)
 
 
-class _ConfusionMetric(Metric):
-    """Confusion counts per threshold from every element of a batch (Keras's metrics_utils).
-
-    Each element of `y_pred` is one binary prediction: positive at threshold t when
-    `y_pred > t`; its label is positive when `y_true != 0`. Counts are weighted sums (float32
-    vectors of shape (num_thresholds,)).
-    """
-
-    _COUNTS: tuple = ()
-
-    def __init__(self, thresholds: tuple, top_k, class_id, from_logits: bool, name, dtype):
-        super().__init__(name=name, dtype=dtype)
-        owner = type(self).__name__
-        for argument, value in (("top_k", top_k), ("class_id", class_id)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise errors.InvalidArgumentTypeError(
-                    f"{owner}: {argument} must be an int or None; received "
-                    f"{type(value).__name__} {value!r}."
-                )
-            if value < (1 if argument == "top_k" else 0):
-                raise errors.InvalidArgumentError(
-                    f"{owner}: {argument} must be >= {1 if argument == 'top_k' else 0}; "
-                    f"received {argument}={value!r}."
-                )
-        self.thresholds = thresholds
-        self.top_k = top_k
-        self.class_id = class_id
-        self.from_logits = losses_lib.check_flag(owner, "from_logits", from_logits)
-        for count in self._COUNTS:
-            zeros = jnp.zeros((len(thresholds),), jnp.float32)
-            setattr(self, count, nnx.metrics.MetricState(zeros))
-
-    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
-        """Adds a batch's weighted confusion counts, as Keras's `update_state`.
-
-        Args:
-          y_true: labels of `y_pred`'s shape (a trailing 1 may differ); nonzero is positive.
-          y_pred: predictions in [0, 1] (or logits with `from_logits=True`), shape (batch, ...).
-          sample_weight: None, a scalar, or an array aligned with the leading axes of `y_pred`
-            ((batch,), (batch, 1), or y_pred's shape).
-
-        Raises:
-          ValueError: the shapes do not fit each other or the replica's batch.
-        """
-        counts = _confusion_counts(self, y_true, y_pred, sample_weight)
-        for name in self._COUNTS:
-            self._add(getattr(self, name), counts[name])
-
-    def _maybe_scalar(self, value):
-        return value[0] if self._scalar else value
-
-
-def _thresholds_argument(owner: str, thresholds, top_k) -> tuple[tuple, bool]:
-    """Keras's thresholds argument as a tuple of floats, and whether `result()` is a scalar."""
-    if thresholds is None:
-        return ((0.5 if top_k is None else _NEG_INF),), True
-    values = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
-    if not values or any(isinstance(t, (bool, str)) or not isinstance(t, (int, float, np.number))
-                         or not 0.0 <= float(t) <= 1.0 for t in values):
-        raise errors.InvalidArgumentError(
-            f"{owner}: thresholds must be a float or a non-empty list of floats in [0, 1]; "
-            f"received thresholds={thresholds!r}."
-        )
-    # As Keras: one threshold (a float or a list of one) gives a scalar result.
-    return tuple(float(t) for t in values), len(values) == 1
-
-
-class Precision(_ConfusionMetric):
-    """Precision `tp / (tp + fp)` from weighted counts, as `keras.metrics.Precision`.
-
-    State: `true_positives`, `false_positives`, float32 of shape (len(thresholds),).
-
-    Args:
-      thresholds: a float in [0, 1] (default 0.5, or -inf with `top_k`), or a list of them; with
-        several, `result()` is a vector with one precision per threshold.
-      top_k: int or None; only the k largest predictions of each row (last axis) can be positive.
-      class_id: int or None; only that class (an index of the last axis) is scored.
-      name: defaults to "precision".
-      dtype: None or "float32".
-
-    Raises:
-      ValueError: a threshold outside [0, 1].
-    """
-
-    _COUNTS = ("true_positives", "false_positives")
-
-    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
-                 name: str | None = None, dtype=None):
-        values, self._scalar = _thresholds_argument("Precision", thresholds, top_k)
-        super().__init__(values, top_k, class_id, False, name, dtype)
-
-    def result(self):
-        """Precision (0.0 where nothing was predicted positive), float32 scalar or (T,) vector."""
-        tp = self.true_positives.get_value()
-        return self._maybe_scalar(_divide_no_nan(tp, tp + self.false_positives.get_value()))
-
-
-class Recall(_ConfusionMetric):
-    """Recall `tp / (tp + fn)` from weighted counts, as `keras.metrics.Recall`.
-
-    State: `true_positives`, `false_negatives`, float32 of shape (len(thresholds),).
-
-    Args:
-      thresholds: a float in [0, 1] (default 0.5, or -inf with `top_k`), or a list of them; with
-        several, `result()` is a vector with one recall per threshold.
-      top_k: int or None; only the k largest predictions of each row can be positive.
-      class_id: int or None; only that class (an index of the last axis) is scored.
-      name: defaults to "recall".
-      dtype: None or "float32".
-
-    Raises:
-      ValueError: a threshold outside [0, 1].
-    """
-
-    _COUNTS = ("true_positives", "false_negatives")
-
-    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
-                 name: str | None = None, dtype=None):
-        values, self._scalar = _thresholds_argument("Recall", thresholds, top_k)
-        super().__init__(values, top_k, class_id, False, name, dtype)
-
-    def result(self):
-        """Recall (0.0 where there were no positive labels), float32 scalar or (T,) vector."""
-        tp = self.true_positives.get_value()
-        return self._maybe_scalar(_divide_no_nan(tp, tp + self.false_negatives.get_value()))
-
-
-class AUC(_ConfusionMetric):
-    """Area under the ROC or PR curve from confusion counts at thresholds, as `keras.metrics.AUC`.
-
-    Thresholds are `num_thresholds` points: -1e-7, i / (num_thresholds - 1) for i = 1 ..
-    num_thresholds - 2, and 1 + 1e-7 (Keras's). The area is a Riemann sum over them (Keras 3):
-    "interpolation" takes the trapezoid for ROC and Davis & Goadrich's interpolation for PR;
-    "minoring"/"majoring" the lower/upper rectangle. Every element of `y_pred` is one prediction
-    (Keras's `multi_label=False`).
-
-    State: `true_positives`, `false_positives`, `true_negatives`, `false_negatives`, float32 of
-    shape (num_thresholds,).
-
-    Args:
-      num_thresholds: int > 1 (default 200).
-      curve: "ROC" (default) or "PR", any case.
-      summation_method: "interpolation" (default), "minoring" or "majoring".
-      name: defaults to "auc".
-      dtype: None or "float32".
-      thresholds: optional list of floats in [0, 1] to use instead of `num_thresholds` evenly
-        spaced ones (the two end points are added, as Keras).
-      from_logits: whether `y_pred` holds logits (a sigmoid is applied first).
-
-    Raises:
-      ValueError: `num_thresholds` < 2, an unknown `curve` or `summation_method`, or thresholds
-        outside [0, 1].
-    """
-
-    _COUNTS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
-
-    def __init__(self, num_thresholds: int = 200, curve: str = "ROC",
-                 summation_method: str = "interpolation", name: str | None = None, dtype=None,
-                 thresholds=None, *, from_logits: bool = False):
-        if thresholds is not None:
-            inner, _ = _thresholds_argument("AUC", list(thresholds), None)
-            inner = tuple(sorted(inner))
-        else:
-            if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) \
-                    or num_thresholds <= 1:
-                raise errors.InvalidArgumentError(
-                    f"AUC: num_thresholds must be an integer > 1; received {num_thresholds!r}."
-                )
-            inner = tuple((i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2))
-        if not isinstance(curve, str) or curve.upper() not in ("ROC", "PR"):
-            raise errors.InvalidArgumentError(f"AUC: curve must be 'ROC' or 'PR'; received {curve!r}.")
-        methods = ("interpolation", "minoring", "majoring")
-        if not isinstance(summation_method, str) or summation_method.lower() not in methods:
-            raise errors.InvalidArgumentError(
-                f"AUC: summation_method must be one of {', '.join(map(repr, methods))}; "
-                f"received {summation_method!r}."
-            )
-        self.curve = curve.upper()
-        self.summation_method = summation_method.lower()
-        edges = (0.0 - losses_lib.EPSILON,) + inner + (1.0 + losses_lib.EPSILON,)
-        super().__init__(edges, None, None, from_logits, name, dtype)
-
-    @property
-    def num_thresholds(self) -> int:
-        return len(self.thresholds)
-
-    def result(self):
-        """The area under the curve, a float32 scalar (0.0 before any update)."""
-        tp = self.true_positives.get_value()
-        fp = self.false_positives.get_value()
-        tn = self.true_negatives.get_value()
-        fn = self.false_negatives.get_value()
-        if self.curve == "PR" and self.summation_method == "interpolation":
-            return _interpolate_pr_auc(tp, fp, fn)
-        recall = _divide_no_nan(tp, tp + fn)
-        if self.curve == "ROC":
-            x, y = _divide_no_nan(fp, fp + tn), recall
-        else:
-            x, y = recall, _divide_no_nan(tp, tp + fp)
-        if self.summation_method == "interpolation":
-            heights = (y[:-1] + y[1:]) / 2.0
-        elif self.summation_method == "minoring":
-            heights = jnp.minimum(y[:-1], y[1:])
-        else:
-            heights = jnp.maximum(y[:-1], y[1:])
-        return ((x[:-1] - x[1:]) * heights).sum()
-
-
-def _interpolate_pr_auc(tp, fp, fn):
-    """Keras's `AUC.interpolate_pr_auc` (Davis & Goadrich 2006, closed form)."""
-    dtp = tp[:-1] - tp[1:]
-    p = tp + fp
-    dp = p[:-1] - p[1:]
-    slope = _divide_no_nan(dtp, jnp.maximum(dp, 0.0))
-    intercept = tp[1:] - slope * p[1:]
-    both = (p[:-1] > 0) & (p[1:] > 0)
-    ratio = jnp.where(both, _divide_no_nan(p[:-1], jnp.maximum(p[1:], 0.0)), 1.0)
-    increment = _divide_no_nan(
-        slope * (dtp + intercept * jnp.log(ratio)), jnp.maximum(tp[1:] + fn[1:], 0.0)
-    )
-    return increment.sum()
-
-
-# -- string resolution -------------------------------------------------------------------------
-
-_CLASSES = (
-    Mean, Sum, Accuracy, BinaryAccuracy, CategoricalAccuracy, SparseCategoricalAccuracy,
-    Precision, Recall, AUC, MeanSquaredError, MeanAbsoluteError,
-)
-_BY_NAME: dict = {cls.__name__: cls for cls in _CLASSES}
-_BY_NAME.update({
-    "binary_accuracy": BinaryAccuracy,
-    "categorical_accuracy": CategoricalAccuracy,
-    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
-    "precision": Precision,
-    "recall": Recall,
-    "auc": AUC,
-    "mean_squared_error": MeanSquaredError,
-    "mse": MeanSquaredError,
-    "mean_absolute_error": MeanAbsoluteError,
-    "mae": MeanAbsoluteError,
-})
-_ACCURACY_NAMES = ("accuracy", "acc")
-
-
-def get(identifier, loss=None):
-    """The `Metric` an identifier names, as Keras's `compile(metrics=[...])` resolves it.
-
-    "accuracy" / "acc" (any case) follow Keras's rule by the loss: `BinaryAccuracy` for a
-    `BinaryCrossentropy` (threshold 0.0 when the loss takes logits — Keras keeps 0.5, which is
-    wrong for logits), `CategoricalAccuracy` for `CategoricalCrossentropy`,
-    `SparseCategoricalAccuracy` for `SparseCategoricalCrossentropy`; for any other or no loss,
-    Keras 3's shape rule at each update (y_pred of shape (batch,) or (batch, 1): binary; labels
-    of lower rank or a trailing 1: sparse; else categorical). A metric made from a string is
-    named by that string ("acc" stays "acc", "mse" stays "mse"), as Keras 3.
-
-    Args:
-      identifier: a `Metric` (returned as is) or its class (instantiated with default
-        arguments, as Keras); a string: "accuracy"/"acc", a class name
-        ("AUC", "SparseCategoricalAccuracy"), a snake_case name ("sparse_categorical_accuracy",
-        "precision", "recall", "auc", "mean_squared_error") or alias ("mse", "mae"; also upper
-        case); a callable `fn(y_true, y_pred) -> values of shape (batch, ...)` (wrapped in a
-        `MeanMetricWrapper`); or None (returned as None).
-      loss: the compiled loss (a `mirrax.losses.Loss` or an identifier `mirrax.losses.get`
-        accepts), used only to resolve "accuracy".
-
-    Returns:
-      A `Metric` (a new one for a string or callable), or None.
-
-    Raises:
-      InvalidIdentifierError (a ValueError): an unknown string (the message lists the known
-        names) or an object that is neither a string, a `Metric` nor a callable.
-    """
-    if identifier is None or isinstance(identifier, Metric):
-        return identifier
-    if isinstance(identifier, type) and issubclass(identifier, Metric):
-        return identifier()  # a class given for an instance, as Keras's `get` instantiates it
-    if isinstance(identifier, str):
-        if identifier.lower() in _ACCURACY_NAMES:
-            return _accuracy_for(losses_lib.get(loss), identifier)
-        cls = _BY_NAME.get(identifier) or _BY_NAME.get(identifier.lower())
-        if cls is None:
-            known = sorted(set(_BY_NAME) | set(_ACCURACY_NAMES))
-            raise InvalidIdentifierError(
-                f"Unknown metric {identifier!r}. Known names: {', '.join(known)}. Pass one of "
-                "them, a mirrax.metrics.Metric instance, or a function fn(y_true, y_pred) "
-                "returning one value per example."
-            )
-        return cls(name=identifier)
-    if callable(identifier):
-        return MeanMetricWrapper(identifier)
-    raise InvalidIdentifierError(
-        f"Could not interpret metric identifier {identifier!r} (a {type(identifier).__name__}); "
-        "pass a metric name such as 'accuracy', a mirrax.metrics.Metric instance, or a function "
-        "fn(y_true, y_pred) returning one value per example."
-    )
-
-
-def _accuracy_for(loss, name: str) -> Metric:
-    if isinstance(loss, losses_lib.BinaryCrossentropy):
-        return BinaryAccuracy(name=name, threshold=0.0 if loss.from_logits else 0.5)
-    if isinstance(loss, losses_lib.CategoricalCrossentropy):
-        return CategoricalAccuracy(name=name)
-    if isinstance(loss, losses_lib.SparseCategoricalCrossentropy):
-        return SparseCategoricalAccuracy(name=name)
-    return MeanMetricWrapper(_accuracy_by_shape, name=name)
-
-
 # -- per-example functions (Keras's keras.metrics.* functions) -------------------------------
 
 
 def _accuracy(y_true, y_pred):
     y_pred = jnp.asarray(y_pred)
     y_true, y_pred = match_rank(jnp.asarray(y_true).astype(y_pred.dtype), y_pred)
-    _check_same_shape("accuracy", y_true, y_pred)
+    check_same_shape("accuracy", y_true, y_pred)
     return (y_true == y_pred).astype(jnp.float32)
 
 
 def _binary_accuracy(y_true, y_pred, threshold=0.5):
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    _check_same_shape("binary_accuracy", y_true, y_pred)
+    check_same_shape("binary_accuracy", y_true, y_pred)
     return (y_true == (y_pred > threshold).astype(jnp.float32)).astype(jnp.float32)
 
 
 def _categorical_accuracy(y_true, y_pred):
     y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
-    _check_same_shape("categorical_accuracy", y_true, y_pred)
+    check_same_shape("categorical_accuracy", y_true, y_pred)
     return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
 
 
@@ -673,7 +363,7 @@ def _sparse_categorical_accuracy(y_true, y_pred):
     return (y_true.astype(jnp.float32) == predicted).astype(jnp.float32)
 
 
-def _accuracy_by_shape(y_true, y_pred):
+def accuracy_by_shape(y_true, y_pred):
     """Keras 3's resolution of "accuracy" from the shapes (compile_utils.get_metric)."""
     y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
     if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
@@ -685,69 +375,20 @@ def _accuracy_by_shape(y_true, y_pred):
 
 def _squared_error(y_true, y_pred):
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    _check_same_shape("mean_squared_error", y_true, y_pred)
+    check_same_shape("mean_squared_error", y_true, y_pred)
     return jnp.square(y_pred - y_true)
 
 
 def _absolute_error(y_true, y_pred):
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    _check_same_shape("mean_absolute_error", y_true, y_pred)
+    check_same_shape("mean_absolute_error", y_true, y_pred)
     return jnp.abs(y_pred - y_true)
 
 
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _confusion_counts(metric: _ConfusionMetric, y_true, y_pred, sample_weight) -> dict:
-    y_true = jnp.asarray(y_true)
-    y_pred = jnp.asarray(y_pred, jnp.float32)
-    if metric.from_logits:
-        y_pred = jax.nn.sigmoid(y_pred)
-    if y_pred.ndim == 0:
-        raise errors.IncompatibleInputError(
-            f"{metric.name}: y_pred must have a leading batch axis, but received a scalar; pass "
-            "the predictions for a batch of examples."
-        )
-    batch = y_pred.shape[0]
-    if metric.top_k is not None:
-        _, top = jax.lax.top_k(y_pred, metric.top_k)
-        keep = jax.nn.one_hot(top, y_pred.shape[-1], dtype=jnp.bool_).any(axis=-2)
-        y_pred = jnp.where(keep, y_pred, _NEG_INF)
-    if metric.class_id is not None:
-        if not 0 <= metric.class_id < y_pred.shape[-1]:
-            raise errors.IncompatibleInputError(
-                f"{metric.name}: class_id={metric.class_id} is outside y_pred's last axis of "
-                f"size {y_pred.shape[-1]}; pass a class index in [0, {y_pred.shape[-1]})."
-            )
-        y_true = y_true[..., metric.class_id, None]
-        y_pred = y_pred[..., metric.class_id, None]
-    y_true, y_pred = match_rank(y_true, y_pred)
-    _check_same_shape(metric.name, y_true, y_pred)
-    if sample_weight is None:
-        weight = jnp.ones(y_pred.shape, jnp.float32)
-    else:
-        weight = _align_weight(metric.name, sample_weight, y_pred.shape)
-        weight = weight.reshape(weight.shape + (1,) * (y_pred.ndim - weight.ndim))
-        weight = jnp.broadcast_to(weight, y_pred.shape)
-    mask = _batch_mask(metric.name, batch)
-    if mask is not None:
-        mask = jnp.broadcast_to(mask.reshape((batch,) + (1,) * (y_pred.ndim - 1)), y_pred.shape)
-        weight = jnp.where(mask, weight, 0.0)
-    labels = (y_true != 0).reshape(-1)
-    weight = weight.reshape(-1)
-    thresholds = jnp.asarray(metric.thresholds, jnp.float32)
-    above = (y_pred.reshape(-1)[:, None] > thresholds[None, :]).astype(jnp.float32)
-    positive = jnp.where(labels, weight, 0.0)
-    negative = jnp.where(labels, 0.0, weight)
-    return {
-        "true_positives": positive @ above,
-        "false_negatives": positive @ (1.0 - above),
-        "false_positives": negative @ above,
-        "true_negatives": negative @ (1.0 - above),
-    }
-
-
-def _batch_mask(owner: str, batch_size: int):
+def batch_mask(owner: str, batch_size: int):
     """The replica's batch mask (bool (batch,)), or None outside a run with a distributed batch."""
     ctx = get_replica_context()
     mask = None if ctx is None else ctx.batch_mask
@@ -762,7 +403,7 @@ def _batch_mask(owner: str, batch_size: int):
     return mask
 
 
-def _align_weight(owner: str, sample_weight, shape: tuple):
+def align_weight(owner: str, sample_weight, shape: tuple):
     """`sample_weight` as float32, aligned with the leading axes of `shape` (rank matching)."""
     weight = jnp.asarray(sample_weight, jnp.float32)
     while weight.ndim > len(shape) and weight.shape[-1] == 1:
@@ -789,7 +430,7 @@ def _scalar_weight(owner: str, sample_weight):
     return weight.reshape(())
 
 
-def _check_same_shape(owner: str, y_true, y_pred) -> None:
+def check_same_shape(owner: str, y_true, y_pred) -> None:
     if y_true.shape != y_pred.shape:
         raise errors.IncompatibleInputError(
             f"{owner}: y_true of shape {y_true.shape} does not match y_pred of shape "
@@ -804,7 +445,7 @@ def _mean_trailing(values):
     return values
 
 
-def _divide_no_nan(numerator, denominator):
+def divide_no_nan(numerator, denominator):
     safe = jnp.where(denominator == 0, 1.0, denominator)
     return jnp.where(denominator == 0, 0.0, numerator / safe).astype(jnp.float32)
 

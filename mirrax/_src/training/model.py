@@ -22,7 +22,7 @@ from mirrax._src import checkpoint
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import losses as losses_lib
-from mirrax._src.training import metrics as metrics_lib
+from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import loops, mixed_precision
 from mirrax._src.training import optimizer as optimizers
@@ -142,8 +142,8 @@ class Model:
         self.optimizer = optimizers.OptimizerHandle(tx, nnx.Optimizer(self.module, tx, wrt=nnx.Param))
         self.loss = losses_lib.get(loss)
         loss_scale = 1.0 if loss_weights is None else float(loss_weights)
-        plain = [metrics_lib.get(m, loss=self.loss) for m in (metrics or [])]
-        weighted = [metrics_lib.get(m, loss=self.loss) for m in (weighted_metrics or [])]
+        plain = [metric_registry.get(m, loss=self.loss) for m in (metrics or [])]
+        weighted = [metric_registry.get(m, loss=self.loss) for m in (weighted_metrics or [])]
         self.metrics = plain + weighted
         weighted_flags = (False,) * len(plain) + (True,) * len(weighted)
         self.dtype_policy = mixed_precision.global_policy()
