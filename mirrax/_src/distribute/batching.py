@@ -98,6 +98,8 @@ def mask_from_lengths(lengths: Sequence[int], rows: int) -> np.ndarray:
 
 
 def is_array(x) -> bool:
+    """True for a batch leaf that converts to a NumPy array (NumPy, JAX, tf.Tensor,
+    torch.Tensor, anything with `__array__`)."""
     return isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "numpy") or hasattr(x, "__array__")
 
 

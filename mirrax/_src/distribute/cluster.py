@@ -297,6 +297,11 @@ class SimpleClusterResolver(ClusterResolver):
 
 
 def check_rpc_layer(source: str, rpc_layer) -> None:
+    """Refuses an `rpc_layer` that is neither None nor a string; `source` names the caller.
+
+    Raises:
+      InvalidArgumentTypeError: any other type.
+    """
     if rpc_layer is not None and not isinstance(rpc_layer, str):
         raise errors.InvalidArgumentTypeError(
             f"{source}: rpc_layer must be None or a string such as 'grpc'; received "

@@ -178,6 +178,11 @@ class ValueContext:
 
 
 def check_options(options) -> InputOptions:
+    """`options`, or the default `InputOptions()` for None.
+
+    Raises:
+      InvalidArgumentTypeError: not an `InputOptions`.
+    """
     if options is None:
         return InputOptions()
     if not isinstance(options, InputOptions):

@@ -57,6 +57,11 @@ def check_verbose(what: str, verbose) -> int:
 
 
 def check_bool(what: str, name: str, value) -> bool:
+    """`value` as a bool; `what`/`name` name the call and argument in the error.
+
+    Raises:
+      InvalidArgumentTypeError: not a bool (a string such as 'yes' would count as True).
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise errors.InvalidArgumentTypeError(
             f"{what}: {name} must be True or False; received {type(value).__name__} {value!r}."
@@ -65,6 +70,11 @@ def check_bool(what: str, name: str, value) -> bool:
 
 
 def check_fraction(what: str, name: str, value) -> float:
+    """`value` as a float in [0, 1) (e.g. `validation_split`).
+
+    Raises:
+      InvalidArgumentTypeError / InvalidArgumentError: not a number, or outside [0, 1).
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise errors.InvalidArgumentTypeError(
             f"{what}: {name} must be a float in [0, 1); received {type(value).__name__} {value!r}."
@@ -78,6 +88,12 @@ def check_fraction(what: str, name: str, value) -> float:
 
 
 def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
+    """fit's (epochs, initial_epoch, verbose, shuffle), checked and normalized.
+
+    Raises:
+      InvalidArgumentTypeError / InvalidArgumentError: a bad count or flag, or initial_epoch
+        not below epochs.
+    """
     epochs = check_count("fit", "epochs", epochs)
     initial_epoch = check_count("fit", "initial_epoch", initial_epoch, minimum=0)
     if initial_epoch >= epochs:
@@ -96,6 +112,12 @@ def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
 
 def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile,
                         auto_scale_loss):
+    """Refuses `compile` arguments mirrax does not support or that have the wrong type (as
+    listed in docs/training.md).
+
+    Raises:
+      InvalidArgumentError / InvalidArgumentTypeError / UnsupportedArgumentError.
+    """
     if loss is None:
         raise errors.InvalidArgumentError(
             "compile: loss is required (mirrax has no add_loss), e.g. "
@@ -197,6 +219,11 @@ def check_class_weight(class_weight, sample_weight):
 
 
 def check_sample_weight(what: str, sample_weight, n: int):
+    """`sample_weight` as float32 of shape (n,), one weight per example.
+
+    Raises:
+      InvalidArgumentError: another shape, or a weight that is NaN or infinite.
+    """
     sample_weight = np.asarray(sample_weight, np.float32)
     if sample_weight.shape != (n,):
         raise errors.InvalidArgumentError(

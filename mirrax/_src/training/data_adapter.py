@@ -108,10 +108,17 @@ def is_arrays(x) -> bool:
 
 
 def num_examples(x) -> int:
+    """The number of examples in arrays `x`: the first leaf's first axis."""
     return len(jax.tree.leaves(x)[0])
 
 
 def split_validation(x, y, sample_weight, fraction):
+    """(x, y, sample_weight, (x_val, y_val, w_val)): the last `fraction` of the arrays held
+    out, as Keras's `validation_split` (taken before shuffling).
+
+    Raises:
+      InvalidArgumentError: the split leaves no training or no validation example.
+    """
     n = num_examples(x)
     cut = int(n * (1.0 - fraction))
     if cut == 0 or cut == n:
@@ -127,6 +134,11 @@ def split_validation(x, y, sample_weight, fraction):
 
 
 def unpack_validation(data):
+    """`validation_data` as (x, y, sample_weight); a dataset as (data, None, None).
+
+    Raises:
+      InvalidArgumentError: arrays given as a tuple of another length than 2 or 3.
+    """
     if isinstance(data, (tuple, list)) and len(data) in (2, 3) and is_arrays(as_arrays(data[0])):
         return data[0], data[1], data[2] if len(data) == 3 else None
     if isinstance(data, (tuple, list)) and data and is_arrays(as_arrays(data[0])):

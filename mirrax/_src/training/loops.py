@@ -60,14 +60,6 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
 PREDICT_AHEAD = 32
 
 
-def has_learning_rate(optimizer) -> bool:
-    try:
-        optimizer._hyperparams()
-        return True
-    except AttributeError:
-        return False
-
-
 def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq):
     """`Model.fit` (its arguments, docs and errors there)."""
     epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(
@@ -182,7 +174,7 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
                 val_logs = evaluate_loop(model, compiled, val, validation_steps, cbs, "fit(validation_data=...)")
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 model.module.train()
-            if has_learning_rate(model.optimizer):
+            if model.optimizer.has_learning_rate:
                 epoch_logs["learning_rate"] = model.optimizer.learning_rate
             cbs.on_epoch_end(epoch, epoch_logs)
             if model.stop_training:
@@ -297,7 +289,7 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
     keys = ["loss"] + list(compiled.metric_names)
     if validation:
         keys += [f"val_{key}" for key in keys]
-    if has_learning_rate(model.optimizer):
+    if model.optimizer.has_learning_rate:
         keys.append("learning_rate")
     return keys
 
@@ -328,6 +320,11 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
 
 
 def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
+    """The `ModelInput` of one global batch of arrays (`train_on_batch`, `test_on_batch`).
+
+    Raises:
+      InvalidArgumentTypeError: `x` is not arrays.
+    """
     x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
     if not data_adapter.is_arrays(x):
         raise errors.InvalidArgumentTypeError(
@@ -340,6 +337,9 @@ def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
 
 
 def result_of(logs: dict, return_dict: bool):
+    """Keras's `*_on_batch` result: the logs dict with `return_dict`, else the loss alone, or
+    [loss, metric, ...].
+    """
     if return_dict:
         return logs
     values = list(logs.values())
@@ -347,12 +347,14 @@ def result_of(logs: dict, return_dict: bool):
 
 
 def reset_metrics(model, compiled):
+    """Resets the loss tracker and every metric."""
     compiled.tracker.reset()
     for metric in model.metrics:
         metric.reset_state()
 
 
 def logs_of(model, compiled) -> dict:
+    """{"loss": ..., <metric>: ...} as Python floats (reading them waits for the last step)."""
     logs = {"loss": float(compiled.tracker.result())}
     for name, metric in zip(compiled.metric_names, model.metrics):
         logs[name] = float(metric.result())

@@ -431,6 +431,11 @@ def _scalar_weight(owner: str, sample_weight):
 
 
 def check_same_shape(owner: str, y_true, y_pred) -> None:
+    """Refuses labels and predictions of different shapes; `owner` names the metric.
+
+    Raises:
+      IncompatibleInputError: the shapes differ.
+    """
     if y_true.shape != y_pred.shape:
         raise errors.IncompatibleInputError(
             f"{owner}: y_true of shape {y_true.shape} does not match y_pred of shape "
@@ -446,6 +451,7 @@ def _mean_trailing(values):
 
 
 def divide_no_nan(numerator, denominator):
+    """`numerator / denominator` in float32, 0 where the denominator is 0 (Keras's)."""
     safe = jnp.where(denominator == 0, 1.0, denominator)
     return jnp.where(denominator == 0, 0.0, numerator / safe).astype(jnp.float32)
 

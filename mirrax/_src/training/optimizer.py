@@ -75,11 +75,26 @@ class OptimizerHandle:
         variable[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
 
     @property
+    def has_learning_rate(self) -> bool:
+        """Whether the learning rate can be read and set (it lives in the optimizer's state)."""
+        try:
+            self._hyperparams()
+        except AttributeError:
+            return False
+        return True
+
+    @property
     def iterations(self) -> int:
         return int(self.nnx_optimizer.step[...])
 
 
 def resolve_optimizer(optimizer):
+    """An optax `GradientTransformation` for `compile(optimizer=...)`: a name gives Keras's
+    defaults in `inject_hyperparams` state.
+
+    Raises:
+      InvalidIdentifierError: an unknown name. InvalidArgumentTypeError: another type.
+    """
     if isinstance(optimizer, str):
         factory = _OPTIMIZERS.get(optimizer.lower())
         if factory is None:

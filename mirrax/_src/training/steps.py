@@ -148,6 +148,9 @@ def _make_scorer(loss_obj, loss_weight: float, policy, weighted):
 
 
 def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+    """`test_step(module, metrics, tracker, batch)`: the loss tracker and metrics updated on
+    this replica's shard (per micro-batch in replica-invariant mode).
+    """
     score = _make_scorer(loss_obj, loss_weight, policy, weighted)
 
     def update(nodes, x, y, sample_weight):
@@ -166,6 +169,9 @@ def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches
 
 
 def make_predict_step(policy, micro_batches=False):
+    """`predict_step(module, batch)`: the module's outputs for this replica's shard under
+    `policy` (per micro-batch in replica-invariant mode).
+    """
     def predict_step(module, batch):
         if micro_batches:
             _, y_pred, _ = invariant.micro_batch_call(

@@ -32,6 +32,7 @@ def sparse_labels(name: str, y_true, y_pred, one_hot_class: str):
 
 
 def mean_trailing(values):
+    """float32 `values` averaged over every axis but the first: one value per example."""
     values = jnp.asarray(values).astype(jnp.float32)
     if values.ndim > 1:
         values = values.mean(axis=tuple(range(1, values.ndim)))
@@ -39,10 +40,12 @@ def mean_trailing(values):
 
 
 def normalise(probs):
+    """`probs` divided by their sum over the last axis."""
     return probs / probs.sum(axis=-1, keepdims=True)
 
 
 def clip_probabilities(probs):
+    """`probs` clipped to [EPSILON, 1 - EPSILON], so logs stay finite (Keras's)."""
     return jnp.clip(probs, EPSILON, 1.0 - EPSILON)
 
 
@@ -56,6 +59,11 @@ def check_flag(owner: str, name: str, value) -> bool:
 
 
 def check_smoothing(label_smoothing, owner: str) -> float:
+    """`label_smoothing` as a float in [0, 1]; `owner` names the loss.
+
+    Raises:
+      InvalidArgumentTypeError / InvalidArgumentError: not a number, or outside [0, 1].
+    """
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.number)):
         raise errors.InvalidArgumentTypeError(
             f"{owner}: label_smoothing must be a float in [0, 1]; received "
@@ -88,6 +96,11 @@ def match_rank(a, b):
 
 
 def same_shape(name: str, y_true, y_pred):
+    """(y_true, y_pred) as float32 with ranks matched (`match_rank`); `name` names the loss.
+
+    Raises:
+      IncompatibleInputError: the shapes still differ.
+    """
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
     if y_true.shape != y_pred.shape:
         raise errors.IncompatibleInputError(

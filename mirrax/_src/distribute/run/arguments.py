@@ -25,31 +25,29 @@ from mirrax._src.distribute.values import (
     PerReplica,
 )
 
-_GRAPH_NODE_TYPES: dict = {}
-_VARIABLE_TYPES: dict = {}
+def _per_type(test, doc: str):
+    """`test(x)`, computed once per type of `x` and then looked up (isinstance through NNX's
+    metaclass costs microseconds, and these run for every argument of every step)."""
+    answers: dict = {}
+
+    def check(x) -> bool:
+        kind = type(x)
+        answer = answers.get(kind)
+        if answer is None:
+            answer = answers[kind] = test(x)
+        return answer
+
+    check.__doc__ = doc
+    return check
 
 
-def is_graph_node(x) -> bool:
-    """True for NNX modules, optimizers, metrics and variables (objects with NNX state)."""
-    kind = type(x)
-    answer = _GRAPH_NODE_TYPES.get(kind)
-    if answer is None:
-        answer = _GRAPH_NODE_TYPES[kind] = isinstance(x, (nnx.Pytree, nnx.Variable))
-    return answer
-
-
-def is_variable(x) -> bool:
-    """True for `nnx.Variable`s (isinstance through NNX's metaclass costs microseconds; the
-    answer is cached per type)."""
-    kind = type(x)
-    answer = _VARIABLE_TYPES.get(kind)
-    if answer is None:
-        answer = _VARIABLE_TYPES[kind] = isinstance(x, nnx.Variable)
-    return answer
-
-
-def is_argument_leaf(x) -> bool:
-    return is_graph_node(x) or isinstance(x, DistributedValues)
+is_graph_node = _per_type(
+    lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)),
+    "True for NNX modules, optimizers, metrics and variables (objects with NNX state).")
+is_variable = _per_type(lambda x: isinstance(x, nnx.Variable), "True for `nnx.Variable`s.")
+is_argument_leaf = _per_type(
+    lambda x: is_graph_node(x) or isinstance(x, DistributedValues),
+    "True for what `strategy.run` takes whole: NNX objects and distributed values.")
 
 
 # Slots are interned (one object per distinct slot) and compared by identity, so the cache key
@@ -217,17 +215,10 @@ def classify(strategy, fn, args, kwargs) -> Call:
                 names, array_positions)
 
 
-_FLAT_LEAF_TYPES: dict = {}
 _FLAT_TREEDEFS: dict = {}
-
-
-def _is_flat_leaf(x) -> bool:
-    kind = type(x)
-    answer = _FLAT_LEAF_TYPES.get(kind)
-    if answer is None:
-        answer = _FLAT_LEAF_TYPES[kind] = is_argument_leaf(x) or isinstance(
-            x, (jax.Array, np.ndarray, np.generic))
-    return answer
+_is_flat_leaf = _per_type(
+    lambda x: is_argument_leaf(x) or isinstance(x, (jax.Array, np.ndarray, np.generic)),
+    "True for a leaf of run's arguments that the flat-argument flatten can take as it is.")
 
 
 def _flatten(structure):
@@ -288,6 +279,7 @@ def check_owner(strategy, value, names, index=None) -> None:
 
 
 def inside_transformation(what: str) -> Exception:
+    """The ReplicaContextError for `what` being a tracer: run called inside a transformation."""
     return errors.ReplicaContextError(
         f"strategy.run: {what} is a traced value: strategy.run was called inside jax.jit, "
         "nnx.jit or another JAX transformation, or given a jitted function. strategy.run "
@@ -330,4 +322,5 @@ def describe_path(path) -> str:
 
 
 def fn_name(fn) -> str:
+    """The name of the user's function (its `__name__`, else its type's) for messages."""
     return getattr(fn, "__name__", None) or type(fn).__name__
