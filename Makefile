@@ -23,7 +23,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python -m benchmarks.overhead --variants run
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -5,13 +5,11 @@
     python -m benchmarks run overhead memory  # some of them
     python -m benchmarks run --out DIR        # where the JSON files go (default benchmarks/results)
 
-Every benchmark is a script `benchmarks/<name>.py` (files starting with `_` and `workloads.py`
-are helpers, not benchmarks) that prints its table(s) and accepts `--json PATH`. The runner uses
-each script's defaults; run a script directly to pass it options. Each runs in its
-own process (the fake CPU device count is fixed when JAX starts); the runner prints each
-script's output as it comes and writes `<out>/<name>.json`. A benchmark that needs packages
-that are not installed (the peers in `benchmarks/requirements-peers.txt`) prints a message and
-is skipped, and the run goes on. Exit status: 0 when every benchmark ran, 1 otherwise.
+Every benchmark is a module `benchmarks/<name>.py` (what they share: `benchmarks/_harness/`)
+that prints its tables and takes `--json PATH`; run one as `python -m benchmarks.<name>` to
+pass options. The runner uses the defaults, runs each in its own process, prints its output and
+writes `<out>/<name>.json`; one whose packages are missing (the peers') says so and is skipped.
+Exit status: 0 when every benchmark ran, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,15 +20,16 @@ import subprocess
 import sys
 import time
 
+from benchmarks._harness import env
+
 HERE = pathlib.Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"workloads"}
 
 
 def available() -> dict:
     """{name: path} of the benchmark scripts, by name."""
     return {
         p.stem: p for p in sorted(HERE.glob("*.py"))
-        if not p.stem.startswith("_") and p.stem not in NOT_BENCHMARKS
+        if not p.stem.startswith("_")
     }
 
 
@@ -67,7 +66,8 @@ def main(argv=None) -> int:
     failed = []
     for name in args.names or list(scripts):
         print(f"\n=== {name} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===", flush=True)
-        code = subprocess.call([sys.executable, str(scripts[name]), "--json", str(out / f"{name}.json")])
+        code = subprocess.call(env.module_command(f"benchmarks.{name}", "--json", out / f"{name}.json"),
+                               env=env.child_environment())
         if code:
             print(f"=== {name}: exit status {code}", flush=True)
             failed.append(name)
