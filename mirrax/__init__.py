@@ -10,9 +10,9 @@ from mirrax import errors as errors
 from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
-from mirrax._src.checkpoint import Checkpoint as Checkpoint
-from mirrax._src.checkpoint import CheckpointLoadStatus as CheckpointLoadStatus
-from mirrax._src.checkpoint import CheckpointManager as CheckpointManager
+from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
+from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
+from mirrax._src.checkpointing.restore import CheckpointLoadStatus as CheckpointLoadStatus
 from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
 from mirrax._src.distribute.cpu_devices import set_cpu_device_count as set_cpu_device_count
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
@@ -54,8 +54,8 @@ from mirrax._src.distribute.strategy import in_cross_replica_context as in_cross
 from mirrax._src.distribute.tpu import TPUStrategy as TPUStrategy
 from mirrax._src.distribute.values import Mirrored as Mirrored
 from mirrax._src.distribute.values import PerReplica as PerReplica
-from mirrax._src.export import export as export
-from mirrax._src.export import load_exported as load_exported
+from mirrax._src.exporting.export import export as export
+from mirrax._src.exporting.load import load_exported as load_exported
 from mirrax._src.training.model import Model as Model
 
 __version__ = "0.1.0"

@@ -332,7 +332,9 @@ _FORK_SERVER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
-    from mirrax._src import atomic_dirs as ad, checkpoint as ck, export as ex
+    from mirrax._src import atomic_dirs as ad
+    from mirrax._src.checkpointing import manager as ck
+    from mirrax._src.exporting import export as ex
     from tests import test_checkpoint_atomic as t
 
     def child(work, kind, moment):

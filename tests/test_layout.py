@@ -15,10 +15,6 @@ _LAZY_OK = {
     "mirrax._src.data.files": "grain (optional)",
     "mirrax._src.training.callbacks.tensorboard": "tensorboardX (optional)",
 }
-# Files still above the 500-line bound, to be split (issue 14); the list may only shrink.
-_TOO_LONG_FOR_NOW = {
-    "mirrax/_src/checkpoint.py", "mirrax/_src/export.py",
-}
 
 
 def _modules() -> dict:
@@ -99,8 +95,6 @@ def test_rooms_are_bounded():
         relative = str(path.relative_to(ROOT))
         limit = 450 if "/distribute/" in relative else 500
         lines = len(path.read_text().splitlines())
-        if lines > limit and relative not in _TOO_LONG_FOR_NOW:
+        if lines > limit:
             over.append(f"{relative}: {lines} > {limit}")
     assert over == []
-    still_long = [f for f in _TOO_LONG_FOR_NOW if len((ROOT / f).read_text().splitlines()) <= 500]
-    assert still_long == [], f"now within bounds; drop them from _TOO_LONG_FOR_NOW: {still_long}"

@@ -1,6 +1,6 @@
 """Directories replaced atomically: a save writes beside the old directory, then swaps it in.
 
-Checkpoints (checkpoint.py) and exported artifacts (export.py) are directories that a kill at
+Checkpoints (checkpointing/) and exported artifacts (exporting/) are directories that a kill at
 any moment of a save must leave readable, old or new. `replace_atomically` writes the new one
 beside the old (`<path>.mirrax-new`) and swaps the two in one step (Linux's renameat2
 RENAME_EXCHANGE), or, where the filesystem cannot, by two renames; `resolve` finds the directory

@@ -327,7 +327,7 @@ class DistributedIterator(DistributedInput):
         """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
         return next(self)
 
-    # -- mirrax's checkpoint protocol (checkpoint.py): the position, not the data ------------
+    # -- mirrax's checkpoint protocol (checkpointing/parts.py): the position, not the data ---
 
     def checkpoint_state(self) -> dict:
         """{"position": int64 array}: the batches handed to the caller (prefetched ones are not

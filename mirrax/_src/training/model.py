@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src import checkpoint
+from mirrax._src.checkpointing import checkpoint
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import losses as losses_lib

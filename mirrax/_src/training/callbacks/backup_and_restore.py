@@ -12,7 +12,8 @@ import os
 import shutil
 from typing import Optional
 
-from mirrax._src.checkpoint import Checkpoint, CheckpointManager
+from mirrax._src.checkpointing.checkpoint import Checkpoint
+from mirrax._src.checkpointing.manager import CheckpointManager
 from mirrax import errors
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback

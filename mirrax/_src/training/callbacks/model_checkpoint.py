@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Optional
 
-from mirrax._src.checkpoint import Checkpoint
+from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax import errors
 from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks._chief import is_chief

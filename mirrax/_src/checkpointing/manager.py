@@ -1,0 +1,279 @@
+"""`mirrax.CheckpointManager`: numbered checkpoints in one directory, as tf.train's, on Orbax's
+manager.
+
+Orbax keeps the newest `max_to_keep` and writes in the background; mirrax adds TF's
+`checkpoint_interval` rule, skips (and moves aside) numbered folders that are no checkpoint,
+replaces an existing number atomically, and waits for a save in flight before reading the
+directory and at process exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mirrax import errors
+from mirrax._src import atomic_dirs
+from mirrax._src.checkpointing.checkpoint import Checkpoint, orbax_save_args
+from mirrax._src.checkpointing.directory import (
+    METADATA_FILE, is_complete, refuse_non_directory, write_checkpoint,
+)
+from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
+
+_LOG = logging.getLogger("mirrax")
+
+# Where CheckpointManager's Orbax manager renames a checkpoint it drops (max_to_keep), so the
+# checkpoint vanishes from the directory in one rename; mirrax then deletes it from there.
+_DELETED_SUBDIR = ".mirrax-deleted"
+
+
+# Orbax managers with an asynchronous save that nobody has waited for yet (held strongly, so
+# a save outlives a dropped CheckpointManager), and whether the exit hook is registered.
+_IN_FLIGHT: set = set()
+_EXIT_HOOK: list = []
+
+
+def _wait_for_all_in_flight() -> None:
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop().wait_until_finished()
+
+
+def _register_exit_hook() -> None:
+    """Waits for in-flight saves at exit BEFORE concurrent.futures shuts its executors down
+    (Orbax's writer thread still needs them; `atexit` runs too late: "cannot schedule new
+    futures after shutdown"). threading's hooks run newest first, so registering after
+    concurrent.futures was imported puts this one ahead of its shutdown."""
+    if _EXIT_HOOK:
+        return
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(_wait_for_all_in_flight)
+    _EXIT_HOOK.append(True)
+
+
+def _check_count(value, name: str, owner: str, minimum: int, allow_none: bool = True):
+    """`value` if it is an int >= minimum (or None where allowed), else a clear error."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise errors.InvalidArgumentTypeError(
+            f"{owner}: {name} must be an int{' or None' if allow_none else ''}; received "
+            f"{value!r} of type {type(value).__name__}. Pass e.g. {name}={max(minimum, 3)}."
+        )
+    if value < minimum:
+        raise errors.InvalidArgumentError(
+            f"{owner}: {name} must be >= {minimum}{' or None' if allow_none else ''}; "
+            f"received {value}."
+        )
+    return int(value)
+
+
+class CheckpointManager:
+    """Numbered checkpoints in one directory, as `tf.train.CheckpointManager`, on Orbax's.
+
+    Checkpoint number n is written to `directory/n` by Orbax (to a temporary directory renamed
+    when complete), and only the newest `max_to_keep` are kept (None keeps all), plus, with
+    `keep_checkpoint_every_n_hours`, checkpoints at least that far apart in time. A dropped
+    checkpoint is first renamed into `directory/.mirrax-deleted` (one atomic step, after the
+    new one is committed), then deleted, so a kill at any moment leaves the newest committed
+    checkpoint restorable. Saving a number that exists replaces it atomically (as
+    `Checkpoint.save`). Directories that are not complete checkpoints (an empty numbered
+    folder, an unfinished save) are skipped by `checkpoints` and `latest_checkpoint` with a
+    log line, and moved aside (renamed `<n>.mirrax-incomplete`) by the next `save`.
+
+    Args:
+      checkpoint: the `mirrax.Checkpoint` to save and restore.
+      directory: where the numbered checkpoints live (created if missing).
+      max_to_keep: how many checkpoints to keep, newest first (an int >= 1); None keeps every one.
+      keep_checkpoint_every_n_hours: hours (float); also keep, beyond `max_to_keep`, the oldest
+        kept checkpoint and each one committed at least this long after the previous one so
+        kept (Orbax's `keep_time_interval`, which counts whole seconds: under 1/3600 hours
+        every checkpoint is kept). Unlike TF's, the oldest checkpoint is always kept.
+      checkpoint_interval: with it (an int >= 0), `save(checkpoint_number=n)` writes only when
+        n is at least this far past the last saved number (TF's rule); other calls return None.
+      init_fn: called by `restore_or_initialize` when there is no checkpoint yet.
+      async_save: if True, `save` returns once the state is copied, while the arrays are
+        written in the background by Orbax's asynchronous checkpointer; the next `save`,
+        `wait_until_finished`, `restore_or_initialize`, `checkpoints`, `latest_checkpoint`
+        and process exit wait for it. The saved values are those at the time of `save`.
+
+    Raises:
+      InvalidArgumentTypeError / InvalidArgumentError: an argument of the wrong type or out of
+        range (e.g. `max_to_keep=0`, `'3'` or `2.5`; a negative `checkpoint_interval`).
+      ExistingPathError: `directory` is a regular file.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory, max_to_keep: int | None = 5,
+                 keep_checkpoint_every_n_hours: float | None = None,
+                 checkpoint_interval: int | None = None, init_fn=None, async_save: bool = False):
+        owner = "CheckpointManager"
+        if not isinstance(checkpoint, Checkpoint):
+            raise errors.InvalidArgumentTypeError(
+                f"CheckpointManager manages a mirrax.Checkpoint; received "
+                f"{type(checkpoint).__name__}. Pass mirrax.Checkpoint(model=..., ...)."
+            )
+        max_to_keep = _check_count(max_to_keep, "max_to_keep", owner, 1)
+        if keep_checkpoint_every_n_hours is not None:
+            if isinstance(keep_checkpoint_every_n_hours, bool) or not isinstance(
+                    keep_checkpoint_every_n_hours, (int, float, np.integer, np.floating)):
+                raise errors.InvalidArgumentTypeError(
+                    "CheckpointManager: keep_checkpoint_every_n_hours must be a number of hours "
+                    f"or None; received {keep_checkpoint_every_n_hours!r} of type "
+                    f"{type(keep_checkpoint_every_n_hours).__name__}."
+                )
+            if not keep_checkpoint_every_n_hours > 0 or not np.isfinite(keep_checkpoint_every_n_hours):
+                raise errors.InvalidArgumentError(
+                    "keep_checkpoint_every_n_hours must be a positive number of hours or None; "
+                    f"received {keep_checkpoint_every_n_hours}."
+                )
+        checkpoint_interval = _check_count(checkpoint_interval, "checkpoint_interval", owner, 0)
+        if init_fn is not None and not callable(init_fn):
+            raise errors.InvalidArgumentTypeError(
+                f"CheckpointManager: init_fn must be a function or None; received {init_fn!r}."
+            )
+        if not isinstance(async_save, (bool, np.bool_)):
+            raise errors.InvalidArgumentTypeError(
+                f"CheckpointManager: async_save must be True or False; received {async_save!r}."
+            )
+        self.checkpoint = checkpoint
+        self.directory = atomic_dirs.checked_path(directory, owner)
+        refuse_non_directory(self.directory, owner)
+        self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self.checkpoint_interval = checkpoint_interval
+        self.async_save = bool(async_save)
+        self._init_fn = init_fn
+        keep_time_interval = (
+            None if keep_checkpoint_every_n_hours is None
+            else datetime.timedelta(hours=float(keep_checkpoint_every_n_hours))
+        )
+        with quiet_orbax():
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep,
+                    keep_time_interval=keep_time_interval,
+                    # Always Orbax's asynchronous writer (its default); a synchronous save waits
+                    # for it at once, which keeps one write path for both modes.
+                    enable_async_checkpointing=True,
+                    create=True,
+                    # A dropped checkpoint leaves the directory listing in one rename.
+                    todelete_subdir=_DELETED_SUBDIR,
+                ),
+            )
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an asynchronous save in flight is committed (returns at once if none)."""
+        with quiet_orbax():
+            self._manager.wait_until_finished()
+        _IN_FLIGHT.discard(self._manager)
+        if jax.process_index() == 0:
+            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
+
+    def _path(self, number: int) -> str:
+        return os.path.join(self.directory, str(number))
+
+    def _complete_numbers(self) -> list:
+        """Numbers of the complete checkpoints, oldest first; the others logged and skipped."""
+        self.wait_until_finished()
+        with quiet_orbax():
+            self._manager.reload()
+            numbers = sorted(self._manager.all_steps())
+        complete = []
+        for number in numbers:
+            if is_complete(self._path(number)):
+                complete.append(number)
+            else:
+                _LOG.warning("mirrax: skipping %s: not a complete checkpoint (no %s).",
+                             self._path(number), METADATA_FILE)
+        return complete
+
+    @property
+    def checkpoints(self) -> list:
+        """Paths of the kept complete checkpoints, oldest first (waits for a save in flight)."""
+        return [self._path(n) for n in self._complete_numbers()]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """Path of the newest complete checkpoint, or None when there is none (waits for a save
+        in flight). Never a directory that is not a complete checkpoint."""
+        numbers = self._complete_numbers()
+        return self._path(numbers[-1]) if numbers else None
+
+    def _tidy(self) -> None:
+        """Before a save (none in flight): moves aside numbered directories that are not
+        checkpoints (Orbax would count them as kept ones) and removes killed saves' leftovers."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
+            for name in os.listdir(self.directory):
+                full = os.path.join(self.directory, name)
+                if ocp.path.step.TMP_DIR_SUFFIX in name or name.endswith(atomic_dirs.DELETING_SUFFIX):
+                    atomic_dirs.delete(full)
+                elif name.isdigit() and os.path.isdir(full) and not is_complete(full):
+                    aside = full + ".mirrax-incomplete"
+                    atomic_dirs.delete_if_exists(aside)
+                    _LOG.warning("mirrax: %s is not a complete checkpoint; renamed it %s.",
+                                 full, aside)
+                    atomic_dirs.rename(full, aside)
+        atomic_dirs.barrier(f"mirrax_manager_tidy:{self.directory}")
+        with quiet_orbax():
+            self._manager.reload()
+
+    def save(self, checkpoint_number: int | None = None) -> str | None:
+        """Writes checkpoint number `checkpoint_number` (default: the checkpoint's save_counter
+        after this save, as TF's), drops the oldest beyond `max_to_keep`, returns its path.
+
+        Returns None when `checkpoint_interval` says it is too soon. With `async_save`, first
+        waits for the previous save, then returns while this one is written. A number that
+        exists is replaced atomically.
+
+        Raises:
+          InvalidArgumentTypeError / InvalidArgumentError: `checkpoint_number` is not an int
+            >= 0 (e.g. -1, 2.5, '3').
+        """
+        checkpoint_number = _check_count(
+            checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
+        self.wait_until_finished()
+        self._tidy()
+        last = self._manager.latest_step()
+        if checkpoint_number is not None and self.checkpoint_interval is not None and last is not None:
+            if checkpoint_number - last < self.checkpoint_interval:
+                return None
+        ckpt = self.checkpoint
+        ckpt.save_counter += 1
+        number = ckpt.save_counter if checkpoint_number is None else checkpoint_number
+        path = self._path(number)
+        if number in self._manager.all_steps():
+            # Orbax refuses an existing step; replace it as Checkpoint.save does.
+            save_args = orbax_save_args(ckpt)
+            atomic_dirs.replace_atomically(
+                path, lambda target: write_checkpoint(target, save_args), is_complete)
+            with quiet_orbax():
+                self._manager.reload()
+            return path
+        with quiet_orbax():
+            self._manager.save(number, args=orbax_save_args(ckpt), force=True)
+        if self.async_save:
+            # Orbax registers no exit hook; without one a save in flight at exit is lost.
+            _register_exit_hook()
+            _IN_FLIGHT.add(self._manager)
+        else:
+            self.wait_until_finished()
+        return path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the latest checkpoint and returns its path; with none, calls `init_fn`
+        (if given) and returns None, as TF's."""
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self.checkpoint.restore(latest)
+            return latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
