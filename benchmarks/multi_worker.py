@@ -3,7 +3,8 @@
 Long-lived workers pinned one per core (`_harness/workers.py`), per-worker batch fixed (CNN 64,
 MLP 784-1024-1024-10 128): "1 worker" (no TF_CONFIG), "2 independent" (two not talking: what
 sharing the machine costs), "2 workers" (a 2-task TF_CONFIG cluster, Gloo); frameworks mirrax,
-mirrax-packed (`mirrax.value_and_grad`) and, when it imports, TensorFlow's
+mirrax-packed (`mirrax.value_and_grad`), with --sharded mirrax-sharded (the same with
+`shard_optimizer_state=True`) and, when it imports, TensorFlow's
 MultiWorkerMirroredStrategy on the same Keras models. Windows of `--steps` `strategy.run` steps,
 `--repeats` rounds in rotation, a window taking its slowest process's time. Columns: median
 ms/step, ex/s, throughput ratio (2 workers / 1 worker ex/s), efficiency (1 worker / 2 workers
@@ -47,6 +48,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case (3)")
     parser.add_argument("--skip-tf", action="store_true", help="do not run TensorFlow")
     parser.add_argument("--no-profile", action="store_true", help="skip the jax.profiler pass")
+    parser.add_argument("--sharded", action="store_true",
+                        help="also mirrax-sharded: mirrax-packed with shard_optimizer_state=True")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset of CNN,MLP (default both)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
@@ -69,11 +72,12 @@ def all_reduce_stats(hlo_text: str) -> dict:
             "all_reduce_bytes": sum(hlo.nbytes(a) for arrays in found for a in arrays)}
 
 
-def _mirrax_worker(num_workers: int, workloads: list, packed: bool = False) -> tuple:
+def _mirrax_worker(num_workers: int, workloads: list, packed: bool = False,
+                   sharded: bool = False) -> tuple:
     import mirrax
 
     # The strategy first: it initializes jax.distributed, which must precede any JAX call.
-    strategy = mirrax.MultiWorkerMirroredStrategy()
+    strategy = mirrax.MultiWorkerMirroredStrategy(shard_optimizer_state=sharded)
 
     import jax
     import numpy as np
@@ -245,7 +249,9 @@ def _worker_main(args) -> None:
     info), a task being a workload's train step or an all-reduce-only step."""
     framework, num_workers, core = args.worker
     build = {"mirrax": _mirrax_worker, "tensorflow": _tf_worker,
-             "mirrax-packed": lambda n, w: _mirrax_worker(n, w, packed=True)}[framework]
+             "mirrax-packed": lambda n, w: _mirrax_worker(n, w, packed=True),
+             "mirrax-sharded": lambda n, w: _mirrax_worker(n, w, packed=True, sharded=True)
+             }[framework]
 
     def start():
         tasks, run_steps, info = build(int(num_workers), args.workloads)
@@ -371,6 +377,7 @@ def main(argv=None) -> None:
         return _worker_main(args)
     began = workers.begin("multi_worker")
     frameworks, tf_status = ["mirrax", "mirrax-packed"], "skipped (--skip-tf)"
+    frameworks += ["mirrax-sharded"] if args.sharded else []
     if not args.skip_tf and importlib.util.find_spec("tensorflow"):  # found, not imported
         frameworks, tf_status = frameworks + ["tensorflow"], "run"
     elif not args.skip_tf:

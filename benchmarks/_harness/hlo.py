@@ -20,15 +20,19 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z
 _NAME = re.compile(r"%([\w.\-]+)")
 
 
-def compile_train_step(devices, name: str, per_replica_batch: int) -> dict:
+def compile_train_step(devices, name: str, per_replica_batch: int, packed: bool = False,
+                       **strategy_options) -> dict:
     """Runs one `strategy.run` train step of `models.WORKLOADS[name]` on a MirroredStrategy
     over `devices` (`models.mirrax_state`, `models.strategy_run_step`), then lowers it with
     `strategy.experimental_lower` on the same arguments and compiles it: the program
     strategy.run itself runs.
 
+    `packed`: gradients from `mirrax.value_and_grad` instead of `nnx.value_and_grad`;
+    `strategy_options` go to the strategy (e.g. shard_optimizer_state=True).
+
     Returns {"lowered", "compiled", "param_shapes" (list of shapes), "parameters" (int),
-    "state_bytes" (params + optimizer state, all arrays of nnx.state), "batch_bytes" (one
-    replica's share of the global batch)}.
+    "state_bytes" (params + optimizer state, all arrays of nnx.state), "device_state_bytes"
+    (their shards on the first device), "batch_bytes" (one replica's share of the batch)}.
     """
     import jax
     import numpy as np
@@ -39,8 +43,9 @@ def compile_train_step(devices, name: str, per_replica_batch: int) -> dict:
     builder, make_batch = models.WORKLOADS[name]
     global_batch = per_replica_batch * len(devices)
     x, y = make_batch(global_batch)
-    strategy, model, optimizer, batch = models.mirrax_state(devices, builder, x, y)
-    step = models.strategy_run_step(global_batch)
+    strategy, model, optimizer, batch = models.mirrax_state(devices, builder, x, y,
+                                                             **strategy_options)
+    step = models.strategy_run_step(global_batch, packed)
     strategy.run(step, args=(model, optimizer, batch))
     lowered = strategy.experimental_lower(step, args=(model, optimizer, batch))
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -51,6 +56,9 @@ def compile_train_step(devices, name: str, per_replica_batch: int) -> dict:
         "parameters": int(sum(p.size for p in params)),
         "state_bytes": int(sum(np.asarray(a).nbytes
                                for a in jax.tree.leaves(nnx.state((model, optimizer))))),
+        "device_state_bytes": int(sum(
+            shard.data.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer)))
+            for shard in a.addressable_shards if shard.device == devices[0])),
         "batch_bytes": (x.nbytes + y.nbytes) // len(devices),
     }
 
@@ -101,3 +109,18 @@ def entry_instructions(hlo_text: str) -> list:
     # entry instructions, so keeping only entry names leaves the data operands.
     return [(name, opcode, [n for n in _NAME.findall(rest) if n in names and n != name])
             for name, opcode, rest in lines]
+
+
+def ring_bytes(ops: list, replicas: int) -> dict:
+    """Bytes each device sends per step in a ring implementation, by kind: an all-reduce of S
+    bytes sends 2(R-1)/R S; a reduce-scatter of S bytes in (S/R out) and an all-gather of S/R
+    in (S out) send (R-1)/R S each. `ops` as `collectives` returns them (result shapes)."""
+    sent = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
+    for opcode, arrays in ops:
+        kind = opcode.removesuffix("-start")
+        if kind not in sent:
+            continue
+        size = sum(nbytes(a) for a in arrays)
+        whole = size * replicas if kind == "reduce-scatter" else size
+        sent[kind] += (2 if kind == "all-reduce" else 1) * (replicas - 1) / replicas * whole
+    return sent

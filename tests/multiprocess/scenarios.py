@@ -21,14 +21,15 @@ def _write(out_dir, index, result) -> None:
     tmp.replace(path)
 
 
-def _strategy(timeout_seconds=None):
+def _strategy(timeout_seconds=None, **options):
     import os
 
     import mirrax
 
     timeout_seconds = timeout_seconds or float(os.environ.get("MIRRAX_TEST_TIMEOUT", 0)) or None
     return mirrax.MultiWorkerMirroredStrategy(
-        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout_seconds))
+        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout_seconds),
+        **options)
 
 
 def facts(out_dir, index):
@@ -149,6 +150,63 @@ def fit(out_dir, index):
         "predictions": np.asarray(predictions).tolist(),
         "custom_losses": losses,
         "custom_weights": _weights(module),
+    }
+
+
+def sharded(out_dir, index):
+    """Optimizer state sharded over every replica of every worker: Model.fit and a custom loop
+    (mirrax.value_and_grad) with Adam, 32 examples in global batches of 8; the moments'
+    layout."""
+    strategy = _strategy(shard_optimizer_state=True)
+    import jax
+    import optax
+    from flax import nnx
+
+    import mirrax
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 8, rngs=rngs)  # (4, 8), (8,), (8, 2): split by 4
+            self.l2 = nnx.Linear(8, 2, rngs=rngs)  # (2,): kept whole
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    _, _, x, y = _mlp_problem(32)
+    with strategy.scope():
+        model = mirrax.Model(Net(nnx.Rngs(0)))
+        model.compile(optax.adam(0.05),
+                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    with strategy.scope():
+        module = Net(nnx.Rngs(1))
+        optimizer = nnx.Optimizer(module, optax.adam(0.05), wrt=nnx.Param)
+    dataset = strategy.experimental_distribute_dataset(
+        [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)])
+
+    def step(module, optimizer, batch):
+        def loss_fn(module, xb, yb):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(module(xb), yb)
+            return mirrax.compute_average_loss(per_example)
+
+        loss, grads = mirrax.value_and_grad(loss_fn)(module, *batch)
+        optimizer.update(module, grads)
+        return loss
+
+    losses = []
+    for _ in range(2):
+        for batch in dataset:
+            losses.append(float(strategy.reduce(
+                "sum", strategy.run(step, args=(module, optimizer, batch)), axis=None)))
+    mu = optimizer.opt_state[0].mu["l1"]["kernel"].get_value()
+    return {
+        "history": history.history,
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+        "custom_losses": losses,
+        "custom_weights": [np.asarray(a).tolist() for a in jax.tree.leaves(nnx.state(module))],
+        "mu_spec": list(mu.sharding.spec),
+        "mu_local_rows": [s.data.shape[0] for s in mu.addressable_shards],
     }
 
 
@@ -437,6 +495,7 @@ SCENARIOS = {
     "fit": fit,
     "invariant": invariant,
     "killed": killed,
+    "sharded": sharded,
     "uneven": uneven,
 }
 

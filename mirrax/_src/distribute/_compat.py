@@ -38,18 +38,18 @@ def pvary(x, axis_name: str):
     return jax.lax.pvary(x, axis_name)
 
 
-def all_gather_invariant(x, axis_name: str):
-    """`all_gather(x, axis_name, tiled=True)` typed as unvarying along `axis_name`.
+def all_gather_invariant(x, axis_name: str, axis: int = 0):
+    """`all_gather(x, axis_name, axis=axis, tiled=True)` typed as unvarying along `axis_name`.
 
     Every replica receives the same concatenation, so the result is replicated; JAX types a
     plain all-gather as varying, which `shard_map` would refuse to return as replicated.
     """
     for to in ("invarying", "invariant"):  # jax 0.10's spelling, then a later one's
         try:
-            return jax.lax.all_gather(x, axis_name, tiled=True, to=to)
+            return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to=to)
         except (TypeError, ValueError, AssertionError):
             continue
-    return jax.lax.all_gather_invariant(x, axis_name, tiled=True)
+    return jax.lax.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
 
 
 # -- flax's Variable internals -------------------------------------------------------------------

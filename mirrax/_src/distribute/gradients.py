@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, invariant
+from mirrax._src.distribute import _compat, invariant, sharded_optimizer
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
 
@@ -152,7 +152,9 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
     if pack is None:
         pack = all_reduce_dtype is not None or (
             jax.process_count() > 1 and jax.default_backend() == "cpu")
-    if not pack or ctx is None or not ctx._traced or ctx.num_replicas_in_sync == 1:
+    in_step = ctx is not None and ctx._traced and ctx.num_replicas_in_sync > 1
+    scatter = in_step and ctx.strategy.extended.shard_optimizer_state
+    if not (pack or scatter) or not in_step:
         return grad_fn(module)
     variables = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]
     originals = [v.get_value() for v in variables]
@@ -166,6 +168,11 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
         for variable, original in zip(variables, originals):
             variable.set_value(original)
     leaves, treedef = jax.tree.flatten(grads)
+    if scatter:
+        # Sharded optimizer state: each replica needs only its slice of each gradient.
+        summed = sharded_optimizer.scatter_gradients(leaves, ctx.num_replicas_in_sync,
+                                                     ctx.scattered_gradients, all_reduce_dtype)
+        return value, jax.tree.unflatten(treedef, summed)
     return value, jax.tree.unflatten(treedef, _packed_psum(leaves, all_reduce_dtype))
 
 

@@ -91,17 +91,25 @@ class MirroredStrategy(Strategy):
         exact to float rounding per step, and the fastest.
       micro_batches: a power of two (default 8), the virtual replica count of
         replica-invariant mode; ignored (but checked) when `replica_invariant` is False.
+      shard_optimizer_state: True to split every optimizer state array over the replicas
+        (ZeRO-1; mirrax's own, not TF's): each device keeps 1/R of Adam's moments, gradients
+        are reduce-scattered and the new parameters all-gathered, with the numbers of the
+        unsharded step (docs/design.md, "Sharded optimizer state"). Inside `run`,
+        `optimizer.update` then takes effect when the function returns (and returns None),
+        once per optimizer per step; changing the parameters after it in the step is
+        refused. No effect with one replica. Default False.
 
     Raises:
       InvalidDeviceError: `devices` is empty, names an unknown device, or repeats one.
-      TypeError: `cross_device_ops` is not a `CrossDeviceOps`; `replica_invariant` not a bool;
+      TypeError: `cross_device_ops` is not a `CrossDeviceOps`; `replica_invariant` or
+        `shard_optimizer_state` not a bool;
         `micro_batches` not an int.
       InvalidArgumentError: `micro_batches` is not a power of two, or (replica_invariant=True)
         the replica count does not divide it.
     """
 
     def __init__(self, devices=None, cross_device_ops=None, replica_invariant: bool = False,
-                 micro_batches: int = 8):
+                 micro_batches: int = 8, shard_optimizer_state: bool = False):
         if devices is None:
             resolved = list(jax.local_devices())
             cpu_devices.warn_if_count_ignored(resolved)
@@ -133,7 +141,7 @@ class MirroredStrategy(Strategy):
                 f"mirrax.NcclAllReduce(); received {type(cross_device_ops).__name__}."
             )
         self.cross_device_ops = cross_device_ops or NcclAllReduce()
-        super().__init__(resolved, replica_invariant, micro_batches)
+        super().__init__(resolved, replica_invariant, micro_batches, shard_optimizer_state)
 
 
 class OneDeviceStrategy(Strategy):

@@ -156,6 +156,8 @@ class MultiWorkerMirroredStrategy(Strategy):
       replica_invariant, micro_batches: as `MirroredStrategy`: with replica_invariant=True,
         the same bits on every layout whose total replica count divides `micro_batches`
         (1x4, 2x2 and 4x1 alike).
+      shard_optimizer_state: as `MirroredStrategy`: optimizer state split over all replicas
+        of all workers.
 
     Attributes:
       cluster_resolver: the resolver.
@@ -176,8 +178,10 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None,
-                 replica_invariant: bool = False, micro_batches: int = 8):
+                 replica_invariant: bool = False, micro_batches: int = 8,
+                 shard_optimizer_state: bool = False):
         invariant.check_arguments(type(self).__name__, replica_invariant, micro_batches)
+        invariant.check_flag(type(self).__name__, "shard_optimizer_state", shard_optimizer_state)
         if cluster_resolver is None:
             cluster_resolver = TFConfigClusterResolver()
         if not isinstance(cluster_resolver, ClusterResolver):
@@ -211,7 +215,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
             )
-        super().__init__(jax.devices(), replica_invariant, micro_batches)
+        super().__init__(jax.devices(), replica_invariant, micro_batches, shard_optimizer_state)
 
     def _new_extended(self) -> "MultiWorkerExtended":
         return MultiWorkerExtended(self)

@@ -58,6 +58,9 @@ class ReplicaContext:
         # combined over every micro-batch of every replica, and whether it ran at all.
         self._combined: set = set()
         self.micro_batches_used = False
+        # Sharded optimizer state: id of each all-gathered gradient -> (its reduce-scattered
+        # slice, the slice's PartitionSpec, the gathered array), read by the deferred update.
+        self.scattered_gradients: dict = {}
 
     @property
     def batch_mask(self):

@@ -47,12 +47,14 @@ class StrategyExtended:
         pipeline and distributed values.
       pipeline_names: mirrax's own: the `PipelineNames` that name this strategy's distributed
         datasets alike on every process.
+      shard_optimizer_state: mirrax's own: optimizer state is split over the replicas (ZeRO-1).
     """
 
     def __init__(self, strategy: "Strategy"):
         self._strategy = strategy
         self.replica_devices = strategy._replica_devices
         self.pipeline_names = strategy._pipeline_names
+        self.shard_optimizer_state = strategy._shard_optimizer_state
 
     @property
     def worker_devices(self) -> tuple:
@@ -77,10 +79,13 @@ class Strategy:
         replica-invariant mode (a power of two).
     """
 
-    def __init__(self, devices, replica_invariant: bool = False, micro_batches: int = 8):
+    def __init__(self, devices, replica_invariant: bool = False, micro_batches: int = 8,
+                 shard_optimizer_state: bool = False):
         owner = type(self).__name__
         devices = tuple(devices)
         invariant.check_arguments(owner, replica_invariant, micro_batches)
+        invariant.check_flag(owner, "shard_optimizer_state", shard_optimizer_state)
+        self._shard_optimizer_state = bool(shard_optimizer_state)
         if replica_invariant:
             invariant.check_replicas(owner, int(micro_batches), len(devices))
         self._replica_invariant = bool(replica_invariant)

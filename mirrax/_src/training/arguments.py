@@ -338,3 +338,26 @@ def check_fits_model(model, checked: dict, x, y, what: str):
         )
     checked[key] = y_pred
     return y_pred
+
+
+def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bool) -> None:
+    """Refuses what a strategy with `shard_optimizer_state=True` cannot run in `fit`: its
+    optimizer update takes effect when the step function returns, so it cannot follow
+    several steps in one program, nor be skipped on a step whose scaled gradients overflow.
+
+    Raises:
+      UnsupportedArgumentError: steps_per_execution > 1, or dynamic loss scaling.
+    """
+    if not strategy.extended.shard_optimizer_state or strategy.num_replicas_in_sync == 1:
+        return  # one replica: nothing is split, nothing deferred
+    if steps_per_execution > 1:
+        raise errors.UnsupportedArgumentError(
+            f"compile: steps_per_execution={steps_per_execution} is not supported on a strategy "
+            "with shard_optimizer_state=True (the sharded update runs once per program). Use "
+            "steps_per_execution=1, or shard_optimizer_state=False.")
+    if loss_scaling:
+        raise errors.UnsupportedArgumentError(
+            "compile: the 'mixed_float16' policy's dynamic loss scaling is not supported on a "
+            "strategy with shard_optimizer_state=True (a step whose gradients overflow cannot "
+            "skip the sharded update). Use 'mixed_bfloat16' (no loss scaling), "
+            "auto_scale_loss=False, or shard_optimizer_state=False.")

@@ -121,7 +121,8 @@ class Model:
           InvalidArgumentTypeError / InvalidArgumentError: an argument of the wrong type or
             out of range.
           UnsupportedArgumentError: run_eagerly=True, jit_compile=False, per-output loss
-            weights.
+            weights; under `shard_optimizer_state=True`, steps_per_execution > 1 or dynamic
+            loss scaling.
           MixedStrategyError: compiled under another strategy's scope than the one the model
             was made in.
         """
@@ -133,6 +134,9 @@ class Model:
         self.distribute_strategy = self._compile_strategy()
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
+        checks.check_sharded_optimizer(self.distribute_strategy, steps_per_execution,
+                                       mixed_precision.global_policy().uses_loss_scaling
+                                       and auto_scale_loss)
         tx = optimizers.resolve_optimizer(optimizer)
         self.steps_per_execution = steps_per_execution
         self.gradient_accumulation_steps = gradient_accumulation_steps

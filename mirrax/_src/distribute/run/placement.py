@@ -17,12 +17,13 @@ from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute.run.arguments import inside_transformation, is_variable
 
 
-def place(strategy, x, names, index, nodes=None, fresh=False):
+def place(strategy, x, names, index, nodes=None, fresh=False, spec=None):
     """`x` replicated on `strategy`'s mesh (a copy unless it already is); non-arrays unchanged.
 
     `names[index]` (or, with `nodes`, the NNX objects) names the argument in the error. With
     `fresh`, a copy never shares `x`'s buffers (device_put may reuse the buffer already on its
-    device for that device's shard): the copy is then safe to donate while `x` is held.
+    device for that device's shard): the copy is then safe to donate while `x` is held. With
+    `spec` (a PartitionSpec: sharded optimizer state), `x` is split over the replicas instead.
 
     Raises:
       MixedStrategyError: `x` lives on another multi-replica strategy's devices.
@@ -33,11 +34,13 @@ def place(strategy, x, names, index, nodes=None, fresh=False):
     if isinstance(x, jax.core.Tracer):
         raise inside_transformation("the state of the NNX objects")
     replica_devices = strategy.extended.replica_devices
-    target = replica_devices.replicated
+    target = replica_devices.replicated if spec is None else NamedSharding(strategy.mesh, spec)
     if x.sharding == target:
         return x
     if elsewhere(strategy, x):
         raise _mixed_placement(strategy, x, names, index, nodes)
+    if spec is not None:
+        return _split(x, target, fresh)
     if x.is_fully_addressable and (fresh or jax.process_count() > 1):
         # One copy per local device, assembled: with several processes, this process's copy
         # of a replicated value (every process holds the same one, e.g. just initialized or
@@ -49,6 +52,16 @@ def place(strategy, x, names, index, nodes=None, fresh=False):
         if not isinstance(copies[0], jax.core.Tracer):  # inside an outer jit: refused later
             return jax.make_array_from_single_device_arrays(x.shape, target, copies)
     return jax.device_put(x, target)
+
+
+def _split(x, target, fresh: bool):
+    """`x` (whole on every process) sharded as `target`: each local device gets its slice."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, target, may_alias=False if fresh else None)
+    local = x.addressable_shards[0].data  # every process holds the whole value
+    pieces = [jax.device_put(local[index], device)
+              for device, index in target.addressable_devices_indices_map(x.shape).items()]
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
 
 def elsewhere(strategy, x) -> bool:

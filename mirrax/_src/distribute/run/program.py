@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
 from mirrax._src.distribute import _compat, exact_sums, invariant
+from mirrax._src.distribute import sharded_optimizer
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
@@ -59,6 +60,7 @@ class Spec:
     graphdef: Any
     state_def: Any
     node_names: tuple
+    state_specs: tuple | None = None  # per state leaf, sharded_optimizer.state_specs
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: a key of NodeState.memo
@@ -104,19 +106,31 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
         batch_spec = None
     else:
         batch_spec = (P(REPLICA_AXIS), None if batch_info[1] is None else P())
-    in_specs = (P(), dynamic_specs, batch_spec)
+    specs = spec.state_specs
+    state_specs = P() if specs is None else [s if s is not None else P() for s in specs]
+    in_specs = (state_specs, dynamic_specs, batch_spec)
     found = {}
 
     def probe(state_leaves, dynamic, batch_info):
-        new_state, outputs, found["treedef"] = _body(spec, state_leaves, dynamic, batch_info)
+        new_state, outputs, found["treedef"], recorded = _body(
+            spec, state_leaves, dynamic, batch_info, found)
         found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
         found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         found["new_avals"] = [(x.shape, x.dtype) for x in jax.tree.leaves(new_state)]
-        return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in outputs]
+        if specs is not None:
+            if not found["same_state"]:
+                raise errors.UnsupportedArgumentError(
+                    f"strategy.run: {fn_name(spec.fn)} creates or removes variables, which a "
+                    "strategy with shard_optimizer_state=True does not support. Create every "
+                    "variable before the step (e.g. build the model and optimizer first).")
+            new_state = jax.tree.leaves(new_state)
+        return new_state, [_compat.pvary(x, REPLICA_AXIS)[None]
+                           for x in list(outputs) + list(recorded)]
 
     try:
         jax.eval_shape(
-            jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(REPLICA_AXIS))),
+            jax.shard_map(probe, mesh=mesh, in_specs=in_specs,
+                          out_specs=(state_specs, P(REPLICA_AXIS))),
             state_leaves,
             dynamic,
             batch_info,
@@ -124,29 +138,51 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     except jax.errors.UnexpectedTracerError as e:
         raise inside_transformation("a value of the step") from e
     varying, same_state = found["varying"], found["same_state"]
+    # The probe saw each replica's block of a sharded array: compare blocks with blocks.
+    blocks = specs or (None,) * len(state_leaves)
+    replicas = spec.strategy.num_replicas_in_sync
     donates = same_state and bool(state_leaves) and found["new_avals"] == [
-        (jnp.shape(x), jnp.result_type(x)) for x in state_leaves]
+        (sharded_optimizer.local_shape(jnp.shape(x), s, replicas), jnp.result_type(x))
+        for x, s in zip(state_leaves, blocks)]
+    updates = found.get("updates", [])
+    recorded_specs = [s for u in updates for s in u.grad_specs + (P(),) * u.kwargs_count]
 
     def body(state_leaves, dynamic, batch_info):
-        new_state, outputs, _ = _body(spec, state_leaves, dynamic, batch_info)
+        new_state, outputs, _, recorded = _body(spec, state_leaves, dynamic, batch_info)
         if same_state:
             new_state = jax.tree.leaves(new_state)
-        return new_state, [x[None] if v else x for x, v in zip(outputs, varying)]
+        return new_state, [x[None] if v else x for x, v in zip(outputs, varying)], recorded
 
-    out_specs = (P(), [P(REPLICA_AXIS) if v else P() for v in varying])
-    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
-                       donate_argnums=(0,) if donates else (),
+    out_specs = (state_specs, [P(REPLICA_AXIS) if v else P() for v in varying], recorded_specs)
+    per_replica = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def step(state_leaves, dynamic, batch_info):
+        new_state, outputs, recorded = per_replica(state_leaves, dynamic, batch_info)
+        if updates:  # the deferred optimizer updates, in global view (sharded_optimizer.py)
+            new_state = sharded_optimizer.apply_updates(mesh, updates, specs, new_state,
+                                                        recorded)
+        return new_state, outputs
+
+    compiled = jax.jit(step, donate_argnums=(0,) if donates else (),
                        compiler_options=invariant.compiler_options(spec.strategy))
     return Program(compiled, found["treedef"], varying, same_state, donates)
 
 
-def _body(spec: Spec, state_leaves, dynamic, batch_info):
+def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     """The per-replica program: rebuild the arguments, run the user's function, aggregate state.
 
     `batch_info` is None, or (this replica's (1, rows) batch mask, the step's int32 count of
-    real examples over all replicas or None).
+    real examples over all replicas or None). With sharded optimizer state, the optimizers'
+    updates are recorded (their arrays are the last result) for the program to apply after
+    this body; `found`, on the first trace, receives their static part.
     """
     state = jax.tree.unflatten(spec.state_def, state_leaves)
+    variables = jax.tree.leaves(state, is_leaf=is_variable)
+    sharded_paths = frozenset()
+    if spec.state_specs is not None:
+        at = sharded_optimizer.variable_positions(variables)
+        sharded_paths = frozenset(path for path, v in nnx.to_flat_state(state)
+                                  if id(v) in at and spec.state_specs[at[id(v)]] is not None)
     # Read before merging: merge may reuse these Variable objects, which the step then mutates.
     old_values = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
     nodes = nnx.merge(spec.graphdef, state)
@@ -179,6 +215,8 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info):
     mask, count = (None, None) if batch_info is None else batch_info
     ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0],
                          example_count=count)
+    recorder = None if spec.state_specs is None else sharded_optimizer.Recorder(
+        nodes, variables, spec.state_specs, fn_name(spec.fn), ctx.scattered_gradients)
     try:
         with replica_context_scope(ctx):
             if spec.fn_node is None:
@@ -187,6 +225,8 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info):
                 outputs = fn_node(*args, **kwargs)
             else:
                 outputs = spec.fn.__func__(fn_node, *args, **kwargs)
+        if recorder is not None:
+            recorder.check_unchanged()
     except flax.errors.TraceContextError as e:
         raise errors.CapturedStateError(
             f"strategy.run: {fn_name(spec.fn)} mutates an NNX object it reaches through a "
@@ -206,12 +246,15 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info):
             "objects themselves in args, e.g. strategy.run(step, args=(model, optimizer, "
             f"batch)), and use the arguments inside the function. (flax said: {e})"
         ) from e
+    finally:
+        if recorder is not None:
+            recorder.close()
 
     for variable, key in zip(rng_keys, original_keys):
         variable.set_value(key)
     _, new_state = nnx.split(nodes)
     _warn_if_not_invariant(spec, new_state, old_values, ctx)
-    new_state = _aggregate(spec, new_state, old_values, replica_id, ctx)
+    new_state = _aggregate(spec, new_state, old_values, replica_id, ctx, sharded_paths)
 
     # Variables (e.g. the gradients nnx.grad returns) come back as their values.
     outputs = jax.tree.map(
@@ -226,21 +269,27 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info):
                 "objects passed in args are updated in place and need not be returned."
             )
     out_leaves, out_treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, outputs))
-    return new_state, out_leaves, out_treedef
+    recorded = [] if recorder is None else recorder.arrays()
+    if found is not None and recorder is not None:
+        found["updates"] = recorder.updates
+    return new_state, out_leaves, out_treedef, recorded
 
 
-def _aggregate(spec: Spec, new_state, old: dict, replica_id, ctx):
+def _aggregate(spec: Spec, new_state, old: dict, replica_id, ctx, sharded=frozenset()):
     """Makes every state leaf unvarying, by its variable's aggregation.
 
     See docs/design.md, "`strategy.run`".
 
     `old` maps each state path to its value before the step (for SUM: old + sum of updates).
+    Paths in `sharded` (slices of sharded optimizer state) are left as they are.
     """
     flat = []
     exact = spec.strategy.replica_invariant
     for path, variable in nnx.to_flat_state(new_state):
         value = variable.get_value()
-        if not isinstance(value, jax.Array):
+        if not isinstance(value, jax.Array) or path in sharded:
+            # A sharded optimizer-state slice is this replica's own; the update after the
+            # body writes it.
             flat.append((path, variable))
             continue
         aggregation = aggregation_of(variable)

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat
+from mirrax._src.distribute import _compat, sharded_optimizer
 from mirrax._src.distribute.replica_context import current_replica_context
 from mirrax._src.distribute.run import arguments, captures, nodes as nodes_lib, program as prog
 from mirrax._src.distribute.run.arguments import StaticSlot, is_variable
@@ -96,11 +96,13 @@ class _Binding:
     """A program bound to one set of NNX objects: their Variables in the program's state
     order, and the arrays the last step wrote into them."""
 
-    __slots__ = ("live", "written")
+    __slots__ = ("live", "written", "specs")
 
-    def __init__(self, live):
+    def __init__(self, live, strategy):
         self.live = live
         self.written = None
+        # Per Variable, the PartitionSpec of its sharded optimizer state, or None.
+        self.specs = sharded_optimizer.state_specs(strategy, live)
 
 
 class Runner:
@@ -177,7 +179,7 @@ class Runner:
                 program = self._programs.get(key)
                 if program is not None and program.order is not None:
                     variables = node_state.variables
-                    binding = _Binding([variables[i] for i in program.order])
+                    binding = _Binding([variables[i] for i in program.order], strategy)
         if binding is None:
             graphdef, state = nnx.split(tuple(call.nodes))
             state_def = jax.tree.structure(state)
@@ -185,7 +187,7 @@ class Runner:
             if node_state.key is None:
                 key = (call_key, graphdef, state_def)
                 program = self._programs.get(key)
-            binding = _Binding(live)
+            binding = _Binding(live, strategy)
         state_leaves, written = self._state_leaves(binding, call)
         if program is None:
             program = self._compile(call, key, graphdef, state_def, binding, node_state,
@@ -207,8 +209,11 @@ class Runner:
             return raw, True
         binding.written = None
         strategy = self._strategy
-        placed = [place(strategy, x, call.names, None, call.nodes, fresh=True)
-                  for x in jax.tree.leaves(raw)]
+        leaves = jax.tree.leaves(raw)
+        specs = binding.specs if binding.specs is not None and len(binding.specs) == len(
+            leaves) else (None,) * len(leaves)
+        placed = [place(strategy, x, call.names, None, call.nodes, fresh=True, spec=s)
+                  for x, s in zip(leaves, specs)]
         return placed, False
 
     @staticmethod
@@ -243,7 +248,7 @@ class Runner:
         self._warn_on_retracing(call)
         node_names = tuple(call.names.of_node(node) for node in call.nodes)
         spec = prog.Spec(strategy, call.fn, call.fn_node, call.treedef, call.slots, graphdef,
-                         state_def, node_names)
+                         state_def, node_names, binding.specs)
         program = prog.compile_program(spec, state_leaves, call.dynamic, batch_info)
         if node_state.key is not None and state_def.num_leaves == len(binding.live):
             index = {id(v): i for i, v in enumerate(node_state.variables)}
