@@ -507,3 +507,28 @@ def test_the_sharded_step_donates_its_state():
     state = _device_bytes((model, optimizer), jax.devices()[0])
     assert state == 4 * (p + 2 * (p - 10) // 4 + 2 * 10) + 4 + 4 == 510_080
     assert analysis.alias_size_in_bytes >= state - 8
+
+
+def test_packed_gradients_are_one_reduce_scatter_with_the_same_numbers():
+    # pack=True (the default across processes on CPU, where each collective is a Gloo round
+    # trip): every split gradient travels in ONE reduce-scatter, the whole ones (the 10-wide
+    # bias) in one all-reduce.
+    def step(model, optimizer, batch):
+        loss, grads = mirrax.value_and_grad(_loss, pack=True)(model, *batch)
+        optimizer.update(model, grads)
+        return loss
+
+    results = []
+    for shard in (False, True):
+        strategy = _strategy(4, shard)
+        model, optimizer = _build(strategy, optax.adam(1e-2))
+        batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+        for _ in range(10):
+            strategy.run(step, args=(model, optimizer, batch))
+        results.append(_arrays(model, optimizer))
+        if shard:
+            hlo = strategy.experimental_lower(step, args=(model, optimizer, batch)).compile(
+            ).as_text()
+            kinds = [kind for _, kind in _COLLECTIVE.findall(hlo)]
+            assert kinds.count("reduce-scatter") == 1
+    _assert_close(*results)
