@@ -64,18 +64,14 @@ def _run_once(strategy, model, optimizer, step):
     return strategy.run(step, args=(model, optimizer, batch))
 
 
-def _step(grad="mirrax"):
+def _step(grad="mirrax", **options):
+    """A train step: gradients from `mirrax.value_and_grad(_loss, **options)` (or
+    `nnx.value_and_grad`), one `optimizer.update`; returns this replica's loss share."""
     def step(model, optimizer, batch):
-        x, y = batch
-
-        def loss_fn(model, x, y):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-            return mirrax.compute_average_loss(per_example)
-
         if grad == "mirrax":
-            loss, grads = mirrax.value_and_grad(loss_fn)(model, x, y)
+            loss, grads = mirrax.value_and_grad(_loss, **options)(model, *batch)
         else:
-            loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+            loss, grads = nnx.value_and_grad(_loss)(model, *batch)
         optimizer.update(model, grads)
         return loss
 
@@ -444,12 +440,7 @@ def test_unsupported_optimizers_are_named():
             super().update(model, grads, **kwargs)
 
     strategy = _strategy(4)
-
-    def step(model, optimizer, batch):
-        loss, grads = mirrax.value_and_grad(_loss)(model, *batch)
-        optimizer.update(model, grads)
-        return loss
-
+    step = _step()
     with strategy.scope():
         model = MLP(SIZES, nnx.Rngs(0))
         counting = Counting(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -513,11 +504,7 @@ def test_packed_gradients_are_one_reduce_scatter_with_the_same_numbers():
     # pack=True (the default across processes on CPU, where each collective is a Gloo round
     # trip): every split gradient travels in ONE reduce-scatter, the whole ones (the 10-wide
     # bias) in one all-reduce.
-    def step(model, optimizer, batch):
-        loss, grads = mirrax.value_and_grad(_loss, pack=True)(model, *batch)
-        optimizer.update(model, grads)
-        return loss
-
+    step = _step(pack=True)
     results = []
     for shard in (False, True):
         strategy = _strategy(4, shard)
