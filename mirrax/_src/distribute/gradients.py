@@ -170,9 +170,9 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
     leaves, treedef = jax.tree.flatten(grads)
     if scatter:
         # Sharded optimizer state: each replica needs only its slice of each gradient.
-        summed = sharded_optimizer.scatter_gradients(leaves, ctx.num_replicas_in_sync,
-                                                     ctx.scattered_gradients, all_reduce_dtype,
-                                                     pack)
+        summed = sharded_optimizer.scatter_gradients(
+            leaves, ctx.num_replicas_in_sync, ctx.scattered_gradients, all_reduce_dtype,
+            (lambda whole: _packed_psum(whole, all_reduce_dtype)) if pack else None)
         return value, jax.tree.unflatten(treedef, summed)
     return value, jax.tree.unflatten(treedef, _packed_psum(leaves, all_reduce_dtype))
 

@@ -114,8 +114,8 @@ class Update:
 class Recorder:
     """Defers the updates of the optimizers with sharded state during one trace of a step.
 
-    Every `nnx.Optimizer` among the step's objects whose state holds a sharded array gets an
-    instance `update` that records `(model, grads, **kwargs)` and advances `optimizer.step`
+    Every `nnx.Optimizer` among the step's objects (once the strategy shards and has more than
+    one replica, whatever splits) gets an instance `update` that records `(model, grads, **kwargs)` and advances `optimizer.step`
     (as flax does); `close()` removes it. `updates` holds the static part of each record,
     `arrays()` the traced gradients and keyword arrays, in order.
     """
@@ -128,7 +128,7 @@ class Recorder:
         self.updates: list = []
         self._done: set = set()
         self._arrays: list = []
-        self._recorded_values: list = []  # (state position, value when update was recorded)
+        self._recorded_values: list = []  # (Variable, its value when update was recorded)
         self._patched = []
         for _, node in nnx.iter_graph(nodes):
             if isinstance(node, nnx.Optimizer):
@@ -308,15 +308,15 @@ def apply_updates(mesh, updates: list, specs: tuple, state: list, arrays: list) 
 
 
 def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=None,
-                      pack: bool = False) -> list:
+                      sum_whole=None) -> list:
     """Local (varying) gradients summed over the replicas: each array with a dimension the
     replica count divides is reduce-scattered along it and all-gathered for the caller (an
     all-gather XLA drops when only the optimizer reads the gradients: it reads the slice,
     found through `register`); the others are all-reduced. With `wire_dtype` the sums run
-    in that dtype (as `mirrax.value_and_grad`'s `all_reduce_dtype`). With `pack`, one
-    reduce-scatter per dtype carries every split array (each replica's block of each, side
-    by side) and one all-reduce the rest: fewer collectives where each costs a round trip
-    (Gloo across processes)."""
+    in that dtype (as `mirrax.value_and_grad`'s `all_reduce_dtype`). With `sum_whole` (the
+    packed all-reduce of a list of arrays), one reduce-scatter per dtype carries every split
+    array (each replica's block of each, side by side) and `sum_whole` the rest: fewer
+    collectives where each costs a round trip (Gloo across processes)."""
     def wire(x):
         return x if wire_dtype is None else x.astype(wire_dtype)
 
@@ -324,9 +324,9 @@ def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=Non
     pieces = [None] * len(grads)
     whole = [i for i, d in enumerate(dimensions) if d is None]
     split = [i for i, d in enumerate(dimensions) if d is not None]
-    if pack:
-        for i, total in zip(whole, _packed_sum([wire(grads[i]) for i in whole])):
-            pieces[i] = total.astype(grads[i].dtype)
+    if sum_whole is not None:
+        for i, total in zip(whole, sum_whole([grads[i] for i in whole])):
+            pieces[i] = total
         for group in _by_dtype(grads, split):
             # Row r of each (R, size / R) matrix is replica r's block of that array.
             rows = [jnp.moveaxis(wire(grads[i]), dimensions[i], 0).reshape(replicas, -1)
@@ -364,16 +364,3 @@ def _by_dtype(arrays: list, indices: list) -> list:
     for i in indices:
         groups.setdefault(jnp.dtype(arrays[i].dtype), []).append(i)
     return list(groups.values())
-
-
-def _packed_sum(arrays: list) -> list:
-    """`arrays` summed over the replicas, one all-reduce per dtype of their concatenation."""
-    out = [None] * len(arrays)
-    for group in _by_dtype(arrays, list(range(len(arrays)))):
-        flat = jax.lax.psum(jnp.concatenate([arrays[i].reshape(-1) for i in group]),
-                            REPLICA_AXIS)
-        offset = 0
-        for i in group:
-            out[i] = flat[offset:offset + arrays[i].size].reshape(arrays[i].shape)
-            offset += arrays[i].size
-    return out
