@@ -10,6 +10,7 @@ from mirrax import errors as errors
 from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
+from mirrax import partitioners as partitioners
 from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus as CheckpointLoadStatus
@@ -56,6 +57,14 @@ from mirrax._src.distribute.values import Mirrored as Mirrored
 from mirrax._src.distribute.values import PerReplica as PerReplica
 from mirrax._src.exporting.export import export as export
 from mirrax._src.exporting.load import load_exported as load_exported
+from mirrax._src.parameter_server.cluster import RayClusterResolver as RayClusterResolver
+from mirrax._src.parameter_server.coordinator import ClusterCoordinator as ClusterCoordinator
+from mirrax._src.parameter_server.remote_values import PerWorkerDataset as PerWorkerDataset
+from mirrax._src.parameter_server.remote_values import PerWorkerIterator as PerWorkerIterator
+from mirrax._src.parameter_server.remote_values import RemoteValue as RemoteValue
+from mirrax._src.parameter_server.strategy import (
+    ParameterServerStrategy as ParameterServerStrategy,
+)
 from mirrax._src.training.model import Model as Model
 
 __version__ = "0.1.0"
@@ -66,6 +75,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",
+    "ClusterCoordinator",
     "ClusterSpec",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -81,9 +91,14 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
     "PerReplica",
+    "RayClusterResolver",
     "ReduceOp",
     "ReductionToOneDevice",
+    "RemoteValue",
     "ReplicaContext",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
@@ -107,6 +122,7 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "partitioners",
     "scale_regularization_loss",
     "set_cpu_device_count",
     "value_and_grad",

@@ -136,3 +136,21 @@ class InvalidExportError(MirraxError, ValueError):
 
 class InvalidExportInputError(MirraxError, ValueError):
     """The input given to an exported model does not match its input signature."""
+
+
+class MissingDependencyError(MirraxError, ImportError):
+    """An optional package a feature needs is not installed (the message names the pip command)."""
+
+
+class LostParameterServerError(MirraxError, RuntimeError):
+    """A ParameterServerStrategy's parameter server died or stopped answering; its variables are
+    gone, so training cannot go on: make a new strategy and restore the last checkpoint."""
+
+
+class LostWorkersError(MirraxError, RuntimeError):
+    """Every worker of a ParameterServerStrategy is gone and none came back within the timeout."""
+
+
+class CancelledFunctionError(MirraxError, RuntimeError):
+    """A scheduled function was cancelled before it ran, because an earlier one failed (as TF's
+    `CancelledError` from `RemoteValue.fetch`)."""

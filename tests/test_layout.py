@@ -14,6 +14,9 @@ _LAZY_OK = {
     "mirrax._src.data.digits": "scikit-learn (optional)",
     "mirrax._src.data.files": "grain (optional)",
     "mirrax._src.training.callbacks.tensorboard": "tensorboardX (optional)",
+    "mirrax._src.parameter_server.cluster": "ray (optional), when a strategy starts",
+    "mirrax._src.parameter_server.serialization": "ray's cloudpickle (optional)",
+    "mirrax._src.parameter_server.actors": "a worker's JAX side, in the worker process only",
 }
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.parameter_server import store as parameter_servers
 
 
 class Part:
@@ -40,7 +41,11 @@ def nnx_part(item: str, obj) -> Part:
         nnx.replace_by_pure_dict(state, nnx.restore_int_paths(restored))
         nnx.update(obj, state)
 
-    return Part(item, lambda: _str_keys(nnx.to_pure_dict(nnx.state(obj))), set_)
+    def get():
+        parameter_servers.refresh_if_held(obj)  # a ParameterServerStrategy's values are remote
+        return _str_keys(nnx.to_pure_dict(nnx.state(obj)))
+
+    return Part(item, get, set_)
 
 
 def _value_part(item: str, objects: dict, name: str) -> Part:

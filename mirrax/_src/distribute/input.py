@@ -165,10 +165,12 @@ class DistributedDatasetsFromFunction(DistributedInput):
     When the source ends part-way through a round, the remaining replicas get empty shards.
     """
 
-    def __init__(self, strategy, dataset_fn, options=None):
+    def __init__(self, strategy, dataset_fn, options=None, input_context=None):
         self._strategy = strategy
         self._options = check_options(options)
-        self.input_context = InputContext(
+        # A ParameterServerStrategy's worker is one process of its own job, so it passes its
+        # own context; everywhere else there is one input pipeline per JAX process.
+        self.input_context = input_context or InputContext(
             num_input_pipelines=jax.process_count(),
             input_pipeline_id=jax.process_index(),
             num_replicas_in_sync=strategy.num_replicas_in_sync,

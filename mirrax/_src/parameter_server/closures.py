@@ -1,0 +1,79 @@
+"""The coordinator's queue of scheduled functions: those waiting, the count running, the
+first error a function raised and the fatal error (a lost parameter server), under one
+condition variable that `join` waits on."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from mirrax import errors
+
+
+class Closure:
+    """One scheduled function: its pickled (fn, args, kwargs) and its RemoteValue."""
+
+    def __init__(self, payload: bytes, value):
+        self.payload = payload
+        self.value = value
+
+
+class Queue:
+    """Closures waiting and running, and the first error, under one condition variable."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.waiting: collections.deque = collections.deque()
+        self.running = 0
+        self.error: BaseException | None = None
+        self.fatal: BaseException | None = None
+        self.stopped = False
+
+    def put(self, closure: Closure) -> None:
+        with self.cond:
+            self.waiting.append(closure)
+            self.cond.notify_all()
+
+    def take(self) -> Closure | None:
+        with self.cond:
+            # After a function's error nothing more starts until join/done/schedule has
+            # raised it and cancelled the queue, as TF's coordinator.
+            while (not self.waiting or self.error is not None) and not self.stopped:
+                self.cond.wait(0.5)
+            if self.stopped:
+                return None
+            self.running += 1
+            return self.waiting.popleft()
+
+    def finish(self, closure: Closure, error: BaseException | None = None,
+               give_back: bool = False) -> None:
+        with self.cond:
+            self.running -= 1
+            if give_back:
+                self.waiting.appendleft(closure)
+            elif error is not None and self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        with self.cond:
+            if self.fatal is None:
+                self.fatal = error
+            self._cancel()
+            self.cond.notify_all()
+
+    def _cancel(self) -> None:
+        while self.waiting:
+            self.waiting.popleft().value._fail(errors.CancelledFunctionError(
+                "This scheduled function was cancelled before it ran because an earlier one "
+                "failed (the error join() raised). Schedule it again."))
+
+    def raise_if_error(self) -> None:
+        """Raises the fatal error, or the first function error (then cancels the queued
+        closures and clears it, as TF's coordinator). Called with `cond` held."""
+        if self.fatal is not None:
+            raise self.fatal
+        if self.error is not None:
+            error, self.error = self.error, None
+            self._cancel()
+            raise error

@@ -1,0 +1,228 @@
+"""Where a ParameterServerStrategy's tasks run: a Ray cluster (a local one, or an existing
+one joined by address), described by `RayClusterResolver` or by a TF-style resolver with
+'ps' and 'worker' jobs (`TFConfigClusterResolver`, `SimpleClusterResolver`).
+
+The coordinator is the user's process. Parameter servers are Ray actors that are never
+restarted (their variables would be gone); workers are Ray actors that Ray restarts when
+their process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+from mirrax import errors
+from mirrax._src.distribute.cluster import ClusterResolver
+from mirrax._src.parameter_server import actors
+
+# Seconds to wait for every actor of a new strategy to start (a worker imports JAX).
+START_TIMEOUT_S = 180.0
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise errors.MissingDependencyError(
+            "ParameterServerStrategy runs on Ray, which is not installed. Install it with "
+            "`pip install 'mirrax[ray]'` (or `pip install ray`).") from None
+    return ray
+
+
+def _count(owner: str, name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise errors.InvalidArgumentError(
+            f"{owner}: {name} must be an int >= {low}; received {value!r}.")
+    return value
+
+
+class RayClusterResolver:
+    """The tasks of a ParameterServerStrategy on a Ray cluster (mirrax's own resolver).
+
+    Args:
+      num_workers: worker tasks (Ray actors), >= 1.
+      num_ps: parameter-server tasks (Ray actors), >= 1.
+      address: None starts a local Ray cluster on this machine when the strategy is made (and
+        `shutdown()` stops it); "auto" or "host:port" joins an existing cluster (`ray.init`'s
+        `address`). A Ray already initialized in this process is used as it is.
+      num_cpus_per_worker, num_gpus_per_worker: the Ray resources each worker asks for (a GPU
+        worker sees only its GPUs, through CUDA_VISIBLE_DEVICES set by Ray).
+      worker_env: environment variables for the worker processes, e.g.
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"} for two CPU devices each;
+        None inherits this process's environment.
+      runtime_env: a Ray `runtime_env` for every task (e.g. {"working_dir": "."} to ship the
+        code to a remote cluster).
+
+    Raises:
+      ValueError: a count is not an int >= 1 (>= 0 for the resources).
+    """
+
+    task_type = "chief"
+    task_id = 0
+
+    def __init__(self, num_workers: int, num_ps: int, address: str | None = None, *,
+                 num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
+                 worker_env: dict | None = None, runtime_env: dict | None = None):
+        self.num_workers = _count("RayClusterResolver", "num_workers", num_workers, 1)
+        self.num_ps = _count("RayClusterResolver", "num_ps", num_ps, 1)
+        if address is not None and not isinstance(address, str):
+            raise errors.InvalidArgumentTypeError(
+                f"RayClusterResolver: address must be None, 'auto' or 'host:port'; received "
+                f"{address!r}.")
+        for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
+                            ("num_gpus_per_worker", num_gpus_per_worker)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise errors.InvalidArgumentError(
+                    f"RayClusterResolver: {name} must be a number >= 0; received {value!r}.")
+        for name, value in (("worker_env", worker_env), ("runtime_env", runtime_env)):
+            if value is not None and not isinstance(value, dict):
+                raise errors.InvalidArgumentTypeError(
+                    f"RayClusterResolver: {name} must be a dict or None; received "
+                    f"{type(value).__name__}.")
+        self.address = address
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.num_gpus_per_worker = num_gpus_per_worker
+        self.worker_env = dict(worker_env or {})
+        self.runtime_env = dict(runtime_env or {})
+        self._started_here = False
+
+    def connect(self):
+        """Starts or joins the Ray cluster (once); returns the `ray` module."""
+        ray = import_ray()
+        if not ray.is_initialized():
+            if self.address is None:
+                needed = self.num_workers * max(1, self.num_cpus_per_worker) + self.num_ps
+                ray.init(num_cpus=max(int(needed), os.cpu_count() or 1),
+                         include_dashboard=False, configure_logging=False)
+                self._started_here = True
+            else:
+                ray.init(address=self.address, include_dashboard=False)
+        return ray
+
+    def shutdown(self) -> None:
+        """Stops the local Ray cluster this resolver started (nothing otherwise)."""
+        if self._started_here:
+            import_ray().shutdown()
+            self._started_here = False
+
+    def __repr__(self) -> str:
+        return (f"RayClusterResolver(num_workers={self.num_workers}, num_ps={self.num_ps}, "
+                f"address={self.address!r})")
+
+
+class _TaskSpec:
+    def __init__(self, host: str | None = None):
+        self.host = host  # None: anywhere; else a host name or IP to pin the actor to
+
+
+def _from_tf_cluster(resolver: ClusterResolver) -> tuple[RayClusterResolver, list, list]:
+    """A TF-style cluster as Ray tasks: each 'worker' and 'ps' address names the host its
+    actor is pinned to (localhost: this machine); the coordinator is this process."""
+    cluster = resolver.cluster_spec()
+    jobs = cluster.jobs
+    for job in ("ps", "worker"):
+        if job not in jobs or cluster.num_tasks(job) == 0:
+            raise errors.InvalidArgumentError(
+                f"ParameterServerStrategy: the cluster {cluster.as_dict()} has no {job!r} tasks. "
+                "A parameter-server cluster needs 'ps' and 'worker' jobs (and optionally a "
+                "'chief', the coordinator: this process), e.g. TF_CONFIG={\"cluster\": "
+                "{\"chief\": [\"host0:2222\"], \"worker\": [\"host1:2222\"], \"ps\": "
+                "[\"host2:2222\"]}, \"task\": {\"type\": \"chief\", \"index\": 0}}.")
+    hosts = {job: [cluster.task_address(job, i).rsplit(":", 1)[0]
+                   for i in cluster.task_indices(job)] for job in ("worker", "ps")}
+    ray_resolver = RayClusterResolver(len(hosts["worker"]), len(hosts["ps"]),
+                                      address=os.environ.get("RAY_ADDRESS") or None)
+    return (ray_resolver, [_TaskSpec(h) for h in hosts["worker"]],
+            [_TaskSpec(h) for h in hosts["ps"]])
+
+
+def _placement(ray, host: str | None):
+    """Ray scheduling options pinning an actor to `host` (none for a local host)."""
+    if host is None:
+        return {}
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        raise errors.InvalidArgumentError(
+            f"ParameterServerStrategy: cannot resolve the task host {host!r}.") from None
+    if ip.startswith("127.") or ip == ray.util.get_node_ip_address():
+        return {}
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for node in nodes:
+        if node.get("NodeManagerAddress") == ip:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
+    raise errors.InvalidArgumentError(
+        f"ParameterServerStrategy: the task host {host!r} ({ip}) is not a node of the Ray "
+        f"cluster, whose nodes are {[n.get('NodeManagerAddress') for n in nodes]}. Start a "
+        "Ray node there (`ray start --address=...`) or fix the cluster's addresses.")
+
+
+class Cluster:
+    """The started actors: `parameter_servers` and `workers` (Ray actor handles), their
+    process ids when they started, and the replicas of each worker."""
+
+    def __init__(self, resolver):
+        if isinstance(resolver, RayClusterResolver):
+            self.resolver = resolver
+            worker_specs = [_TaskSpec() for _ in range(resolver.num_workers)]
+            ps_specs = [_TaskSpec() for _ in range(resolver.num_ps)]
+        elif isinstance(resolver, ClusterResolver):
+            self.resolver, worker_specs, ps_specs = _from_tf_cluster(resolver)
+        else:
+            raise errors.InvalidArgumentTypeError(
+                "ParameterServerStrategy: cluster_resolver must be a mirrax.RayClusterResolver "
+                "or a TF-style resolver with 'ps' and 'worker' jobs (TFConfigClusterResolver, "
+                f"SimpleClusterResolver); received {type(resolver).__name__}.")
+        ray = self.resolver.connect()
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        runtime_env = dict(self.resolver.runtime_env)
+        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+        worker_env = dict(runtime_env, env_vars={**runtime_env["env_vars"],
+                                                  **self.resolver.worker_env})
+        server_cls = ray.remote(actors.ParameterServer)
+        self.parameter_servers = [
+            server_cls.options(max_restarts=0, num_cpus=1, runtime_env=runtime_env,
+                               **_placement(ray, spec.host)).remote(i)
+            for i, spec in enumerate(ps_specs)]
+        worker_cls = ray.remote(actors.Worker)
+        self.workers = [
+            worker_cls.options(max_restarts=-1, max_task_retries=0,
+                               num_cpus=self.resolver.num_cpus_per_worker,
+                               num_gpus=self.resolver.num_gpus_per_worker,
+                               runtime_env=worker_env, **_placement(ray, spec.host)
+                               ).remote(i, len(worker_specs))
+            for i, spec in enumerate(worker_specs)]
+        self.ps_pids = self._wait("parameter server", self.parameter_servers)
+        self.worker_pids = self._wait("worker", self.workers, self.parameter_servers)
+        self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
+
+    @staticmethod
+    def _wait(kind: str, handles: list, servers: list | None = None) -> list:
+        ray = import_ray()
+        refs = [h.ping.remote() if servers is None else h.attach.remote(servers)
+                for h in handles]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        if len(ready) < len(refs):
+            late = [i for i, r in enumerate(refs) if r not in ready]
+            raise errors.UnresponsivePeerError(
+                f"ParameterServerStrategy: {kind} task(s) {late} did not start within "
+                f"{START_TIMEOUT_S:.0f} s. Check the Ray cluster's resources (`ray status`) and "
+                "the tasks' logs (/tmp/ray/session_latest/logs).")
+        try:
+            return ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError as e:
+            raise errors.UnresponsivePeerError(
+                f"ParameterServerStrategy: a {kind} task failed to start: {e}") from None
+
+    def stop(self) -> None:
+        ray = import_ray()
+        for handle in self.workers + self.parameter_servers:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass

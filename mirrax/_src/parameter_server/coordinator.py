@@ -1,0 +1,400 @@
+"""`ClusterCoordinator`: schedules functions on a ParameterServerStrategy's workers, as
+`tf.distribute.coordinator.ClusterCoordinator`.
+
+`schedule` pickles the function at once (so a bad argument is named at the call) and queues
+it; one dispatcher thread per worker takes the next queued function whenever its worker is
+free. A worker that dies while running a function gives that function back to the queue
+(another worker, or the same one restarted, runs it: at-least-once execution), and its
+per-worker datasets are created again when Ray has restarted it. An error raised by a
+function is raised by the next `join`, `done` or `schedule` (and the functions still queued
+are cancelled), as TF; a lost parameter server is raised by every later call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import types
+
+import jax
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute.input import DistributedInput, DistributedIterator
+from mirrax._src.parameter_server import serialization
+from mirrax._src.parameter_server.closures import Closure, Queue
+from mirrax._src.parameter_server.strategy import ParameterServerStrategy
+from mirrax._src.parameter_server.remote_values import (
+    PerWorkerDataset,
+    PerWorkerIterator,
+    RemoteValue,
+)
+from mirrax._src.parameter_server.cluster import import_ray
+
+# Seconds between two health checks of the parameter servers.
+HEALTH_CHECK_PERIOD_S = 1.0
+# Seconds a dead worker may take to come back before it is given up.
+WORKER_RESTART_TIMEOUT_S = 300.0
+
+
+class ClusterCoordinator:
+    """Schedules functions on the workers of a ParameterServerStrategy.
+
+    As `tf.distribute.coordinator.ClusterCoordinator`; one coordinator per strategy (making a
+    second one returns the first). A scheduled function runs on one worker: it may use the
+    strategy (there, a MirroredStrategy over the worker's devices: `strategy.run` and
+    `strategy.reduce` work as usual), NNX objects (their values come from the parameter
+    servers when the function starts, and what the function changes is pushed back when it
+    ends), per-worker iterators, and picklable values.
+
+    Args:
+      strategy: a `mirrax.ParameterServerStrategy`.
+
+    Raises:
+      TypeError: `strategy` is not a ParameterServerStrategy.
+    """
+
+    def __new__(cls, strategy):
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise errors.InvalidArgumentTypeError(
+                "ClusterCoordinator: strategy must be a mirrax.ParameterServerStrategy; "
+                f"received {type(strategy).__name__}. MirroredStrategy and "
+                "MultiWorkerMirroredStrategy run their steps with strategy.run directly.")
+        existing = strategy.extended.coordinator
+        if existing is not None:
+            return existing
+        self = super().__new__(cls)
+        self._start(strategy)
+        strategy.extended.coordinator = self
+        return self
+
+    def __init__(self, strategy):
+        pass  # __new__ did the work (and returns the existing coordinator unchanged)
+
+    def _start(self, strategy) -> None:
+        self.strategy = strategy
+        self._cluster = strategy.extended.cluster
+        self._store = strategy.extended.variable_store
+        self._queue = Queue()
+        self._datasets: dict = {}  # dataset id -> pickled dataset_fn
+        self._dataset_ids = itertools.count()
+        self._sent_version = [None] * len(self._cluster.workers)
+        self._lost_workers: set = set()
+        self._register_lock = threading.Lock()
+        self.update_staleness: list = []
+        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True,
+                                          name=f"mirrax-worker-{w}")
+                         for w in range(len(self._cluster.workers))]
+        self._threads.append(threading.Thread(target=self._watch_servers, daemon=True,
+                                              name="mirrax-ps-health"))
+        for thread in self._threads:
+            thread.start()
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def schedule(self, fn, args=(), kwargs=None) -> RemoteValue:
+        """Queues `fn(*args, **kwargs)` to run on a free worker; returns at once.
+
+        As `ClusterCoordinator.schedule`. The function runs at least once (again, on another
+        worker, if its worker dies while running it). NNX objects it reaches (arguments or
+        closure) are held by the parameter servers from their first use.
+
+        Returns:
+          A `RemoteValue` of the function's result.
+
+        Raises:
+          the error an earlier function raised (once; queued functions are then cancelled);
+          LostParameterServerError: a parameter server is lost (every call, from then on).
+          TypeError: `fn` is not callable, an argument cannot be pickled, or it is an
+            iterator or dataset of the coordinator (use `create_per_worker_dataset`).
+        """
+        with self._queue.cond:
+            self._queue.raise_if_error()
+        if not callable(fn):
+            raise errors.InvalidArgumentTypeError(
+                f"ClusterCoordinator.schedule: fn must be callable; received {type(fn).__name__}.")
+        if not isinstance(args, (tuple, list)):
+            raise errors.InvalidArgumentTypeError(
+                "ClusterCoordinator.schedule: args must be a tuple or list; received "
+                f"{type(args).__name__}. Write args=(x,) for one argument.")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise errors.InvalidArgumentTypeError(
+                "ClusterCoordinator.schedule: kwargs must be a dict or None; received "
+                f"{type(kwargs).__name__}.")
+        payload = self._pickle(fn, tuple(args), dict(kwargs or {}))
+        value = RemoteValue()
+        self._queue.put(Closure(payload, value))
+        return value
+
+    def _pickle(self, fn, args: tuple, kwargs: dict) -> bytes:
+        new_roots: list = []
+        base = self._store.count
+
+        def token_of(obj):
+            if obj is self.strategy:
+                return ("strategy",)
+            if isinstance(obj, PerWorkerIterator):
+                _check_mine(self, obj.coordinator, "a PerWorkerIterator")
+                return ("iterator", obj.iterator_id, obj.dataset_id)
+            if isinstance(obj, PerWorkerDataset):
+                return ("dataset", obj.dataset_id)
+            if isinstance(obj, nnx.Pytree):
+                if self._store.holds(obj):
+                    return ("object", self._store.index(obj))
+                for i, root in enumerate(new_roots):
+                    if root is obj:
+                        return ("object", base + i)
+                new_roots.append(obj)
+                return ("object", base + len(new_roots) - 1)
+            _refuse(obj)
+            return None
+
+        with self._register_lock:
+            try:
+                payload = serialization.dumps((fn, args, kwargs), token_of)
+            except errors.MirraxError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
+                raise errors.InvalidArgumentTypeError(
+                    f"ClusterCoordinator.schedule: {_culprit(fn, args, kwargs, token_of)} cannot "
+                    f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
+                    "its arguments are pickled: pass arrays, numbers, NNX objects and "
+                    "per-worker iterators, and create other objects inside the function."
+                ) from None
+            self._store.check_not_structure_changed()
+            if new_roots:
+                self._drain()
+                self._store.add(new_roots)
+            else:
+                self._store.write_assigned()
+        return payload
+
+    def _drain(self) -> None:
+        """Waits until no function runs (new objects change the parameter servers' layout)."""
+        with self._queue.cond:
+            while (self._queue.waiting or self._queue.running) and self._queue.fatal is None \
+                    and self._queue.error is None:
+                self._queue.cond.wait(0.5)
+            if self._queue.fatal is not None:
+                raise self._queue.fatal
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Waits until every scheduled function has finished, as `ClusterCoordinator.join`.
+
+        Then reads the held objects' values back into the coordinator's objects.
+
+        Raises:
+          the first error a function raised since the last `join`/`done` (with the worker's
+          traceback as its `__cause__`); queued functions are cancelled, later schedules work.
+          LostParameterServerError: a parameter server is lost.
+          LostWorkersError: every worker is gone.
+        """
+        with self._queue.cond:
+            while (self._queue.waiting or self._queue.running) and self._queue.fatal is None \
+                    and self._queue.error is None:
+                self._queue.cond.wait(0.5)
+            self._queue.raise_if_error()
+        self._store.refresh()
+
+    def done(self) -> bool:
+        """True when no scheduled function is queued or running, as `ClusterCoordinator.done`.
+
+        Raises:
+          as `join`.
+        """
+        with self._queue.cond:
+            self._queue.raise_if_error()
+            return not self._queue.waiting and not self._queue.running
+
+    def fetch(self, values):
+        """`RemoteValue.fetch()` of every RemoteValue in the structure `values` (other leaves
+        as they are), as `ClusterCoordinator.fetch`."""
+        return jax.tree.map(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, values,
+                            is_leaf=lambda v: isinstance(v, RemoteValue))
+
+    # -- datasets --------------------------------------------------------------------------
+
+    def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
+        """Creates a dataset on every worker, as `ClusterCoordinator.create_per_worker_dataset`.
+
+        Args:
+          dataset_fn: called on each worker as `dataset_fn()` or, when it takes an argument,
+            `dataset_fn(input_context)` (an `InputContext` whose `input_pipeline_id` is the
+            worker's index among `num_input_pipelines` workers, to shard by). It returns
+            global batches for the worker's replicas (any dataset `experimental_distribute_dataset`
+            takes; it is distributed over the worker's devices) or a distributed dataset made
+            with `strategy.distribute_datasets_from_function`. A worker that restarts calls it
+            again (its iterators start over).
+
+        Returns:
+          A `PerWorkerDataset`; `iter()` of it is what scheduled functions take.
+
+        Raises:
+          TypeError: `dataset_fn` is not callable or cannot be pickled.
+          the error `dataset_fn` raised on a worker.
+        """
+        if not callable(dataset_fn):
+            raise errors.InvalidArgumentTypeError(
+                "create_per_worker_dataset: dataset_fn must be a function that builds the "
+                f"dataset on a worker; received {type(dataset_fn).__name__}. Wrap a dataset as "
+                "`lambda: dataset`.")
+        with self._queue.cond:
+            self._queue.raise_if_error()
+
+        def token_of(obj):
+            if obj is self.strategy:
+                return ("strategy",)
+            _refuse(obj)
+            return None
+
+        try:
+            data = serialization.dumps(dataset_fn, token_of)
+        except errors.MirraxError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise errors.InvalidArgumentTypeError(
+                f"create_per_worker_dataset: dataset_fn cannot be sent to the workers "
+                f"({type(e).__name__}: {e}). Build the dataset inside the function.") from None
+        dataset_id = next(self._dataset_ids)
+        ray = import_ray()
+        live = [w for w in range(len(self._cluster.workers)) if w not in self._lost_workers]
+        refs = [self._cluster.workers[w].create_dataset.remote(dataset_id, data) for w in live]
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        self._datasets[dataset_id] = data
+        return PerWorkerDataset(self, dataset_id)
+
+    # -- the dispatcher threads -----------------------------------------------------------
+
+    def _serve(self, w: int) -> None:
+        ray = import_ray()
+        worker = self._cluster.workers[w]
+        while True:
+            closure = self._queue.take()
+            if closure is None:
+                return
+            payload = {"version": self._store.version, "closure": closure.payload,
+                       "structure": None}
+            if self._sent_version[w] != self._store.version:
+                payload["structure"] = self._store.structure()
+            try:
+                answer = ray.get(worker.run.remote(payload))
+            except ray.exceptions.RayActorError:
+                self._queue.finish(closure, give_back=True)
+                if not self._recover(w):
+                    return
+                continue
+            except Exception as e:  # noqa: BLE001 - Ray's own failure: fatal
+                self._queue.finish(closure)
+                closure.value._fail(e)
+                self._queue.fail_all(e)
+                return
+            self._sent_version[w] = payload["version"]
+            self._settle(closure, answer)
+
+    def _settle(self, closure: Closure, answer: tuple) -> None:
+        status = answer[0]
+        if status == "ok":
+            closure.value._set(serialization.loads(answer[1]))
+            if answer[2] is not None:
+                self.update_staleness.append(answer[2])
+            self._queue.finish(closure)
+        elif status == "error":
+            error = serialization.unpack_error(answer[1])
+            closure.value._fail(error)
+            self._queue.finish(closure, error)
+        else:
+            error = self.strategy.extended.lost_server(answer[1])
+            closure.value._fail(error)
+            self._queue.finish(closure)
+            self._queue.fail_all(error)
+
+    def _recover(self, w: int) -> bool:
+        """Waits for Ray to restart worker `w`, then creates its datasets again."""
+        ray = import_ray()
+        worker = self._cluster.workers[w]
+        deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
+        while time.monotonic() < deadline and not self._queue.stopped:
+            try:
+                ray.get(worker.attach.remote(self._cluster.parameter_servers), timeout=10)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.2)
+        else:
+            return self._give_up(w)
+        try:
+            ray.get([worker.create_dataset.remote(i, data) for i, data in self._datasets.items()])
+        except ray.exceptions.RayError:
+            return self._recover(w) if time.monotonic() < deadline else self._give_up(w)
+        self._sent_version[w] = None
+        return True
+
+    def _give_up(self, w: int) -> bool:
+        self._lost_workers.add(w)
+        if len(self._lost_workers) == len(self._cluster.workers):
+            self._queue.fail_all(errors.LostWorkersError(
+                f"Every worker of the ParameterServerStrategy is gone: none came back within "
+                f"{WORKER_RESTART_TIMEOUT_S:.0f} s of dying. Check the Ray cluster "
+                "(`ray status`), then make a new strategy and restore the last checkpoint."))
+        return False
+
+    def _watch_servers(self) -> None:
+        ray = import_ray()
+        while not self._queue.stopped:
+            refs = [ps.ping.remote() for ps in self._cluster.parameter_servers]
+            try:
+                ray.get(refs, timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                self._queue.fail_all(self.strategy.extended.lost_server(
+                    "a parameter server did not answer a health check within 30 s"))
+                return
+            except ray.exceptions.RayActorError as e:
+                self._queue.fail_all(self.strategy.extended.lost_server(
+                    f"a parameter server died: {e}"))
+                return
+            time.sleep(HEALTH_CHECK_PERIOD_S)
+
+    def shutdown(self) -> None:
+        """Stops the dispatcher threads (mirrax's own; `strategy.shutdown()` calls it)."""
+        with self._queue.cond:
+            self._queue.stopped = True
+            self._queue.cond.notify_all()
+
+
+def _check_mine(coordinator, owner, what: str) -> None:
+    if owner is not coordinator:
+        raise errors.MixedStrategyError(
+            f"ClusterCoordinator.schedule: {what} of another coordinator was passed; create "
+            "it with this coordinator's create_per_worker_dataset.")
+
+
+def _refuse(obj) -> None:
+    """Objects that cannot be read on a worker: say what to do instead."""
+    if isinstance(obj, (DistributedInput, DistributedIterator, types.GeneratorType)) or (
+            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes))):
+        raise errors.InvalidArgumentTypeError(
+            f"ClusterCoordinator.schedule: a {type(obj).__name__} (an iterator or dataset of the "
+            "coordinator) cannot be read on a worker. Create the dataset on every worker with "
+            "coordinator.create_per_worker_dataset(dataset_fn) and pass "
+            "iter(per_worker_dataset) to the scheduled function.")
+    if isinstance(obj, nnx.Variable):
+        raise errors.InvalidArgumentTypeError(
+            "ClusterCoordinator.schedule: a bare nnx.Variable cannot be held by the parameter "
+            "servers; pass (or capture) the module or optimizer that owns it.")
+
+
+def _culprit(fn, args: tuple, kwargs: dict, token_of) -> str:
+    """The first of fn, args[i], kwargs[k] that fails to pickle, as text."""
+    named = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + [
+        (f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    for name, value in named:
+        try:
+            serialization.dumps(value, token_of)
+        except Exception:  # noqa: BLE001
+            return f"{name} (a {type(value).__name__})"
+    return "the function or its arguments"

@@ -1,0 +1,82 @@
+"""How a scheduled function travels from the coordinator to a worker: cloudpickle, with the
+coordinator's own objects (the strategy, the held NNX objects, per-worker iterators) replaced
+by tokens that each worker resolves to its local counterpart."""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+import traceback
+
+from mirrax._src.parameter_server.cluster import import_ray
+
+
+@functools.cache
+def _pickler_class():
+    """cloudpickle's pickler (Ray's copy: Ray is imported only when a strategy needs it)."""
+    import_ray()
+    from ray import cloudpickle
+
+    class Pickler(cloudpickle.CloudPickler):
+        def __init__(self, file, token_of):
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            self._token_of = token_of
+
+        def persistent_id(self, obj):
+            return self._token_of(obj)
+
+    return Pickler
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, resolve):
+        super().__init__(file)
+        self._resolve = resolve
+
+    def persistent_load(self, token):
+        return self._resolve(token)
+
+
+def dumps(value, token_of=lambda obj: None) -> bytes:
+    """`value` pickled; `token_of(obj)` returns a picklable token for objects that must not be
+    copied (None for the others)."""
+    buffer = io.BytesIO()
+    _pickler_class()(buffer, token_of).dump(value)
+    return buffer.getvalue()
+
+
+def loads(data: bytes, resolve=None):
+    """The value `dumps` wrote, each token replaced by `resolve(token)`."""
+    def refuse(token):
+        raise pickle.UnpicklingError(f"no resolver for the token {token!r}")
+    return _Unpickler(io.BytesIO(data), resolve or refuse).load()
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised on a worker, attached as the `__cause__` of the error
+    the coordinator re-raises (as `concurrent.futures` does for process pools)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def pack_error(error: BaseException) -> bytes:
+    """A worker's exception and its formatted traceback, pickled (a stand-in `RuntimeError`
+    keeps the type name and message when the exception itself cannot be pickled)."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        return dumps((error, text))
+    except Exception:  # noqa: BLE001 - any pickling failure falls back to the text
+        return dumps((RuntimeError(f"{type(error).__name__}: {error}"), text))
+
+
+def unpack_error(data: bytes) -> BaseException:
+    """The worker's exception, with the worker's traceback as its `__cause__`."""
+    error, text = loads(data)
+    error.__cause__ = RemoteTraceback(f'\n"""\n{text}"""')
+    return error

@@ -1,0 +1,128 @@
+"""The coordinator's side of the variables a ParameterServerStrategy holds: which objects
+are held, writing them to the parameter servers, reading them back into the coordinator's
+objects, and the structure a worker needs to rebuild them.
+
+An NNX object becomes held the first time a scheduled function uses it. Its values then
+live on the parameter servers; the coordinator's object is a copy, refreshed by `join()`,
+by a `Checkpoint` that saves it, and by `refresh()`. A value the user assigns on the
+coordinator (a restored checkpoint, `nnx.update`, a new learning rate) is written to the
+parameter servers before the next scheduled function is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from mirrax import errors
+from mirrax._src.parameter_server import serialization, variables
+from mirrax._src.parameter_server.cluster import import_ray
+
+# Seconds the coordinator waits for the parameter servers to answer a read or a write.
+TIMEOUT_S = 60.0
+
+# Every held object -> its store, so that a Checkpoint (which knows nothing of strategies)
+# can refresh an object before saving it.
+_stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def refresh_if_held(obj) -> None:
+    """Reads `obj`'s current values from the parameter servers when a strategy holds it."""
+    store = _stores.get(obj)
+    if store is not None:
+        store.refresh()
+
+
+class VariableStore:
+    def __init__(self, parameter_servers: list, partitioner, lost):
+        self._servers = parameter_servers
+        self._holdings = variables.Holdings(len(parameter_servers), partitioner)
+        self._lost = lost  # (message) -> LostParameterServerError, raised by the caller
+        self._lock = threading.RLock()
+        self._structure = None
+
+    @property
+    def version(self) -> int:
+        return self._holdings.version
+
+    @property
+    def count(self) -> int:
+        """The number of held objects."""
+        return len(self._holdings.roots)
+
+    def holds(self, obj) -> bool:
+        return self._holdings.holds(obj)
+
+    def index(self, obj) -> int:
+        return self._holdings.index(obj)
+
+    def structure(self) -> bytes:
+        """(graphdef, treedef, layout) pickled, for a worker that has an older version."""
+        with self._lock:
+            if self._structure is None:
+                h = self._holdings
+                self._structure = serialization.dumps((h.graphdef, h.treedef, h.layout))
+            return self._structure
+
+    def _call(self, method: str, per_server_args: list) -> list:
+        ray = import_ray()
+        refs = [getattr(ps, method).remote(*args)
+                for ps, args in zip(self._servers, per_server_args)]
+        try:
+            return ray.get(refs, timeout=TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise self._lost(f"a parameter server did not answer a {method} within "
+                             f"{TIMEOUT_S:.0f} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise self._lost(f"a parameter server died: {e}") from None
+
+    def add(self, new_roots: list) -> None:
+        """Holds `new_roots` too. The caller has waited for every scheduled function to
+        finish, so the parameter servers' values are final while the layout changes."""
+        with self._lock:
+            if self._holdings.roots:
+                self.refresh()
+            per_server = self._holdings.relayout(list(new_roots))
+            self._structure = None
+            self._call("replace", [(values,) for values in per_server])
+            for root in new_roots:
+                _stores[root] = self
+
+    def write_assigned(self) -> None:
+        """Writes the values the user replaced on the coordinator to the parameter servers."""
+        with self._lock:
+            if not self._holdings.roots:
+                return
+            assigned = self._holdings.assigned()
+            if all(a is None for a in assigned):
+                return
+            per_server = self._holdings.layout.split(assigned)
+            self._call("assign", [(values,) for values in per_server])
+            self._holdings.mark_seen()
+
+    def refresh(self) -> None:
+        """Reads every held value from the parameter servers into the coordinator's objects."""
+        with self._lock:
+            if not self._holdings.roots:
+                return
+            answers = self._call("pull", [()] * len(self._servers))
+            leaves = self._holdings.layout.join([values for _, values in answers])
+            self._holdings.write_back(leaves)
+
+    def placement(self) -> dict:
+        with self._lock:
+            if not self._holdings.roots:
+                return {}
+            return self._holdings.layout.describe(self._holdings.paths)
+
+    def check_not_structure_changed(self) -> None:
+        """Refuses a held object whose variables were added or removed on the coordinator."""
+        with self._lock:
+            if not self._holdings.roots:
+                return
+            leaves = self._holdings.current_leaves()
+            if len(leaves) != len(self._holdings.paths):
+                raise errors.UnsupportedArgumentError(
+                    "ParameterServerStrategy: the variables of an object it holds changed "
+                    f"(it held {len(self._holdings.paths)} arrays, it has {len(leaves)} now). "
+                    "Build the model and optimizer completely before the first schedule.")

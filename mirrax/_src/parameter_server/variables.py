@@ -1,0 +1,181 @@
+"""The state a ParameterServerStrategy holds: its NNX objects' leaves, cut into shards and
+spread over the parameter servers, and the arithmetic of pulling and pushing them.
+
+The coordinator's objects (modules, optimizers, metrics used by scheduled functions) are the
+roots; their joint state (`nnx.split(tuple(roots))`, so a `Variable` two of them share is one
+leaf) is a flat list of arrays. Each leaf is cut along axis 0 by the strategy's partitioner
+(or kept whole) and its shards are dealt to the parameter servers round-robin, continuing from
+the last leaf's, as TF places variables and their shards. A parameter server stores a dict
+{(leaf, shard): numpy array}.
+
+Updates travel as differences: a worker pulls the leaves, runs its step on them, and pushes
+new - pulled, which the parameter server adds to what it holds now (so updates other workers
+pushed meanwhile are kept). Leaves that cannot be added (booleans, PRNG keys) are pushed as
+new values when they changed.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mirrax._src.parameter_server import partitioners as partitioners_lib
+
+
+def _is_key(leaf) -> bool:
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _additive(dtype) -> bool:
+    return np.dtype(dtype).kind in "fciu"
+
+
+class Layout:
+    """Where each leaf's shards live: for leaf i, a list of (parameter server, start, stop)
+    along axis 0 (start, stop None for a scalar kept whole), and whether updates add."""
+
+    def __init__(self, leaves: list, paths: list, num_ps: int, partitioner):
+        self.shards: list[list] = []
+        self.additive: list[bool] = []
+        self.keys: list = []  # per leaf: the PRNG key implementation, or None
+        self.num_ps = num_ps
+        turn = 0
+        for leaf, path in zip(leaves, paths):
+            key = jax.random.key_impl(leaf) if _is_key(leaf) else None
+            self.keys.append(key)
+            host = host_value(leaf)
+            count = partitioners_lib.shard_count(partitioner, host.shape, host.dtype, path)
+            if host.ndim == 0:
+                cuts = [(turn % num_ps, None, None)]
+                turn += 1
+            else:
+                bounds = np.cumsum([0] + [len(s) for s in np.array_split(
+                    np.empty(host.shape[0], dtype=np.int8), count)])
+                cuts = []
+                for start, stop in zip(bounds[:-1], bounds[1:]):
+                    cuts.append((turn % num_ps, int(start), int(stop)))
+                    turn += 1
+            self.shards.append(cuts)
+            self.additive.append(key is None and _additive(host.dtype))
+
+    def split(self, host_leaves: list) -> list[dict]:
+        """One dict per parameter server, {(leaf, shard): array} (views, not copies)."""
+        out: list[dict] = [{} for _ in range(self.num_ps)]
+        for i, (leaf, cuts) in enumerate(zip(host_leaves, self.shards)):
+            if leaf is None:
+                continue
+            for s, (ps, start, stop) in enumerate(cuts):
+                out[ps][(i, s)] = leaf if start is None else leaf[start:stop]
+        return out
+
+    def join(self, per_ps: list[dict]) -> list:
+        """The whole host leaves from the parameter servers' dicts (as `split` cut them)."""
+        leaves = []
+        for i, cuts in enumerate(self.shards):
+            parts = [per_ps[ps][(i, s)] for s, (ps, _, _) in enumerate(cuts)]
+            leaves.append(parts[0] if len(parts) == 1 and cuts[0][1] is None
+                          else np.concatenate(parts, axis=0))
+        return leaves
+
+    def device_leaves(self, host_leaves: list) -> list:
+        """Host leaves as JAX values, PRNG keys re-wrapped as typed keys."""
+        return [jax.random.wrap_key_data(h, impl=k) if k is not None else h
+                for h, k in zip(host_leaves, self.keys)]
+
+    def updates(self, pulled: list, new: list) -> list:
+        """What a worker pushes: new - pulled for additive leaves, new for changed others,
+        None where nothing changed."""
+        out = []
+        for additive, old, now in zip(self.additive, pulled, new):
+            if additive:
+                delta = np.subtract(now, old, dtype=now.dtype)
+                out.append(delta if delta.any() else None)
+            else:
+                out.append(None if np.array_equal(old, now) else now)
+        return out
+
+    def describe(self, paths: list) -> dict:
+        """{path: [(parameter server, rows), ...]} for `strategy.extended.variable_placement`."""
+        return {path: [(ps, None if start is None else stop - start) for ps, start, stop in cuts]
+                for path, cuts in zip(paths, self.shards)}
+
+
+def host_value(leaf) -> np.ndarray:
+    """A leaf as a NumPy array (a PRNG key as its uint32 key data)."""
+    if _is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(jax.device_get(leaf))
+
+
+def split_roots(roots: tuple):
+    """(graphdef, treedef, leaves, paths) of the joint state of `roots`."""
+    graphdef, state = nnx.split(roots)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    paths = [_path_name(path) for path, _ in with_paths]
+    return graphdef, treedef, [leaf for _, leaf in with_paths], paths
+
+
+def _path_name(path) -> str:
+    keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if keys and keys[-1] == "value":  # the Variable's own field, not part of its name
+        keys = keys[:-1]
+    # The first key is the root's index in the strategy's tuple of held objects.
+    return f"objects[{keys[0]}]" + "".join(f".{k}" for k in keys[1:])
+
+
+def state_of(treedef, leaves: list):
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class Holdings:
+    """The coordinator's record of the held objects: roots, layout, and the identity of the
+    arrays it last wrote into them (a changed identity means the user assigned a new value)."""
+
+    def __init__(self, num_ps: int, partitioner):
+        self.num_ps = num_ps
+        self.partitioner = partitioner
+        self.roots: list = []
+        self.version = 0
+        self.graphdef = self.treedef = self.layout = None
+        self.paths: list = []
+        self._seen: list = []
+
+    def holds(self, obj) -> bool:
+        return any(obj is root for root in self.roots)
+
+    def index(self, obj) -> int:
+        for i, root in enumerate(self.roots):
+            if root is obj:
+                return i
+        raise KeyError(obj)
+
+    def relayout(self, new_roots: list) -> list[dict]:
+        """Adds `new_roots` and returns every parameter server's new dict, from the roots'
+        current values (the caller has written the parameter servers' values into them)."""
+        self.roots.extend(new_roots)
+        self.graphdef, self.treedef, leaves, self.paths = split_roots(tuple(self.roots))
+        self.layout = Layout(leaves, self.paths, self.num_ps, self.partitioner)
+        self.version += 1
+        self._seen = [leaf for leaf in leaves]
+        return self.layout.split([host_value(leaf) for leaf in leaves])
+
+    def current_leaves(self) -> list:
+        _, _, leaves, _ = split_roots(tuple(self.roots))
+        return leaves
+
+    def assigned(self) -> list:
+        """The host values of leaves the user replaced since the last sync, None elsewhere."""
+        leaves = self.current_leaves()
+        return [None if leaf is seen else host_value(leaf)
+                for leaf, seen in zip(leaves, self._seen)]
+
+    def mark_seen(self) -> None:
+        self._seen = self.current_leaves()
+
+    def write_back(self, host_leaves: list) -> None:
+        """Writes the parameter servers' values into the coordinator's objects."""
+        leaves = self.layout.device_leaves(host_leaves)
+        leaves = [jax.numpy.asarray(leaf) if not _is_key(leaf) else leaf for leaf in leaves]
+        nnx.update(tuple(self.roots), state_of(self.treedef, leaves))
+        self._seen = self.current_leaves()

@@ -1,0 +1,165 @@
+"""What a worker process does with a scheduled function: pull the held objects' values from
+the parameter servers, resolve the coordinator's tokens to local objects, run the function
+on the worker's own MirroredStrategy, and push back what the step changed."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import ray
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute.input_options import InputContext
+from mirrax._src.distribute.mirrored import MirroredStrategy
+from mirrax._src.distribute.values import is_distributed
+from mirrax._src.parameter_server import serialization, variables
+from mirrax._src.parameter_server.actors import PARAMETER_SERVER_TIMEOUT_S, LostParameterServer
+
+
+class WorkerStrategy(MirroredStrategy):
+    """A worker's view of the ParameterServerStrategy inside a scheduled function: a
+    MirroredStrategy over this worker's devices whose input pipeline knows it is worker
+    `index` of `num_workers` (the `InputContext` given to dataset functions)."""
+
+    def __init__(self, index: int, num_workers: int):
+        super().__init__()
+        self.worker_index = index
+        self.num_workers = num_workers
+
+    def input_context(self) -> InputContext:
+        return InputContext(num_input_pipelines=self.num_workers, input_pipeline_id=self.worker_index,
+                            num_replicas_in_sync=self.num_replicas_in_sync)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        if not callable(dataset_fn):
+            return super().distribute_datasets_from_function(dataset_fn, options)
+        return input_lib.DistributedDatasetsFromFunction(
+            self, dataset_fn, options, input_context=self.input_context())
+
+
+def call_dataset_fn(dataset_fn, strategy: WorkerStrategy):
+    """`dataset_fn()` or `dataset_fn(input_context)`, distributed over the worker's replicas
+    unless it already is a distributed dataset."""
+    try:
+        takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
+    except (TypeError, ValueError):
+        takes_context = False
+    with strategy.scope():
+        dataset = dataset_fn(strategy.input_context()) if takes_context else dataset_fn()
+    if isinstance(dataset, input_lib.DistributedInput):
+        return dataset
+    return strategy.experimental_distribute_dataset(dataset)
+
+
+class WorkerState:
+    def __init__(self, index: int, num_workers: int):
+        self.strategy = WorkerStrategy(index, num_workers)
+        self.parameter_servers: list = []
+        self.datasets: dict = {}
+        self.iterators: dict = {}
+        self.version = None
+        self.structure = None  # (graphdef, treedef, layout) of the held objects
+        self.roots = None
+
+    def create_dataset(self, dataset_id: int, dataset_fn: bytes) -> None:
+        fn = serialization.loads(dataset_fn, self._resolve)
+        self.datasets[dataset_id] = call_dataset_fn(fn, self.strategy)
+
+    def _iterator(self, iterator_id: int, dataset_id: int):
+        if iterator_id not in self.iterators:
+            self.iterators[iterator_id] = iter(self.datasets[dataset_id])
+        return self.iterators[iterator_id]
+
+    def _resolve(self, token):
+        kind = token[0]
+        if kind == "strategy":
+            return self.strategy
+        if kind == "object":
+            return self.roots[token[1]]
+        if kind == "iterator":
+            return self._iterator(token[1], token[2])
+        if kind == "dataset":
+            return self.datasets[token[1]]
+        raise errors.InvalidArgumentError(f"unknown token {token!r}")
+
+    def _call_servers(self, method: str, *per_server_args) -> list:
+        refs = [getattr(ps, method).remote(*args)
+                for ps, args in zip(self.parameter_servers, per_server_args)]
+        try:
+            return ray.get(refs, timeout=PARAMETER_SERVER_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise LostParameterServer(
+                f"a parameter server did not answer a {method} within "
+                f"{PARAMETER_SERVER_TIMEOUT_S:.0f} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise LostParameterServer(f"a parameter server died during a {method}: {e}") from None
+
+    def _pull(self) -> tuple[int, list]:
+        answers = self._call_servers("pull", *[()] * len(self.parameter_servers))
+        _, _, layout = self.structure
+        return answers[0][0], layout.join([values for _, values in answers])
+
+    def run(self, payload: dict) -> tuple:
+        if payload["structure"] is not None:
+            self.structure = serialization.loads(payload["structure"])
+            self.version = payload["version"]
+            self.roots = None
+        try:
+            return self._run(payload)
+        except LostParameterServer as e:
+            return ("lost", str(e))
+
+    def _run(self, payload: dict) -> tuple:
+        graphdef, treedef, layout = self.structure
+        pulled_version = 0
+        if layout is not None:
+            pulled_version, pulled = self._pull()
+            state = variables.state_of(treedef, layout.device_leaves(pulled))
+            if self.roots is None:
+                self.roots = nnx.merge(graphdef, state)
+            else:
+                nnx.update(self.roots, state)
+        try:
+            fn, args, kwargs = serialization.loads(payload["closure"], self._resolve)
+            with self.strategy.scope():
+                result = fn(*args, **kwargs)
+            data = serialization.dumps(_to_host(result))
+            new = self._new_leaves(treedef) if layout is not None else None
+        except LostParameterServer:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
+            return ("error", serialization.pack_error(e))
+        staleness = None
+        if layout is not None:
+            staleness = self._push(layout, pulled, new, pulled_version)
+        return ("ok", data, staleness)
+
+    def _new_leaves(self, treedef) -> list:
+        _, state = nnx.split(self.roots)
+        leaves, now = jax.tree.flatten(state)
+        if now != treedef:
+            raise errors.UnsupportedArgumentError(
+                "A scheduled function changed the structure of the objects the "
+                "ParameterServerStrategy holds (it added, removed or replaced a variable or "
+                "submodule). Change their structure on the coordinator, before scheduling.")
+        return [variables.host_value(leaf) for leaf in leaves]
+
+    def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int:
+        updates = layout.updates(pulled, new)
+        adds = layout.split([u if a else None for u, a in zip(updates, layout.additive)])
+        assigns = layout.split([None if a else u for u, a in zip(updates, layout.additive)])
+        before = self._call_servers("push", *zip(adds, assigns))
+        return before[0] - pulled_version
+
+
+def _to_host(result):
+    """A function's result with device arrays as NumPy arrays and each distributed value as
+    the tuple of its local replicas' values."""
+    def leaf(value):
+        if is_distributed(value):
+            return tuple(jax.device_get(v) for v in value.values)
+        return jax.device_get(value)
+    return jax.tree.map(leaf, result, is_leaf=is_distributed)

@@ -1,0 +1,152 @@
+"""ParameterServerStrategy's pieces that need no Ray cluster: the partitioners (TF's
+arithmetic), how variables are cut and dealt to the parameter servers, the update
+arithmetic, and the arguments refused before any task starts."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mirrax
+from mirrax import errors
+from mirrax._src.parameter_server import variables
+
+
+# -- partitioners: TF's examples and arithmetic ---------------------------------------------
+
+def test_fixed_shards_partitioner():
+    p = mirrax.partitioners.FixedShardsPartitioner(num_shards=2)
+    assert p((10, 3), np.float32) == [2, 1]
+    assert p((1, 3), np.float32) == [1, 1]  # never more shards than rows
+    assert p((3, 10), np.float32, axis=1) == [1, 2]
+
+
+def test_min_size_partitioner_matches_tf_examples():
+    # TF's sharded_variable_test: float32 (6, 1) is 24 bytes.
+    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=2)(
+        (6, 1), np.float32) == [2, 1]  # min(6 rows, 2 shards, ceil(24 / 4) = 6)
+    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=10)(
+        (6, 1), np.float32) == [6, 1]
+    # Default 256 KiB minimum: 1024 x 1024 float32 is 4 MiB -> 16 shards when allowed.
+    assert mirrax.partitioners.MinSizePartitioner(max_shards=32)((1024, 1024), np.float32) == [16, 1]
+    assert mirrax.partitioners.MinSizePartitioner()((1024, 1024), np.float32) == [1, 1]
+
+
+def test_max_size_partitioner_matches_tf_arithmetic():
+    p = mirrax.partitioners.MaxSizePartitioner
+    # A row of (6, 1) float32 is 4 bytes: 8 bytes per shard holds 2 rows -> ceil(6 / 2) = 3.
+    assert p(max_shard_bytes=8)((6, 1), np.float32) == [3, 1]
+    assert p(max_shard_bytes=8, max_shards=2)((6, 1), np.float32) == [2, 1]
+    # A row bigger than max_shard_bytes still makes one shard per row.
+    assert p(max_shard_bytes=1)((6, 2), np.float32) == [6, 1]
+    assert p(max_shard_bytes=100)((6, 2), np.int8) == [1, 1]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: mirrax.partitioners.FixedShardsPartitioner(0), "num_shards must be a positive int"),
+    (lambda: mirrax.partitioners.MinSizePartitioner(min_shard_bytes=0), "min_shard_bytes"),
+    (lambda: mirrax.partitioners.MaxSizePartitioner(max_shard_bytes=-1), "max_shard_bytes"),
+    (lambda: mirrax.partitioners.MaxSizePartitioner(8, max_shards=0), "max_shards"),
+])
+def test_partitioner_bad_arguments(make, match):
+    with pytest.raises(errors.InvalidArgumentError, match=match):
+        make()
+
+
+def test_partitioner_axis_out_of_range():
+    with pytest.raises(errors.InvalidArgumentError, match=r"shape \(4,\) along axis 1"):
+        mirrax.partitioners.FixedShardsPartitioner(2)((4,), np.float32, axis=1)
+
+
+# -- layout: cutting, dealing, joining ---------------------------------------------------------
+
+class _Net(nnx.Module):
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.arange(10.0).reshape(5, 2))
+        self.bias = nnx.Param(jnp.zeros((2,)))
+        self.count = nnx.Variable(jnp.array(0, jnp.int32))
+
+
+def _layout(num_ps, partitioner):
+    _, _, leaves, paths = variables.split_roots((_Net(),))
+    return variables.Layout(leaves, paths, num_ps, partitioner), leaves, paths
+
+
+def test_layout_cuts_rows_as_tf_and_deals_round_robin():
+    layout, leaves, paths = _layout(2, mirrax.partitioners.FixedShardsPartitioner(2))
+    placement = layout.describe(paths)
+    # Leaves in path order: bias (2 rows -> 1+1), count (scalar), kernel (5 rows -> 3+2, the
+    # first shard one longer, TF's rule); shards dealt 0, 1, 0, 1, 0 in turn.
+    assert placement == {"objects[0].bias": [(0, 1), (1, 1)], "objects[0].count": [(0, None)],
+                         "objects[0].kernel": [(1, 3), (0, 2)]}
+    host = [variables.host_value(leaf) for leaf in leaves]
+    per_ps = layout.split(host)
+    np.testing.assert_array_equal(per_ps[1][(2, 0)], [[0, 1], [2, 3], [4, 5]])
+    np.testing.assert_array_equal(per_ps[0][(2, 1)], [[6, 7], [8, 9]])
+    for joined, original in zip(layout.join(per_ps), host):
+        np.testing.assert_array_equal(joined, original)
+
+
+def test_updates_are_differences_and_only_what_changed():
+    layout, leaves, _ = _layout(1, None)
+    old = [variables.host_value(leaf) for leaf in leaves]
+    new = [old[0], old[1] + 3, old[2] - 0.5]  # bias unchanged, count + 3, kernel - 0.5
+    updates = layout.updates(old, new)
+    assert updates[0] is None
+    assert updates[1] == 3 and updates[1].dtype == np.int32
+    np.testing.assert_array_equal(updates[2], np.full((5, 2), -0.5, np.float32))
+
+
+def test_prng_keys_travel_as_key_data_and_are_assigned_not_added():
+    rngs = nnx.Rngs(0)
+    _, _, leaves, paths = variables.split_roots((rngs,))
+    layout = variables.Layout(leaves, paths, 1, None)
+    key_leaf = [i for i, leaf in enumerate(leaves) if variables._is_key(leaf)][0]
+    assert layout.additive[key_leaf] is False
+    host = [variables.host_value(leaf) for leaf in leaves]
+    back = layout.device_leaves(host)
+    assert jax.random.key_impl(back[key_leaf]) == jax.random.key_impl(leaves[key_leaf])
+    np.testing.assert_array_equal(jax.random.key_data(back[key_leaf]),
+                                  jax.random.key_data(leaves[key_leaf]))
+
+
+def test_a_partitioner_with_a_wrong_answer_is_named():
+    with pytest.raises(errors.InvalidArgumentError, match=r"returned \[2, 2\] for objects\[0\]"
+                       r"\.kernel of shape \(5, 2\)"):
+        _layout(2, lambda shape, dtype, axis=0: [2] * len(shape))
+
+
+# -- arguments refused before any task starts ----------------------------------------------
+
+def test_tf_config_without_ps_tasks_is_refused():
+    resolver = mirrax.TFConfigClusterResolver(tf_config=json.dumps({
+        "cluster": {"chief": ["localhost:2222"], "worker": ["localhost:2223"]},
+        "task": {"type": "chief", "index": 0}}))
+    with pytest.raises(errors.InvalidArgumentError, match="has no 'ps' tasks"):
+        mirrax.ParameterServerStrategy(resolver)
+
+
+def test_cluster_resolver_of_the_wrong_type():
+    with pytest.raises(errors.InvalidArgumentTypeError, match="received str"):
+        mirrax.ParameterServerStrategy("localhost:6379")
+    with pytest.raises(errors.InvalidArgumentTypeError, match="variable_partitioner must be"):
+        mirrax.ParameterServerStrategy(mirrax.RayClusterResolver(1, 1), variable_partitioner=2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_workers": 0, "num_ps": 1}, "num_workers must be an int >= 1; received 0"),
+    ({"num_workers": 1, "num_ps": 1.5}, "num_ps must be an int >= 1; received 1.5"),
+    ({"num_workers": 1, "num_ps": 1, "num_cpus_per_worker": -1}, "num_cpus_per_worker"),
+    ({"num_workers": 1, "num_ps": 1, "address": 6379}, "address must be None"),
+])
+def test_ray_cluster_resolver_bad_arguments(kwargs, match):
+    with pytest.raises((errors.InvalidArgumentError, errors.InvalidArgumentTypeError), match=match):
+        mirrax.RayClusterResolver(**kwargs)
+
+
+def test_coordinator_needs_a_parameter_server_strategy():
+    with pytest.raises(errors.InvalidArgumentTypeError, match="received MirroredStrategy"):
+        mirrax.ClusterCoordinator(mirrax.MirroredStrategy(["cpu:0"]))

@@ -1,0 +1,349 @@
+"""ParameterServerStrategy and ClusterCoordinator on a local Ray cluster started by this
+module (and stopped at its end): scheduling, convergence, equality with MirroredStrategy,
+checkpoints both ways, errors, bad input, and the failures of issue 16 (a killed worker, a
+killed parameter server). Workers run with one CPU device each."""
+
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from mirrax import errors
+
+ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
+
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    # One local cluster for the module; each strategy below starts its own actors on it.
+    resolver = mirrax.RayClusterResolver(num_workers=6, num_ps=6)
+    resolver.connect()
+    yield
+    resolver.shutdown()
+
+
+def _strategy(num_workers, num_ps, partitioner=None):
+    return mirrax.ParameterServerStrategy(
+        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner)
+
+
+def _within(seconds, fn):
+    """fn() run in a thread; fails (never hangs) when it takes longer than `seconds`."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"did not return within {seconds} s"
+    box["seconds"] = time.monotonic() - start
+    return box
+
+
+class Line(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros((1,)))
+        self.b = nnx.Param(jnp.zeros((1,)))
+
+    def __call__(self, x):
+        return x * self.w + self.b
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class Counter(nnx.Module):
+    def __init__(self):
+        self.n = nnx.Variable(jnp.zeros((), jnp.int32))
+
+
+def line_batches(ctx):
+    rng = np.random.default_rng(ctx.input_pipeline_id)
+    while True:
+        x = rng.uniform(-1, 1, (16, 1)).astype(np.float32)
+        yield x, 3 * x + 2
+
+
+def sgd_step(model, optimizer, batch):
+    x, y = batch
+
+    def loss_fn(m):
+        return mirrax.compute_average_loss(jnp.mean((m(x) - y) ** 2, axis=-1))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+# -- a shared strategy from TF_CONFIG: one worker, one parameter server -----------------------
+
+@pytest.fixture(scope="module")
+def small():
+    tf_config = {"cluster": {"chief": ["localhost:2222"], "worker": ["localhost:2223"],
+                             "ps": ["127.0.0.1:2224"]}, "task": {"type": "chief", "index": 0}}
+    strategy = mirrax.ParameterServerStrategy(
+        mirrax.TFConfigClusterResolver(tf_config=json.dumps(tf_config)))
+    yield strategy, mirrax.ClusterCoordinator(strategy)
+    strategy.shutdown()
+
+
+def test_tf_config_tasks_become_ray_actors(small):
+    strategy, coordinator = small
+    assert len(strategy.extended.cluster.workers) == 1
+    assert strategy.extended.parameter_devices == ("/job:ps/replica:0/task:0/device:CPU:0",)
+    assert mirrax.ClusterCoordinator(strategy) is coordinator  # one coordinator per strategy
+    value = coordinator.schedule(os.getpid)
+    assert value.fetch() in strategy.extended.cluster.worker_pids
+
+
+def test_an_error_surfaces_at_join_with_its_traceback_and_later_schedules_work(small):
+    strategy, coordinator = small
+
+    def failing_function(x):
+        raise ValueError(f"boom {x}")
+
+    def slow():
+        time.sleep(0.2)
+        return 1
+
+    failed = coordinator.schedule(failing_function, args=(7,))
+    queued = [coordinator.schedule(slow) for _ in range(3)]
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], ValueError) and str(result["error"]) == "boom 7"
+    assert "in failing_function" in str(result["error"].__cause__)
+    with pytest.raises(ValueError, match="boom 7"):
+        failed.fetch()
+    # One worker: the three queued behind the error never started, and were cancelled.
+    for value in queued:
+        with pytest.raises(errors.CancelledFunctionError, match="an earlier one failed"):
+            value.fetch()
+    assert coordinator.schedule(slow).fetch() == 1
+    assert coordinator.done() in (True, False)
+    coordinator.join()
+
+
+def test_bad_scheduled_arguments_are_named(small):
+    strategy, coordinator = small
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"args\[1\] \(a lock\) cannot be sent to a worker"):
+        coordinator.schedule(lambda a, b: a, args=(1, threading.Lock()))
+    generator = (i for i in range(3))
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"create_per_worker_dataset\(dataset_fn\) and pass"):
+        coordinator.schedule(lambda it: next(it), args=(generator,))
+    distributed = mirrax.MirroredStrategy(["cpu:0"]).experimental_distribute_dataset(
+        [np.zeros((2, 1))])
+    with pytest.raises(errors.InvalidArgumentTypeError, match="DistributedDataset"):
+        coordinator.schedule(lambda d: d, args=(distributed,))
+    with pytest.raises(errors.UnsupportedArgumentError, match="pass it to coordinator.schedule"):
+        next(iter(coordinator.create_per_worker_dataset(lambda: [np.zeros((2, 1))])))
+    with pytest.raises(errors.InvalidArgumentTypeError, match="fn must be callable"):
+        coordinator.schedule(3)
+    with pytest.raises(errors.InvalidArgumentTypeError, match="dataset_fn must be a function"):
+        coordinator.create_per_worker_dataset([np.zeros((2, 1))])
+    with pytest.raises(errors.UnsupportedArgumentError, match="runs on the workers"):
+        strategy.run(lambda: 1)
+    with pytest.raises(errors.UnsupportedArgumentError, match="create_per_worker_dataset"):
+        strategy.experimental_distribute_dataset([np.zeros((2, 1))])
+    assert coordinator.schedule(lambda: 5).fetch() == 5  # nothing was queued by the refusals
+
+
+# -- convergence and equality ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair():
+    strategy = _strategy(num_workers=2, num_ps=2)
+    yield strategy, mirrax.ClusterCoordinator(strategy)
+    strategy.shutdown()
+
+
+def test_linear_regression_converges_with_two_workers_and_two_servers(pair):
+    strategy, coordinator = pair
+    model = Line()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    iterator = iter(coordinator.create_per_worker_dataset(line_batches))
+
+    def step(iterator):
+        loss = strategy.run(sgd_step, args=(model, optimizer, next(iterator)))
+        return strategy.reduce("sum", loss)
+
+    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(150)]
+    coordinator.join()
+    # y = 3x + 2 exactly, so SGD's fixed point is (3, 2); 150 steps of 0.1 get within 0.05.
+    assert abs(float(model.w[...][0]) - 3) < 0.05 and abs(float(model.b[...][0]) - 2) < 0.05
+    assert losses[-1].fetch() < 1e-3
+    placement = strategy.extended.variable_placement()
+    assert {ps for shards in placement.values() for ps, _ in shards} == {0, 1}
+    # Staleness: pushes by the other worker between a function's pull and its push.
+    assert len(coordinator.update_staleness) >= 150
+    assert min(coordinator.update_staleness) >= 0
+
+
+def test_one_synchronous_worker_equals_mirrored_strategy(tmp_path):
+    """One worker, each step fetched before the next: no staleness, so the steps are
+    MirroredStrategy's, cut over two parameter servers by a partitioner. Within 1e-5 because
+    the parameter servers add new - pulled to pulled, a rounding of its own per step."""
+    strategy = _strategy(num_workers=1, num_ps=2,
+                         partitioner=mirrax.partitioners.FixedShardsPartitioner(2))
+    try:
+        coordinator = mirrax.ClusterCoordinator(strategy)
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(8, 4)).astype(np.float32),
+                    rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(10)]
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+        iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches)))
+
+        def step(iterator):
+            return strategy.reduce("sum", strategy.run(
+                sgd_step, args=(model, optimizer, next(iterator))))
+
+        ps_losses = [float(coordinator.schedule(step, args=(iterator,)).fetch()) for _ in batches]
+        coordinator.join()
+        kernel = strategy.extended.variable_placement()["objects[0].hidden.kernel"]
+        assert kernel == [(0, 2), (1, 2)]  # 4 rows in two shards, on both servers
+
+        mirrored = mirrax.MirroredStrategy(["cpu:0"])
+        twin = MLP(nnx.Rngs(0))
+        twin_optimizer = nnx.Optimizer(twin, optax.adam(0.01), wrt=nnx.Param)
+        twin_losses = []
+        for batch in mirrored.experimental_distribute_dataset(batches):
+            loss = mirrored.run(sgd_step, args=(twin, twin_optimizer, batch))
+            twin_losses.append(float(mirrored.reduce("sum", loss)))
+        np.testing.assert_allclose(ps_losses, twin_losses, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax_leaves(model), jax_leaves(twin)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+        # A checkpoint saved on the coordinator holds the parameter servers' values and
+        # restores into a MirroredStrategy model, and the other way round.
+        mirrax.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "ps")
+        fresh = MLP(nnx.Rngs(5))
+        fresh_optimizer = nnx.Optimizer(fresh, optax.adam(0.01), wrt=nnx.Param)
+        mirrax.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(tmp_path / "ps")
+        for a, b in zip(jax_leaves(fresh), jax_leaves(twin)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert int(fresh_optimizer.step[...]) == 10
+
+        other = MLP(nnx.Rngs(9))
+        mirrax.Checkpoint(model=other).save(tmp_path / "mirrored")
+        mirrax.Checkpoint(model=model).restore(tmp_path / "mirrored")
+        remote_kernel = coordinator.schedule(lambda: model.out.kernel[...]).fetch()
+        np.testing.assert_array_equal(remote_kernel, np.asarray(other.out.kernel[...]))
+    finally:
+        strategy.shutdown()
+
+
+def jax_leaves(module):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(module, nnx.Param))]
+
+
+import jax  # noqa: E402
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
+    strategy, coordinator = pair
+    counter = Counter()
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: ({"k": np.array([k])} for k in itertools.count())))
+
+    def count(iterator):
+        batch = strategy.experimental_local_results(next(iterator))[0]
+        time.sleep(0.1)
+        counter.n.value = counter.n.value + 1
+        return os.getpid(), int(batch["k"][0])
+
+    started = set(strategy.extended.cluster.worker_pids)
+    victim = coordinator.schedule(os.getpid).fetch()
+    values = [coordinator.schedule(count, args=(iterator,)) for _ in range(40)]
+    while sum(v._ready.is_set() for v in values) < 6:
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGKILL)
+    result = _within(120, coordinator.join)
+    assert "error" not in result, result.get("error")
+    answers = [v.fetch() for v in values]  # every function completed
+    # At least once: a function whose worker died after its push counts twice.
+    assert int(counter.n[...]) >= 40
+    for _ in range(60):  # until the restarted worker (a new process) has run some
+        if any(pid not in started for pid, _ in answers):
+            break
+        answers.append(coordinator.schedule(count, args=(iterator,)).fetch())
+    # It built its dataset again: its functions, in the order it took them, read k = 0, 1, ...
+    restarted = [k for pid, k in answers if pid not in started]
+    assert restarted and restarted == list(range(len(restarted)))
+    coordinator.join()
+
+
+def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path):
+    strategy = _strategy(num_workers=1, num_ps=2)
+    model = Line()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    try:
+        coordinator = mirrax.ClusterCoordinator(strategy)
+        iterator = iter(coordinator.create_per_worker_dataset(line_batches))
+
+        def step(iterator):
+            strategy.run(sgd_step, args=(model, optimizer, next(iterator)))
+
+        for _ in range(20):
+            coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        mirrax.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "ckpt")
+        saved = (float(model.w[...][0]), float(model.b[...][0]))
+        os.kill(strategy.extended.cluster.ps_pids[1], signal.SIGKILL)
+        for _ in range(20):
+            coordinator.schedule(step, args=(iterator,))
+        result = _within(60, coordinator.join)
+        assert isinstance(result["error"], errors.LostParameterServerError)
+        assert "restore the last checkpoint" in str(result["error"])
+        with pytest.raises(errors.LostParameterServerError):
+            coordinator.done()
+        with pytest.raises(errors.LostParameterServerError):
+            coordinator.schedule(step, args=(iterator,))
+    finally:
+        strategy.shutdown()
+
+    strategy = _strategy(num_workers=1, num_ps=2)
+    try:
+        coordinator = mirrax.ClusterCoordinator(strategy)
+        model = Line()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        mirrax.Checkpoint(model=model, optimizer=optimizer).restore(tmp_path / "ckpt")
+        iterator = iter(coordinator.create_per_worker_dataset(line_batches))
+        first = coordinator.schedule(lambda: (float(model.w[...][0]), float(model.b[...][0])))
+        assert first.fetch() == saved  # the new servers start from the checkpoint
+
+        def step(iterator):
+            strategy.run(sgd_step, args=(model, optimizer, next(iterator)))
+
+        for _ in range(130):
+            coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        assert int(optimizer.step[...]) == 150
+        assert abs(float(model.w[...][0]) - 3) < 0.05 and abs(float(model.b[...][0]) - 2) < 0.05
+    finally:
+        strategy.shutdown()
