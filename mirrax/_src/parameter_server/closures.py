@@ -10,6 +10,11 @@ import threading
 from mirrax import errors
 
 
+class WorkerConstant:
+    """Base of objects a scheduled function uses that never change once made (a `Model`'s
+    compiled steps): sent to each worker once, not with every function, and cached there."""
+
+
 class Closure:
     """One scheduled function: its pickled (fn, args, kwargs) and its RemoteValue."""
 

@@ -9,10 +9,12 @@ their process dies.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
 import time
+import weakref
 
 from mirrax import errors
 from mirrax._src.distribute.cluster import ClusterResolver
@@ -20,6 +22,16 @@ from mirrax._src.parameter_server import actors
 
 # Seconds to wait for every actor of a new strategy to start (a worker imports JAX).
 START_TIMEOUT_S = 180.0
+
+# Every started cluster, stopped before Ray shuts down (a thread that calls Ray after
+# `ray.shutdown()` makes Ray end the process with exit code 1).
+_live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stops every live cluster's threads and actors (before `ray.shutdown()`, and at exit)."""
+    for cluster in list(_live):
+        cluster.stop()
 
 
 def import_ray():
@@ -103,8 +115,10 @@ class RayClusterResolver:
         return ray
 
     def shutdown(self) -> None:
-        """Stops the local Ray cluster this resolver started (nothing otherwise)."""
+        """Stops every ParameterServerStrategy's actors and threads, then the local Ray
+        cluster this resolver started (nothing more otherwise)."""
         if self._started_here:
+            stop_all()
             import_ray().shutdown()
             self._started_here = False
 
@@ -199,6 +213,14 @@ class Cluster:
         self.ps_pids = self._wait("parameter server", self.parameter_servers)
         self.worker_pids = self._wait("worker", self.workers, self.parameter_servers)
         self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
+        # What stop() calls before killing the actors (to stop the threads that use them) and
+        # after (to wait for those threads): the coordinator's.
+        self.before_stop: list = []
+        self.after_stop: list = []
+        self._stopped = False
+        if not _live:
+            atexit.register(stop_all)  # after ray.init's own exit hook, so it runs before it
+        _live.add(self)
 
     @staticmethod
     def _wait(kind: str, handles: list, servers: list | None = None) -> list:
@@ -220,9 +242,17 @@ class Cluster:
                 f"ParameterServerStrategy: a {kind} task failed to start: {e}") from None
 
     def stop(self) -> None:
+        """Kills the actors and waits for the threads that use them (once)."""
+        if self._stopped:
+            return
+        self._stopped = True
         ray = import_ray()
+        for stop in self.before_stop:
+            stop()
         for handle in self.workers + self.parameter_servers:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        for wait in self.after_stop:
+            wait()

@@ -23,7 +23,7 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute.input import DistributedInput, DistributedIterator
 from mirrax._src.parameter_server import serialization
-from mirrax._src.parameter_server.closures import Closure, Queue
+from mirrax._src.parameter_server.closures import Closure, Queue, WorkerConstant
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.parameter_server.remote_values import (
     PerWorkerDataset,
@@ -80,6 +80,9 @@ class ClusterCoordinator:
         self._datasets: dict = {}  # dataset id -> pickled dataset_fn
         self._dataset_ids = itertools.count()
         self._sent_version = [None] * len(self._cluster.workers)
+        self._constants: dict = {}  # id -> (the object, kept alive; its pickled bytes)
+        self._constants_lock = threading.Lock()
+        self._sent_constants = [set() for _ in self._cluster.workers]
         self._lost_workers: set = set()
         self._register_lock = threading.Lock()
         self.update_staleness: list = []
@@ -90,6 +93,8 @@ class ClusterCoordinator:
                                               name="mirrax-ps-health"))
         for thread in self._threads:
             thread.start()
+        self._cluster.before_stop.append(self._stop_threads)
+        self._cluster.after_stop.append(self._join_threads)
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -111,6 +116,10 @@ class ClusterCoordinator:
         """
         with self._queue.cond:
             self._queue.raise_if_error()
+            if self._queue.stopped:
+                raise errors.UnsupportedArgumentError(
+                    "ClusterCoordinator.schedule: the strategy was shut down "
+                    "(strategy.shutdown()); make a new strategy and coordinator.")
         if not callable(fn):
             raise errors.InvalidArgumentTypeError(
                 f"ClusterCoordinator.schedule: fn must be callable; received {type(fn).__name__}.")
@@ -131,9 +140,15 @@ class ClusterCoordinator:
         new_roots: list = []
         base = self._store.count
 
-        def token_of(obj):
+        def token_of(obj, top=None):
             if obj is self.strategy:
                 return ("strategy",)
+            if isinstance(obj, WorkerConstant) and obj is not top:
+                if id(obj) not in self._constants:
+                    data = serialization.dumps(obj, lambda o: token_of(o, top=obj))
+                    with self._constants_lock:
+                        self._constants[id(obj)] = (obj, data)
+                return ("constant", id(obj))
             if isinstance(obj, PerWorkerIterator):
                 _check_mine(self, obj.coordinator, "a PerWorkerIterator")
                 return ("iterator", obj.iterator_id, obj.dataset_id)
@@ -260,13 +275,17 @@ class ClusterCoordinator:
                 f"({type(e).__name__}: {e}). Build the dataset inside the function.") from None
         dataset_id = next(self._dataset_ids)
         ray = import_ray()
-        live = [w for w in range(len(self._cluster.workers)) if w not in self._lost_workers]
-        refs = [self._cluster.workers[w].create_dataset.remote(dataset_id, data) for w in live]
-        try:
-            ray.get(refs)
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+        # Registered first: a worker that is restarting now gets it when it is back.
         self._datasets[dataset_id] = data
+        live = [w for w in range(len(self._cluster.workers)) if w not in self._lost_workers]
+        for ref in [self._cluster.workers[w].create_dataset.remote(dataset_id, data) for w in live]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                del self._datasets[dataset_id]
+                raise e.as_instanceof_cause() from None
+            except ray.exceptions.RayActorError:
+                pass  # dead or restarting: its dispatcher creates the datasets when it is back
         return PerWorkerDataset(self, dataset_id)
 
     # -- the dispatcher threads -----------------------------------------------------------
@@ -282,6 +301,9 @@ class ClusterCoordinator:
                        "structure": None}
             if self._sent_version[w] != self._store.version:
                 payload["structure"] = self._store.structure()
+            with self._constants_lock:
+                payload["constants"] = {key: data for key, (_, data) in self._constants.items()
+                                        if key not in self._sent_constants[w]}
             try:
                 answer = ray.get(worker.run.remote(payload))
             except ray.exceptions.RayActorError:
@@ -295,6 +317,7 @@ class ClusterCoordinator:
                 self._queue.fail_all(e)
                 return
             self._sent_version[w] = payload["version"]
+            self._sent_constants[w].update(payload["constants"])
             self._settle(closure, answer)
 
     def _settle(self, closure: Closure, answer: tuple) -> None:
@@ -321,17 +344,20 @@ class ClusterCoordinator:
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         while time.monotonic() < deadline and not self._queue.stopped:
             try:
-                ray.get(worker.attach.remote(self._cluster.parameter_servers), timeout=10)
+                pid = ray.get(worker.attach.remote(self._cluster.parameter_servers), timeout=10)
+                self._cluster.worker_pids[w] = pid
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 time.sleep(0.2)
         else:
             return self._give_up(w)
         try:
-            ray.get([worker.create_dataset.remote(i, data) for i, data in self._datasets.items()])
+            ray.get([worker.create_dataset.remote(i, data)
+                     for i, data in list(self._datasets.items())])
         except ray.exceptions.RayError:
             return self._recover(w) if time.monotonic() < deadline else self._give_up(w)
         self._sent_version[w] = None
+        self._sent_constants[w] = set()
         return True
 
     def _give_up(self, w: int) -> bool:
@@ -354,16 +380,20 @@ class ClusterCoordinator:
                     "a parameter server did not answer a health check within 30 s"))
                 return
             except ray.exceptions.RayActorError as e:
-                self._queue.fail_all(self.strategy.extended.lost_server(
-                    f"a parameter server died: {e}"))
+                if not self._queue.stopped:  # not killed by shutdown()
+                    self._queue.fail_all(self.strategy.extended.lost_server(
+                        f"a parameter server died: {e}"))
                 return
             time.sleep(HEALTH_CHECK_PERIOD_S)
 
-    def shutdown(self) -> None:
-        """Stops the dispatcher threads (mirrax's own; `strategy.shutdown()` calls it)."""
+    def _stop_threads(self) -> None:
         with self._queue.cond:
             self._queue.stopped = True
             self._queue.cond.notify_all()
+
+    def _join_threads(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=30)
 
 
 def _check_mine(coordinator, owner, what: str) -> None:

@@ -146,9 +146,7 @@ class ParameterServerStrategy(Strategy):
                              "that dataset_fn to create_per_worker_dataset directly.")
 
     def shutdown(self) -> None:
-        """Stops the coordinator's threads and kills the strategy's Ray actors (mirrax's own;
-        a local Ray cluster stays up until its resolver's `shutdown()`)."""
-        coordinator = self.extended.coordinator
-        if coordinator is not None:
-            coordinator.shutdown()
+        """Kills the strategy's Ray actors and stops its coordinator's threads (mirrax's own;
+        also done at exit, and by the resolver's `shutdown()`, which then stops a local Ray
+        cluster it started). Scheduling afterwards is an error."""
         self._cluster.stop()

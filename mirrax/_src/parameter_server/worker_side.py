@@ -63,6 +63,8 @@ class WorkerState:
         self.version = None
         self.structure = None  # (graphdef, treedef, layout) of the held objects
         self.roots = None
+        self.constant_bytes: dict = {}
+        self.constants: dict = {}  # unpickled on first use, against the current roots
 
     def create_dataset(self, dataset_id: int, dataset_fn: bytes) -> None:
         fn = serialization.loads(dataset_fn, self._resolve)
@@ -83,6 +85,11 @@ class WorkerState:
             return self._iterator(token[1], token[2])
         if kind == "dataset":
             return self.datasets[token[1]]
+        if kind == "constant":
+            if token[1] not in self.constants:
+                self.constants[token[1]] = serialization.loads(
+                    self.constant_bytes[token[1]], self._resolve)
+            return self.constants[token[1]]
         raise errors.InvalidArgumentError(f"unknown token {token!r}")
 
     def _call_servers(self, method: str, *per_server_args) -> list:
@@ -107,6 +114,8 @@ class WorkerState:
             self.structure = serialization.loads(payload["structure"])
             self.version = payload["version"]
             self.roots = None
+            self.constants = {}
+        self.constant_bytes.update(payload["constants"])
         try:
             return self._run(payload)
         except LostParameterServer as e:

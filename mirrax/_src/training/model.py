@@ -25,6 +25,7 @@ from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import loops, mixed_precision
+from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training import weights as weights_lib
@@ -55,14 +56,11 @@ class Model:
         self.optimizer: optimizers.OptimizerHandle | None = None
         self.loss = None
         self.metrics: list = []
-        self.stop_training = False
-        self.history = None
+        self.stop_training, self.history = False, None
         self.distribute_strategy = None
         # As Keras, a model made under a strategy's scope belongs to it (compile uses it).
         self._scope_strategy = get_strategy() if has_strategy() else None
-        self.steps_per_execution = None
-        self.gradient_accumulation_steps = None
-        self.dtype_policy = None
+        self.steps_per_execution = self.gradient_accumulation_steps = self.dtype_policy = None
         # The compiled steps and their state (steps.CompiledState); None until compile.
         self._compiled: steps_lib.CompiledState | None = None
         self._binding = steps_lib.StepBinding()  # the replica's objects while a step is traced
@@ -232,11 +230,10 @@ class Model:
           UnsupportedArgumentError: always; the message names what to use instead.
         """
         raise errors.UnsupportedArgumentError(
-            f"Model.save({filepath!r}): mirrax writes no .keras archive. Use "
-            "model.save_weights(path) for the weights, mirrax.Checkpoint(model=model).save(path) "
-            "for weights and optimizer state, or mirrax.export(model, path, input_signature) for "
-            "a program that serves without the model's code."
-        )
+            f"Model.save({filepath!r}): mirrax writes no .keras archive. Use model.save_weights("
+            "path) for the weights, mirrax.Checkpoint(model=model).save(path) for weights and "
+            "optimizer state, or mirrax.export(model, path, input_signature) for a program that "
+            "serves without the model's code.")
 
     def set_weights(self, weights) -> None:
         """Sets the module's variables from `get_weights()`-ordered arrays (shapes must match).
@@ -322,10 +319,13 @@ class Model:
           IncompatibleInputError: the inputs' shapes do not fit the model or the loss.
           EmptyDatasetError: the training (or validation) input yields no batch.
           UnsupportedArgumentError: class_weight with a distributed dataset.
+
+        Under a ParameterServerStrategy each step runs on a free worker: x is arrays or a
+        dataset function, steps_per_epoch is required (docs/parameter_server.md, "fit").
         """
         self._check_compiled("fit")
-        return loops.fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
-
+        fit = ps_loops.fit if ps_loops.is_parameter_server(self.distribute_strategy) else loops.fit
+        return fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
 
     # -- evaluate / predict ----------------------------------------------------------------------
 
@@ -346,7 +346,8 @@ class Model:
           shapes that do not fit the model. EmptyDatasetError: the input yields no batch.
         """
         self._check_compiled("evaluate")
-        return loops.evaluate(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
+        return (ps_loops.evaluate if ps_loops.is_parameter_server(self.distribute_strategy)
+                else loops.evaluate)(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """The module's outputs for every example, in input order, as NumPy (as `keras.Model.predict`).
@@ -365,6 +366,8 @@ class Model:
         """
         self._check_scope("predict")
         strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
+        if ps_loops.is_parameter_server(strategy):
+            strategy = ps_loops.predict_strategy(strategy)
         if self._compiled is not None:
             predict_fn, checked = self._compiled.predict_fn, self._compiled.checked_inputs
         else:
