@@ -127,6 +127,10 @@ def test_tf_config_tasks_become_ray_actors(small):
     assert mirrax.ClusterCoordinator(strategy) is coordinator  # one coordinator per strategy
     value = coordinator.schedule(os.getpid)
     assert value.fetch() in strategy.extended.cluster.worker_pids
+    # A RemoteValue argument is passed on as its value; fetch() maps over structures.
+    three = coordinator.schedule(lambda: np.float32(3))
+    six = coordinator.schedule(lambda v: v * 2, args=(three,))
+    assert coordinator.fetch({"six": six, "plain": 1}) == {"six": 6.0, "plain": 1}
 
 
 def test_an_error_surfaces_at_join_with_its_traceback_and_later_schedules_work(small):

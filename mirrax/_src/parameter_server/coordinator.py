@@ -103,7 +103,8 @@ class ClusterCoordinator:
 
         As `ClusterCoordinator.schedule`. The function runs at least once (again, on another
         worker, if its worker dies while running it). NNX objects it reaches (arguments or
-        closure) are held by the parameter servers from their first use.
+        closure) are held by the parameter servers from their first use. A `RemoteValue`
+        argument is passed on as its value (this call waits for it).
 
         Returns:
           A `RemoteValue` of the function's result.
@@ -149,6 +150,9 @@ class ClusterCoordinator:
                     with self._constants_lock:
                         self._constants[id(obj)] = (obj, data)
                 return ("constant", id(obj))
+            if isinstance(obj, RemoteValue):
+                # TF passes a RemoteValue on as its value: wait for it here.
+                return ("value", obj.get())
             if isinstance(obj, PerWorkerIterator):
                 _check_mine(self, obj.coordinator, "a PerWorkerIterator")
                 return ("iterator", obj.iterator_id, obj.dataset_id)

@@ -85,6 +85,8 @@ class WorkerState:
             return self._iterator(token[1], token[2])
         if kind == "dataset":
             return self.datasets[token[1]]
+        if kind == "value":
+            return token[1]
         if kind == "constant":
             if token[1] not in self.constants:
                 self.constants[token[1]] = serialization.loads(
