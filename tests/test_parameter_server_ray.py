@@ -185,6 +185,33 @@ def test_bad_scheduled_arguments_are_named(small):
     assert coordinator.schedule(lambda: 5).fetch() == 5  # nothing was queued by the refusals
 
 
+def test_values_assigned_on_the_coordinator_reach_the_servers(small):
+    strategy, coordinator = small
+    model = Line()
+    assert coordinator.schedule(lambda: float(model.w[...][0])).fetch() == 0.0  # held now
+    model.w.set_value(jnp.array([5.0]))  # as set_weights or EarlyStopping's restore would
+    coordinator.join()  # reads the servers' values back, after writing the assigned one
+    assert float(model.w[...][0]) == 5.0
+    assert coordinator.schedule(lambda: float(model.w[...][0])).fetch() == 5.0
+
+
+def test_a_function_sent_again_is_the_same_function_on_the_worker(small):
+    """A function pickled by value (a closure, a lambda, a script's function) is unpickled
+    once per worker, so `strategy.run` there compiles it once, not once per schedule."""
+    strategy, coordinator = small
+
+    def replica_fn(x):
+        return x * 2
+
+    def step():
+        out = strategy.run(replica_fn, args=(np.ones(1, np.float32),))
+        return id(replica_fn), float(strategy.reduce("mean", out)[0])
+
+    answers = [coordinator.schedule(step).fetch() for _ in range(3)]
+    assert len({identity for identity, _ in answers}) == 1
+    assert [value for _, value in answers] == [2.0, 2.0, 2.0]
+
+
 # -- convergence and equality ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -372,7 +399,7 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     def count(iterator):
         batch = strategy.experimental_local_results(next(iterator))[0]
         time.sleep(0.1)
-        counter.n.value = counter.n.value + 1
+        counter.n[...] = counter.n[...] + 1
         return os.getpid(), int(batch["k"][0])
 
     started = set(_live_pids(strategy))

@@ -557,6 +557,13 @@ def test_recompiling_one_function_again_and_again_warns():
             strategy.run(step, args=(np.ones(2, np.float32), value))
 
 
+def test_a_function_defined_anew_every_call_warns_as_one_function():
+    strategy = mirrored(2)
+    with pytest.warns(UserWarning, match=r"compiled <lambda> 6 times.*defined anew for every call"):
+        for _ in range(6):  # six function objects of one code: six programs
+            strategy.run(lambda x: x * 3, args=(np.ones(2, np.float32),))
+
+
 def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():
     strategy = mirrored(4)
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))

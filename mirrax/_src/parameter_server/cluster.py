@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 import weakref
 
 from mirrax import errors
@@ -105,13 +106,17 @@ class RayClusterResolver:
         """Starts or joins the Ray cluster (once); returns the `ray` module."""
         ray = import_ray()
         if not ray.is_initialized():
-            if self.address is None:
-                needed = self.num_workers * max(1, self.num_cpus_per_worker) + self.num_ps
-                ray.init(num_cpus=max(int(needed), os.cpu_count() or 1),
-                         include_dashboard=False, configure_logging=False)
-                self._started_here = True
-            else:
-                ray.init(address=self.address, include_dashboard=False)
+            with warnings.catch_warnings():
+                # JAX warns at every fork; Ray forks only to exec its own programs at once.
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                        category=RuntimeWarning)
+                if self.address is None:
+                    needed = self.num_workers * max(1, self.num_cpus_per_worker) + self.num_ps
+                    ray.init(num_cpus=max(int(needed), os.cpu_count() or 1),
+                             include_dashboard=False, configure_logging=False)
+                    self._started_here = True
+                else:
+                    ray.init(address=self.address, include_dashboard=False)
         return ray
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ are cancelled), as TF; a lost parameter server is raised by every later call.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -141,15 +142,25 @@ class ClusterCoordinator:
         new_roots: list = []
         base = self._store.count
 
-        def token_of(obj, top=None):
+        pickling: list = []  # the functions and constants being pickled now, outermost first
+
+        def token_of(obj):
             if obj is self.strategy:
                 return ("strategy",)
-            if isinstance(obj, WorkerConstant) and obj is not top:
+            if any(obj is busy for busy in pickling):
+                return None  # pickled inline (cloudpickle's memo handles the recursion)
+            if isinstance(obj, WorkerConstant):
                 if id(obj) not in self._constants:
-                    data = serialization.dumps(obj, lambda o: token_of(o, top=obj))
+                    data = _dumps_nested(obj, token_of, pickling)
                     with self._constants_lock:
                         self._constants[id(obj)] = (obj, data)
                 return ("constant", id(obj))
+            if isinstance(obj, types.FunctionType):
+                # By content: the worker keeps the function it unpickled for these bytes, so
+                # a function sent again is the same object there and `strategy.run` reuses
+                # its compiled program instead of compiling one per scheduled function.
+                data = _dumps_nested(obj, token_of, pickling)
+                return ("function", hashlib.sha256(data).digest(), data)
             if isinstance(obj, RemoteValue):
                 # TF passes a RemoteValue on as its value: wait for it here.
                 return ("value", obj.get())
@@ -181,12 +192,12 @@ class ClusterCoordinator:
                     "its arguments are pickled: pass arrays, numbers, NNX objects and "
                     "per-worker iterators, and create other objects inside the function."
                 ) from None
-            self._store.check_not_structure_changed()
             if new_roots:
+                self._store.check_not_structure_changed()
                 self._drain()
                 self._store.add(new_roots)
             else:
-                self._store.write_assigned()
+                self._store.write_assigned()  # also refuses a changed structure
         return payload
 
     def _drain(self) -> None:
@@ -398,6 +409,15 @@ class ClusterCoordinator:
     def _join_threads(self) -> None:
         for thread in self._threads:
             thread.join(timeout=30)
+
+
+def _dumps_nested(obj, token_of, pickling: list) -> bytes:
+    """`obj` pickled on its own (its own token's payload), `token_of` applied inside it."""
+    pickling.append(obj)
+    try:
+        return serialization.dumps(obj, token_of)
+    finally:
+        pickling.pop()
 
 
 def _check_mine(coordinator, owner, what: str) -> None:

@@ -89,11 +89,17 @@ class VariableStore:
                 _stores[root] = self
 
     def write_assigned(self) -> None:
-        """Writes the values the user replaced on the coordinator to the parameter servers."""
+        """Writes the values the user replaced on the coordinator to the parameter servers.
+
+        Raises:
+          UnsupportedArgumentError: a held object's variables were added or removed.
+        """
         with self._lock:
             if not self._holdings.roots:
                 return
-            assigned = self._holdings.assigned()
+            leaves = self._holdings.current_leaves()
+            self._check_count(leaves)
+            assigned = self._holdings.assigned(leaves)
             if all(a is None for a in assigned):
                 return
             per_server = self._holdings.layout.split(assigned)
@@ -101,10 +107,12 @@ class VariableStore:
             self._holdings.mark_seen()
 
     def refresh(self) -> None:
-        """Reads every held value from the parameter servers into the coordinator's objects."""
+        """Reads every held value from the parameter servers into the coordinator's objects
+        (after writing the values the user assigned there, which would be lost otherwise)."""
         with self._lock:
             if not self._holdings.roots:
                 return
+            self.write_assigned()
             answers = self._call("pull", [()] * len(self._servers))
             leaves = self._holdings.layout.join([values for _, values in answers])
             self._holdings.write_back(leaves)
@@ -120,9 +128,11 @@ class VariableStore:
         with self._lock:
             if not self._holdings.roots:
                 return
-            leaves = self._holdings.current_leaves()
-            if len(leaves) != len(self._holdings.paths):
-                raise errors.UnsupportedArgumentError(
+            self._check_count(self._holdings.current_leaves())
+
+    def _check_count(self, leaves: list) -> None:
+        if len(leaves) != len(self._holdings.paths):
+            raise errors.UnsupportedArgumentError(
                     "ParameterServerStrategy: the variables of an object it holds changed "
                     f"(it held {len(self._holdings.paths)} arrays, it has {len(leaves)} now). "
                     "Build the model and optimizer completely before the first schedule.")

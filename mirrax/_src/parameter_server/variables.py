@@ -164,9 +164,9 @@ class Holdings:
         _, _, leaves, _ = split_roots(tuple(self.roots))
         return leaves
 
-    def assigned(self) -> list:
-        """The host values of leaves the user replaced since the last sync, None elsewhere."""
-        leaves = self.current_leaves()
+    def assigned(self, leaves: list) -> list:
+        """The host values of `leaves` (the current ones) that the user replaced since the
+        last sync, None elsewhere."""
         return [None if leaf is seen else host_value(leaf)
                 for leaf, seen in zip(leaves, self._seen)]
 

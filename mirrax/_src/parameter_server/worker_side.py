@@ -4,6 +4,7 @@ on the worker's own MirroredStrategy, and push back what the step changed."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 
 import jax
@@ -17,6 +18,10 @@ from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
 from mirrax._src.parameter_server import serialization, variables
 from mirrax._src.parameter_server.actors import PARAMETER_SERVER_TIMEOUT_S, LostParameterServer
+
+
+# Functions kept per worker (by their pickled bytes), the least recently used dropped first.
+FUNCTION_CACHE_SIZE = 256
 
 
 class WorkerStrategy(MirroredStrategy):
@@ -65,6 +70,7 @@ class WorkerState:
         self.roots = None
         self.constant_bytes: dict = {}
         self.constants: dict = {}  # unpickled on first use, against the current roots
+        self.functions: collections.OrderedDict = collections.OrderedDict()  # by content
 
     def create_dataset(self, dataset_id: int, dataset_fn: bytes) -> None:
         fn = serialization.loads(dataset_fn, self._resolve)
@@ -87,6 +93,15 @@ class WorkerState:
             return self.datasets[token[1]]
         if kind == "value":
             return token[1]
+        if kind == "function":
+            _, key, data = token
+            if key in self.functions:
+                self.functions.move_to_end(key)
+            else:
+                self.functions[key] = serialization.loads(data, self._resolve)
+                if len(self.functions) > FUNCTION_CACHE_SIZE:
+                    self.functions.popitem(last=False)
+            return self.functions[key]
         if kind == "constant":
             if token[1] not in self.constants:
                 self.constants[token[1]] = serialization.loads(
@@ -117,6 +132,7 @@ class WorkerState:
             self.version = payload["version"]
             self.roots = None
             self.constants = {}
+            self.functions.clear()  # they may hold the old roots
         self.constant_bytes.update(payload["constants"])
         try:
             return self._run(payload)
@@ -158,8 +174,10 @@ class WorkerState:
                 "submodule). Change their structure on the coordinator, before scheduling.")
         return [variables.host_value(leaf) for leaf in leaves]
 
-    def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int:
+    def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int | None:
         updates = layout.updates(pulled, new)
+        if all(u is None for u in updates):
+            return None  # nothing changed: no push (and no staleness to report)
         adds = layout.split([u if a else None for u, a in zip(updates, layout.additive)])
         assigns = layout.split([None if a else u for u, a in zip(updates, layout.additive)])
         before = self._call_servers("push", *zip(adds, assigns))

@@ -311,14 +311,19 @@ class Runner:
     def _warn_on_retracing(self, call) -> None:
         """Warns, as tf.function does, when one function keeps being compiled anew."""
         counts = self._compile_counts
-        counts[call.fn_key] = counts.get(call.fn_key, 0) + 1
-        if counts[call.fn_key] == _RETRACE_WARNING_AT:
+        # Counted by code, so a function made anew for every call (defined inside the loop,
+        # or unpickled for every scheduled function) is counted as the one it is.
+        key = getattr(call.fn_key, "__code__", call.fn_key)
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] == _RETRACE_WARNING_AT:
             statics = [repr(slot.value) for slot in call.slots if isinstance(slot, StaticSlot)]
             warnings.warn(
                 f"strategy.run has compiled {arguments.fn_name(call.fn)} {_RETRACE_WARNING_AT} "
                 "times. Each new input shape, structure or Python value (compile-time constant) "
                 "makes a new program; this call's Python values: "
                 f"{', '.join(statics) or 'none'}. Pass values that change every step as arrays "
-                "(jnp.int32(step)) and keep batch shapes fixed.",
+                "(jnp.int32(step)) and keep batch shapes fixed. A function defined anew for "
+                "every call (inside the loop or the step) is a new function each time: define "
+                "it once, outside.",
                 stacklevel=5,
             )

@@ -1,0 +1,265 @@
+"""ParameterServerStrategy on a local Ray cluster: steps/s with 1 and 2 workers, and staleness.
+
+Workloads (random data, Adam via `nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)`,
+the step of `models.strategy_run_step`): the MLP 784-256-256-10 at batch 128 and the MLP
+32-64-10 at batch 8, where the host and the RPCs, not the arithmetic, are the step. One local
+Ray cluster serves the run; each `--workers` x `--ps` configuration gets a fresh
+`ParameterServerStrategy` (no partitioner: whole variables dealt round-robin to the servers)
+and `ClusterCoordinator`, each worker with one CPU device. A scheduled function runs one
+`strategy.run(train_step, ...)` on `next(iterator)` of a per-worker dataset (a fixed batch,
+repeated) and returns `strategy.reduce("sum", loss)`. `--warmup` functions per worker are
+scheduled and joined (compilation, the first layout), then `--steps` more: steps/s is steps
+/ (wall time of scheduling them all + join). Staleness (`coordinator.update_staleness`) is
+the number of pushes by other workers between a function's pull and its push, over those
+steps. Then as many `lambda: None` are timed alike: a worker still pulls and pushes the whole
+held state for each, so no-op fn/s is the round trip's ceiling without a step.
+
+`train_step` is a function of this importable module, sent by reference: every scheduled
+function hands the worker's `strategy.run` the same function. `--closure` gives it
+`models.strategy_run_step(batch)`'s closure instead, pickled by value (as any function of a
+script run as `__main__`): a new function object per scheduled function, which `strategy.run`
+(at the time of writing) compiles anew every time.
+
+Reference: the same step and batch in this process on `MirroredStrategy(["cpu:0"])`, each
+step's loss read before the next (as a worker reads each result); "PS / mirrored" is the
+ratio of ms/step.
+
+Usage:
+  python -m benchmarks.parameter_server                      # ~1-2 minutes on 2 cores
+  python -m benchmarks.parameter_server --steps 50 --workers 1 --ps 1 --json out.json
+  python -m benchmarks.parameter_server --workloads small --closure --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import statistics
+import sys
+import time
+
+from benchmarks._harness import env
+
+MODULE = "benchmarks.parameter_server"
+# option name -> (label, model builder in _harness/models.py, input features, batch)
+WORKLOADS = {"mlp": ("MLP 784-256-256-10", "MLP256", 784, 128),
+             "small": ("MLP 32-64-10", "MLP", 32, 8)}
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+def train_step(model, optimizer, batch):
+    """`models.strategy_run_step(global batch)`'s step, at module level (sent by reference)."""
+    import mirrax
+
+    from benchmarks._harness import models
+
+    x, y = batch
+    global_batch = x.shape[0] * mirrax.get_replica_context().num_replicas_in_sync
+    return models.update(model, optimizer, x, y, lambda per_example: mirrax.compute_average_loss(
+        per_example, global_batch_size=global_batch))
+
+
+def _train_step(args, batch: int):
+    """The function given to `strategy.run`: see the module's docstring."""
+    from benchmarks._harness import models
+
+    if args.closure:
+        return models.strategy_run_step(batch)
+    # Run as `python -m`, this file is `__main__`, whose functions cloudpickle sends by value;
+    # the same file imported under its own name is sent by reference.
+    return importlib.import_module(MODULE).train_step
+
+
+def _counts(parser, flag: str, value: str) -> list:
+    try:
+        counts = sorted({int(n) for n in value.split(",") if n.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        parser.error(f"{flag} must be comma-separated integers >= 1 like 1,2; got {value!r}")
+    return counts
+
+
+def _staleness(values: list) -> dict:
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "max": max(values), "zero_fraction": sum(v == 0 for v in values) / len(values),
+            "count": len(values)}
+
+
+def _timed(coordinator, fn, args, steps: int) -> tuple:
+    """(seconds of scheduling `steps` calls + join, the last RemoteValue, their staleness)."""
+    before = len(coordinator.update_staleness)
+    start = time.perf_counter()
+    values = [coordinator.schedule(fn, args=args) for _ in range(steps)]
+    coordinator.join()
+    seconds = time.perf_counter() - start
+    return seconds, values[-1], coordinator.update_staleness[before:]
+
+
+def _model(builder: str):
+    """The workload's model and its `nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)`."""
+    import optax
+    from flax import nnx
+
+    from benchmarks._harness import models
+
+    model = getattr(models, builder)(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
+    import mirrax
+
+    from benchmarks._harness import models
+
+    label, builder, features, batch = WORKLOADS[key]
+    started = time.perf_counter()
+    strategy = mirrax.ParameterServerStrategy(
+        mirrax.RayClusterResolver(workers, ps, worker_env=ONE_DEVICE))
+    start_s = time.perf_counter() - started
+    try:
+        coordinator = mirrax.ClusterCoordinator(strategy)
+        model, optimizer = _model(builder)
+        step_fn = _train_step(args, batch)
+
+        iterator = iter(coordinator.create_per_worker_dataset(lambda ctx: itertools.repeat(
+            models.random_batch((features,), batch, seed=ctx.input_pipeline_id))))
+
+        def step(iterator):
+            loss = strategy.run(step_fn, args=(model, optimizer, next(iterator)))
+            return strategy.reduce("sum", loss)
+
+        warmup_s, _, _ = _timed(coordinator, step, (iterator,), args.warmup * workers)
+        seconds, last, staleness = _timed(coordinator, step, (iterator,), args.steps)
+        noop_s, _, _ = _timed(coordinator, lambda: None, (), args.steps)
+        row = {"workload": label, "batch": batch, "strategy": "parameter server",
+               "workers": workers, "ps": ps, "steps": args.steps,
+               "steps_per_s": args.steps / seconds, "ms_per_step": 1e3 * seconds / args.steps,
+               "noop_per_s": args.steps / noop_s, "staleness": _staleness(staleness),
+               "start_s": start_s, "warmup_s": warmup_s, "last_loss": float(last.fetch())}
+    finally:
+        strategy.shutdown()
+    s = row["staleness"]
+    env.log(f"  {label}, {workers} worker(s), {ps} ps: {row['steps_per_s']:.1f} steps/s, "
+            f"no-op {row['noop_per_s']:.1f}/s, staleness mean {s['mean']:.2f} max {s['max']} "
+            f"(start {start_s:.1f} s, warm-up {warmup_s:.1f} s)")
+    return row
+
+
+def _mirrored(key: str, args) -> dict:
+    import jax
+    import mirrax
+    from flax import nnx
+
+    from benchmarks._harness import models
+
+    label, builder, features, batch = WORKLOADS[key]
+    strategy = mirrax.MirroredStrategy(["cpu:0"])
+    with strategy.scope():
+        model, optimizer = _model(builder)
+    x, y = models.random_batch((features,), batch, seed=0)
+    iterator = iter(strategy.experimental_distribute_dataset(itertools.repeat((x, y))))
+    step_fn = _train_step(args, batch)
+
+    def step():
+        loss = strategy.run(step_fn, args=(model, optimizer, next(iterator)))
+        return float(strategy.reduce("sum", loss))
+
+    for _ in range(args.warmup):
+        step()
+    start = time.perf_counter()
+    loss = [step() for _ in range(args.steps)][-1]
+    seconds = time.perf_counter() - start
+    iterator.close()
+    env.log(f"  {label}, mirrored cpu:0: {args.steps / seconds:.1f} steps/s")
+    return {"workload": label, "batch": batch, "strategy": "mirrored", "workers": None,
+            "ps": None, "steps": args.steps, "steps_per_s": args.steps / seconds,
+            "ms_per_step": 1e3 * seconds / args.steps, "last_loss": loss,
+            "held_bytes": sum(a.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer))))}
+
+
+def _measure(args) -> dict:
+    import jax
+
+    import mirrax
+
+    # One local Ray cluster for the run, sized for the largest configuration.
+    cluster = mirrax.RayClusterResolver(max(args.worker_counts), max(args.ps_counts))
+    started = time.perf_counter()
+    cluster.connect()
+    env.log(f"Ray started in {time.perf_counter() - started:.1f} s")
+    rows = []
+    try:
+        for key in args.workloads:
+            reference = _mirrored(key, args)
+            rows.append(reference)
+            for workers in args.worker_counts:
+                for ps in args.ps_counts:
+                    row = _parameter_server(key, workers, ps, args)
+                    row["ratio_to_mirrored"] = row["ms_per_step"] / reference["ms_per_step"]
+                    rows.append(row)
+    finally:
+        cluster.shutdown()
+    return {"environment": env.environment(jax.local_devices()[:1]), "rows": rows,
+            "steps": args.steps, "warmup_per_worker": args.warmup, "closure": args.closure}
+
+
+def _markdown(result: dict) -> str:
+    def cells(r):
+        if r["strategy"] == "mirrored":
+            return [r["workload"], r["batch"], "MirroredStrategy(['cpu:0'])",
+                    f"{r['steps_per_s']:.1f}", f"{r['ms_per_step']:.2f}", "1.00", "", "", "", "",
+                    ""]
+        s = r["staleness"]
+        return [r["workload"], r["batch"], f"PS {r['workers']} worker(s), {r['ps']} ps",
+                f"{r['steps_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
+                f"{r['ratio_to_mirrored']:.2f}", f"{r['noop_per_s']:.1f}", f"{s['mean']:.2f}",
+                f"{s['median']:g}", s["max"], f"{s['zero_fraction']:.2f}"]
+
+    lines = env.markdown_table(
+        ["workload", "batch", "strategy", "steps/s", "ms/step", "PS / mirrored",
+         "no-op fn/s", "staleness mean", "median", "max", "fraction 0"],
+        [cells(r) for r in result["rows"]], ["l", "r", "l"] + ["r"] * 8)
+    held = ", ".join(f"{r['workload']} {r['held_bytes'] / 2**20:.2f} MiB"
+                     for r in result["rows"] if r["strategy"] == "mirrored")
+    how = "a closure (--closure)" if result["closure"] else "a module-level function"
+    lines += ["", f"{env.environment_note(result['environment'])} {result['steps']} timed "
+              f"steps per row after {result['warmup_per_worker']} warm-up steps per worker; "
+              "workers (one CPU device each), parameter servers and the coordinator share the "
+              f"host's cores. strategy.run is given {how}. Held state (model and Adam), pulled "
+              f"and pushed (as differences) by every function: {held}. Staleness: pushes by "
+              "other workers between a function's pull and its push."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
+    parser.add_argument("--ps", default="1,2", help="parameter-server counts (default 1,2)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per row (200)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per worker (5)")
+    parser.add_argument("--workloads", default="mlp,small",
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default both)")
+    parser.add_argument("--closure", action="store_true",
+                        help="give strategy.run a closure (pickled by value) instead")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    args = parser.parse_args(argv)
+    args.worker_counts = _counts(parser, "--workers", args.workers)
+    args.ps_counts = _counts(parser, "--ps", args.ps)
+    args.workloads = env.names_option(parser, "--workloads", args.workloads, list(WORKLOADS))
+    if not args.workloads or args.steps < 1 or args.warmup < 1:
+        parser.error("--workloads needs a name; --steps and --warmup must be >= 1")
+    env.check_json_path(args.json)
+    env.configure_jax_environment("cpu", 1)  # the coordinator: one CPU device, as each worker
+    start = time.perf_counter()
+    with env.bench_lock():
+        result = _measure(args)
+    print(_markdown(result))
+    env.log(f"(total {time.perf_counter() - start:.0f} s)")
+    env.write_json(args.json, [result])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
