@@ -212,6 +212,49 @@ def test_a_function_sent_again_is_the_same_function_on_the_worker(small):
     assert [value for _, value in answers] == [2.0, 2.0, 2.0]
 
 
+class TwoArgumentError(Exception):
+    """Pickles, but cannot be rebuilt (unpickling calls TwoArgumentError(message))."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+_COORDINATOR_PID = os.getpid()  # this module is imported again on the workers
+
+
+def _load_on_worker_only():
+    if os.getpid() == _COORDINATOR_PID:
+        raise RuntimeError("cannot be rebuilt on the coordinator")
+    return "loaded"
+
+
+class Unloadable:
+    def __reduce__(self):
+        return (_load_on_worker_only, ())
+
+
+def test_errors_and_results_that_cannot_travel_are_raised_never_hang(small):
+    strategy, coordinator = small
+
+    def raise_two():
+        raise TwoArgumentError("two arguments", 7)
+
+    value = coordinator.schedule(raise_two)
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], RuntimeError)
+    assert "TwoArgumentError: two arguments (raised on a worker" in str(result["error"])
+    assert "in raise_two" in str(result["error"].__cause__)
+    with pytest.raises(RuntimeError, match="TwoArgumentError"):
+        value.fetch()
+
+    value = coordinator.schedule(Unloadable)
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], errors.InvalidArgumentTypeError)
+    assert "result could not be unpickled on the coordinator" in str(result["error"])
+    assert coordinator.schedule(lambda: 4).fetch() == 4
+
+
 # -- convergence and equality ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

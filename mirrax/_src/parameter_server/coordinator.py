@@ -52,6 +52,12 @@ class ClusterCoordinator:
     Args:
       strategy: a `mirrax.ParameterServerStrategy`.
 
+    Attributes:
+      strategy: that strategy.
+      update_staleness: mirrax's own: per completed function that changed something, the
+        number of pushes other workers made between its pull and its push (0: it updated
+        the values it read), in completion order.
+
     Raises:
       TypeError: `strategy` is not a ParameterServerStrategy.
     """
@@ -312,33 +318,47 @@ class ClusterCoordinator:
             closure = self._queue.take()
             if closure is None:
                 return
-            payload = {"version": self._store.version, "closure": closure.payload,
-                       "structure": None}
-            if self._sent_version[w] != self._store.version:
-                payload["structure"] = self._store.structure()
-            with self._constants_lock:
-                payload["constants"] = {key: data for key, (_, data) in self._constants.items()
-                                        if key not in self._sent_constants[w]}
             try:
+                payload = self._payload(w, closure)
                 answer = ray.get(worker.run.remote(payload))
             except ray.exceptions.RayActorError:
                 self._queue.finish(closure, give_back=True)
                 if not self._recover(w):
                     return
                 continue
-            except Exception as e:  # noqa: BLE001 - Ray's own failure: fatal
-                self._queue.finish(closure)
+            except Exception as e:  # noqa: BLE001 - raised by join, as the function's error
                 closure.value._fail(e)
-                self._queue.fail_all(e)
-                return
+                self._queue.finish(closure, e)
+                continue
             self._sent_version[w] = payload["version"]
             self._sent_constants[w].update(payload["constants"])
             self._settle(closure, answer)
 
+    def _payload(self, w: int, closure: Closure) -> dict:
+        """What worker `w` gets: the function, and what it has not seen yet (the held
+        objects' structure after a change, the constants)."""
+        payload = {"version": self._store.version, "closure": closure.payload,
+                   "structure": None}
+        if self._sent_version[w] != self._store.version:
+            payload["structure"] = self._store.structure()
+        with self._constants_lock:
+            payload["constants"] = {key: data for key, (_, data) in self._constants.items()
+                                    if key not in self._sent_constants[w]}
+        return payload
+
     def _settle(self, closure: Closure, answer: tuple) -> None:
         status = answer[0]
         if status == "ok":
-            closure.value._set(serialization.loads(answer[1]))
+            try:
+                result = serialization.loads(answer[1])
+            except Exception as e:  # noqa: BLE001 - the function ran; its result is unreadable
+                error = errors.InvalidArgumentTypeError(
+                    "A scheduled function's result could not be unpickled on the coordinator "
+                    f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them.")
+                closure.value._fail(error)
+                self._queue.finish(closure, error)
+                return
+            closure.value._set(result)
             if answer[2] is not None:
                 self.update_staleness.append(answer[2])
             self._queue.finish(closure)

@@ -66,17 +66,26 @@ class RemoteTraceback(Exception):
 
 
 def pack_error(error: BaseException) -> bytes:
-    """A worker's exception and its formatted traceback, pickled (a stand-in `RuntimeError`
-    keeps the type name and message when the exception itself cannot be pickled)."""
+    """A worker's exception and its formatted traceback, pickled apart, so the traceback
+    reaches the coordinator even when the exception cannot be pickled or unpickled."""
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     try:
-        return dumps((error, text))
+        data = dumps(error)
     except Exception:  # noqa: BLE001 - any pickling failure falls back to the text
-        return dumps((RuntimeError(f"{type(error).__name__}: {error}"), text))
+        data = None
+    return pickle.dumps((data, f"{type(error).__name__}: {error}", text))
 
 
 def unpack_error(data: bytes) -> BaseException:
-    """The worker's exception, with the worker's traceback as its `__cause__`."""
-    error, text = loads(data)
+    """The worker's exception (a `RuntimeError` with its type and message when it cannot be
+    rebuilt here), with the worker's traceback as its `__cause__`."""
+    pickled, summary, text = pickle.loads(data)
+    try:
+        error = loads(pickled) if pickled is not None else None
+    except Exception:  # noqa: BLE001 - e.g. an exception class whose __init__ takes 2 args
+        error = None
+    if not isinstance(error, BaseException):
+        error = RuntimeError(f"{summary} (raised on a worker; the exception could not be "
+                             "sent to the coordinator as it is)")
     error.__cause__ = RemoteTraceback(f'\n"""\n{text}"""')
     return error
