@@ -154,3 +154,8 @@ class LostWorkersError(MirraxError, RuntimeError):
 class CancelledFunctionError(MirraxError, RuntimeError):
     """A scheduled function was cancelled before it ran, because an earlier one failed (as TF's
     `CancelledError` from `RemoteValue.fetch`)."""
+
+
+class WorkerCrashError(MirraxError, RuntimeError):
+    """A scheduled function was given up because the worker running it died every time it ran
+    (ParameterServerStrategy: at-least-once, but at most three tries)."""

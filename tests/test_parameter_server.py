@@ -94,17 +94,32 @@ def test_updates_are_differences_and_only_what_changed():
     layout, leaves, _ = _layout(1, None)
     old = [variables.host_value(leaf) for leaf in leaves]
     new = [old[0], old[1] + 3, old[2] - 0.5]  # bias unchanged, count + 3, kernel - 0.5
-    updates = layout.updates(old, new)
-    assert updates[0] is None
-    assert updates[1] == 3 and updates[1].dtype == np.int32
-    np.testing.assert_array_equal(updates[2], np.full((5, 2), -0.5, np.float32))
+    (k0, u0), (k1, u1), (k2, u2) = layout.updates(old, new)
+    assert (k0, u0) == (None, None)
+    assert k1 == "add" and u1 == 3 and u1.dtype == np.int32
+    assert k2 == "add"
+    np.testing.assert_array_equal(u2, np.full((5, 2), -0.5, np.float32))
+
+
+def test_a_difference_that_is_not_finite_travels_as_the_new_value():
+    layout, leaves, _ = _layout(1, None)
+    old = [variables.host_value(leaf) for leaf in leaves]
+    # -inf -> 3 would push 3 - (-inf) = inf, and -inf + inf is NaN on the server.
+    old[0] = np.array([-np.inf, 1.0], np.float32)
+    new = [np.array([3.0, 1.0], np.float32), old[1], old[2]]
+    kind, value = layout.updates(old, new)[0]
+    assert kind == "assign"
+    np.testing.assert_array_equal(value, [3.0, 1.0])
+    # An unchanged NaN is no change.
+    old[0] = new[0] = np.array([np.nan, 1.0], np.float32)
+    assert layout.updates(old, new)[0] == (None, None)
 
 
 def test_prng_keys_travel_as_key_data_and_are_assigned_not_added():
     rngs = nnx.Rngs(0)
     _, _, leaves, paths = variables.split_roots((rngs,))
     layout = variables.Layout(leaves, paths, 1, None)
-    key_leaf = [i for i, leaf in enumerate(leaves) if variables._is_key(leaf)][0]
+    key_leaf = [i for i, leaf in enumerate(leaves) if variables.is_key(leaf)][0]
     assert layout.additive[key_leaf] is False
     host = [variables.host_value(leaf) for leaf in leaves]
     back = layout.device_leaves(host)

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -150,10 +151,16 @@ def test_an_error_surfaces_at_join_with_its_traceback_and_later_schedules_work(s
     assert "in failing_function" in str(result["error"].__cause__)
     with pytest.raises(ValueError, match="boom 7"):
         failed.fetch()
-    # One worker: the three queued behind the error never started, and were cancelled.
+    # As TF: the queued functions went on running until join raised the error; those still
+    # waiting then were cancelled (join raised within 0.2 s, so not all three ran).
+    cancelled = 0
     for value in queued:
-        with pytest.raises(errors.CancelledFunctionError, match="an earlier one failed"):
-            value.fetch()
+        try:
+            assert value.fetch() == 1
+        except errors.CancelledFunctionError as e:
+            assert "an earlier one failed" in str(e)
+            cancelled += 1
+    assert cancelled >= 1
     assert coordinator.schedule(slow).fetch() == 1
     assert coordinator.done() in (True, False)
     coordinator.join()
@@ -253,6 +260,106 @@ def test_errors_and_results_that_cannot_travel_are_raised_never_hang(small):
     assert isinstance(result["error"], errors.InvalidArgumentTypeError)
     assert "result could not be unpickled on the coordinator" in str(result["error"])
     assert coordinator.schedule(lambda: 4).fetch() == 4
+
+
+def test_structure_changes_of_held_objects_are_refused(small):
+    strategy, coordinator = small
+    model = Line()
+    coordinator.schedule(lambda m: None, args=(model,)).fetch()  # held from here
+    model.extra = nnx.Param(jnp.zeros((3,)))  # a new variable on the coordinator
+    with pytest.raises(errors.UnsupportedArgumentError, match=r"they were (\d+), they are (\d+): a variable"):
+        coordinator.schedule(lambda m: None, args=(model,))
+    del model.extra
+    model.w.set_value(jnp.zeros((4,)))  # another shape
+    with pytest.raises(errors.UnsupportedArgumentError,
+                       match=r"objects\[\d\]\.w is held with shape and dtype \(\(1,\), 'float32'\)"):
+        coordinator.schedule(lambda m: None, args=(model,))
+    model.w.set_value(jnp.zeros((1,)))
+
+    def add_layer(m):
+        m.extra = nnx.Param(jnp.zeros((3,)))
+
+    coordinator.schedule(add_layer, args=(model,))
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], errors.UnsupportedArgumentError)
+    assert "changed the structure" in str(result["error"])
+    # The worker's copy was rebuilt: the next function sees the held structure.
+    assert coordinator.schedule(lambda m: hasattr(m, "extra"), args=(model,)).fetch() is False
+
+
+def test_what_a_scheduled_function_does_wrong_is_named(small):
+    strategy, coordinator = small
+    best = Counter()
+    best.low = nnx.Variable(jnp.array([jnp.inf, 1.0]))
+
+    def lower(b):
+        b.low[...] = jnp.minimum(b.low[...], 3.0)  # in place, outside strategy.run
+        b.n[...] = b.n[...] + 1
+
+    coordinator.schedule(lower, args=(best,))
+    coordinator.join()
+    # inf -> 3 travels as the new value (inf + (3 - inf) would be NaN on the server).
+    np.testing.assert_array_equal(np.asarray(best.low[...]), [3.0, 1.0])
+    assert int(best.n[...]) == 1
+
+    def to_float(b):
+        b.n.set_value(b.n[...] + 0.5)  # int32 -> float32
+
+    coordinator.schedule(to_float, args=(best,))
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], errors.UnsupportedArgumentError)
+    assert "changed objects[" in str(result["error"]) and "Nothing of this function was pushed" in str(result["error"])
+    assert coordinator.schedule(lambda b: int(b.n[...]), args=(best,)).fetch() == 1
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: [np.zeros((2, 1))]))
+    coordinator.schedule(lambda it: (next(it), next(it)), args=(iterator,))
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], errors.EmptyDatasetError)
+    assert "read past the end of its per-worker dataset" in str(result["error"])
+
+    coordinator.schedule(lambda: (i for i in range(3)))
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], errors.InvalidArgumentTypeError)
+    assert "result cannot be sent to the coordinator" in str(result["error"])
+
+    coordinator.schedule(lambda: sys.exit(0))  # must not end this process
+    result = _within(60, coordinator.join)
+    assert isinstance(result["error"], RuntimeError) and "SystemExit" in str(result["error"])
+
+    with pytest.raises(errors.InvalidArgumentTypeError, match="fetch it first"):
+        strategy.reduce("sum", coordinator.schedule(lambda: 1.0))
+    coordinator.join()
+
+
+def test_shutdown_hands_the_values_back_and_an_object_lives_on_one_strategy(tmp_path):
+    first, second = _strategy(1, 1), _strategy(1, 1)
+    try:
+        model = Line()
+        coordinator = mirrax.ClusterCoordinator(first)
+
+        def add_one(m):
+            m.b[...] = m.b[...] + 1
+
+        coordinator.schedule(add_one, args=(model,)).fetch()  # pushed: b = 1 on the servers
+        with pytest.raises(errors.MixedStrategyError, match="held by the parameter servers of another"):
+            mirrax.ClusterCoordinator(second).schedule(add_one, args=(model,))
+        pending = [coordinator.schedule(lambda: time.sleep(5)) for _ in range(2)]
+        with pytest.warns(RuntimeWarning, match="not finished; they were dropped"):
+            first.shutdown()
+        assert float(model.b[...][0]) == 1.0  # the servers' last values, read at shutdown
+        for value in pending:  # neither hangs nor claims an earlier failure
+            error = _within(30, value.fetch)["error"]
+            assert isinstance(error, errors.UnsupportedArgumentError) and "was shut down" in str(error)
+        with pytest.raises(errors.UnsupportedArgumentError, match="was shut down"):
+            coordinator.schedule(add_one, args=(model,))
+        mirrax.Checkpoint(model=model).save(tmp_path / "after")  # the coordinator's own now
+        second_coordinator = mirrax.ClusterCoordinator(second)
+        second_coordinator.schedule(add_one, args=(model,))  # free to move
+        second_coordinator.join()
+        assert float(model.b[...][0]) == 2.0
+    finally:
+        first.shutdown()
+        second.shutdown()
 
 
 # -- convergence and equality ------------------------------------------------------------------
@@ -422,6 +529,13 @@ def test_fit_arguments_under_parameter_server_strategy(small):
         model.fit(((x, x) for _ in range(3)), steps_per_epoch=2, verbose=0)
     with pytest.raises(errors.UnsupportedArgumentError, match="class_weight"):
         model.fit(x, x, batch_size=4, steps_per_epoch=2, class_weight={0: 1.0})
+    with pytest.raises(errors.EmptyDatasetError, match="holds no example"):
+        model.fit(x[:0], x[:0], batch_size=4, steps_per_epoch=2)
+    with pytest.raises(errors.UnsupportedArgumentError, match="train_on_batch is not supported"):
+        model.train_on_batch(x, x)
+    # Fewer examples than batch_size: each step trains on the 8 there are (as Keras).
+    history = model.fit(x, x, batch_size=32, epochs=1, steps_per_epoch=2, verbose=0)
+    assert len(history.history["loss"]) == 1
 
     def dataset_fn(input_context):
         while True:
@@ -432,6 +546,21 @@ def test_fit_arguments_under_parameter_server_strategy(small):
 
 
 # -- failures ------------------------------------------------------------------------------------
+
+def test_a_function_that_kills_every_worker_is_given_up(pair):
+    strategy, coordinator = pair
+
+    def crash():
+        os._exit(1)  # as an out-of-memory kill or a crash in native code
+
+    value = coordinator.schedule(crash)
+    result = _within(180, coordinator.join)
+    assert isinstance(result["error"], errors.WorkerCrashError)
+    assert "died 3 times" in str(result["error"])
+    with pytest.raises(errors.WorkerCrashError):
+        value.fetch()
+    assert coordinator.schedule(lambda: 1).fetch() == 1  # the restarted workers work
+
 
 def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     strategy, coordinator = pair
@@ -448,7 +577,9 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     started = set(_live_pids(strategy))
     victim = coordinator.schedule(os.getpid).fetch()
     values = [coordinator.schedule(count, args=(iterator,)) for _ in range(40)]
+    deadline = time.monotonic() + 60
     while sum(v._ready.is_set() for v in values) < 6:
+        assert time.monotonic() < deadline, [v for v in values if v._ready.is_set()]
         time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
     result = _within(120, coordinator.join)

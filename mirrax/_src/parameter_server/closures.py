@@ -21,6 +21,7 @@ class Closure:
     def __init__(self, payload: bytes, value):
         self.payload = payload
         self.value = value
+        self.deaths = 0  # times a worker died while running it
 
 
 class Queue:
@@ -41,9 +42,9 @@ class Queue:
 
     def take(self) -> Closure | None:
         with self.cond:
-            # After a function's error nothing more starts until join/done/schedule has
-            # raised it and cancelled the queue, as TF's coordinator.
-            while (not self.waiting or self.error is not None) and not self.stopped:
+            # As TF's coordinator, queued functions keep running after one fails, until
+            # join/done/schedule raises its error and cancels those still waiting.
+            while not self.waiting and not self.stopped:
                 self.cond.wait(0.5)
             if self.stopped:
                 return None
@@ -64,14 +65,26 @@ class Queue:
         with self.cond:
             if self.fatal is None:
                 self.fatal = error
-            self._cancel()
+            self._cancel(error)
             self.cond.notify_all()
 
-    def _cancel(self) -> None:
+    def _cancel(self, reason: BaseException | None = None) -> None:
         while self.waiting:
-            self.waiting.popleft().value._fail(errors.CancelledFunctionError(
+            self.waiting.popleft().value._fail(reason or errors.CancelledFunctionError(
                 "This scheduled function was cancelled before it ran because an earlier one "
                 "failed (the error join() raised). Schedule it again."))
+
+    def stop(self, error: BaseException) -> int:
+        """Stops the dispatchers; fails the waiting functions with `error`; returns how many
+        were waiting or running."""
+        with self.cond:
+            pending = len(self.waiting) + self.running
+            self.stopped = True
+            if self.fatal is None:
+                self.fatal = error
+            self._cancel(error)
+            self.cond.notify_all()
+            return pending
 
     def raise_if_error(self) -> None:
         """Raises the fatal error, or the first function error (then cancels the queued

@@ -10,6 +10,7 @@ their process dies.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import socket
 import sys
@@ -87,14 +88,22 @@ class RayClusterResolver:
                 f"{address!r}.")
         for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
                             ("num_gpus_per_worker", num_gpus_per_worker)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
                 raise errors.InvalidArgumentError(
-                    f"RayClusterResolver: {name} must be a number >= 0; received {value!r}.")
+                    f"RayClusterResolver: {name} must be a finite number >= 0; received "
+                    f"{value!r}.")
         for name, value in (("worker_env", worker_env), ("runtime_env", runtime_env)):
             if value is not None and not isinstance(value, dict):
                 raise errors.InvalidArgumentTypeError(
                     f"RayClusterResolver: {name} must be a dict or None; received "
                     f"{type(value).__name__}.")
+        bad = {k: v for k, v in (worker_env or {}).items()
+               if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise errors.InvalidArgumentTypeError(
+                f"RayClusterResolver: worker_env maps variable names to strings; received "
+                f"{bad!r}. Write the values as strings, e.g. {{'XLA_FLAGS': '...'}}.")
         self.address = address
         self.num_cpus_per_worker = num_cpus_per_worker
         self.num_gpus_per_worker = num_gpus_per_worker
@@ -197,6 +206,7 @@ class Cluster:
                 "or a TF-style resolver with 'ps' and 'worker' jobs (TFConfigClusterResolver, "
                 f"SimpleClusterResolver); received {type(resolver).__name__}.")
         ray = self.resolver.connect()
+        self._check_free_cpus(ray, len(worker_specs), len(ps_specs))
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         runtime_env = dict(self.resolver.runtime_env)
         runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
@@ -215,17 +225,36 @@ class Cluster:
                                runtime_env=worker_env, **_placement(ray, spec.host)
                                ).remote(i, len(worker_specs))
             for i, spec in enumerate(worker_specs)]
-        self.ps_pids = self._wait("parameter server", self.parameter_servers)
-        self.worker_pids = self._wait("worker", self.workers, self.parameter_servers)
-        self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
+        self._stopped = False
         # What stop() calls before killing the actors (to stop the threads that use them) and
-        # after (to wait for those threads): the coordinator's.
+        # after (to wait for those threads): the strategy's and the coordinator's.
         self.before_stop: list = []
         self.after_stop: list = []
-        self._stopped = False
+        try:
+            self.ps_pids = self._wait("parameter server", self.parameter_servers)
+            self.worker_pids = self._wait("worker", self.workers, self.parameter_servers)
+        except BaseException:
+            self.stop()  # a failed start leaves no actor holding the cluster's resources
+            raise
+        self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
         if not _live:
             atexit.register(stop_all)  # after ray.init's own exit hook, so it runs before it
         _live.add(self)
+
+    def _check_free_cpus(self, ray, workers: int, servers: int) -> None:
+        """On a local cluster, refuses at once a strategy the free CPUs cannot start (its
+        actors would wait for resources until the start timeout)."""
+        if self.resolver.address is not None:
+            return  # a real cluster may be autoscaling
+        needed = workers * self.resolver.num_cpus_per_worker + servers
+        free = ray.available_resources().get("CPU", 0.0)
+        if needed > free:
+            raise errors.InvalidArgumentError(
+                f"ParameterServerStrategy: the local Ray cluster has {free:g} free CPU(s); this "
+                f"strategy needs {needed:g} (num_cpus_per_worker={self.resolver.num_cpus_per_worker:g}"
+                f" for each of {workers} workers, 1 for each of {servers} parameter servers). "
+                "Shut down the strategies you no longer use (strategy.shutdown()), or start Ray "
+                "with more CPUs (ray.init(num_cpus=...)) before making the strategy.")
 
     @staticmethod
     def _wait(kind: str, handles: list, servers: list | None = None) -> list:

@@ -17,6 +17,7 @@ import itertools
 import threading
 import time
 import types
+import warnings
 
 import jax
 from flax import nnx
@@ -37,6 +38,9 @@ from mirrax._src.parameter_server.cluster import import_ray
 HEALTH_CHECK_PERIOD_S = 1.0
 # Seconds a dead worker may take to come back before it is given up.
 WORKER_RESTART_TIMEOUT_S = 300.0
+# Runs of one function that may end with its worker dead before the function is given up
+# (at-least-once, but not forever: a function that kills every worker would never finish).
+MAX_WORKER_DEATHS = 3
 
 
 class ClusterCoordinator:
@@ -124,10 +128,6 @@ class ClusterCoordinator:
         """
         with self._queue.cond:
             self._queue.raise_if_error()
-            if self._queue.stopped:
-                raise errors.UnsupportedArgumentError(
-                    "ClusterCoordinator.schedule: the strategy was shut down "
-                    "(strategy.shutdown()); make a new strategy and coordinator.")
         if not callable(fn):
             raise errors.InvalidArgumentTypeError(
                 f"ClusterCoordinator.schedule: fn must be callable; received {type(fn).__name__}.")
@@ -176,6 +176,7 @@ class ClusterCoordinator:
             if isinstance(obj, PerWorkerDataset):
                 return ("dataset", obj.dataset_id)
             if isinstance(obj, nnx.Pytree):
+                self._store.check_not_held_elsewhere(obj)
                 if self._store.holds(obj):
                     return ("object", self._store.index(obj))
                 for i, root in enumerate(new_roots):
@@ -304,7 +305,8 @@ class ClusterCoordinator:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 del self._datasets[dataset_id]
-                raise e.as_instanceof_cause() from None
+                cause = getattr(e, "cause", None)
+                raise (cause if isinstance(cause, Exception) else e.as_instanceof_cause()) from None
             except ray.exceptions.RayActorError:
                 pass  # dead or restarting: its dispatcher creates the datasets when it is back
         return PerWorkerDataset(self, dataset_id)
@@ -322,7 +324,21 @@ class ClusterCoordinator:
                 payload = self._payload(w, closure)
                 answer = ray.get(worker.run.remote(payload))
             except ray.exceptions.RayActorError:
-                self._queue.finish(closure, give_back=True)
+                if self._queue.stopped:  # killed by shutdown(): the function is dropped
+                    closure.value._fail(self._queue.fatal)
+                    self._queue.finish(closure)
+                    return
+                closure.deaths += 1
+                if closure.deaths < MAX_WORKER_DEATHS:
+                    self._queue.finish(closure, give_back=True)
+                else:
+                    error = errors.WorkerCrashError(
+                        f"A scheduled function was given up: the workers running it died "
+                        f"{closure.deaths} times, so the function itself most likely "
+                        "kills its process (out of memory, a crash in native code, os._exit). "
+                        "Check the workers' logs (/tmp/ray/session_latest/logs).")
+                    closure.value._fail(error)
+                    self._queue.finish(closure, error)
                 if not self._recover(w):
                     return
                 continue
@@ -385,7 +401,7 @@ class ClusterCoordinator:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 time.sleep(0.2)
         else:
-            return self._give_up(w)
+            return False if self._queue.stopped else self._give_up(w)
         try:
             ray.get([worker.create_dataset.remote(i, data)
                      for i, data in list(self._datasets.items())])
@@ -422,9 +438,14 @@ class ClusterCoordinator:
             time.sleep(HEALTH_CHECK_PERIOD_S)
 
     def _stop_threads(self) -> None:
-        with self._queue.cond:
-            self._queue.stopped = True
-            self._queue.cond.notify_all()
+        pending = self._queue.stop(errors.UnsupportedArgumentError(
+            "The ParameterServerStrategy was shut down (strategy.shutdown(), or the program "
+            "exited); make a new strategy and coordinator to schedule again."))
+        if pending:
+            warnings.warn(
+                f"ParameterServerStrategy shut down with {pending} scheduled function(s) not "
+                "finished; they were dropped. Call coordinator.join() first to finish them.",
+                RuntimeWarning, stacklevel=2)
 
     def _join_threads(self) -> None:
         for thread in self._threads:

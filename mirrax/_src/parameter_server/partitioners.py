@@ -173,7 +173,8 @@ def shard_count(partitioner, shape: tuple, dtype, path: str) -> int:
     if partitioner is None or len(shape) == 0 or shape[0] <= 1:
         return 1
     answer = partitioner(tuple(shape), np.dtype(dtype), axis=0)
-    answer = list(answer) if isinstance(answer, (list, tuple)) else answer
+    if isinstance(answer, (list, tuple)):  # NumPy ints are ints here
+        answer = [int(n) if isinstance(n, np.integer) else n for n in answer]
     if (not isinstance(answer, list) or len(answer) != len(shape)
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in answer)
             or any(n != 1 for n in answer[1:])):

@@ -87,5 +87,8 @@ def unpack_error(data: bytes) -> BaseException:
     if not isinstance(error, BaseException):
         error = RuntimeError(f"{summary} (raised on a worker; the exception could not be "
                              "sent to the coordinator as it is)")
+    elif not isinstance(error, Exception):
+        # SystemExit or KeyboardInterrupt on a worker must not end or interrupt this process.
+        error = RuntimeError(f"{summary} (raised on a worker by the scheduled function)")
     error.__cause__ = RemoteTraceback(f'\n"""\n{text}"""')
     return error

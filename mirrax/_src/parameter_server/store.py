@@ -40,6 +40,9 @@ class VariableStore:
         self._lost = lost  # (message) -> LostParameterServerError, raised by the caller
         self._lock = threading.RLock()
         self._structure = None
+        # After a shutdown or a lost server the objects are the coordinator's own again:
+        # nothing more is read from or written to the servers.
+        self._detached = False
 
     @property
     def version(self) -> int:
@@ -64,6 +67,31 @@ class VariableStore:
                 self._structure = serialization.dumps((h.graphdef, h.treedef, h.layout))
             return self._structure
 
+    def check_not_held_elsewhere(self, obj) -> None:
+        """Refuses an object another (live) ParameterServerStrategy holds.
+
+        Raises:
+          MixedStrategyError: it is held by another strategy's parameter servers.
+        """
+        other = _stores.get(obj)
+        if other is not None and other is not self and not other._detached:
+            raise errors.MixedStrategyError(
+                f"ClusterCoordinator.schedule: this {type(obj).__name__} is held by the "
+                "parameter servers of another ParameterServerStrategy; one object can live on "
+                "one strategy's servers only (their updates would be lost between them). Shut "
+                "the other strategy down first (strategy.shutdown()), or use another object.")
+
+    def detach(self) -> None:
+        """Reads the servers' last values into the coordinator's objects (when they still
+        answer), then leaves the objects to the coordinator (at shutdown)."""
+        with self._lock:
+            if not self._detached:
+                try:
+                    self.refresh()
+                except errors.MirraxError:
+                    pass  # a lost server, a changed structure: the objects keep their values
+            self._detached = True
+
     def _call(self, method: str, per_server_args: list) -> list:
         ray = import_ray()
         refs = [getattr(ps, method).remote(*args)
@@ -71,9 +99,11 @@ class VariableStore:
         try:
             return ray.get(refs, timeout=TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            self._detached = True
             raise self._lost(f"a parameter server did not answer a {method} within "
                              f"{TIMEOUT_S:.0f} s") from None
         except ray.exceptions.RayActorError as e:
+            self._detached = True
             raise self._lost(f"a parameter server died: {e}") from None
 
     def add(self, new_roots: list) -> None:
@@ -95,11 +125,9 @@ class VariableStore:
           UnsupportedArgumentError: a held object's variables were added or removed.
         """
         with self._lock:
-            if not self._holdings.roots:
+            if not self._holdings.roots or self._detached:
                 return
-            leaves = self._holdings.current_leaves()
-            self._check_count(leaves)
-            assigned = self._holdings.assigned(leaves)
+            assigned = self._holdings.assigned(self._holdings.current_leaves())
             if all(a is None for a in assigned):
                 return
             per_server = self._holdings.layout.split(assigned)
@@ -110,7 +138,7 @@ class VariableStore:
         """Reads every held value from the parameter servers into the coordinator's objects
         (after writing the values the user assigned there, which would be lost otherwise)."""
         with self._lock:
-            if not self._holdings.roots:
+            if not self._holdings.roots or self._detached:
                 return
             self.write_assigned()
             answers = self._call("pull", [()] * len(self._servers))
@@ -124,15 +152,8 @@ class VariableStore:
             return self._holdings.layout.describe(self._holdings.paths)
 
     def check_not_structure_changed(self) -> None:
-        """Refuses a held object whose variables were added or removed on the coordinator."""
+        """Refuses a held object whose variables were added, removed or reshaped on the
+        coordinator (`Holdings.current_leaves` raises)."""
         with self._lock:
-            if not self._holdings.roots:
-                return
-            self._check_count(self._holdings.current_leaves())
-
-    def _check_count(self, leaves: list) -> None:
-        if len(leaves) != len(self._holdings.paths):
-            raise errors.UnsupportedArgumentError(
-                    "ParameterServerStrategy: the variables of an object it holds changed "
-                    f"(it held {len(self._holdings.paths)} arrays, it has {len(leaves)} now). "
-                    "Build the model and optimizer completely before the first schedule.")
+            if self._holdings.roots:
+                self._holdings.current_leaves()

@@ -15,6 +15,7 @@ import jax
 from mirrax import errors
 from mirrax._src.distribute.strategy import Strategy, StrategyExtended
 from mirrax._src.parameter_server import cluster as cluster_lib
+from mirrax._src.parameter_server.remote_values import RemoteValue
 from mirrax._src.parameter_server.store import VariableStore
 
 
@@ -95,6 +96,7 @@ class ParameterServerStrategy(Strategy):
         self._store = VariableStore(self._cluster.parameter_servers, variable_partitioner,
                                     lambda reason: self.extended.lost_server(reason))
         self._variable_partitioner = variable_partitioner
+        self._cluster.before_stop.append(self._store.detach)
         super().__init__([jax.devices()[0]])
 
     def _new_extended(self) -> StrategyExtended:
@@ -131,6 +133,21 @@ class ParameterServerStrategy(Strategy):
         """
         self._on_coordinator("run", "call it inside a function you pass to "
                              "mirrax.ClusterCoordinator(strategy).schedule(fn).")
+
+    def reduce(self, reduce_op, value, axis: int | None = None):
+        """As `Strategy.reduce`, on values of the coordinator; inside a scheduled function
+        `strategy.reduce` is the worker's.
+
+        Raises:
+          TypeError: `value` holds a `RemoteValue` (fetch it first), and as `Strategy.reduce`.
+        """
+        if any(isinstance(v, RemoteValue) for v in jax.tree.leaves(value)):
+            raise errors.InvalidArgumentTypeError(
+                "ParameterServerStrategy.reduce: value holds a RemoteValue, a scheduled "
+                "function's result on its way from a worker. Reduce inside the scheduled "
+                "function (strategy.reduce there is the worker's), or fetch it first: "
+                "coordinator.fetch(value).")
+        return super().reduce(reduce_op, value, axis)
 
     def experimental_lower(self, fn, args=(), kwargs=None):
         self._on_coordinator("experimental_lower", "lower the step on a MirroredStrategy of "

@@ -20,10 +20,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mirrax import errors
 from mirrax._src.parameter_server import partitioners as partitioners_lib
 
 
-def _is_key(leaf) -> bool:
+def is_key(leaf) -> bool:
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
@@ -36,15 +37,18 @@ class Layout:
     along axis 0 (start, stop None for a scalar kept whole), and whether updates add."""
 
     def __init__(self, leaves: list, paths: list, num_ps: int, partitioner):
+        self.paths = list(paths)
+        self.signatures: list = []  # per leaf: (shape, dtype) as it travels
         self.shards: list[list] = []
         self.additive: list[bool] = []
         self.keys: list = []  # per leaf: the PRNG key implementation, or None
         self.num_ps = num_ps
         turn = 0
         for leaf, path in zip(leaves, paths):
-            key = jax.random.key_impl(leaf) if _is_key(leaf) else None
+            key = jax.random.key_impl(leaf) if is_key(leaf) else None
             self.keys.append(key)
             host = host_value(leaf)
+            self.signatures.append((host.shape, host.dtype))
             count = partitioners_lib.shard_count(partitioner, host.shape, host.dtype, path)
             if host.ndim == 0:
                 cuts = [(turn % num_ps, None, None)]
@@ -84,15 +88,21 @@ class Layout:
                 for h, k in zip(host_leaves, self.keys)]
 
     def updates(self, pulled: list, new: list) -> list:
-        """What a worker pushes: new - pulled for additive leaves, new for changed others,
-        None where nothing changed."""
+        """What a worker pushes, per leaf: ("add", new - pulled) for a numeric leaf,
+        ("assign", new) for a changed boolean or key, or for a float leaf whose difference
+        is not finite (an inf or NaN, before or after: adding it would give NaN), and
+        (None, None) where nothing changed."""
         out = []
         for additive, old, now in zip(self.additive, pulled, new):
-            if additive:
-                delta = np.subtract(now, old, dtype=now.dtype)
-                out.append(delta if delta.any() else None)
+            if np.array_equal(old, now, equal_nan=now.dtype.kind in "fc"):
+                out.append((None, None))
+            elif not additive:
+                out.append(("assign", now))
             else:
-                out.append(None if np.array_equal(old, now) else now)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    delta = np.subtract(now, old, dtype=now.dtype)
+                finite = now.dtype.kind not in "fc" or bool(np.isfinite(delta).all())
+                out.append(("add", delta) if finite else ("assign", now))
         return out
 
     def describe(self, paths: list) -> dict:
@@ -103,7 +113,7 @@ class Layout:
 
 def host_value(leaf) -> np.ndarray:
     """A leaf as a NumPy array (a PRNG key as its uint32 key data)."""
-    if _is_key(leaf):
+    if is_key(leaf):
         leaf = jax.random.key_data(leaf)
     return np.asarray(jax.device_get(leaf))
 
@@ -122,6 +132,10 @@ def _path_name(path) -> str:
         keys = keys[:-1]
     # The first key is the root's index in the strategy's tuple of held objects.
     return f"objects[{keys[0]}]" + "".join(f".{k}" for k in keys[1:])
+
+
+def _shape_of(leaf) -> tuple:
+    return (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else ((), type(leaf).__name__)
 
 
 def state_of(treedef, leaves: list):
@@ -153,15 +167,37 @@ class Holdings:
     def relayout(self, new_roots: list) -> list[dict]:
         """Adds `new_roots` and returns every parameter server's new dict, from the roots'
         current values (the caller has written the parameter servers' values into them)."""
-        self.roots.extend(new_roots)
-        self.graphdef, self.treedef, leaves, self.paths = split_roots(tuple(self.roots))
-        self.layout = Layout(leaves, self.paths, self.num_ps, self.partitioner)
+        roots = self.roots + list(new_roots)
+        graphdef, treedef, leaves, paths = split_roots(tuple(roots))
+        layout = Layout(leaves, paths, self.num_ps, self.partitioner)  # may refuse: nothing changed
+        self.roots, self.graphdef, self.treedef, self.paths = roots, graphdef, treedef, paths
+        self.layout = layout
+        self.shapes = [_shape_of(leaf) for leaf in leaves]
         self.version += 1
         self._seen = [leaf for leaf in leaves]
         return self.layout.split([host_value(leaf) for leaf in leaves])
 
     def current_leaves(self) -> list:
-        _, _, leaves, _ = split_roots(tuple(self.roots))
+        """The held objects' leaves now.
+
+        Raises:
+          UnsupportedArgumentError: their structure changed since they were laid out (a
+            variable added, removed or replaced by one of another shape or dtype).
+        """
+        _, treedef, leaves, paths = split_roots(tuple(self.roots))
+        if treedef != self.treedef:
+            raise errors.UnsupportedArgumentError(
+                "ParameterServerStrategy: the variables of an object it holds changed (they "
+                f"were {len(self.paths)}, they are {len(leaves)}: a variable or submodule was "
+                "added, removed or replaced). The parameter servers keep the structure of an "
+                "object's first schedule: build the model and optimizer completely before it, "
+                "or make a new strategy for the new model.")
+        for path, leaf, before in zip(paths, leaves, self.shapes):
+            if _shape_of(leaf) != before:
+                raise errors.UnsupportedArgumentError(
+                    f"ParameterServerStrategy: {path} is held with shape and dtype {before} but "
+                    f"is now {_shape_of(leaf)} on the coordinator. The parameter servers keep "
+                    "each variable's shape: assign values of the same shape and dtype.")
         return leaves
 
     def assigned(self, leaves: list) -> list:
@@ -176,6 +212,6 @@ class Holdings:
     def write_back(self, host_leaves: list) -> None:
         """Writes the parameter servers' values into the coordinator's objects."""
         leaves = self.layout.device_leaves(host_leaves)
-        leaves = [jax.numpy.asarray(leaf) if not _is_key(leaf) else leaf for leaf in leaves]
+        leaves = [jax.numpy.asarray(leaf) if not is_key(leaf) else leaf for leaf in leaves]
         nnx.update(tuple(self.roots), state_of(self.treedef, leaves))
         self._seen = self.current_leaves()

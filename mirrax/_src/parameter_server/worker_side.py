@@ -8,6 +8,7 @@ import collections
 import inspect
 
 import jax
+import jax.numpy as jnp
 import ray
 from flax import nnx
 
@@ -144,7 +145,11 @@ class WorkerState:
         pulled_version = 0
         if layout is not None:
             pulled_version, pulled = self._pull()
-            state = variables.state_of(treedef, layout.device_leaves(pulled))
+            # As JAX arrays: the pulled NumPy arrays are Ray's read-only buffers, and an
+            # in-place write (`v[...] = ...` outside strategy.run) would fail on them.
+            state = variables.state_of(treedef, [
+                leaf if variables.is_key(leaf) else jnp.asarray(leaf)
+                for leaf in layout.device_leaves(pulled)])
             if self.roots is None:
                 self.roots = nnx.merge(graphdef, state)
             else:
@@ -152,36 +157,64 @@ class WorkerState:
         try:
             fn, args, kwargs = serialization.loads(payload["closure"], self._resolve)
             with self.strategy.scope():
-                result = fn(*args, **kwargs)
-            data = serialization.dumps(_to_host(result))
-            new = self._new_leaves(treedef) if layout is not None else None
+                try:
+                    result = fn(*args, **kwargs)
+                except StopIteration:
+                    raise errors.EmptyDatasetError(
+                        f"A scheduled function on worker {self.strategy.worker_index} read past "
+                        "the end of its per-worker dataset (StopIteration). Make dataset_fn's "
+                        "dataset endless (repeat it), or schedule fewer steps.") from None
+            data = _result_bytes(result)
+            new = self._new_leaves(treedef, layout) if layout is not None else None
         except LostParameterServer:
             raise
         except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
+            # The function may have left the local copies half changed (or changed their
+            # structure): rebuild them, and what refers to them, for the next function.
+            self.roots = None
+            self.constants = {}
+            self.functions.clear()
             return ("error", serialization.pack_error(e))
         staleness = None
         if layout is not None:
             staleness = self._push(layout, pulled, new, pulled_version)
         return ("ok", data, staleness)
 
-    def _new_leaves(self, treedef) -> list:
+    def _new_leaves(self, treedef, layout) -> list:
         _, state = nnx.split(self.roots)
         leaves, now = jax.tree.flatten(state)
         if now != treedef:
             raise errors.UnsupportedArgumentError(
                 "A scheduled function changed the structure of the objects the "
                 "ParameterServerStrategy holds (it added, removed or replaced a variable or "
-                "submodule). Change their structure on the coordinator, before scheduling.")
-        return [variables.host_value(leaf) for leaf in leaves]
+                "submodule). Build them completely on the coordinator, before scheduling.")
+        host = [variables.host_value(leaf) for leaf in leaves]
+        for path, leaf, (shape, dtype) in zip(layout.paths, host, layout.signatures):
+            if (leaf.shape, leaf.dtype) != (shape, dtype):
+                raise errors.UnsupportedArgumentError(
+                    f"A scheduled function changed {path} from shape {shape} and dtype {dtype} "
+                    f"to shape {leaf.shape} and dtype {leaf.dtype}; the parameter servers keep "
+                    "each variable's shape and dtype. Cast the new value (e.g. "
+                    "`v[...] = new.astype(v.dtype)`). Nothing of this function was pushed.")
+        return host
 
     def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int | None:
         updates = layout.updates(pulled, new)
-        if all(u is None for u in updates):
+        if all(kind is None for kind, _ in updates):
             return None  # nothing changed: no push (and no staleness to report)
-        adds = layout.split([u if a else None for u, a in zip(updates, layout.additive)])
-        assigns = layout.split([None if a else u for u, a in zip(updates, layout.additive)])
+        adds = layout.split([u if kind == "add" else None for kind, u in updates])
+        assigns = layout.split([u if kind == "assign" else None for kind, u in updates])
         before = self._call_servers("push", *zip(adds, assigns))
         return before[0] - pulled_version
+
+
+def _result_bytes(result) -> bytes:
+    try:
+        return serialization.dumps(_to_host(result))
+    except Exception as e:  # noqa: BLE001 - name what cannot travel
+        raise errors.InvalidArgumentTypeError(
+            f"A scheduled function's result cannot be sent to the coordinator ({type(e).__name__}"
+            f": {e}). Return arrays, numbers and containers of them.") from None
 
 
 def _to_host(result):

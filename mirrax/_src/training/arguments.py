@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib
 
@@ -338,6 +339,19 @@ def check_fits_model(model, checked: dict, x, y, what: str):
         )
     checked[key] = y_pred
     return y_pred
+
+
+def check_not_parameter_server(strategy, what: str) -> None:
+    """Refuses a one-step call under a ParameterServerStrategy, whose steps run on workers.
+
+    Raises:
+      UnsupportedArgumentError: `strategy` is a ParameterServerStrategy.
+    """
+    if isinstance(strategy, ParameterServerStrategy):
+        raise errors.UnsupportedArgumentError(
+            f"Model.{what} is not supported under ParameterServerStrategy: its steps run on the "
+            "workers, scheduled by fit / evaluate. Use fit(..., steps_per_epoch=1) or "
+            "evaluate(x, y), or schedule your own step with mirrax.ClusterCoordinator.")
 
 
 def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bool) -> None:

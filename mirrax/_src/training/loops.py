@@ -325,6 +325,7 @@ def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
     Raises:
       InvalidArgumentTypeError: `x` is not arrays.
     """
+    checks.check_not_parameter_server(model.distribute_strategy, what)
     x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
     if not data_adapter.is_arrays(x):
         raise errors.InvalidArgumentTypeError(
@@ -379,6 +380,7 @@ def one_batch_size(what: str, x) -> int:
 def make_train_function(model, compiled):
     """`Model.make_train_function` (its docs and errors there)."""
     strategy = model.distribute_strategy
+    checks.check_not_parameter_server(strategy, "make_train_function")
 
     def train_function(batch):
         if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(

@@ -6,6 +6,7 @@ counts exactly once even when a function runs twice (TF's visitation guarantee).
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.distribute.strategy import default_strategy, get_strategy
 from mirrax._src.parameter_server.closures import WorkerConstant
 from mirrax._src.parameter_server.coordinator import ClusterCoordinator
@@ -87,15 +89,18 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
             "dataset function (called on every worker, as TF's DatasetCreator: "
             "`def dataset_fn(input_context): ... return batches`); received a "
             f"{type(x).__name__}, which cannot be read on the workers.")
-    batch_size = 32 if batch_size is None else batch_size
+    batch_size = 32 if batch_size is None else checks.check_count("fit", "batch_size", batch_size)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+    n = data_adapter.num_examples(arrays[0])
+    if n == 0:
+        raise errors.EmptyDatasetError(
+            "fit: x holds no example, so there is nothing to train on.")
 
     def dataset_fn(input_context):
         rng = np.random.default_rng(input_context.input_pipeline_id)
-        n = data_adapter.num_examples(arrays[0])
-        while True:
+        while True:  # each pass: every example once, the last batch short (as Keras)
             order = rng.permutation(n) if shuffle else np.arange(n)
-            for start in range(0, n - batch_size + 1, batch_size):
+            for start in range(0, n, batch_size):
                 rows = order[start:start + batch_size]
                 yield tuple(jax.tree.map(lambda a: a[rows], arrays))
 
@@ -179,6 +184,12 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
     else:
         if y is not None:
             raise errors.InvalidArgumentError(f"{what}: y must be None when x is a dataset.")
+        if callable(x):  # a dataset function, as fit takes: read here, on the coordinator
+            if steps is None:
+                raise errors.InvalidArgumentError(
+                    f"{what}: with a dataset function as x, pass steps= (its dataset may be "
+                    "endless); or pass the batches (a list, a dataset) themselves.")
+            x = x(InputContext()) if _takes_argument(x) else x()
         batches = []
         for batch in x:
             batches.append(tuple(batch) if isinstance(batch, list) else batch)
@@ -189,6 +200,13 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
         raise errors.EmptyDatasetError(
             f"{what}: the input yielded no batch, so there is nothing to evaluate.")
     return batches
+
+
+def _takes_argument(fn) -> bool:
+    try:
+        return len(inspect.signature(fn).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
 
 
 def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_steps, cbs,
