@@ -17,8 +17,9 @@ held state for each, so no-op fn/s is the round trip's ceiling without a step.
 `train_step` is a function of this importable module, sent by reference: every scheduled
 function hands the worker's `strategy.run` the same function. `--closure` gives it
 `models.strategy_run_step(batch)`'s closure instead, pickled by value (as any function of a
-script run as `__main__`): a new function object per scheduled function, which `strategy.run`
-(at the time of writing) compiles anew every time.
+script run as `__main__`); the worker keeps the function it unpickled for the same bytes, so
+it too compiles once (before that cache, every scheduled function compiled anew: 559 ms/step
+instead of 7).
 
 Reference: the same step and batch in this process on `MirroredStrategy(["cpu:0"])`, each
 step's loss read before the next (as a worker reads each result); "PS / mirrored" is the

@@ -8,7 +8,7 @@ import collections
 import inspect
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import ray
 from flax import nnx
 
@@ -145,10 +145,11 @@ class WorkerState:
         pulled_version = 0
         if layout is not None:
             pulled_version, pulled = self._pull()
-            # As JAX arrays: the pulled NumPy arrays are Ray's read-only buffers, and an
-            # in-place write (`v[...] = ...` outside strategy.run) would fail on them.
+            # Writable copies: the pulled arrays are Ray's read-only buffers (an in-place
+            # write, `v[...] = ...` outside strategy.run, would fail on them), and they stay
+            # apart from what the function changes in place, which the push compares them to.
             state = variables.state_of(treedef, [
-                leaf if variables.is_key(leaf) else jnp.asarray(leaf)
+                leaf if variables.is_key(leaf) else np.array(leaf)
                 for leaf in layout.device_leaves(pulled)])
             if self.roots is None:
                 self.roots = nnx.merge(graphdef, state)
