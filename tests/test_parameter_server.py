@@ -1,8 +1,6 @@
 """ParameterServerStrategy's pieces that need no Ray cluster: the partitioners (TF's
-arithmetic), how variables are cut and dealt to the parameter servers, the update
-arithmetic, and the arguments refused before any task starts."""
-
-import json
+arithmetic), how variables are cut and dealt to the parameter servers, and the update
+arithmetic. The arguments refused before any task starts are in tests/bad_inputs/."""
 
 import jax
 import jax.numpy as jnp
@@ -43,22 +41,6 @@ def test_max_size_partitioner_matches_tf_arithmetic():
     # A row bigger than max_shard_bytes still makes one shard per row.
     assert p(max_shard_bytes=1)((6, 2), np.float32) == [6, 1]
     assert p(max_shard_bytes=100)((6, 2), np.int8) == [1, 1]
-
-
-@pytest.mark.parametrize("make, match", [
-    (lambda: mirrax.partitioners.FixedShardsPartitioner(0), "num_shards must be a positive int"),
-    (lambda: mirrax.partitioners.MinSizePartitioner(min_shard_bytes=0), "min_shard_bytes"),
-    (lambda: mirrax.partitioners.MaxSizePartitioner(max_shard_bytes=-1), "max_shard_bytes"),
-    (lambda: mirrax.partitioners.MaxSizePartitioner(8, max_shards=0), "max_shards"),
-])
-def test_partitioner_bad_arguments(make, match):
-    with pytest.raises(errors.InvalidArgumentError, match=match):
-        make()
-
-
-def test_partitioner_axis_out_of_range():
-    with pytest.raises(errors.InvalidArgumentError, match=r"shape \(4,\) along axis 1"):
-        mirrax.partitioners.FixedShardsPartitioner(2)((4,), np.float32, axis=1)
 
 
 # -- layout: cutting, dealing, joining ---------------------------------------------------------
@@ -132,36 +114,3 @@ def test_a_partitioner_with_a_wrong_answer_is_named():
     with pytest.raises(errors.InvalidArgumentError, match=r"returned \[2, 2\] for objects\[0\]"
                        r"\.kernel of shape \(5, 2\)"):
         _layout(2, lambda shape, dtype, axis=0: [2] * len(shape))
-
-
-# -- arguments refused before any task starts ----------------------------------------------
-
-def test_tf_config_without_ps_tasks_is_refused():
-    resolver = mirrax.TFConfigClusterResolver(tf_config=json.dumps({
-        "cluster": {"chief": ["localhost:2222"], "worker": ["localhost:2223"]},
-        "task": {"type": "chief", "index": 0}}))
-    with pytest.raises(errors.InvalidArgumentError, match="has no 'ps' tasks"):
-        mirrax.ParameterServerStrategy(resolver)
-
-
-def test_cluster_resolver_of_the_wrong_type():
-    with pytest.raises(errors.InvalidArgumentTypeError, match="received str"):
-        mirrax.ParameterServerStrategy("localhost:6379")
-    with pytest.raises(errors.InvalidArgumentTypeError, match="variable_partitioner must be"):
-        mirrax.ParameterServerStrategy(mirrax.RayClusterResolver(1, 1), variable_partitioner=2)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_workers": 0, "num_ps": 1}, "num_workers must be an int >= 1; received 0"),
-    ({"num_workers": 1, "num_ps": 1.5}, "num_ps must be an int >= 1; received 1.5"),
-    ({"num_workers": 1, "num_ps": 1, "num_cpus_per_worker": -1}, "num_cpus_per_worker"),
-    ({"num_workers": 1, "num_ps": 1, "address": 6379}, "address must be None"),
-])
-def test_ray_cluster_resolver_bad_arguments(kwargs, match):
-    with pytest.raises((errors.InvalidArgumentError, errors.InvalidArgumentTypeError), match=match):
-        mirrax.RayClusterResolver(**kwargs)
-
-
-def test_coordinator_needs_a_parameter_server_strategy():
-    with pytest.raises(errors.InvalidArgumentTypeError, match="received MirroredStrategy"):
-        mirrax.ClusterCoordinator(mirrax.MirroredStrategy(["cpu:0"]))
