@@ -145,6 +145,10 @@ class ClusterCoordinator:
         return value
 
     def _pickle(self, fn, args: tuple, kwargs: dict) -> bytes:
+        with self._register_lock:  # one schedule at a time numbers the new held objects
+            return self._pickle_now(fn, args, kwargs)
+
+    def _pickle_now(self, fn, args: tuple, kwargs: dict) -> bytes:
         new_roots: list = []
         base = self._store.count
 
@@ -187,24 +191,23 @@ class ClusterCoordinator:
             _refuse(obj)
             return None
 
-        with self._register_lock:
-            try:
-                payload = serialization.dumps((fn, args, kwargs), token_of)
-            except errors.MirraxError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
-                raise errors.InvalidArgumentTypeError(
-                    f"ClusterCoordinator.schedule: {_culprit(fn, args, kwargs, token_of)} cannot "
-                    f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
-                    "its arguments are pickled: pass arrays, numbers, NNX objects and "
-                    "per-worker iterators, and create other objects inside the function."
-                ) from None
-            if new_roots:
-                self._store.check_not_structure_changed()
-                self._drain()
-                self._store.add(new_roots)
-            else:
-                self._store.write_assigned()  # also refuses a changed structure
+        try:
+            payload = serialization.dumps((fn, args, kwargs), token_of)
+        except errors.MirraxError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
+            raise errors.InvalidArgumentTypeError(
+                f"ClusterCoordinator.schedule: {_culprit(fn, args, kwargs, token_of)} cannot "
+                f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
+                "its arguments are pickled: pass arrays, numbers, NNX objects and "
+                "per-worker iterators, and create other objects inside the function."
+            ) from None
+        if new_roots:
+            self._store.check_not_structure_changed()
+            self._drain()
+            self._store.add(new_roots)
+        else:
+            self._store.write_assigned()  # also refuses a changed structure
         return payload
 
     def _drain(self) -> None:

@@ -311,9 +311,7 @@ class Runner:
     def _warn_on_retracing(self, call) -> None:
         """Warns, as tf.function does, when one function keeps being compiled anew."""
         counts = self._compile_counts
-        # Counted by code, so a function made anew for every call (defined inside the loop,
-        # or unpickled for every scheduled function) is counted as the one it is.
-        key = getattr(call.fn_key, "__code__", call.fn_key)
+        key = _retrace_key(call.fn_key)
         counts[key] = counts.get(key, 0) + 1
         if counts[key] == _RETRACE_WARNING_AT:
             statics = [repr(slot.value) for slot in call.slots if isinstance(slot, StaticSlot)]
@@ -327,3 +325,20 @@ class Runner:
                 "it once, outside.",
                 stacklevel=5,
             )
+
+
+def _retrace_key(fn_key):
+    """What the retrace warning counts compiles by: a function's code and what its closure
+    holds, so a function made anew for every call (defined inside the loop or the step) with
+    the same captures counts as one, while two models' steps (same code, other captures) do
+    not."""
+    code = getattr(fn_key, "__code__", None)
+    if code is None:
+        return fn_key
+    captured = []
+    for cell in fn_key.__closure__ or ():
+        try:
+            captured.append(id(cell.cell_contents))
+        except ValueError:  # an empty cell
+            captured.append(None)
+    return (code, tuple(captured))
