@@ -37,6 +37,11 @@ def stop_all() -> None:
 
 
 def import_ray():
+    """The `ray` module, imported on first use (mirrax imports without Ray installed).
+
+    Raises:
+      MissingDependencyError: Ray is not installed (the message gives the pip command).
+    """
     try:
         import ray
     except ImportError:
@@ -44,6 +49,26 @@ def import_ray():
             "ParameterServerStrategy runs on Ray, which is not installed. Install it with "
             "`pip install 'mirrax[ray]'` (or `pip install ray`).") from None
     return ray
+
+
+def call_servers(servers: list, method: str, per_server_args: list, timeout_s: float) -> list:
+    """`method(*args)` on every parameter server at once; their answers, in server order.
+
+    Used by the coordinator and by the workers alike.
+
+    Raises:
+      LostParameterServer: a server is dead, or did not answer within `timeout_s` seconds.
+    """
+    ray = import_ray()
+    refs = [getattr(ps, method).remote(*args) for ps, args in zip(servers, per_server_args)]
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise actors.LostParameterServer(
+            f"a parameter server did not answer a {method} within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayActorError as e:
+        raise actors.LostParameterServer(
+            f"a parameter server died during a {method}: {e}") from None
 
 
 def _count(owner: str, name: str, value, low: int) -> int:

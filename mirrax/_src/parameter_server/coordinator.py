@@ -32,10 +32,12 @@ from mirrax._src.parameter_server.remote_values import (
     PerWorkerIterator,
     RemoteValue,
 )
-from mirrax._src.parameter_server.cluster import import_ray
+from mirrax._src.parameter_server.actors import LostParameterServer
+from mirrax._src.parameter_server.cluster import call_servers, import_ray
 
-# Seconds between two health checks of the parameter servers.
+# Seconds between two health checks of the parameter servers, and the longest a check waits.
 HEALTH_CHECK_PERIOD_S = 1.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
 # Seconds a dead worker may take to come back before it is given up.
 WORKER_RESTART_TIMEOUT_S = 300.0
 # Runs of one function that may end with its worker dead before the function is given up
@@ -203,7 +205,6 @@ class ClusterCoordinator:
                 "per-worker iterators, and create other objects inside the function."
             ) from None
         if new_roots:
-            self._store.check_not_structure_changed()
             self._drain()
             self._store.add(new_roots)
         else:
@@ -424,19 +425,13 @@ class ClusterCoordinator:
         return False
 
     def _watch_servers(self) -> None:
-        ray = import_ray()
+        servers = self._cluster.parameter_servers
         while not self._queue.stopped:
-            refs = [ps.ping.remote() for ps in self._cluster.parameter_servers]
             try:
-                ray.get(refs, timeout=30)
-            except ray.exceptions.GetTimeoutError:
-                self._queue.fail_all(self.strategy.extended.lost_server(
-                    "a parameter server did not answer a health check within 30 s"))
-                return
-            except ray.exceptions.RayActorError as e:
+                call_servers(servers, "ping", [()] * len(servers), HEALTH_CHECK_TIMEOUT_S)
+            except LostParameterServer as e:
                 if not self._queue.stopped:  # not killed by shutdown()
-                    self._queue.fail_all(self.strategy.extended.lost_server(
-                        f"a parameter server died: {e}"))
+                    self._queue.fail_all(self.strategy.extended.lost_server(str(e)))
                 return
             time.sleep(HEALTH_CHECK_PERIOD_S)
 

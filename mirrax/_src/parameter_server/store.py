@@ -16,7 +16,8 @@ import weakref
 
 from mirrax import errors
 from mirrax._src.parameter_server import serialization, variables
-from mirrax._src.parameter_server.cluster import import_ray
+from mirrax._src.parameter_server.actors import LostParameterServer
+from mirrax._src.parameter_server.cluster import call_servers
 
 # Seconds the coordinator waits for the parameter servers to answer a read or a write.
 TIMEOUT_S = 60.0
@@ -34,6 +35,15 @@ def refresh_if_held(obj) -> None:
 
 
 class VariableStore:
+    """The objects one ParameterServerStrategy holds, seen from the coordinator: which they
+    are, their layout over the parameter servers, and the reads and writes of their values.
+
+    Args:
+      parameter_servers: the servers' Ray actor handles.
+      partitioner: the strategy's `variable_partitioner` (or None).
+      lost: (reason) -> the `LostParameterServerError` to raise when a server is lost.
+    """
+
     def __init__(self, parameter_servers: list, partitioner, lost):
         self._servers = parameter_servers
         self._holdings = variables.Holdings(len(parameter_servers), partitioner)
@@ -93,18 +103,11 @@ class VariableStore:
             self._detached = True
 
     def _call(self, method: str, per_server_args: list) -> list:
-        ray = import_ray()
-        refs = [getattr(ps, method).remote(*args)
-                for ps, args in zip(self._servers, per_server_args)]
         try:
-            return ray.get(refs, timeout=TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
+            return call_servers(self._servers, method, per_server_args, TIMEOUT_S)
+        except LostParameterServer as e:
             self._detached = True
-            raise self._lost(f"a parameter server did not answer a {method} within "
-                             f"{TIMEOUT_S:.0f} s") from None
-        except ray.exceptions.RayActorError as e:
-            self._detached = True
-            raise self._lost(f"a parameter server died: {e}") from None
+            raise self._lost(str(e)) from None
 
     def add(self, new_roots: list) -> None:
         """Holds `new_roots` too. The caller has waited for every scheduled function to
@@ -150,10 +153,3 @@ class VariableStore:
             if not self._holdings.roots:
                 return {}
             return self._holdings.layout.describe(self._holdings.paths)
-
-    def check_not_structure_changed(self) -> None:
-        """Refuses a held object whose variables were added, removed or reshaped on the
-        coordinator (`Holdings.current_leaves` raises)."""
-        with self._lock:
-            if self._holdings.roots:
-                self._holdings.current_leaves()

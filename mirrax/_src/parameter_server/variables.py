@@ -25,6 +25,7 @@ from mirrax._src.parameter_server import partitioners as partitioners_lib
 
 
 def is_key(leaf) -> bool:
+    """True for a typed PRNG key array (`jax.random.key`, the keys of `nnx.Rngs`)."""
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
@@ -139,6 +140,7 @@ def _shape_of(leaf) -> tuple:
 
 
 def state_of(treedef, leaves: list):
+    """The NNX state (of the held objects' joint structure `treedef`) with these leaves."""
     return jax.tree.unflatten(treedef, leaves)
 
 

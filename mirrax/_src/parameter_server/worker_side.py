@@ -9,7 +9,6 @@ import inspect
 
 import jax
 import numpy as np
-import ray
 from flax import nnx
 
 from mirrax import errors
@@ -19,6 +18,7 @@ from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
 from mirrax._src.parameter_server import serialization, variables
 from mirrax._src.parameter_server.actors import PARAMETER_SERVER_TIMEOUT_S, LostParameterServer
+from mirrax._src.parameter_server.cluster import call_servers
 
 
 # Functions kept per worker (by their pickled bytes), the least recently used dropped first.
@@ -61,6 +61,10 @@ def call_dataset_fn(dataset_fn, strategy: WorkerStrategy):
 
 
 class WorkerState:
+    """One worker's side of the strategy (the `Worker` actor's state): its strategy, its
+    datasets and iterators, its copies of the held objects, and the functions and constants
+    it has unpickled; `run(payload)` runs one scheduled function."""
+
     def __init__(self, index: int, num_workers: int):
         self.strategy = WorkerStrategy(index, num_workers)
         self.parameter_servers: list = []
@@ -110,20 +114,9 @@ class WorkerState:
             return self.constants[token[1]]
         raise errors.InvalidArgumentError(f"unknown token {token!r}")
 
-    def _call_servers(self, method: str, *per_server_args) -> list:
-        refs = [getattr(ps, method).remote(*args)
-                for ps, args in zip(self.parameter_servers, per_server_args)]
-        try:
-            return ray.get(refs, timeout=PARAMETER_SERVER_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise LostParameterServer(
-                f"a parameter server did not answer a {method} within "
-                f"{PARAMETER_SERVER_TIMEOUT_S:.0f} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise LostParameterServer(f"a parameter server died during a {method}: {e}") from None
-
     def _pull(self) -> tuple[int, list]:
-        answers = self._call_servers("pull", *[()] * len(self.parameter_servers))
+        answers = call_servers(self.parameter_servers, "pull",
+                               [()] * len(self.parameter_servers), PARAMETER_SERVER_TIMEOUT_S)
         _, _, layout = self.structure
         return answers[0][0], layout.join([values for _, values in answers])
 
@@ -205,7 +198,8 @@ class WorkerState:
             return None  # nothing changed: no push (and no staleness to report)
         adds = layout.split([u if kind == "add" else None for kind, u in updates])
         assigns = layout.split([u if kind == "assign" else None for kind, u in updates])
-        before = self._call_servers("push", *zip(adds, assigns))
+        before = call_servers(self.parameter_servers, "push", list(zip(adds, assigns)),
+                              PARAMETER_SERVER_TIMEOUT_S)
         return before[0] - pulled_version
 
 

@@ -29,6 +29,7 @@ _EVALUATION_GROUPS_PER_WORKER = 4
 
 
 def is_parameter_server(strategy) -> bool:
+    """True when `strategy` is a ParameterServerStrategy (its fit / evaluate are these)."""
     return isinstance(strategy, ParameterServerStrategy)
 
 
