@@ -14,6 +14,7 @@ import pytest
 
 import mirrax.examples.custom_training_loop
 import mirrax.examples.keras_fit
+import mirrax.examples.keras_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,8 @@ def test_example_runs_as_a_script_over_two_devices(script, tmp_path):
 
 
 @pytest.mark.parametrize("module", [mirrax.examples.keras_fit,
-                                    mirrax.examples.custom_training_loop])
+                                    mirrax.examples.custom_training_loop,
+                                    mirrax.examples.keras_model])
 def test_mirrax_train_runs_the_files_of_examples(module):
     # mirrax.examples is the examples/ folder, installed with the package (pyproject.toml):
     # the command cannot drift from the programs users read.

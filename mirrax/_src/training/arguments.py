@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib
@@ -375,3 +376,35 @@ def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bo
             "strategy with shard_optimizer_state=True (a step whose gradients overflow cannot "
             "skip the sharded update). Use 'mixed_bfloat16' (no loss scaling), "
             "auto_scale_loss=False, or shard_optimizer_state=False.")
+
+
+def compile_strategy(scope_strategy):
+    """The strategy of `Model.compile`: in scope now, else `scope_strategy` (the one in scope
+    when the Model was made), else the default.
+
+    Raises:
+      MixedStrategyError: another strategy is in scope than the one the Model was made in.
+    """
+    if has_strategy():
+        current = get_strategy()
+        if scope_strategy is not None and current is not scope_strategy:
+            raise errors.MixedStrategyError(
+                f"compile: this Model was made under the scope of {scope_strategy!r} "
+                f"but is compiled under the scope of {current!r}; a model belongs to one "
+                "strategy (as in Keras). Compile it under the strategy it was made in, or "
+                "build a new module and Model under the new strategy's scope."
+            )
+        return current
+    return scope_strategy or get_strategy()
+
+
+def check_model_scope(what: str, mine) -> None:
+    """Refuses a call under another strategy's scope than the model's `mine` (as TF's "Mixing
+    different tf.distribute.Strategy objects"); outside every scope the model's is used."""
+    if mine is not None and has_strategy() and get_strategy() is not mine:
+        raise errors.MixedStrategyError(
+            f"{what}: this Model belongs to {mine!r} but is called under the scope of "
+            f"{get_strategy()!r}; a model runs on the strategy it was compiled with. Call "
+            "it outside that scope (or under its own), or build a new module and Model "
+            "under the new strategy's scope."
+        )

@@ -16,6 +16,7 @@ overflows, every replica sees it, skips the same step and keeps the same scale.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import jax
@@ -90,8 +91,15 @@ def set_global_policy(policy) -> None:
 
     Args:
       policy: a `Policy`, a policy name, or None for "float32".
+
+    When Keras is imported, Keras's global policy is set to the same name too: a Keras model
+    built afterwards computes in that dtype (its layers read Keras's policy when they are
+    made), which `Model.compile` of a Keras model requires.
     """
     _global.policy = Policy("float32" if policy is None else policy)
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.mixed_precision.set_global_policy(_global.policy.name)
 
 
 def global_policy() -> Policy:

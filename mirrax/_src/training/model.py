@@ -24,6 +24,7 @@ from mirrax._src.distribute.strategy import get_replica_context, get_strategy, h
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
+from mirrax._src.training import keras_models, keras_objects
 from mirrax._src.training import loops, mixed_precision
 from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import optimizer as optimizers
@@ -40,17 +41,29 @@ class Model:
 
     Args:
       module: the `nnx.Module` to train; `model.module` returns it and `model(x)` calls it.
+        Or a built Keras 3 model (Sequential, functional or subclassed) on the JAX backend:
+        it is wrapped in a `KerasModule` (`model.module`; `model.keras_model` is the Keras
+        model), trained through Keras's stateless API with its own losses (regularizers,
+        `add_loss`) added once to the loss (docs/training.md, "Keras 3 models").
+
+    Raises:
+      InvalidArgumentTypeError: `module` is neither an nnx.Module nor a Keras model.
+      UnsupportedArgumentError: a Keras model on another backend than JAX.
+      InvalidArgumentError: a Keras model that is not built.
 
     Attributes:
       module, optimizer (an `OptimizerHandle` after compile), loss, metrics, stop_training,
       history (the `History` of the last fit), distribute_strategy.
     """
 
-    def __init__(self, module: nnx.Module):
+    def __init__(self, module):
+        if keras_models.is_keras_model(module):
+            module = keras_models.KerasModule(module)
         if not isinstance(module, nnx.Module):
             raise errors.InvalidArgumentTypeError(
-                f"mirrax.Model wraps an nnx.Module; received {type(module).__name__}. Pass the "
-                "module itself, e.g. mirrax.Model(MyNet(rngs=nnx.Rngs(0)))."
+                f"mirrax.Model wraps an nnx.Module or a Keras 3 model; received "
+                f"{type(module).__name__}. Pass the module itself, e.g. "
+                "mirrax.Model(MyNet(rngs=nnx.Rngs(0))) or mirrax.Model(keras.Sequential([...]))."
             )
         self.module = module
         self.optimizer: optimizers.OptimizerHandle | None = None
@@ -69,6 +82,13 @@ class Model:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def keras_model(self):
+        """The Keras model this `Model` was made from (None for an NNX module). Its own
+        variables hold the trained values after each `fit` (and after `write_to_keras()` of
+        `model.module`); during training `model.get_weights()` is current."""
+        return self.module.keras_model if isinstance(self.module, keras_models.KerasModule) else None
 
     def checkpoint_children(self) -> dict:
         """What `mirrax.Checkpoint` stores for this model (mirrax's checkpoint protocol): the
@@ -124,12 +144,15 @@ class Model:
           MixedStrategyError: compiled under another strategy's scope than the one the model
             was made in.
         """
+        keras_models.check_policy(self.module, mixed_precision.global_policy())
+        loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
+            loss, optimizer, metrics, weighted_metrics)
         checks.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
                             jit_compile, auto_scale_loss)
         steps_per_execution = checks.check_count("compile", "steps_per_execution", steps_per_execution)
         gradient_accumulation_steps = checks.check_count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
-        self.distribute_strategy = self._compile_strategy()
+        self.distribute_strategy = checks.compile_strategy(self._scope_strategy)
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
         checks.check_sharded_optimizer(self.distribute_strategy, steps_per_execution,
@@ -149,21 +172,10 @@ class Model:
         self.metrics = plain + weighted
         weighted_flags = (False,) * len(plain) + (True,) * len(weighted)
         self.dtype_policy = mixed_precision.global_policy()
-        micro = self.distribute_strategy.replica_invariant
-        compiled = steps_lib.CompiledState(
-            loss_scale=loss_scale,
-            weighted=weighted_flags,
-            metric_names=checks.metric_names(plain, weighted),
-            tracker=steps_lib.LossTracker(),
-            dynamic_scale=(mixed_precision.LossScale()
-                           if self.dtype_policy.uses_loss_scaling and auto_scale_loss else None),
-            rng=np.random.default_rng(0),
-            train_impl=steps_lib.make_train_step(self.loss, loss_scale, self.dtype_policy,
-                                                 weighted_flags, micro),
-            test_impl=steps_lib.make_test_step(self.loss, loss_scale, self.dtype_policy,
-                                               weighted_flags, micro),
-            predict_impl=steps_lib.make_predict_step(self.dtype_policy, micro),
-        )
+        compiled = steps_lib.compiled_state(
+            self.loss, loss_scale, self.dtype_policy, checks.metric_names(plain, weighted),
+            weighted_flags, self.dtype_policy.uses_loss_scaling and auto_scale_loss,
+            self.distribute_strategy.replica_invariant)
         # New step functions at every compile: they key strategy.run's program cache, so a
         # recompiled model (another loss, policy or metrics) never reuses an old program.
         compiled.train_fn = self._bound_step("train_step")
@@ -172,20 +184,6 @@ class Model:
         compiled.predict_fn = self._bound_step("predict_step")
         self.optimizer.dynamic_scale = compiled.dynamic_scale
         self._compiled = compiled
-
-    def _compile_strategy(self):
-        """The strategy of compile: in scope now, else in scope at __init__, else the default."""
-        if has_strategy():
-            current = get_strategy()
-            if self._scope_strategy is not None and current is not self._scope_strategy:
-                raise errors.MixedStrategyError(
-                    f"compile: this Model was made under the scope of {self._scope_strategy!r} "
-                    f"but is compiled under the scope of {current!r}; a model belongs to one "
-                    "strategy (as in Keras). Compile it under the strategy it was made in, or "
-                    "build a new module and Model under the new strategy's scope."
-                )
-            return current
-        return self._scope_strategy or get_strategy()
 
     def _check_compiled(self, what: str):
         if not self._compiled:
@@ -196,16 +194,7 @@ class Model:
         self._check_scope(what)
 
     def _check_scope(self, what: str):
-        """Refuses a call under another strategy's scope than the model's (as TF's "Mixing
-        different tf.distribute.Strategy objects"); outside every scope the model's is used."""
-        mine = self.distribute_strategy
-        if mine is not None and has_strategy() and get_strategy() is not mine:
-            raise errors.MixedStrategyError(
-                f"{what}: this Model belongs to {mine!r} but is called under the scope of "
-                f"{get_strategy()!r}; a model runs on the strategy it was compiled with. Call "
-                "it outside that scope (or under its own), or build a new module and Model "
-                "under the new strategy's scope."
-            )
+        checks.check_model_scope(what, self.distribute_strategy)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -325,7 +314,11 @@ class Model:
         """
         self._check_compiled("fit")
         fit = ps_loops.fit if ps_loops.is_parameter_server(self.distribute_strategy) else loops.fit
-        return fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
+        try:
+            return fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
+        finally:
+            if isinstance(self.module, keras_models.KerasModule):
+                self.module.write_to_keras()
 
     # -- evaluate / predict ----------------------------------------------------------------------
 

@@ -108,5 +108,6 @@ def resolve_optimizer(optimizer):
     raise errors.InvalidArgumentTypeError(
         "compile: optimizer must be an optax.GradientTransformation or one of the names "
         f"{sorted(_OPTIMIZERS)}; received {type(optimizer).__name__} {optimizer!r:.80}. A Keras "
-        "optimizer object is not accepted: pass e.g. 'adam' or optax.adam(1e-3)."
+        "optimizer (Adam, AdamW, SGD, RMSprop) is translated; for others pass e.g. 'adam' or "
+        "optax.adam(1e-3)."
     )

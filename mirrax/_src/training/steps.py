@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mirrax import errors
@@ -17,7 +18,7 @@ from mirrax._src.distribute import invariant
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.strategy import get_replica_context
 from mirrax._src.distribute.values import PerReplica
-from mirrax._src.training import mixed_precision
+from mirrax._src.training import keras_models, mixed_precision
 
 
 class LossTracker(nnx.Pytree):
@@ -47,17 +48,44 @@ def _masked_sum(per_example, sample_weight):
     return jnp.where(valid, weighted, 0.0).sum(), valid.sum().astype(jnp.float32)
 
 
-def forward(module, x, policy):
-    """The module's output in float32, computed in the policy's dtype (parameters cast)."""
+def forward_with_losses(module, x, policy):
+    """(y_pred, own loss): the module's output in float32, computed in the policy's dtype
+    (parameters cast), and the module's own losses summed (a Keras model's regularization
+    and `add_loss` losses, float32; None for an NNX module)."""
     if policy.compute_dtype == "float32":
-        return module(x)
+        return keras_models.call_with_losses(module, x)
     dtype = jnp.dtype(policy.compute_dtype)
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     view = nnx.merge(graphdef, mixed_precision.cast_floating(params, dtype), rest)
-    y_pred = view(mixed_precision.cast_floating(x, dtype))
-    return jax.tree.map(
+    y_pred, own = keras_models.call_with_losses(view, mixed_precision.cast_floating(x, dtype))
+    # What the call changed besides the parameters (batch statistics, seed counts) is kept.
+    nnx.update(module, nnx.state(view, nnx.Not(nnx.Param)))
+    y_pred = jax.tree.map(
         lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, y_pred
     )
+    return y_pred, own
+
+
+def forward(module, x, policy):
+    """The module's output in float32, computed in the policy's dtype (parameters cast)."""
+    return forward_with_losses(module, x, policy)[0]
+
+
+def _own_loss_share(own):
+    """This replica's (or micro-batch's) share of a loss computed whole on each of them (a
+    Keras model's regularization losses), so the shares add up to the loss once."""
+    if own is None:
+        return 0.0
+    strategy = get_replica_context().strategy
+    shares = strategy.micro_batches if strategy.replica_invariant else strategy.num_replicas_in_sync
+    return own / shares
+
+
+def _tracked(per_example, sample_weight, own):
+    """(total, count) for the loss tracker: Keras logs the compiled loss plus the model's own
+    losses, so each real example carries the own loss once."""
+    total, count = _masked_sum(per_example, sample_weight)
+    return (total, count) if own is None else (total + own * count, count)
 
 
 def _unpack(batch):
@@ -91,8 +119,9 @@ def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batche
             score = _make_scorer(loss_obj, loss_weight, policy, weighted)
 
             def micro_loss(nodes, x, y, sample_weight):
-                per_example = score(nodes, x, y, sample_weight)
-                return compute_average_loss(per_example, sample_weight) * scale
+                per_example, own = score(nodes, x, y, sample_weight)
+                share = compute_average_loss(per_example, sample_weight) + _own_loss_share(own)
+                return share * scale
 
             _, _, grads = invariant.micro_batch_call(
                 micro_loss, (module, metrics, tracker), (x, y, sample_weight),
@@ -101,16 +130,16 @@ def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batche
             return
 
         def loss_fn(module):
-            y_pred = forward(module, x, policy)
+            y_pred, own = forward_with_losses(module, x, policy)
             per_example = loss_obj.per_example(y, y_pred) * loss_weight
-            share = compute_average_loss(per_example, sample_weight)
-            return share * scale, (y_pred, per_example)
+            share = compute_average_loss(per_example, sample_weight) + _own_loss_share(own)
+            return share * scale, (y_pred, per_example, own)
 
         # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
-        (_, (y_pred, per_example)), grads = gradients.packed_value_and_grad(
+        (_, (y_pred, per_example, own)), grads = gradients.packed_value_and_grad(
             loss_fn, module, has_aux=True)
         _apply_gradients(module, optimizer, grads, loss_scale, scale)
-        tracker.update(*_masked_sum(per_example, sample_weight))
+        tracker.update(*_tracked(per_example, sample_weight, own))
         _update_metrics(metrics, weighted, y, y_pred, sample_weight)
 
     return train_step
@@ -135,14 +164,15 @@ def _apply_gradients(module, optimizer, grads, loss_scale, scale):
 
 def _make_scorer(loss_obj, loss_weight: float, policy, weighted):
     """`score((module, metrics, tracker), x, y, sample_weight)`: the forward pass, the
-    per-example losses (returned), and the loss tracker and metrics updated with them."""
+    per-example losses and the module's own loss (returned), and the loss tracker and
+    metrics updated with them."""
     def score(nodes, x, y, sample_weight):
         module, metrics, tracker = nodes
-        y_pred = forward(module, x, policy)
+        y_pred, own = forward_with_losses(module, x, policy)
         per_example = loss_obj.per_example(y, y_pred) * loss_weight
-        tracker.update(*_masked_sum(per_example, sample_weight))
+        tracker.update(*_tracked(per_example, sample_weight, own))
         _update_metrics(metrics, weighted, y, y_pred, sample_weight)
-        return per_example
+        return per_example, own
 
     return score
 
@@ -255,6 +285,24 @@ class CompiledState:
     test_fn: Callable = None
     predict_fn: Callable = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
+
+
+def compiled_state(loss, loss_scale: float, policy, metric_names, weighted, dynamic: bool,
+                   micro: bool) -> CompiledState:
+    """`Model.compile`'s `CompiledState` (without the bound step functions): the default
+    steps for `loss` (scaled by `loss_scale`) under `policy`, the metrics' names and weight
+    flags, dynamic loss scaling if `dynamic`, micro-batched steps if `micro`."""
+    return CompiledState(
+        loss_scale=loss_scale,
+        weighted=weighted,
+        metric_names=metric_names,
+        tracker=LossTracker(),
+        dynamic_scale=mixed_precision.LossScale() if dynamic else None,
+        rng=np.random.default_rng(0),
+        train_impl=make_train_step(loss, loss_scale, policy, weighted, micro),
+        test_impl=make_test_step(loss, loss_scale, policy, weighted, micro),
+        predict_impl=make_predict_step(policy, micro),
+    )
 
 
 class StepBinding:

@@ -25,6 +25,13 @@ def _flatten(callbacks) -> list:
     for item in callbacks:
         flat.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
     for item in flat:
+        if not isinstance(item, Callback) and (type(item).__module__ or "").startswith("keras"):
+            name = type(item).__name__
+            raise errors.InvalidArgumentTypeError(
+                f"callbacks: {name} is a Keras callback, which drives a keras.Model; mirrax's "
+                f"fit takes mirrax.callbacks.{name} (the same arguments and hooks; `from mirrax "
+                "import callbacks`), or a mirrax.callbacks.Callback subclass."
+            )
         if not isinstance(item, Callback):
             raise errors.InvalidArgumentTypeError(
                 "callbacks must be mirrax.callbacks.Callback instances; received a "

@@ -1,0 +1,222 @@
+"""Keras 3 models (JAX backend) as NNX modules, so `mirrax.Model` trains them like any module.
+
+`KerasModule` holds a Keras model's variables as NNX variables and runs the model through
+Keras's stateless API (`keras_model.stateless_call`), the way Keras's own JAX trainer does:
+trainable variables are `nnx.Param`s (what the optimizer updates; gradients summed over the
+replicas), float non-trainable variables (BatchNormalization's moving statistics) are
+`nnx.BatchStat`s (averaged over the replicas), and each `keras.random.SeedGenerator` state
+becomes a PRNG key plus a draw count, so every replica draws its own dropout mask and every
+step a new one. Keras's own losses (`add_loss`, kernel/activity regularizers) come back from
+`call_with_losses`, which the training step adds once to the global loss.
+
+Keras is imported only when a Keras model is given; it is the optional extra `mirrax[keras]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrax import errors
+
+_SEED_STATE_NAME = "seed_generator_state"
+
+
+def is_keras_model(obj) -> bool:
+    """Whether `obj` is a Keras 3 model or layer, subclasses included (a Keras object cannot
+    exist unless Keras was imported, so Keras is never imported here)."""
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(obj, keras.layers.Layer)
+
+
+def _all_built(layer) -> bool:
+    """Whether the layer and every layer inside it have made their variables (a subclassed
+    model's `build(input_shape)` can mark it built while its layers still wait for a call)."""
+    return layer.built and all(_all_built(inner) for inner in getattr(layer, "layers", ()))
+
+
+def _check_keras(keras_model):
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise errors.UnsupportedArgumentError(
+            f"mirrax.Model: the Keras model runs on Keras's {backend!r} backend; mirrax runs "
+            "Keras models on the JAX backend only. Set the environment variable "
+            "KERAS_BACKEND=jax before Keras is first imported (e.g. os.environ['KERAS_BACKEND'] "
+            "= 'jax' at the top of the program, or in the shell), then build the model again."
+        )
+    if not _all_built(keras_model):
+        raise errors.InvalidArgumentError(
+            f"mirrax.Model: the Keras model {keras_model.name!r} is not built (its variables "
+            "do not exist yet), so there is nothing to place on the replicas. Give it its input "
+            "shape: start a Sequential with keras.Input(shape=...) (or input_shape=... on the "
+            "first layer), or call the model once on a batch (keras_model(x[:1])), before "
+            "mirrax.Model(...)."
+        )
+
+
+class KerasSeedKey(nnx.RngKey):
+    """The PRNG key of a Keras `SeedGenerator` (its state at wrapping, uint32 of shape (2,)).
+
+    An `nnx.RngKey`, so the replica id (or, in replica-invariant mode, the micro-batch index)
+    is folded into it during each step, as into an `nnx.Rngs` key.
+    """
+
+
+class KerasSeedCount(nnx.RngCount):
+    """How far a Keras `SeedGenerator` has advanced since wrapping (uint32 scalar)."""
+
+
+def _non_trainable_variable(variable):
+    value = jnp.asarray(variable.value)
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return nnx.BatchStat(value)
+    # Integer counters and the like must stay equal on every replica (aggregation NONE).
+    return nnx.Variable(value)
+
+
+class KerasModule(nnx.Module):
+    """A Keras 3 model as an `nnx.Module`: `module(x)` is `keras_model(x)` on the NNX variables.
+
+    Args:
+      keras_model: a built Keras 3 model or layer (Sequential, functional or subclassed) on
+        the JAX backend.
+
+    Attributes:
+      keras_model: the Keras model (its own variables are written by `write_to_keras`).
+      variables: one NNX variable per Keras variable, in `keras_model.variables` order, so
+        `mirrax.Model.get_weights()` lists them as `keras_model.get_weights()` does (seed
+        states, as Keras's, left out): trainable ones as `nnx.Param`, float non-trainable
+        ones as `nnx.BatchStat`, other non-trainable ones as `nnx.Variable`, seed states as
+        `KerasSeedKey` (with their draw counts in `seed_counts`).
+      paths: the Keras variables' paths (e.g. "sequential/dense/kernel"), in the same order.
+      deterministic: False under `module.train()` (Keras's `training=True`: dropout on, batch
+        statistics from the batch), True under `module.eval()` (the default, as Keras's
+        `training=None` outside fit).
+
+    Raises:
+      UnsupportedArgumentError: Keras runs on another backend than JAX.
+      InvalidArgumentError: the model is not built.
+    """
+
+    def __init__(self, keras_model):
+        _check_keras(keras_model)
+        self.keras_model = nnx.static(keras_model)
+        everything = list(keras_model.variables)
+        position = {id(v): i for i, v in enumerate(everything)}
+        self.paths = nnx.static(tuple(v.path for v in everything))
+        self.trainable_index = nnx.static(tuple(position[id(v)] for v in keras_model.trainable_variables))
+        self.non_trainable_index = nnx.static(
+            tuple(position[id(v)] for v in keras_model.non_trainable_variables))
+        trainable = set(self.trainable_index)
+        seeds = tuple(v.name == _SEED_STATE_NAME and i not in trainable
+                      for i, v in enumerate(everything))
+        self.is_seed = nnx.static(seeds)
+        self.variables = nnx.List([
+            nnx.Param(jnp.asarray(v.value)) if i in trainable
+            else KerasSeedKey(jnp.asarray(v.value)) if seeds[i]
+            else _non_trainable_variable(v)
+            for i, v in enumerate(everything)])
+        # The count advances by what Keras adds per draw, the same on every replica; JAX still
+        # types it as varying (it is read off the replica's folded key), hence replica 0's.
+        self.seed_counts = nnx.List([
+            KerasSeedCount(jnp.zeros((), jnp.uint32), aggregation="only_first_replica")
+            for seed in seeds if seed])
+        # As Keras's trainer: `training` goes only to a call that takes it.
+        self.takes_training = nnx.static("training" in inspect.signature(keras_model.call).parameters)
+        self.deterministic = True
+
+    def _values(self) -> list:
+        """Every variable's value as Keras sees it (a seed state advanced by its count)."""
+        values, counts = [], iter(self.seed_counts)
+        for variable, seed in zip(self.variables, self.is_seed):
+            value = variable.get_value()
+            if seed:
+                # Keras advances a seed state by adding to its second word.
+                value = value + jnp.stack([jnp.zeros((), jnp.uint32), next(counts).get_value()])
+            values.append(value)
+        return values
+
+    def call_with_losses(self, *args, **kwargs):
+        """`(outputs, losses)`: the Keras model's outputs on `args` and the sum of its own
+        losses (`keras_model.losses`: regularizers, `add_loss`; a float32 scalar, 0.0 when it
+        has none), with Keras's `training` flag set by `train()` / `eval()`.
+
+        The non-trainable variables (moving statistics, seed states) are updated in place.
+        """
+        if len(self.keras_model.variables) != len(self.variables):
+            raise errors.InvalidArgumentError(
+                f"mirrax.Model: the Keras model {self.keras_model.name!r} had "
+                f"{len(self.variables)} variables when it was wrapped and has "
+                f"{len(self.keras_model.variables)} now: a layer made its variables later, at "
+                "its first call. Call the model once on a batch (keras_model(x[:1])) before "
+                "mirrax.Model(keras_model)."
+            )
+        values = self._values()
+        given = [values[i] for i in self.non_trainable_index]
+        # Keras's layers broadcast by rank (a bias added to a batch), which a program run
+        # under jax_numpy_rank_promotion="raise" would refuse inside Keras's code.
+        if self.takes_training:
+            kwargs = {"training": not self.deterministic, **kwargs}
+        with jax.numpy_rank_promotion("allow"):
+            outputs, new_values, losses = self.keras_model.stateless_call(
+                [values[i] for i in self.trainable_index], given, *args,
+                return_losses=True, **kwargs)
+        seed_positions = [i for i, seed in enumerate(self.is_seed) if seed]
+        counts = dict(zip(seed_positions, self.seed_counts))
+        for i, old, new in zip(self.non_trainable_index, given, new_values):
+            if i in counts:
+                counts[i].set_value(counts[i].get_value() + (jnp.asarray(new)[1] - old[1]))
+            else:
+                variable = self.variables[i]
+                variable.set_value(jnp.asarray(new, variable.get_value().dtype))
+        total = sum((jnp.asarray(loss, jnp.float32) for loss in losses), jnp.float32(0.0))
+        return outputs, total
+
+    def __call__(self, *args, **kwargs):
+        """The Keras model's outputs on `args` (its own losses dropped; see `call_with_losses`)."""
+        return self.call_with_losses(*args, **kwargs)[0]
+
+    def write_to_keras(self) -> None:
+        """Assigns the current values to the Keras model's own variables (so `keras_model`
+        used directly, e.g. `keras_model.predict` or `keras_model.save`, sees the trained
+        weights). Seed states get their advanced values."""
+        for keras_variable, value in zip(self.keras_model.variables, self._values()):
+            keras_variable.assign(np.asarray(value))
+
+
+def check_policy(module, policy) -> None:
+    """Refuses to compile a Keras model under a dtype policy its layers were not built with:
+    Keras layers cast their inputs to their own compute dtype, so mirrax's casts alone would
+    leave the model computing in float32 (or in bfloat16 without loss scaling).
+
+    Raises:
+      UnsupportedArgumentError: the policies' compute dtypes differ (the message says to set
+        the policy before building the model).
+    """
+    if not isinstance(module, KerasModule):
+        return
+    built = module.keras_model.dtype_policy
+    if built.compute_dtype != policy.compute_dtype:
+        raise errors.UnsupportedArgumentError(
+            f"compile: the mixed precision policy is {policy.name!r} but the Keras model "
+            f"{module.keras_model.name!r} was built under Keras's policy {built.name!r} "
+            f"(its layers compute in {built.compute_dtype}). Call "
+            f"mirrax.mixed_precision.set_global_policy({policy.name!r}) after importing Keras "
+            "and BEFORE building the Keras model (it sets Keras's policy too), as Keras's "
+            "mixed precision guide does; then build, wrap and compile it."
+        )
+
+
+def call_with_losses(module, *args):
+    """(outputs, the module's own losses summed): a Keras model's regularization and
+    `add_loss` losses; None for any other module (NNX modules have no loss collection)."""
+    if isinstance(module, KerasModule):
+        return module.call_with_losses(*args)
+    return module(*args), None
