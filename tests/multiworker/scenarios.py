@@ -1,6 +1,6 @@
 """Programs that the multi-worker tests run in every worker process (one per training task).
 
-Run as `python -m tests.multiprocess.scenarios NAME OUT_DIR TASK_INDEX [ARGS...]` with
+Run as `python -m tests.multiworker.scenarios NAME OUT_DIR TASK_INDEX [ARGS...]` with
 `TF_CONFIG` set (or unset: one process); each writes OUT_DIR/<TASK_INDEX>.json. The same
 program, run as one process over all the devices, is the reference the tests compare with.
 """
