@@ -29,7 +29,9 @@ def as_arrays(value):
     def convert(leaf):
         return checks.to_numpy(leaf) if hasattr(leaf, "shape") else leaf
 
-    if isinstance(value, dict):
+    # Only a dict of tensors: another dict (a Hugging Face DatasetDict of splits) keeps its
+    # type, for the error that names it.
+    if isinstance(value, dict) and all(batching.is_array(leaf) for leaf in value.values()):
         return {key: convert(leaf) for key, leaf in value.items()}
     return convert(value)
 
