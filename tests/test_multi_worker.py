@@ -1,7 +1,7 @@
 """MultiWorkerMirroredStrategy: several local processes on loopback (Gloo), each with fake CPUs.
 
-Every test starts real worker processes (tests/multiprocess/harness.py) running a program of
-tests/multiprocess/scenarios.py, and compares what they report with hand arithmetic or with the
+Every test starts real worker processes (tests/multiworker/harness.py) running a program of
+tests/multiworker/scenarios.py, and compares what they report with hand arithmetic or with the
 same program run as ONE process over the same number of devices.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mirrax
-from tests.multiprocess import harness
+from tests.multiworker import harness
 
 
 def test_cluster_facts_of_the_issue_tf_config(tmp_path):
@@ -181,7 +181,7 @@ def test_checkpoints_are_written_once_and_only_the_chief_prints(tmp_path):
         assert (ckpt / name / "commit_success.txt").exists()
     # The final checkpoint holds the weights every worker ended with.
     strategy = mirrax.OneDeviceStrategy("cpu:0")
-    from tests.multiprocess.scenarios import _mlp, _mlp_problem
+    from tests.multiworker.scenarios import _mlp, _mlp_problem
 
     w1, w2, _, _ = _mlp_problem()
     with strategy.scope():
@@ -246,7 +246,7 @@ def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc", "2",
          "--cpu-devices", "1", "--grace-period", "2", "--", sys.executable, "-m",
-         "tests.multiprocess.scenarios", "killed", str(tmp_path), "auto", "default"],
+         "tests.multiworker.scenarios", "killed", str(tmp_path), "auto", "default"],
         cwd=harness.ROOT, capture_output=True, text=True, timeout=120,
         env={**__import__("os").environ, "PYTHONPATH": str(harness.ROOT), "JAX_PLATFORMS": "cpu"},
     )

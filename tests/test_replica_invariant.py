@@ -22,7 +22,7 @@ from flax import nnx
 import mirrax
 from mirrax import errors
 from mirrax._src.distribute import exact_sums
-from tests.multiprocess import harness
+from tests.multiworker import harness
 
 REPLICAS = (1, 2, 4, 8)
 _TRAIN = mirrax.data.load_digits()[0]
@@ -382,7 +382,7 @@ def test_launch_2x2_equals_one_process_with_4_devices_and_4_processes_with_1(tmp
     env.pop("TF_CONFIG", None)
     launched = subprocess.run(
         [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc", "2",
-         "--cpu-devices", "2", "--", sys.executable, "-m", "tests.multiprocess.scenarios",
+         "--cpu-devices", "2", "--", sys.executable, "-m", "tests.multiworker.scenarios",
          "invariant", str(out), "auto"],
         cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]

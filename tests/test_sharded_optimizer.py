@@ -13,7 +13,7 @@ from flax import nnx
 
 import mirrax
 from mirrax._src.distribute import sharded_optimizer
-from tests.multiprocess import harness
+from tests.multiworker import harness
 
 # Sharded and unsharded steps add the same gradients in a different order (a reduce-scatter
 # and an all-reduce may split the replica sum differently; XLA partitions the update), so

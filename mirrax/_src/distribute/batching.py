@@ -103,6 +103,16 @@ def is_array(x) -> bool:
     return isinstance(x, (np.ndarray, jax.Array)) or hasattr(x, "numpy") or hasattr(x, "__array__")
 
 
+# A leaf without a batch axis, or leaves of different lengths, usually mean that a dataset of
+# single examples was given where batches go.
+UNBATCHED_HINT = (
+    "If the dataset yields single examples rather than batches (a Hugging Face "
+    "datasets.Dataset, a torch Dataset or a Grain MapDataset iterated directly), batch it "
+    "first: ds.iter(batch_size=B) or ds.batch(B) (Hugging Face), DataLoader(ds, batch_size=B) "
+    "(torch), dataset.batch(B) (Grain, tf.data)."
+)
+
+
 def to_host_batch(batch):
     """Converts a batch's leaves to NumPy and checks they share one leading (batch) size.
 
@@ -143,7 +153,8 @@ def to_host_batch(batch):
         if leaf.ndim == 0:
             raise errors.InvalidBatchError(
                 f"{name} is a scalar ({leaf!r}); every leaf of a batch needs a leading batch "
-                "axis. Give it shape (batch_size, ...), e.g. np.full(batch_size, value)."
+                "axis. Give it shape (batch_size, ...), e.g. np.full(batch_size, value). "
+                + UNBATCHED_HINT
             )
         leaves.append(leaf)
         sizes[name] = leaf.shape[0]
@@ -151,7 +162,7 @@ def to_host_batch(batch):
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise errors.InvalidBatchError(
             f"The leaves of a batch have different leading (batch) sizes ({listing}); every "
-            "leaf must hold the same number of examples along its first axis."
+            "leaf must hold the same number of examples along its first axis. " + UNBATCHED_HINT
         )
     return jax.tree.unflatten(treedef, leaves), leaves[0].shape[0]
 

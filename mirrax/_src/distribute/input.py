@@ -8,6 +8,7 @@ may be NumPy or JAX arrays or anything with `.numpy()` (tf.Tensor, torch.Tensor)
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import queue
 import threading
@@ -39,6 +40,26 @@ from mirrax._src.distribute.input_options import (
 from mirrax._src.distribute.values import DistributedInput, PerReplica
 
 
+def not_batches_hint(source) -> str:
+    """How to turn `source`, refused as a dataset, into batches: "" when there is no better
+    hint than the error's own. Hugging Face objects are told by their public class names."""
+    kind = type(source)
+    if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "Column":
+        name = getattr(source, "column_name", "name")
+        return (f" It is a Hugging Face Column (ds[{name!r}]), a lazy view of one column, not "
+                f"an array; pass its values as an array: ds[{name!r}][:] (NumPy when the "
+                "dataset has .with_format('numpy')).")
+    if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "DatasetDict":
+        return (f" It is a Hugging Face DatasetDict of the splits {list(source)}; pass one "
+                "split, e.g. ds['train'], as batches.")
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__") and not hasattr(
+            source, "__iter__"):
+        return (" It has __len__ and __getitem__ but no __iter__: a map-style dataset of single "
+                "examples (a torch Dataset); batch it: torch.utils.data.DataLoader(ds, "
+                "batch_size=B), or grain.MapDataset.source(ds).batch(B).")
+    return ""
+
+
 def _batch_source(dataset) -> Callable[[], Iterator]:
     """A function that starts a fresh pass over `dataset`'s batches.
 
@@ -57,8 +78,9 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
         is_array(leaf) for leaf in jax.tree.leaves(dataset)
     ):
         return lambda: iter([dataset])
-    if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__"):
-        hint = ""
+    if (isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__")
+            or not_batches_hint(dataset)):
+        hint = not_batches_hint(dataset)
         if callable(dataset):
             hint = (f" {getattr(dataset, '__name__', 'It')} is a function: pass what it returns, "
                     f"e.g. experimental_distribute_dataset({getattr(dataset, '__name__', 'fn')}"
@@ -69,7 +91,8 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
             "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
             f"received {type(dataset).__name__} ({dataset!r:.60}).{hint}"
         )
-    if iter(dataset) is not dataset:
+    # Asked of the type, not by calling iter(): a loader's iter() may start worker processes.
+    if not isinstance(dataset, collections.abc.Iterator):
         return lambda: iter(dataset)
     passes = []
 

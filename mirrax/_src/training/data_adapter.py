@@ -4,7 +4,7 @@ checks each needs, and the validation split."""
 
 from __future__ import annotations
 
-import inspect
+import collections.abc
 import itertools
 import math
 import warnings
@@ -18,70 +18,9 @@ from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute import input_options
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.values import PerReplica
-from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import arguments as checks
-
-
-def _class_weights_of(y, table) -> np.ndarray:
-    """Per-example weights of labels `y` (ints, or one-hot / probabilities: argmax), as Keras."""
-    y = np.asarray(y)
-    if y.ndim > 1:
-        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
-    if y.ndim != 1:
-        raise errors.InvalidArgumentError(
-            f"fit: class_weight needs one label per example; received labels of shape {y.shape}."
-        )
-    y = np.round(y).astype(np.int64)
-    return np.array([table.get(int(label), 1.0) for label in y], np.float32)
-
-
-def _check_source(what: str, x):
-    """Refuses an x that can be no input at all (before anything is read from it)."""
-    if x is None:
-        raise errors.InvalidArgumentError(
-            f"{what}: x is required (arrays, an iterable of batches, or a distributed dataset)."
-        )
-    if inspect.isgeneratorfunction(x) or (callable(x) and not hasattr(x, "__iter__")):
-        name = getattr(x, "__name__", type(x).__name__)
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: x is the function {name!r}, not its batches; call it: pass {name}() "
-            "(a generator of (x, y) batches), as Keras takes a generator."
-        )
-    if isinstance(x, (str, bytes)) or not (hasattr(x, "__iter__") or hasattr(x, "as_numpy_iterator")):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: x must be NumPy/JAX arrays (or a dict of them), an iterable of batches "
-            f"(list, generator, torch DataLoader, Grain loader, tf.data) or a distributed "
-            f"dataset; received {type(x).__name__} {x!r:.80}."
-        )
-
-
-def _normalize_batch(batch, inputs_only: bool, class_weight=None):
-    """A user batch as a tuple (x, y[, sample_weight]) (or (x,) for predict), as Keras unpacks.
-
-    Lists count as tuples (a torch DataLoader's default collate yields [x, y]).
-    """
-    if inputs_only:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return (jax.tree.map(checks.to_numpy, x),)
-    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
-        size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-        raise errors.InvalidBatchError(
-            "fit/evaluate: each batch of a dataset must be a tuple or list (x, y) or (x, y, "
-            f"sample_weight); received a {type(batch).__name__}{size}. For a multi-input "
-            "model, make x a dict of arrays."
-        )
-    if class_weight is not None:
-        if len(batch) == 3:
-            raise errors.InvalidArgumentError(
-                "fit: class_weight was given but the dataset's batches carry sample weights; "
-                "as Keras, pass one of them."
-            )
-    x, y = jax.tree.map(checks.to_numpy, (batch[0], batch[1]))
-    if class_weight is not None:
-        return (x, y, _class_weights_of(checks.host_array(y), class_weight))
-    if len(batch) == 2:
-        return (x, y)
-    return (x, y, np.asarray(checks.host_array(batch[2]), np.float32))
+from mirrax._src.training import dataset_batches
+from mirrax._src.training import losses as losses_lib
 
 
 def as_arrays(value):
@@ -90,7 +29,9 @@ def as_arrays(value):
     def convert(leaf):
         return checks.to_numpy(leaf) if hasattr(leaf, "shape") else leaf
 
-    if isinstance(value, dict):
+    # Only a dict of tensors: another dict (a Hugging Face DatasetDict of splits) keeps its
+    # type, for the error that names it.
+    if isinstance(value, dict) and all(batching.is_array(leaf) for leaf in value.values()):
         return {key: convert(leaf) for key, leaf in value.items()}
     return convert(value)
 
@@ -216,7 +157,7 @@ class ModelInput:
         if sample_weight is not None:
             sample_weight = checks.check_sample_weight(what, sample_weight, n)
         elif class_weight is not None:
-            sample_weight = _class_weights_of(y, class_weight)
+            sample_weight = dataset_batches.class_weights_of(y, class_weight)
         self.sample_weight = sample_weight
         self.n = n
         self.steps = math.ceil(n / self.batch_size)
@@ -226,7 +167,7 @@ class ModelInput:
             losses_lib.SparseCategoricalCrossentropy.check_labels(np.asarray(y), y_pred.shape[-1])
 
     def _init_dataset(self, x, y, sample_weight, batch_size, what):
-        _check_source(what, x)
+        dataset_batches.check_source(what, x)
         if batch_size is not None:
             raise errors.InvalidArgumentError(
                 f"{what}: batch_size={batch_size} was given with a {type(x).__name__}, "
@@ -257,8 +198,10 @@ class ModelInput:
                 f"{what}: x is an empty {type(x).__name__} (0 batches); there is nothing to "
                 "train on or evaluate (Keras refuses an empty input too)."
             )
-        # A generator is consumed across epochs, as Keras does with steps_per_epoch.
-        self.one_shot = hasattr(x, "__iter__") and not hasattr(x, "as_numpy_iterator") and iter(x) is x
+        # A generator is consumed across epochs, as Keras does with steps_per_epoch. Asked of
+        # the type, not by calling iter(): a loader's iter() may start worker processes.
+        self.one_shot = isinstance(x, collections.abc.Iterator) and not hasattr(
+            x, "as_numpy_iterator")
         missing = object()
         if self.one_shot:
             first = next(x, missing)
@@ -272,7 +215,8 @@ class ModelInput:
                 f"{what}: x ({type(x).__name__}) yielded no batch; there is nothing to train on "
                 "or evaluate. As Keras: a generator must yield at least one batch."
             )
-        batch = _normalize_batch(first, self.inputs_only, self.class_weight)
+        dataset_batches.check_batched(what, x, first)
+        batch = dataset_batches.normalize_batch(first, self.inputs_only, self.class_weight)
         y_pred = checks.check_fits_model(self.model, self.checked, batch[0], None if self.inputs_only else batch[1],
                                    what)
         if not self.inputs_only:
@@ -356,6 +300,8 @@ class ModelInput:
             for batch in iterator:
                 if steps is not None and count >= steps:
                     break
+                if self.dataset is not None:
+                    batch = self._step_input(batch)
                 if not self.arrays:
                     self._fits(batch, count)
                 yield batch
@@ -364,6 +310,19 @@ class ModelInput:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
+
+    def _step_input(self, batch):
+        """A distributed dataset's batch as the steps take it, as Keras unpacks: for predict
+        (x,), a bare or dict batch being x; for fit / evaluate (x, y[, sample_weight]).
+
+        Raises:
+          InvalidBatchError: a fit / evaluate batch that is not (x, y) or (x, y, sample_weight).
+        """
+        if self.inputs_only:
+            return batch if isinstance(batch, (tuple, list)) else (batch,)
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+            raise dataset_batches.not_x_y_error(batch, "each batch of a distributed dataset")
+        return batch
 
     def _fits(self, batch, index: int) -> None:
         """Runs a distributed batch abstractly through the model when its signature is new.
@@ -446,7 +405,7 @@ class _NormalizedBatches:
     def __iter__(self):
         items = self.source.as_numpy_iterator() if hasattr(self.source, "as_numpy_iterator") else self.source
         for index, batch in enumerate(items):
-            batch = _normalize_batch(batch, self.inputs_only, self.class_weight)
+            batch = dataset_batches.normalize_batch(batch, self.inputs_only, self.class_weight)
             if self.num_classes is not None:
                 try:
                     losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),

@@ -7,8 +7,8 @@ the caller's objects hold the current values after every step (no separate sync 
 callbacks that read or write the model). Batches are global batches split by the strategy's
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
-The rooms: the loops in loops.py, the steps in steps.py, inputs in data_adapter.py, argument
-checks in arguments.py, the optimizer handle in optimizer.py, weights in weights.py.
+The rooms: the loops in loops.py, the steps in steps.py, inputs in data_adapter.py and
+dataset_batches.py, argument checks in arguments.py, optimizer.py, weights.py.
 """
 
 from __future__ import annotations

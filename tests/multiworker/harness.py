@@ -1,6 +1,6 @@
 """Starts several local worker processes (one per training task) and collects what they report.
 
-Each worker runs `python -m tests.multiprocess.scenarios NAME OUT_DIR` with its own `TF_CONFIG`
+Each worker runs `python -m tests.multiworker.scenarios NAME OUT_DIR` with its own `TF_CONFIG`
 and its own fake CPU device count, so JAX in the worker never sees the test process's 8
 devices. A worker writes its results to OUT_DIR/<task index>.json; the harness returns them
 together with each worker's exit code and output. Every worker is killed at the timeout, so a
@@ -79,7 +79,7 @@ def start(scenario: str, out_dir, num_workers: int = 2, cpu_devices: int = 2,
         log = out_dir / f"log{index}.txt"
         with open(log, "wb") as sink:
             process = subprocess.Popen(
-                [sys.executable, "-m", "tests.multiprocess.scenarios", scenario, str(out_dir),
+                [sys.executable, "-m", "tests.multiworker.scenarios", scenario, str(out_dir),
                  str(index), *(args or [])],
                 cwd=ROOT, env=worker_env, stdout=sink, stderr=subprocess.STDOUT,
             )

@@ -1,6 +1,6 @@
 """Programs that the multi-worker tests run in every worker process (one per training task).
 
-Run as `python -m tests.multiprocess.scenarios NAME OUT_DIR TASK_INDEX [ARGS...]` with
+Run as `python -m tests.multiworker.scenarios NAME OUT_DIR TASK_INDEX [ARGS...]` with
 `TF_CONFIG` set (or unset: one process); each writes OUT_DIR/<TASK_INDEX>.json. The same
 program, run as one process over all the devices, is the reference the tests compare with.
 """
@@ -486,6 +486,155 @@ def divergent(out_dir, index, mode):
     return {}
 
 
+# The data set of the loaders scenario: example i has x = 2**i, so a mean over examples tells
+# which were counted (1023 / 10 = 102.3 when each of 0..9 counts once), and y = 0.
+LOADER_EXAMPLES = 10
+LOADER_BATCH = 4
+
+
+def loader_examples():
+    """(x, y, hf): x of shape (LOADER_EXAMPLES, 1) float32 with x[i] = 2**i, y zeros, and the
+    same as a Hugging Face Dataset {"x", "y"} in NumPy format."""
+    import datasets
+
+    x = (2.0 ** np.arange(LOADER_EXAMPLES)).astype(np.float32)[:, None]
+    y = np.zeros(LOADER_EXAMPLES, np.float32)
+    return x, y, datasets.Dataset.from_dict({"x": x, "y": y}).with_format("numpy")
+
+
+def loader_inputs():
+    """{name: (a function making a fresh input of the LOADER_EXAMPLES examples in global batches
+    of LOADER_BATCH, its kind)} for every loader a user brings: "pairs" inputs yield (x, y)
+    batches (for fit), "dicts" ones Hugging Face dicts {"x", "y"} (for distributing only)."""
+    import grain
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y, hf = loader_examples()
+    tensors = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+
+    class Source:  # a Grain data source: random access to the examples
+        def __len__(self):
+            return LOADER_EXAMPLES
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    grain_map = grain.MapDataset.source(Source()).batch(LOADER_BATCH)
+    return {
+        "torch": (lambda: DataLoader(tensors, batch_size=LOADER_BATCH), "pairs"),
+        "torch_shuffled": (lambda: DataLoader(tensors, batch_size=LOADER_BATCH, shuffle=True,
+                                              generator=torch.Generator().manual_seed(0)),
+                           "pairs"),
+        "hf_iter": (lambda: hf.iter(batch_size=LOADER_BATCH), "dicts"),
+        "hf_batch": (lambda: hf.batch(LOADER_BATCH), "dicts"),
+        "hf_grain": (lambda: grain.MapDataset.source(hf).map(lambda b: (b["x"], b["y"]))
+                     .batch(LOADER_BATCH), "pairs"),
+        "grain_map": (lambda: grain_map, "pairs"),
+        "grain_iter": (lambda: grain_map.to_iter_dataset(), "pairs"),
+        "grain_loader": (lambda: grain.DataLoader(
+            data_source=Source(), operations=[grain.transforms.Batch(LOADER_BATCH)],
+            sampler=grain.samplers.IndexSampler(LOADER_EXAMPLES, shuffle=False, num_epochs=1),
+            worker_count=0), "pairs"),
+        "generator": (lambda: ((x[i:i + LOADER_BATCH], y[i:i + LOADER_BATCH])
+                               for i in range(0, LOADER_EXAMPLES, LOADER_BATCH)), "pairs"),
+    }
+
+
+def loader_runs(strategy) -> dict:
+    """What `strategy` makes of every loader of `loader_inputs`: the examples (their ids) each
+    local replica gets per step, two passes, and fit / evaluate / predict; per-worker inputs
+    made by distribute_datasets_from_function; the steps fit's callbacks are told."""
+    import grain
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    import mirrax
+
+    def ids_per_step(dist):
+        steps = []
+        for batch in dist:
+            xs = batch["x"] if isinstance(batch, dict) else batch[0]
+            steps.append([np.log2(np.asarray(v)[:, 0]).astype(int).tolist()
+                          for v in strategy.experimental_local_results(xs)])
+        return steps
+
+    class Identity(nnx.Module):  # the loss is x itself: a mean of x over the examples
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(()))
+
+        def __call__(self, x):
+            return x + 0.0 * self.w[...]
+
+    class Steps(mirrax.callbacks.Callback):
+        """Keeps the steps per epoch fit tells its callbacks (the progress bar's total)."""
+
+        def on_train_begin(self, logs=None):
+            self.steps = self.params["steps"]
+
+    with strategy.scope():
+        model = mirrax.Model(Identity())
+        model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
+    result = {}
+    for name, (make, kind) in loader_inputs().items():
+        dist = strategy.experimental_distribute_dataset(make())
+        passes = 1 if name in ("generator", "hf_iter") else 2
+        out = {"steps": [ids_per_step(dist) for _ in range(passes)]}
+        if kind == "pairs":
+            told = Steps()
+            epochs = 1 if name == "generator" else 2  # a generator is one pass (Keras)
+            out["fit"] = model.fit(make(), epochs=epochs, verbose=0,
+                                   callbacks=[told]).history["loss"]
+            out["fit_steps"] = told.steps
+            out["evaluate"] = model.evaluate(make(), verbose=0)
+            out["predict"] = np.log2(model.predict(make(), verbose=0)[:, 0]).astype(int).tolist()
+        result[name] = out
+
+    # Per-worker inputs, each worker its own examples, in per-replica batches.
+    x, y, hf = loader_examples()
+
+    def torch_fn(ctx):
+        rows = range(ctx.input_pipeline_id, LOADER_EXAMPLES, ctx.num_input_pipelines)
+        return DataLoader(Subset(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+                                 list(rows)),
+                          batch_size=ctx.get_per_replica_batch_size(LOADER_BATCH))
+
+    def hf_fn(ctx):
+        shard = hf.shard(num_shards=ctx.num_input_pipelines, index=ctx.input_pipeline_id,
+                         contiguous=True)
+        return shard.iter(batch_size=ctx.get_per_replica_batch_size(LOADER_BATCH))
+
+    def grain_fn(ctx):
+        return grain.MapDataset.range(LOADER_EXAMPLES)[
+            ctx.input_pipeline_id::ctx.num_input_pipelines].map(
+            lambda i: (x[i], y[i])).batch(ctx.get_per_replica_batch_size(LOADER_BATCH))
+
+    for name, fn in (("torch", torch_fn), ("hf", hf_fn), ("grain", grain_fn)):
+        result[f"from_function_{name}"] = ids_per_step(
+            strategy.distribute_datasets_from_function(fn))
+    result["from_function_evaluate"] = model.evaluate(
+        strategy.distribute_datasets_from_function(grain_fn), verbose=0)
+    if jax.process_count() > 1:
+        # Each worker shuffles with its own (unseeded) generator: AutoShardPolicy.DATA needs
+        # the same batches on every worker, and says so.
+        torch.manual_seed(jax.process_index())
+        unseeded = DataLoader(TensorDataset(torch.from_numpy(x)), batch_size=LOADER_BATCH,
+                              shuffle=True)
+        try:
+            ids_per_step(strategy.experimental_distribute_dataset(unseeded))
+        except mirrax.errors.DivergentWorkersError as error:
+            result["unseeded_shuffle_error"] = str(error)
+    return result
+
+
+def loaders(out_dir, index):
+    """tests/test_data_loaders.py: `loader_runs` on every worker (2 workers x 2 devices)."""
+    return loader_runs(_strategy())
+
+
 SCENARIOS = {
     "autoshard": autoshard,
     "divergent": divergent,
@@ -495,6 +644,7 @@ SCENARIOS = {
     "fit": fit,
     "invariant": invariant,
     "killed": killed,
+    "loaders": loaders,
     "sharded": sharded,
     "uneven": uneven,
 }

@@ -1,0 +1,153 @@
+"""The batches of a user's dataset for `Model.fit` / `evaluate` / `predict`: a first look at
+the source, each batch as (x, y, sample_weight) (or (x,)), and the errors, with the fix, for what
+loaders give instead (dict batches, single examples, a map-style dataset)."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import numpy as np
+
+from mirrax import errors
+from mirrax._src.distribute import batching
+from mirrax._src.distribute import input as input_lib
+from mirrax._src.training import arguments as checks
+
+
+def class_weights_of(y, table) -> np.ndarray:
+    """Per-example weights of labels `y` (ints, or one-hot / probabilities: argmax), as Keras."""
+    y = np.asarray(y)
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    if y.ndim != 1:
+        raise errors.InvalidArgumentError(
+            f"fit: class_weight needs one label per example; received labels of shape {y.shape}."
+        )
+    y = np.round(y).astype(np.int64)
+    return np.array([table.get(int(label), 1.0) for label in y], np.float32)
+
+
+def check_source(what: str, x):
+    """Refuses an x that can be no input at all (before anything is read from it)."""
+    if x is None:
+        raise errors.InvalidArgumentError(
+            f"{what}: x is required (arrays, an iterable of batches, or a distributed dataset)."
+        )
+    if inspect.isgeneratorfunction(x) or (callable(x) and not hasattr(x, "__iter__")):
+        name = getattr(x, "__name__", type(x).__name__)
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x is the function {name!r}, not its batches; call it: pass {name}() "
+            "(a generator of (x, y) batches), as Keras takes a generator."
+        )
+    hint = input_lib.not_batches_hint(x)
+    if isinstance(x, (str, bytes)) or hint or not (
+            hasattr(x, "__iter__") or hasattr(x, "as_numpy_iterator")):
+        raise errors.InvalidArgumentTypeError(
+            f"{what}: x must be NumPy/JAX arrays (or a dict of them), an iterable of batches "
+            f"(list, generator, torch DataLoader, Grain loader, tf.data) or a distributed "
+            f"dataset; received {type(x).__name__} {x!r:.80}.{hint}"
+        )
+
+
+# Keys that name the labels in a dict batch (Hugging Face's "label", ...), for the hint that
+# turns such a batch into (x, y).
+_LABEL_KEYS = ("label", "labels", "y", "target", "targets")
+
+
+def _as_tuple_hints(keys) -> tuple[str, str]:
+    """For a dict batch with `keys`: the (x, y) tuple to make of a batch `b`, and the arrays
+    to pass instead for a Hugging Face dataset `ds` with those columns."""
+    keys = list(keys)
+    label = next((k for k in keys if str(k).lower() in _LABEL_KEYS), None)
+    inputs = [k for k in keys if k != label]
+    if label is None or not inputs:
+        return ("(b['<inputs>'], b['<labels>'])",
+                "fit(ds['<inputs>'][:], ds['<labels>'][:], batch_size=B)")
+    if len(inputs) == 1:
+        return (f"(b[{inputs[0]!r}], b[{label!r}])",
+                f"fit(ds[{inputs[0]!r}][:], ds[{label!r}][:], batch_size=B)")
+    x = "{" + ", ".join(f"{k!r}: b[{k!r}]" for k in inputs) + "}"
+    arrays = "{" + ", ".join(f"{k!r}: ds[{k!r}][:]" for k in inputs) + "}"
+    return f"({x}, b[{label!r}])", f"fit({arrays}, ds[{label!r}][:], batch_size=B)"
+
+
+def not_x_y_error(batch, where: str = "each batch of a dataset") -> errors.InvalidBatchError:
+    """The error for a fit/evaluate batch that is not (x, y) or (x, y, sample_weight).
+
+    A dict batch (Hugging Face rows, a DataLoader over them) gets the tuple to make of it,
+    written with its own keys.
+    """
+    message = (f"fit/evaluate: {where} must be a tuple or list (x, y) or (x, y, "
+               "sample_weight); received a ")
+    if isinstance(batch, dict):
+        as_tuple, as_arrays_ = _as_tuple_hints(batch)
+        return errors.InvalidBatchError(
+            f"{message}dict with keys {list(batch)}. As in Keras, a dict batch is x alone, "
+            "with no labels to train or evaluate on (Hugging Face rows, and DataLoader batches "
+            f"of them, are such dicts). Make each batch a tuple, e.g. {as_tuple}: with Grain, "
+            f"dataset.map(lambda b: {as_tuple}); with a torch Dataset, return the tuple from "
+            f"__getitem__; for a Hugging Face Dataset, pass its columns as arrays, {as_arrays_}."
+        )
+    size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    return errors.InvalidBatchError(
+        f"{message}{type(batch).__name__}{size}. For a multi-input model, make x a dict of "
+        "arrays."
+    )
+
+
+def _scalar_leaf(element):
+    """The path (e.g. "['label']") and value of an array leaf of `element` without a batch
+    axis (a 0-d NumPy, JAX, torch or tf value), or None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(element)[0]:
+        if hasattr(leaf, "shape") and len(leaf.shape) == 0:
+            return jax.tree_util.keystr(path), leaf
+    return None
+
+
+def check_batched(what: str, source, element) -> None:
+    """Refuses a first `element` of `source` that is one example, not a batch.
+
+    Raises:
+      InvalidBatchError: a leaf of `element` has no batch axis (a Hugging Face Dataset, an
+        unbatched Grain or tf.data pipeline iterated directly); the message says how to batch.
+    """
+    scalar = _scalar_leaf(element)
+    if scalar is None:
+        return
+    path, value = scalar
+    fix = batching.UNBATCHED_HINT
+    kind = type(source)
+    if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "Dataset":
+        as_tuple, as_arrays_ = _as_tuple_hints(element if isinstance(element, dict) else {})
+        fix = ("For a Hugging Face Dataset, pass its columns as arrays (shuffled each epoch, "
+               f"sized, split between workers like any arrays): {as_arrays_}; or batches of "
+               f"(x, y): grain.MapDataset.source(ds).map(lambda b: {as_tuple}).batch(B).")
+    raise errors.InvalidBatchError(
+        f"{what}: x ({kind.__name__}) yields single examples, not batches: its first element's "
+        f"leaf {path or 'x'} is a scalar ({value!r:.40}), with no batch axis. {fix}"
+    )
+
+
+def normalize_batch(batch, inputs_only: bool, class_weight=None):
+    """A user batch as a tuple (x, y[, sample_weight]) (or (x,) for predict), as Keras unpacks.
+
+    Lists count as tuples (a torch DataLoader's default collate yields [x, y]).
+    """
+    if inputs_only:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return (jax.tree.map(checks.to_numpy, x),)
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise not_x_y_error(batch)
+    if class_weight is not None:
+        if len(batch) == 3:
+            raise errors.InvalidArgumentError(
+                "fit: class_weight was given but the dataset's batches carry sample weights; "
+                "as Keras, pass one of them."
+            )
+    x, y = jax.tree.map(checks.to_numpy, (batch[0], batch[1]))
+    if class_weight is not None:
+        return (x, y, class_weights_of(checks.host_array(y), class_weight))
+    if len(batch) == 2:
+        return (x, y)
+    return (x, y, np.asarray(checks.host_array(batch[2]), np.float32))
