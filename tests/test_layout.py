@@ -17,6 +17,7 @@ _LAZY_OK = {
     "mirrax._src.parameter_server.cluster": "ray (optional), when a strategy starts",
     "mirrax._src.parameter_server.serialization": "ray's cloudpickle (optional)",
     "mirrax._src.parameter_server.actors": "a worker's JAX side, in the worker process only",
+    "mirrax._src.report.plot": "matplotlib (optional), when a plot is drawn",
 }
 
 
