@@ -114,6 +114,10 @@ def test_the_step_time_is_the_link_arithmetic_on_the_measured_step(report):
     assert row.speedup == pytest.approx(4 * t1 / (t1 + 0.065648))
     assert row.efficiency == pytest.approx(row.speedup / 4)
     assert LINK.seconds("reduce-scatter", 1e6, 4) == pytest.approx(5e-6 + 3 * 10e-6 + 0.75e-3)
+    # Gloo's way: a combined all-reduce of 10 arrays pays the 2 ring steps of each of them.
+    gloo = LinkModel("gloo", bandwidth_gbps=1.0, latency_us=10.0, per_operand=True)
+    assert gloo.seconds("all-reduce", 1e6, 2, operands=10) == pytest.approx(
+        10 * 2 * 10e-6 + 1e6 / 1e9)  # 0.2 ms + 1 ms
 
 
 def test_sharded_state_is_one_over_r_with_reduce_scatter_and_all_gather(sharded_report):

@@ -42,6 +42,10 @@ class LinkModel:
       calibrated: for a link measured on this machine ("local"): ((replicas, bandwidth_gbps,
         latency_us), ...) fitted at each replica count measured; a count not measured uses the
         largest one below it (or the smallest measured).
+      per_operand: the latency is paid once per ARRAY of a combined collective instead of
+        once per instruction: XLA:CPU's Gloo path (CPU processes) runs a combined all-reduce
+        operand by operand (measured: the CNN's 10 gradient arrays took 36.6 ms as separate
+        arrays and 4.2 ms as one concatenated vector, BENCHMARKS.md); NCCL groups them.
     """
 
     name: str
@@ -50,6 +54,7 @@ class LinkModel:
     base_latency_us: float = 0.0
     source: str = ""
     calibrated: tuple = ()
+    per_operand: bool = False
 
     def parameters(self, replicas: int) -> tuple:
         """(bandwidth GB/s, latency µs per step) that apply at `replicas`."""
@@ -59,14 +64,17 @@ class LinkModel:
         fit = max(below) if below else min(self.calibrated)
         return fit[1], fit[2]
 
-    def seconds(self, kind: str, payload_bytes: float, replicas: int) -> float:
-        """The time of one collective of `kind` ("all-reduce", "reduce-scatter", "all-gather",
-        "all-to-all", "collective-permute") over `payload_bytes` (the whole array it
-        combines) on `replicas` replicas, in seconds; 0 on one replica (nothing moves)."""
+    def seconds(self, kind: str, payload_bytes: float, replicas: int,
+                operands: int = 1) -> float:
+        """The time of one collective instruction of `kind` ("all-reduce", "reduce-scatter",
+        "all-gather", "all-to-all", "collective-permute") over `payload_bytes` (the whole
+        arrays it combines, `operands` of them) on `replicas` replicas, in seconds; 0 on one
+        replica (nothing moves)."""
         if replicas <= 1:
             return 0.0
         bandwidth, latency = self.parameters(replicas)
-        return ((self.base_latency_us + _STEPS[kind](replicas) * latency) * 1e-6
+        steps = _STEPS[kind](replicas) * (operands if self.per_operand else 1)
+        return ((self.base_latency_us + steps * latency) * 1e-6
                 + _WIRE[kind](replicas) * payload_bytes / (bandwidth * 1e9))
 
     def describe(self) -> str:
@@ -76,8 +84,9 @@ class LinkModel:
                              for n, b, lat in self.calibrated)
             return f"{self.name} (measured: {fits})"
         base = f" + {self.base_latency_us:g} µs per collective" if self.base_latency_us else ""
+        each = " of each array" if self.per_operand else ""
         return (f"{self.name} ({self.bandwidth_gbps:g} GB/s each way, {self.latency_us:g} µs "
-                f"per ring step{base})")
+                f"per ring step{each}{base})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

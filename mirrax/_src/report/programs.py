@@ -25,8 +25,10 @@ class Program:
       sharded: compiled with `shard_optimizer_state=True`.
       source: "compiled", "extrapolated from R" (R replicas' program) or "assumed" (no
         multi-device program could be compiled: one all-reduce of the gradients assumed).
-      collectives: ((kind, payload bytes), ...), one entry per collective instruction of the
-        optimized program; payload = the whole array combined (a reduce-scatter's input).
+      collectives: ((kind, payload bytes, operands), ...), one entry per collective
+        instruction of the optimized program; payload = the whole arrays combined (a
+        reduce-scatter's input); operands = the arrays it combines (XLA's combiner merges
+        many into one instruction).
       argument_bytes, output_bytes, alias_bytes, temp_bytes: one device's share, from
         `memory_analysis()` (bytes); aliased = donated buffers reused for outputs.
     """
@@ -48,7 +50,7 @@ class Program:
     def counts(self) -> dict:
         """{kind: (number of instructions, payload bytes)}, in first-seen order."""
         found: dict = collections.OrderedDict()
-        for kind, payload in self.collectives:
+        for kind, payload, _ in self.collectives:
             count, total = found.get(kind, (0, 0))
             found[kind] = (count + 1, total + payload)
         return found
@@ -96,7 +98,7 @@ def compile_program(subject, strategy, read_only: bool = True) -> Program:
     ops = hlo.collectives(compiled.as_text())
     return Program(
         replicas=replicas, sharded=sharded, source="compiled",
-        collectives=tuple((hlo.kind(op), hlo.payload_bytes(op, arrays, replicas))
+        collectives=tuple((hlo.kind(op), hlo.payload_bytes(op, arrays, replicas), len(arrays))
                           for op, arrays in ops),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -121,8 +123,9 @@ def extrapolate(program: Program, subject, replicas: int) -> Program:
 def assumed(one_device: Program, subject, sharded: bool) -> Program:
     """With one local device no multi-device program exists: the collectives a data-parallel
     step has, one all-reduce of the gradients (with sharded state: a reduce-scatter of the
-    gradients and an all-gather of the parameters), on the one-device program's memory."""
-    gradients = subject.params_bytes
-    ops = ((("reduce-scatter", gradients), ("all-gather", gradients)) if sharded
-           else (("all-reduce", gradients),))
+    gradients and an all-gather of the parameters), each of every parameter array as XLA's
+    combiner makes it, on the one-device program's memory."""
+    gradients, arrays = subject.params_bytes, subject.param_arrays
+    ops = ((("reduce-scatter", gradients, arrays), ("all-gather", gradients, arrays)) if sharded
+           else (("all-reduce", gradients, arrays),))
     return dataclasses.replace(one_device, sharded=sharded, source="assumed", collectives=ops)

@@ -128,7 +128,7 @@ def scaling_report(step_or_model, batch, args=(), kwargs=None, *, max_replicas: 
                                       sharded == shard_optimizer_state, notes)
     if resolved == links.LOCAL:
         largest = max(compiled_counts)
-        biggest = max((p for _, p in variants[shard_optimizer_state][largest].collectives),
+        biggest = max((p for _, p, _ in variants[shard_optimizer_state][largest].collectives),
                       default=subject.params_bytes)
         resolved = measure.local_link(devices, [n for n in compiled_counts if n > 1] or [2],
                                       biggest)
@@ -175,18 +175,18 @@ def _programs(subject, devices, counts, compiled_counts, first, sharded: bool, r
 def _row(subject, variants, replicas, sharded, link, timed, overlap, cores) -> ScalingRow:
     program = variants[sharded][replicas]
     one_device_s = timed.ms / 1e3
-    communication_s = sum(link.seconds(kind, payload, replicas)
-                          for kind, payload in program.collectives)
+    communication_s = sum(link.seconds(kind, payload, replicas, operands)
+                          for kind, payload, operands in program.collectives)
     compute_s = (one_device_s if cores is None else
                  links.shared_compute_seconds(one_device_s, timed.cores_busy, replicas, cores))
     step_s = links.step_seconds(compute_s, communication_s, overlap)
     speedup = replicas * one_device_s / step_s
-    payload = sum(p for _, p in program.collectives)
+    payload = sum(p for _, p, _ in program.collectives)
     return ScalingRow(
         replicas=replicas, global_batch=replicas * subject.per_replica_batch,
         source=program.source, collectives=program.counts(), payload_bytes=payload,
         gradient_bytes=subject.params_bytes,
-        sent_bytes=sum(links.sent_bytes(kind, p, replicas) for kind, p in program.collectives),
+        sent_bytes=sum(links.sent_bytes(kind, p, replicas) for kind, p, _ in program.collectives),
         minimum_sent_bytes=links.sent_bytes("all-reduce", subject.params_bytes, replicas),
         memory={"unsharded": _memory(subject, variants[False].get(replicas), False),
                 "sharded": _memory(subject, variants[True].get(replicas), True)},
@@ -224,8 +224,10 @@ def _assumptions(subject, timed, link, overlap, cores, local, compiled_counts, c
         "communication - min(overlap x communication, compute)); 0 means the collectives run "
         "after the backward pass, as XLA:CPU runs them.",
         "Latency counts once per collective instruction of the optimized program (XLA "
-        "combines the gradients' all-reduces into one); Gloo on CPU runs a combined "
-        "all-reduce operand by operand, paying it per array.",
+        "combines the gradients' all-reduces into one), " + (
+            "times its arrays: this link runs a combined collective array by array (Gloo)."
+            if link.per_operand else "as NCCL runs it (Gloo on CPU runs a combined "
+            "all-reduce array by array: LinkModel(per_operand=True))."),
         "Minimum: one all-reduce of the gradients (every nnx.Param), "
         f"{subject.params_bytes:,} bytes, 2(N-1)/N of them sent per device.",
         "Memory: one device's share; params and optimizer state counted from the arrays "

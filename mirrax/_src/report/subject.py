@@ -33,6 +33,8 @@ class Subject:
       per_replica_batch: the rows of `batch` (examples per replica per step).
       params_bytes: bytes of every `nnx.Param` of the objects: the gradients' bytes too.
       parameters: the number of values in them.
+      param_arrays: the number of arrays in them (of gradients: one operand each of the
+        combined all-reduce XLA makes).
       optimizer_arrays: (shape, bytes) of every array of the `nnx.Optimizer`s' state
         (`nnx.OptState`); `shard_optimizer_state=True` splits those it can.
       other_state_bytes: bytes of every other array of the objects (metrics, statistics, keys).
@@ -47,6 +49,7 @@ class Subject:
     per_replica_batch: int
     params_bytes: int
     parameters: int
+    param_arrays: int
     optimizer_arrays: tuple
     other_state_bytes: int
     batch_bytes: int
@@ -122,6 +125,7 @@ def _subject(fn, objects: tuple, kwargs: dict, batch, label: str) -> Subject:
         fn=fn, objects=copies, kwargs=kwargs, batch=batch, label=label, per_replica_batch=rows,
         params_bytes=_bytes(params), parameters=sum(int(np.prod(np.shape(x)))
                                                     for v in params for x in _arrays(v)),
+        param_arrays=sum(len(_arrays(v)) for v in params),
         optimizer_arrays=tuple((tuple(np.shape(x)), _nbytes(x))
                                for v in optimizer for x in _arrays(v)),
         other_state_bytes=_bytes(others),
