@@ -7,6 +7,7 @@ build the model and optimizer under `strategy.scope()`, distribute the dataset.
 from mirrax import callbacks as callbacks
 from mirrax import data as data
 from mirrax import errors as errors
+from mirrax import experimental as experimental
 from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
@@ -113,6 +114,7 @@ __all__ = [
     "clear_session",
     "data",
     "errors",
+    "experimental",
     "export",
     "get_replica_context",
     "get_strategy",

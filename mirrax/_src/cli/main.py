@@ -15,6 +15,7 @@ import os
 import sys
 
 from mirrax._src.distribute import cpu_devices
+from mirrax._src.report.links import LINK_NAMES
 
 DEFAULT_CPU_DEVICES = 4
 MIXED_PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -22,15 +23,16 @@ _COUNT_FLAG = cpu_devices.COUNT_FLAG
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the `mirrax` command (subcommands `devices`, `train`, `launch`)."""
+    """The argument parser of the `mirrax` command (subcommands `devices`, `train`, `report`,
+    `launch`)."""
     parser = argparse.ArgumentParser(
         prog="mirrax",
         description="The tf.distribute programming model on JAX: list devices, run the demo job, "
-        "launch local workers.",
+        "report what scaling a step will cost, launch local workers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add_cpu_devices(sub):
+    def add_cpu_devices(sub, default=str(DEFAULT_CPU_DEVICES)):
         sub.add_argument(
             "--cpu-devices",
             type=_positive_int,
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=(
                 "number of (fake) CPU devices JAX creates, through XLA_FLAGS="
-                f"{_COUNT_FLAG}=N (default {DEFAULT_CPU_DEVICES}, or the count already in "
+                f"{_COUNT_FLAG}=N (default {default}, or the count already in "
                 "XLA_FLAGS). Accelerators, when present, are used whatever N is."
             ),
         )
@@ -96,6 +98,61 @@ def build_parser() -> argparse.ArgumentParser:
                            MIXED_PRECISION_POLICIES) + " (default float32)")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="with --loop fit, write TensorBoard event files to DIR")
+
+    report = commands.add_parser(
+        "report",
+        help="what training an example's step on 1, 2, 4 ... N replicas will cost",
+        description=(
+            "The scaling report (mirrax.experimental.scaling_report, docs/report.md) of the "
+            "tutorial CNN's training step on one per-replica batch of the data: for 1, 2, "
+            "4 ... --max-replicas replicas, the collectives and their bytes read from the "
+            "compiled step, per-device memory with and without a sharded optimizer state, and "
+            "the step time and speedup predicted for a link from the measured one-device "
+            "step. --loop fit (default) reports examples/keras_fit.py's Model.fit step, --loop "
+            "custom examples/custom_training_loop.py's train_step."),
+    )
+    report.add_argument("--loop", choices=("fit", "custom"), default="fit",
+                        help="fit: the step of Model.fit (default); custom: the custom "
+                        "training loop's train_step")
+    report.add_argument("--data", choices=("digits", "cifar10"), default="digits",
+                        help="digits: the bundled 8x8 digits (default); cifar10: CIFAR-10 "
+                        "read from --data-dir")
+    report.add_argument("--data-dir", default="~/.mirrax/datasets", metavar="DIR",
+                        help="where the CIFAR-10 files are (as for mirrax train)")
+    report.add_argument("--batch-size-per-replica", "--batch-per-replica", type=_positive_int,
+                        default=16, metavar="N", dest="batch_size_per_replica",
+                        help="examples per replica per step, the same at every replica count "
+                        "(weak scaling) (default 16)")
+    report.add_argument("--max-replicas", type=_power_of_two, default=8, metavar="N",
+                        help="the largest replica count, a power of two (default 8)")
+    report.add_argument("--link", choices=LINK_NAMES, default=None,
+                        help="the link between replicas: nvlink (450 GB/s), pcie (31.5 GB/s), "
+                        "ethernet-100g (12.5 GB/s), or local (this machine's devices, "
+                        "measured); default nvlink, or the link of --bandwidth/--latency")
+    report.add_argument("--bandwidth", type=_positive_float, default=None, metavar="GB/S",
+                        help="your link's bandwidth each way per device, in GB/s (replaces "
+                        "the --link preset's)")
+    report.add_argument("--latency", type=_non_negative_float, default=None, metavar="US",
+                        help="your link's latency per ring step, in microseconds (default 0 "
+                        "with --bandwidth; replaces the --link preset's)")
+    report.add_argument("--overlap", type=_fraction, default=0.0, metavar="F",
+                        help="share of the communication hidden behind compute, 0 to 1 "
+                        "(default 0: none, as on XLA:CPU)")
+    report.add_argument("--shard-optimizer-state", action="store_true",
+                        help="predict the step with MirroredStrategy(shard_optimizer_state="
+                        "True) (memory is shown for both either way)")
+    report.add_argument("--timing-windows", type=_positive_int, default=5, metavar="N",
+                        help="timed windows of the one-device step (default 5)")
+    report.add_argument("--seed", type=_non_negative_int, default=0,
+                        help="seed of the initial weights (default 0)")
+    report.add_argument("--lr", type=_positive_float, default=1e-3,
+                        help="Adam's learning rate (default 1e-3)")
+    report.add_argument("--json", action="store_true",
+                        help="print the report as JSON instead of the table")
+    report.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw the predicted speedup against replicas (and the ideal) "
+                        "into this PNG file (needs matplotlib)")
+    add_cpu_devices(report, default="--max-replicas, at most 8")
 
     launch = commands.add_parser(
         "launch",
@@ -168,7 +225,10 @@ def main(argv=None) -> int:
             f"--tensorboard {args.tensorboard} is a file, not a folder; TensorBoard writes its "
             "event files into a folder. Give a folder path (it is created if missing)."
         )
-    configure_cpu_devices(args.cpu_devices)
+    # The report compiles its step at every replica count there are devices for, up to 8
+    # (more fake devices than that cost compile time and say little more).
+    configure_cpu_devices(args.cpu_devices, default=min(args.max_replicas, 8)
+                          if args.command == "report" else DEFAULT_CPU_DEVICES)
     # Imported only now: these modules import JAX, which must see XLA_FLAGS first.
     from mirrax import errors
 
@@ -177,6 +237,10 @@ def main(argv=None) -> int:
             from mirrax._src.cli.devices import physical_device_lines
 
             print("\n".join(physical_device_lines()), flush=True)
+        elif args.command == "report":
+            from mirrax._src.cli.report import report
+
+            report(args)
         else:
             from mirrax._src.cli.train import train
 
@@ -201,17 +265,18 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return launch.launch(*arguments)
 
 
-def configure_cpu_devices(count: int | None) -> None:
+def configure_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
     """Asks JAX for `count` CPU devices, through XLA_FLAGS, unless JAX has already started.
 
     The flag only affects JAX's CPU backend, so it is harmless on machines with accelerators
     (MirroredStrategy() then uses the accelerators). With `count=None` a device count already
-    in XLA_FLAGS is kept, else `DEFAULT_CPU_DEVICES` is set. When JAX's backends already run in
-    this process (e.g. `main` called from a test), the device count cannot change; an explicit
+    in XLA_FLAGS is kept, else `default` is set. When JAX's backends already run in this
+    process (e.g. `main` called from a test), the device count cannot change; an explicit
     `count` that differs from the running one is reported on stderr.
 
     Args:
       count: the number of CPU devices (an int >= 1), or None for the default.
+      default: the count set when `count` is None and XLA_FLAGS names none.
     """
     if _jax_backends_started():
         if count is not None:
@@ -231,7 +296,7 @@ def configure_cpu_devices(count: int | None) -> None:
     if count is None:
         if _COUNT_FLAG + "=" in flags:
             return
-        count = DEFAULT_CPU_DEVICES
+        count = default
     os.environ["XLA_FLAGS"] = cpu_devices.with_cpu_device_count(flags, count)
 
 
@@ -258,6 +323,26 @@ def _non_negative_int(text: str) -> int:
 
 def _positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
+
+
+def _power_of_two(text: str) -> int:
+    value = _number(text, int, 1, "a power of two >= 1 (1, 2, 4, 8, ...)")
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(
+            f"expected a power of two >= 1 (1, 2, 4, 8, ...), received {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, float, 0.0, "a finite number >= 0 (e.g. 5)")
+
+
+def _fraction(text: str) -> float:
+    value = _number(text, float, 0.0, "a number from 0 to 1 (e.g. 0.5)")
+    if value > 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a number from 0 to 1 (e.g. 0.5), received {text!r}")
+    return value
 
 
 def _positive_float(text: str) -> float:

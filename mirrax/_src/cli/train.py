@@ -47,7 +47,7 @@ def train(args):
       InvalidDeviceError: `args.replicas` exceeds the number of devices.
       MissingDatasetError: `args.data == "cifar10"` and the files are not in `args.data_dir`.
     """
-    train_data, test_data = _load(args.data, args.data_dir)
+    train_data, test_data = load_data(args.data, args.data_dir)
     strategy = _make_strategy(args.replicas)
     global_batch_size = args.batch_size_per_replica * strategy.num_replicas_in_sync
     held_out = (f" ({keras_fit.VALIDATION_SPLIT:.0%} of them held out for validation)"
@@ -71,7 +71,13 @@ def train(args):
         mirrax.mixed_precision.set_global_policy(previous_policy)
 
 
-def _load(data: str, data_dir):
+def load_data(data: str, data_dir):
+    """(train, test) of `--data` ("digits", bundled; "cifar10", read from `data_dir`), each
+    (images float32 (N, h, w, c), labels int32 (N,)).
+
+    Raises:
+      MissingDatasetError: "cifar10" and the files are not in `data_dir`.
+    """
     if data == "digits":
         return mirrax.data.load_digits()
     if data == "cifar10":

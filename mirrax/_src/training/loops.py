@@ -149,8 +149,7 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             for group in steps_lib.groups(batches, model.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
-                state = (model.module, model.optimizer.nnx_optimizer, model.metrics,
-                         compiled.tracker, compiled.dynamic_scale)
+                state = train_objects(model, compiled)
                 if len(group) == 1:
                     strategy.run(compiled.train_fn, args=state + (group[0],))
                 else:
@@ -252,6 +251,13 @@ def predict(model, strategy, predict_fn, checked, x, batch_size, verbose, steps,
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
 
+def train_objects(model, compiled) -> tuple:
+    """The NNX objects `compiled.train_fn` takes before the batch: (module, nnx.Optimizer,
+    metrics, loss tracker, float16 loss scale or None)."""
+    return (model.module, model.optimizer.nnx_optimizer, model.metrics, compiled.tracker,
+            compiled.dynamic_scale)
+
+
 def train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_dict):
     """`Model.train_on_batch` (its arguments, docs and errors there)."""
     class_weight = checks.check_class_weight(class_weight, sample_weight)
@@ -259,8 +265,7 @@ def train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_di
     return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
     reset_metrics(model, compiled)
     model.module.train()
-    state = (model.module, model.optimizer.nnx_optimizer, model.metrics, compiled.tracker,
-             compiled.dynamic_scale)
+    state = train_objects(model, compiled)
     for batch in data.batches():
         model.distribute_strategy.run(compiled.train_fn, args=state + (batch,))
     model.module.eval()
@@ -389,8 +394,6 @@ def make_train_function(model, compiled):
                 "train_function: batch must be a distributed batch, an element of "
                 "strategy.experimental_distribute_dataset(...); received "
                 f"{type(batch).__name__}. (A plain array would reach every replica whole.)")
-        strategy.run(compiled.train_fn, args=(model.module, model.optimizer.nnx_optimizer,
-                                              model.metrics, compiled.tracker,
-                                              compiled.dynamic_scale, batch))
+        strategy.run(compiled.train_fn, args=train_objects(model, compiled) + (batch,))
 
     return train_function

@@ -77,7 +77,7 @@ class Model:
         # The compiled steps and their state (steps.CompiledState); None until compile.
         self._compiled: steps_lib.CompiledState | None = None
         self._binding = steps_lib.StepBinding()  # the replica's objects while a step is traced
-        self._uncompiled_predict_fn = self._bound_step("predict_step")
+        self._uncompiled_predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
         self._uncompiled_checked: dict = {}  # predict's checked inputs before compile
 
     def __call__(self, *args, **kwargs):
@@ -178,10 +178,10 @@ class Model:
             self.distribute_strategy.replica_invariant)
         # New step functions at every compile: they key strategy.run's program cache, so a
         # recompiled model (another loss, policy or metrics) never reuses an old program.
-        compiled.train_fn = self._bound_step("train_step")
+        compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
         compiled.train_many_fn = steps_lib.make_multi_step(compiled.train_fn)
-        compiled.test_fn = self._bound_step("test_step")
-        compiled.predict_fn = self._bound_step("predict_step")
+        compiled.test_fn = steps_lib.bound_step(self, self._binding, "test_step")
+        compiled.predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
         self.optimizer.dynamic_scale = compiled.dynamic_scale
         self._compiled = compiled
 
@@ -189,8 +189,7 @@ class Model:
         if not self._compiled:
             raise errors.NotCompiledError(
                 f"{what}: the model is not compiled. Call model.compile(optimizer=..., loss=...) "
-                "first."
-            )
+                "first.")
         self._check_scope(what)
 
     def _check_scope(self, what: str):
@@ -438,19 +437,19 @@ class Model:
         The default: the compiled loss (mixed precision and loss scaling included) and its
         gradients, the optimizer's update, the loss tracker and the metrics.
         """
-        module, optimizer, metrics, tracker, loss_scale = self._bound_objects("train_step")
+        module, optimizer, metrics, tracker, loss_scale = self._binding.objects("train_step")
         self._compiled.train_impl(module, optimizer, metrics, tracker, loss_scale, data)
 
     def test_step(self, data):
         """One evaluation step on this replica's shard, as `keras.Model.test_step`: updates the
         loss tracker and metrics (see `train_step` for where it runs and what it may use)."""
-        module, _, metrics, tracker, _ = self._bound_objects("test_step")
+        module, _, metrics, tracker, _ = self._binding.objects("test_step")
         self._compiled.test_impl(module, metrics, tracker, data)
 
     def predict_step(self, data):
         """The outputs for this replica's shard `data = (x,)`, as `keras.Model.predict_step`:
         an array (or pytree of arrays) with the shard's rows first (see `train_step`)."""
-        module = self._bound_objects("predict_step")[0]
+        module = self._binding.objects("predict_step")[0]
         if self._compiled is not None:
             return self._compiled.predict_impl(module, data)
         # Not compiled: float32, micro-batched in replica-invariant mode.
@@ -465,12 +464,6 @@ class Model:
         if self._binding.current is not None:
             return self._binding.current[3]
         return None if self._compiled is None else self._compiled.tracker
-
-    def _bound_objects(self, what: str) -> tuple:
-        return self._binding.objects(what)
-
-    def _bound_step(self, method: str):
-        return steps_lib.bound_step(self, self._binding, method)
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None):
@@ -491,3 +484,10 @@ class Model:
         """
         weights_lib.print_summary(self.module, line_length, positions, print_fn,
                                   expand_nested, show_trainable, layer_range)
+
+
+def train_call(model: Model, what: str) -> tuple:
+    """`fit`'s step as (fn, objects), for `strategy.run(fn, args=objects + (batch,))` on other
+    strategies (the scaling report); raises NotCompiledError, naming `what`, before compile."""
+    model._check_compiled(what)
+    return model._compiled.train_fn, loops.train_objects(model, model._compiled)
