@@ -751,3 +751,25 @@ def test_tensorboard_profiles_the_requested_steps(tmp_path):
     fit(FakeModel(), [tb, work], [{"loss": 1.0}], steps=3)
     traces = list((tmp_path / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and not tb._is_tracing
+
+
+def test_the_progress_bar_redraws_in_a_jupyter_kernel_only(monkeypatch):
+    import sys
+    import types
+
+    from mirrax._src.training import progbar
+
+    class Shell:  # IPython's shell in a terminal: no kernel
+        pass
+
+    ipython = types.SimpleNamespace(get_ipython=Shell)
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    stdout = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    # ipykernel imported (e.g. by a test runner) is not a notebook...
+    assert not progbar.is_interactive(stdout)
+    # ...a kernel's shell is; and only its stdout redraws, not another stream.
+    Shell.kernel = object()
+    assert progbar.is_interactive(stdout)
+    assert not progbar.is_interactive(io.StringIO())

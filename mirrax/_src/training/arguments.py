@@ -122,7 +122,8 @@ def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerl
     """
     if loss is None:
         raise errors.InvalidArgumentError(
-            "compile: loss is required (mirrax has no add_loss), e.g. "
+            "compile: loss is required (a Keras model's add_loss losses are added to it, but "
+            "they cannot replace it), e.g. "
             "loss='sparse_categorical_crossentropy'."
         )
     if isinstance(loss, (dict, list, tuple)):

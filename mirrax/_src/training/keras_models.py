@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,20 @@ def _check_keras(keras_model):
         )
 
 
+def _warn_if_own_steps(keras_model) -> None:
+    import keras
+
+    overridden = [name for name in ("train_step", "test_step", "predict_step")
+                  if getattr(type(keras_model), name, None) is not getattr(keras.Model, name, None)
+                  and isinstance(keras_model, keras.Model)]
+    if overridden:
+        warnings.warn(
+            f"mirrax.Model: the Keras model {keras_model.name!r} overrides {', '.join(overridden)}, "
+            "which mirrax's fit / evaluate / predict do not call (they run their own distributed "
+            "steps on the model's call). Override the same method of a mirrax.Model subclass "
+            "instead (docs/training.md, 'Keras 3 models').", UserWarning, stacklevel=4)
+
+
 class KerasSeedKey(nnx.RngKey):
     """The PRNG key of a Keras `SeedGenerator` (its state at wrapping, uint32 of shape (2,)).
 
@@ -73,8 +88,12 @@ class KerasSeedCount(nnx.RngCount):
     """How far a Keras `SeedGenerator` has advanced since wrapping (uint32 scalar)."""
 
 
+def _copy(variable):
+    return jnp.array(variable.value, copy=True)
+
+
 def _non_trainable_variable(variable):
-    value = jnp.asarray(variable.value)
+    value = _copy(variable)
     if jnp.issubdtype(value.dtype, jnp.floating):
         return nnx.BatchStat(value)
     # Integer counters and the like must stay equal on every replica (aggregation NONE).
@@ -107,6 +126,7 @@ class KerasModule(nnx.Module):
 
     def __init__(self, keras_model):
         _check_keras(keras_model)
+        _warn_if_own_steps(keras_model)
         self.keras_model = nnx.static(keras_model)
         everything = list(keras_model.variables)
         position = {id(v): i for i, v in enumerate(everything)}
@@ -118,9 +138,10 @@ class KerasModule(nnx.Module):
         seeds = tuple(v.name == _SEED_STATE_NAME and i not in trainable
                       for i, v in enumerate(everything))
         self.is_seed = nnx.static(seeds)
+        # Copies: Keras's own fit / predict donate the buffers of its variables.
         self.variables = nnx.List([
-            nnx.Param(jnp.asarray(v.value)) if i in trainable
-            else KerasSeedKey(jnp.asarray(v.value)) if seeds[i]
+            nnx.Param(_copy(v)) if i in trainable
+            else KerasSeedKey(_copy(v)) if seeds[i]
             else _non_trainable_variable(v)
             for i, v in enumerate(everything)])
         # The count advances by what Keras adds per draw, the same on every replica; JAX still
@@ -131,6 +152,46 @@ class KerasModule(nnx.Module):
         # As Keras's trainer: `training` goes only to a call that takes it.
         self.takes_training = nnx.static("training" in inspect.signature(keras_model.call).parameters)
         self.deterministic = True
+
+    def _split_now(self) -> tuple[tuple, tuple]:
+        """(positions of the trainable variables, of the others), in Keras's orders, now."""
+        position = {id(v): i for i, v in enumerate(self.keras_model.variables)}
+        return (tuple(position[id(v)] for v in self.keras_model.trainable_variables),
+                tuple(position[id(v)] for v in self.keras_model.non_trainable_variables))
+
+    def check_trainable_unchanged(self, what: str) -> None:
+        """Refuses to train after a layer's `trainable` changed since compile (the optimizer
+        updates the variables that were trainable then).
+
+        Raises:
+          InvalidArgumentError: the trainable variables differ from compile's.
+        """
+        if self._split_now()[0] != self.trainable_index:
+            raise errors.InvalidArgumentError(
+                f"{what}: a layer of the Keras model {self.keras_model.name!r} changed its "
+                f"`trainable` after compile ({len(self.trainable_index)} trainable variables "
+                f"then, {len(self.keras_model.trainable_variables)} now). As in Keras, call "
+                "model.compile(...) again after changing `trainable`, then fit."
+            )
+
+    def refresh_trainable(self) -> None:
+        """Re-reads which Keras variables are trainable (a layer's `trainable` set after
+        wrapping, as Keras's fine-tuning recipe does before compiling again): `compile` calls
+        it, so its optimizer updates exactly the trainable ones."""
+        trainable, non_trainable = self._split_now()
+        if trainable == self.trainable_index:
+            return
+        self.trainable_index = nnx.static(trainable)
+        self.non_trainable_index = nnx.static(non_trainable)
+        for i, variable in enumerate(self.variables):
+            if self.is_seed[i]:
+                continue
+            value = variable.get_value()
+            if i in trainable and not isinstance(variable, nnx.Param):
+                self.variables[i] = nnx.Param(value)
+            elif i not in trainable and isinstance(variable, nnx.Param):
+                self.variables[i] = (nnx.BatchStat(value) if jnp.issubdtype(value.dtype, jnp.floating)
+                                     else nnx.Variable(value))
 
     def _values(self) -> list:
         """Every variable's value as Keras sees it (a seed state advanced by its count)."""
@@ -158,19 +219,22 @@ class KerasModule(nnx.Module):
                 "its first call. Call the model once on a batch (keras_model(x[:1])) before "
                 "mirrax.Model(keras_model)."
             )
+        # Keras's split as it is now (a layer's `trainable` may have changed since compile;
+        # `check_trainable_unchanged` makes fit refuse that, evaluate and predict need not).
+        trainable, non_trainable = self._split_now()
         values = self._values()
-        given = [values[i] for i in self.non_trainable_index]
+        given = [values[i] for i in non_trainable]
         # Keras's layers broadcast by rank (a bias added to a batch), which a program run
         # under jax_numpy_rank_promotion="raise" would refuse inside Keras's code.
         if self.takes_training:
             kwargs = {"training": not self.deterministic, **kwargs}
         with jax.numpy_rank_promotion("allow"):
             outputs, new_values, losses = self.keras_model.stateless_call(
-                [values[i] for i in self.trainable_index], given, *args,
+                [values[i] for i in trainable], given, *args,
                 return_losses=True, **kwargs)
         seed_positions = [i for i, seed in enumerate(self.is_seed) if seed]
         counts = dict(zip(seed_positions, self.seed_counts))
-        for i, old, new in zip(self.non_trainable_index, given, new_values):
+        for i, old, new in zip(non_trainable, given, new_values):
             if i in counts:
                 counts[i].set_value(counts[i].get_value() + (jnp.asarray(new)[1] - old[1]))
             else:
@@ -191,10 +255,11 @@ class KerasModule(nnx.Module):
             keras_variable.assign(np.asarray(value))
 
 
-def check_policy(module, policy) -> None:
-    """Refuses to compile a Keras model under a dtype policy its layers were not built with:
-    Keras layers cast their inputs to their own compute dtype, so mirrax's casts alone would
-    leave the model computing in float32 (or in bfloat16 without loss scaling).
+def before_compile(module, policy) -> None:
+    """For `Model.compile` of a Keras model: re-reads which variables are trainable, and
+    refuses a dtype policy the model's layers were not built with (Keras layers cast their
+    inputs to their own compute dtype, so mirrax's casts alone would leave the model computing
+    in float32, or in bfloat16 without loss scaling).
 
     Raises:
       UnsupportedArgumentError: the policies' compute dtypes differ (the message says to set
@@ -205,13 +270,28 @@ def check_policy(module, policy) -> None:
     built = module.keras_model.dtype_policy
     if built.compute_dtype != policy.compute_dtype:
         raise errors.UnsupportedArgumentError(
-            f"compile: the mixed precision policy is {policy.name!r} but the Keras model "
+            f"compile: mirrax's mixed precision policy is {policy.name!r} but the Keras model "
             f"{module.keras_model.name!r} was built under Keras's policy {built.name!r} "
-            f"(its layers compute in {built.compute_dtype}). Call "
-            f"mirrax.mixed_precision.set_global_policy({policy.name!r}) after importing Keras "
-            "and BEFORE building the Keras model (it sets Keras's policy too), as Keras's "
-            "mixed precision guide does; then build, wrap and compile it."
+            f"(its layers compute in {built.compute_dtype}). Set the policy you want with "
+            "mirrax.mixed_precision.set_global_policy(name) (it sets Keras's policy too) after "
+            "importing Keras and BEFORE building the Keras model, as Keras's mixed precision "
+            "guide does; then build, wrap and compile it. (keras.mixed_precision."
+            "set_global_policy alone leaves mirrax's policy as it was.)"
         )
+    module.refresh_trainable()
+
+
+def before_fit(module) -> None:
+    """`Model.fit`'s check of a Keras model (see `KerasModule.check_trainable_unchanged`)."""
+    if isinstance(module, KerasModule):
+        module.check_trainable_unchanged("fit")
+
+
+def after_weights_set(module) -> None:
+    """Writes a Keras model's variables after `set_weights` / `load_weights`, so the Keras
+    model used directly sees them too."""
+    if isinstance(module, KerasModule):
+        module.write_to_keras()
 
 
 def call_with_losses(module, *args):
@@ -220,3 +300,19 @@ def call_with_losses(module, *args):
     if isinstance(module, KerasModule):
         return module.call_with_losses(*args)
     return module(*args), None
+
+
+def check_weights_path(module, filepath) -> None:
+    """Refuses a Keras weights file given to `Model.load_weights` of a Keras model, naming the
+    route: Keras's own `load_weights` before wrapping (mirrax reads its own checkpoints).
+
+    Raises:
+      UnsupportedArgumentError: `filepath` ends in .h5 or .keras.
+    """
+    if isinstance(module, KerasModule) and str(filepath).endswith((".h5", ".keras")):
+        raise errors.UnsupportedArgumentError(
+            f"load_weights({str(filepath)!r}): that is a Keras weights file; mirrax.Model reads "
+            "the checkpoints mirrax writes (save_weights, Checkpoint, ModelCheckpoint). Load it "
+            "into the Keras model before wrapping it: keras_model.load_weights(path), then "
+            "mirrax.Model(keras_model)."
+        )

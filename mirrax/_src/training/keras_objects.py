@@ -10,10 +10,14 @@ mirrax metric of the same class. What has no equal is refused with the alternati
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import warnings
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from mirrax import errors
@@ -54,14 +58,41 @@ def _config(obj) -> dict:
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
+def _mirrax_class(keras_object, lookup):
+    """The mirrax class of the Keras object's class name, or None."""
+    try:
+        return type(lookup(type(keras_object).__name__))
+    except errors.InvalidIdentifierError:
+        return None
+
+
+def _arguments_for(cls, keras_object, config) -> tuple[dict, dict]:
+    """(the config's arguments `cls` takes, the ones it does not take whose value differs from
+    a default-constructed Keras object's); "name" always passes, "dtype" never."""
+    try:
+        defaults = _config(type(keras_object)())
+    except Exception:  # a class without defaults for every argument
+        defaults = {}
+    taken = set(inspect.signature(cls.__init__).parameters)
+    passed = {k: v for k, v in config.items() if k in taken and k != "dtype"}
+    dropped = {k: v for k, v in config.items()
+               if k not in taken and k not in ("name", "dtype")
+               and (k not in defaults or defaults[k] != v)}
+    return passed, dropped
+
+
 def loss_from_keras(loss) -> losses_lib.Loss:
-    """A `mirrax.losses.Loss` computing `loss.call(y_true, y_pred)` per example.
+    """The `mirrax.losses.Loss` of a Keras loss: mirrax's loss of the same class and arguments
+    when there is one (so its label checks run), else one computing `loss.call(y_true, y_pred)`
+    per example (Keras's arithmetic), reduced by mirrax.
 
     Raises:
       UnsupportedArgumentError: the loss reduces otherwise than Keras's default
-        "sum_over_batch_size" (the message names the reduction received).
+        "sum_over_batch_size", or ignores a class (`ignore_class`: mirrax would count the
+        ignored examples in the mean); the message names the alternative.
     """
-    reduction = _config(loss).get("reduction", "sum_over_batch_size")
+    config = _config(loss)
+    reduction = config.get("reduction", "sum_over_batch_size")
     if reduction not in _MEAN_REDUCTIONS:
         raise errors.UnsupportedArgumentError(
             f"compile: the Keras loss {type(loss).__name__} has reduction={reduction!r}; mirrax "
@@ -69,6 +100,20 @@ def loss_from_keras(loss) -> losses_lib.Loss:
             "the global batch divided by its number of examples, every replica's share added "
             "once). Build the loss with the default reduction."
         )
+    if config.get("ignore_class") is not None:
+        raise errors.UnsupportedArgumentError(
+            f"compile: the Keras loss {type(loss).__name__} has ignore_class="
+            f"{config['ignore_class']!r}, which mirrax does not translate (its mean would still "
+            "count the ignored examples). Pass sample_weight 0 for the examples of that class "
+            "and the loss without ignore_class."
+        )
+    cls = _mirrax_class(loss, losses_lib.get)
+    if cls is not None:
+        config = {k: v for k, v in config.items()
+                  if not (k == "reduction" or (k == "axis" and v == -1) or k == "ignore_class")}
+        passed, dropped = _arguments_for(cls, loss, config)
+        if not dropped:
+            return cls(**passed)
     return losses_lib.LossFunctionWrapper(loss.call, name=loss.name)
 
 
@@ -77,27 +122,23 @@ def metric_from_keras(metric):
 
     Raises:
       UnsupportedArgumentError: mirrax has no metric of that class, or not with those
-        arguments (the message names the class and the mirrax metrics to use).
+        arguments (the message names the class, the arguments and the mirrax metrics to use).
     """
-    try:
-        cls = type(metric_registry.get(type(metric).__name__))
-    except errors.InvalidIdentifierError:
-        cls = None
-    config = {k: v for k, v in _config(metric).items() if k != "dtype"}
+    cls = _mirrax_class(metric, metric_registry.get)
     if cls is None:
         raise errors.UnsupportedArgumentError(
             f"compile: mirrax has no metric like the Keras metric {type(metric).__name__} "
             f"({metric.name!r}). Pass a name ('accuracy', 'mse', ...), a mirrax.metrics "
             "metric, or a function fn(y_true, y_pred) returning one value per example."
         )
-    try:
-        return cls(**config)
-    except TypeError as error:
+    passed, dropped = _arguments_for(cls, metric, _config(metric))
+    if dropped:
         raise errors.UnsupportedArgumentError(
-            f"compile: the Keras metric {type(metric).__name__} with {config} has no mirrax "
-            f"equal ({error}); pass mirrax.metrics.{cls.__name__}(...) with the arguments it "
-            "takes."
-        ) from None
+            f"compile: the Keras metric {type(metric).__name__} has {dropped}, which "
+            f"mirrax.metrics.{cls.__name__} does not take; pass mirrax.metrics.{cls.__name__}"
+            f"(...) with the arguments it takes, or leave those at Keras's defaults."
+        )
+    return cls(**passed)
 
 
 def _learning_rate(optimizer, config) -> float:
@@ -133,6 +174,56 @@ def _refuse_options(optimizer, config, allowed):
             )
 
 
+class KerasAdamState(NamedTuple):
+    """Adam's state: the update count and the first and second moments."""
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_keras_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Adam's direction exactly as Keras 3 computes it: alpha * m / (sqrt(v) + eps) with
+    alpha = sqrt(1 - b2^t) / (1 - b1^t). optax's adam adds eps to sqrt(v_hat) instead, which
+    is Keras's with eps * sqrt(1 - b2^t): a different step wherever sqrt(v) is near eps."""
+
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return KerasAdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+    def update(updates, state, params=None):
+        mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
+        nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        alpha = jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        direction = jax.tree.map(lambda m, v: alpha * m / (jnp.sqrt(v) + eps), mu, nu)
+        return direction, KerasAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def keras_adam(learning_rate, b1, b2, eps) -> optax.GradientTransformation:
+    """`keras.optimizers.Adam`'s update (for `optax.inject_hyperparams`)."""
+    return optax.chain(scale_by_keras_adam(b1, b2, eps), optax.scale_by_learning_rate(learning_rate))
+
+
+def keras_adamw(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
+    """`keras.optimizers.AdamW`'s: Keras subtracts lr * weight_decay * w before Adam's step."""
+    return optax.chain(scale_by_keras_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def keras_sgd(learning_rate, momentum: float, nesterov: bool) -> optax.GradientTransformation:
+    """`keras.optimizers.SGD`'s: the velocity accumulates lr * g (v = momentum * v - lr * g),
+    so a changed rate leaves the steps already taken as they were (optax's sgd scales the
+    accumulated velocity by the new rate instead)."""
+    scaled = optax.scale_by_learning_rate(learning_rate)
+    if not momentum:
+        return scaled
+    return optax.chain(scaled, optax.trace(decay=momentum, nesterov=nesterov))
+
+
 def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
     """The optax transformation with the Keras optimizer's update rule and hyperparameters, its
     learning rate in `optax.inject_hyperparams` state (so callbacks can change it).
@@ -156,26 +247,24 @@ def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
     _refuse_options(optimizer, config, allowed=())
     inject = optax.inject_hyperparams
     if name in ("Adam", "AdamW"):
+        if config.get("amsgrad"):
+            raise errors.UnsupportedArgumentError(
+                f"compile: keras.optimizers.{name}(amsgrad=True) is not translated (optax's "
+                "amsgrad keeps the maximum of another moment than Keras's); pass amsgrad=False, "
+                "or optax.amsgrad(...) for optax's variant.")
         kwargs = dict(learning_rate=rate, b1=config["beta_1"], b2=config["beta_2"],
                       eps=config["epsilon"])
-        if config.get("amsgrad"):
-            # optax.amsgrad keeps the maximum of the bias-corrected second moment, Keras of
-            # the raw one: different updates (2e-3 relative after 3 steps).
-            raise errors.UnsupportedArgumentError(
-                f"compile: keras.optimizers.{name}(amsgrad=True) has no optax equal with "
-                "Keras's arithmetic; pass amsgrad=False, or optax.amsgrad(...) for optax's "
-                "variant.")
         if name == "AdamW":
-            return inject(optax.adamw)(weight_decay=decay, **kwargs)
-        return inject(optax.adam)(**kwargs)
+            return inject(keras_adamw)(weight_decay=decay, **kwargs)
+        return inject(keras_adam)(**kwargs)
     if name == "SGD":
-        momentum = config.get("momentum") or None
-        return inject(optax.sgd)(learning_rate=rate, momentum=momentum,
-                                 nesterov=bool(config.get("nesterov")))
+        return inject(keras_sgd, static_args=("momentum", "nesterov"))(
+            learning_rate=rate, momentum=float(config.get("momentum") or 0.0),
+            nesterov=bool(config.get("nesterov")))
     if name == "RMSprop":
-        # Keras adds epsilon outside the square root.
+        # Keras divides by sqrt(velocity + epsilon) (centered: velocity - mean² + epsilon).
         return inject(optax.rmsprop)(learning_rate=rate, decay=config["rho"],
-                                     eps=config["epsilon"], eps_in_sqrt=False,
+                                     eps=config["epsilon"], eps_in_sqrt=True,
                                      momentum=config.get("momentum") or None,
                                      centered=bool(config.get("centered")))
     raise errors.UnsupportedArgumentError(

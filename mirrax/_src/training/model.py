@@ -144,7 +144,7 @@ class Model:
           MixedStrategyError: compiled under another strategy's scope than the one the model
             was made in.
         """
-        keras_models.check_policy(self.module, mixed_precision.global_policy())
+        keras_models.before_compile(self.module, mixed_precision.global_policy())
         loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
             loss, optimizer, metrics, weighted_metrics)
         checks.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
@@ -230,6 +230,7 @@ class Model:
           ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
         """
         weights_lib.set_weights(self.module, weights)
+        keras_models.after_weights_set(self.module)
 
     def save_weights(self, filepath, overwrite: bool = True) -> None:
         """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
@@ -260,7 +261,9 @@ class Model:
             the module's (the message lists the paths and shapes that differ), or it holds no
             model's weights (the message names the call that restores it).
         """
+        keras_models.check_weights_path(self.module, filepath)
         checkpoint.load_weights(self, filepath)
+        keras_models.after_weights_set(self.module)
 
     # -- fit -------------------------------------------------------------------------------------
 
@@ -312,6 +315,7 @@ class Model:
         dataset function, steps_per_epoch is required (docs/parameter_server.md, "fit").
         """
         self._check_compiled("fit")
+        keras_models.before_fit(self.module)
         fit = ps_loops.fit if ps_loops.is_parameter_server(self.distribute_strategy) else loops.fit
         try:
             return fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)

@@ -79,7 +79,17 @@ def is_interactive(stream: TextIO) -> bool:
             return True
     except ValueError:  # a closed stream
         return False
-    return "ipykernel" in sys.modules and stream is sys.stdout
+    return stream is sys.stdout and _in_jupyter_kernel()
+
+
+def _in_jupyter_kernel() -> bool:
+    # ipykernel imported is not enough (a program may import it without being a kernel): the
+    # running IPython shell must be a kernel's.
+    ipython = sys.modules.get("IPython")
+    if "ipykernel" not in sys.modules or ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
 
 
 def format_value(value) -> str:

@@ -137,6 +137,19 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
         )
     except jax.errors.UnexpectedTracerError as e:
         raise inside_transformation("a value of the step") from e
+    except TypeError as e:
+        if "carry input and carry output must have equal types" not in str(e):
+            raise
+        # A scan (an RNN layer) whose initial carry is the same on every replica (zeros)
+        # returns a per-replica one, which JAX's scan refuses inside shard_map.
+        raise errors.UnsupportedArgumentError(
+            f"strategy.run: {fn_name(spec.fn)} runs a lax.scan (e.g. a recurrent layer: Keras's "
+            "LSTM / GRU / SimpleRNN, flax.nnx.RNN) whose initial carry is the same on every "
+            "replica but whose new carry differs per replica, which JAX's scan refuses under "
+            "the replica mesh. Start the scan from a per-replica carry (computed from the "
+            "batch, e.g. zeros_like of a slice of it, or jax.lax.pcast(carry, "
+            "mirrax.REPLICA_AXIS, to='varying')), or unroll the loop (Keras: the layer's unroll=True)."
+        ) from e
     varying, same_state = found["varying"], found["same_state"]
     # The probe saw each replica's block of a sharded array: compare blocks with blocks.
     blocks = specs or (None,) * len(state_leaves)
