@@ -597,6 +597,32 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     coordinator.join()
 
 
+def test_a_worker_killed_between_functions_and_restarted_unseen_runs_the_next_one(pair):
+    strategy, coordinator = pair
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: ({"k": np.array([k])} for k in itertools.count())))
+
+    def read(iterator):
+        return os.getpid(), int(strategy.experimental_local_results(next(iterator))[0]["k"][0])
+
+    coordinator.join()
+    before = set(_live_pids(strategy))
+    victim = coordinator.schedule(os.getpid).fetch()
+    os.kill(victim, signal.SIGKILL)
+    # Ray restarts it before the coordinator calls it again, so no call of the coordinator's
+    # fails: the next function reaches a fresh process with nothing attached.
+    deadline = time.monotonic() + 120
+    while not set(_live_pids(strategy)) - before:
+        assert time.monotonic() < deadline, "Ray did not restart the worker"
+        time.sleep(0.2)
+    answers = [coordinator.schedule(read, args=(iterator,)) for _ in range(8)]
+    result = _within(120, coordinator.join)
+    assert "error" not in result, result.get("error")
+    fresh = [k for pid, k in (a.fetch() for a in answers) if pid not in before]
+    # The restarted worker got the held objects and its dataset again, from k = 0.
+    assert fresh == list(range(len(fresh)))
+
+
 def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path):
     strategy = _strategy(num_workers=1, num_ps=2)
     model = Line()

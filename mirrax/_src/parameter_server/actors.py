@@ -89,6 +89,7 @@ class Worker:
 
     def run(self, payload: dict) -> tuple:
         """Runs one scheduled function: ("ok", pickled result, staleness), ("error", pickled
-        error) for an error the function raised, or ("lost", message) when a parameter server
-        is lost."""
+        error) for an error the function raised, ("lost", message) when a parameter server
+        is lost, or ("restarted",) when this is a restarted process not yet attached (the
+        function did not run)."""
         return self.state.run(payload)

@@ -350,6 +350,11 @@ class ClusterCoordinator:
                 closure.value._fail(e)
                 self._queue.finish(closure, e)
                 continue
+            if answer[0] == "restarted":  # died between functions: this one did not run
+                self._queue.finish(closure, give_back=True)
+                if not self._recover(w):
+                    return
+                continue
             self._sent_version[w] = payload["version"]
             self._sent_constants[w].update(payload["constants"])
             self._settle(closure, answer)

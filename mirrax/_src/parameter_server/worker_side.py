@@ -121,6 +121,10 @@ class WorkerState:
         return answers[0][0], layout.join([values for _, values in answers])
 
     def run(self, payload: dict) -> tuple:
+        if not self.parameter_servers:
+            # A process Ray restarted before the coordinator saw the old one die (it died
+            # between two functions): nothing was attached or created here yet.
+            return ("restarted",)
         if payload["structure"] is not None:
             self.structure = serialization.loads(payload["structure"])
             self.version = payload["version"]
