@@ -18,9 +18,11 @@ install: $(BIN)/mirrax
 demo: install
 	$(BIN)/mirrax train
 
-# The test suite, on 8 fake CPU devices (tests/conftest.py sets them up).
+# The test suite, on 8 fake CPU devices (tests/conftest.py sets them up), in two processes
+# (pytest-xdist), each taking whole files, so a file's module-scoped set-up (a Ray cluster,
+# a multi-worker run) exists once.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(BIN)/python -m benchmarks.overhead --variants run
