@@ -243,3 +243,35 @@ def test_cli_bad_arguments_exit_2_naming_the_value(capsys, argv, message):
         main(["report", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_hlo_reader_takes_the_outputs_of_asynchronous_starts_and_fp8_sizes():
+    from mirrax._src.report import hlo
+
+    text = "\n".join([
+        "  %ag = (f32[128], f32[1024]) all-gather-start(f32[128] %p), dimensions={0}",
+        "  %cp = (f8e4m3fn[64], f8e4m3fn[64], u32[], u32[]) collective-permute-start(f8e4m3fn[64] %q)",
+        "  %ar = f32[10] all-reduce(f32[10] %r), to_apply=%add",
+    ])
+    ops = hlo.collectives(text)
+    # all-gather-start's (operand, output): the 1024-float output, 4 * 1024 bytes, not + 4 * 128;
+    # collective-permute-start's output: 64 one-byte floats; the all-reduce: 4 * 10.
+    assert [hlo.payload_bytes(opcode, arrays, 8) for opcode, arrays in ops] == [4096, 64, 40]
+
+
+def test_a_folder_given_as_the_plot_is_refused_before_any_work(tmp_path):
+    from mirrax._src.report import plot
+
+    with pytest.raises(errors.ExistingPathError, match=r"is a folder; give the path of the PNG"):
+        plot.check_path(tmp_path)
+
+
+def test_batch_bytes_count_what_the_device_receives():
+    from mirrax._src.report import subject
+
+    model, optimizer = _objects()
+    study = subject.from_step(train_step, (np.zeros((4, 8)), np.zeros(4, np.int64)),
+                              (model, optimizer), None)
+    # float64 and int64 on the host are float32 and int32 on the device (x64 off):
+    # 4 * 8 * 4 + 4 * 4 = 144 bytes, not the host's 288.
+    assert study.batch_bytes == 144

@@ -8,12 +8,18 @@ import math
 import re
 
 COLLECTIVES = ("all-reduce", "all-reduce-start", "reduce-scatter", "all-gather",
-               "all-gather-start", "all-to-all", "collective-permute")
+               "all-gather-start", "all-to-all", "collective-permute", "collective-permute-start")
 BYTES_PER_ELEMENT = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+    "f8e4m3": 1, "f8e3m4": 1, "f8e8m0fnu": 1,
 }
-_ARRAY = re.compile(r"\b(" + "|".join(BYTES_PER_ELEMENT) + r")\[([0-9,]*)\]")
+# Longest names first, so "f8e4m3fn" is not read as "f8e4m3".
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(BYTES_PER_ELEMENT, key=len, reverse=True))
+                    + r")\[([0-9,]*)\]")
+# Asynchronous starts return tuples: all-gather-start (operands..., outputs...), and
+# collective-permute-start (operand, output, two u32 contexts); the outputs are the result.
 # `  [ROOT] %name = SHAPE opcode(operands), attributes`; SHAPE is an array or a (tuple, of, them).
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
@@ -28,6 +34,10 @@ def collectives(hlo_text: str) -> list:
         if match and match.group(3) in COLLECTIVES:
             arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d))
                       for dtype, dims in _ARRAY.findall(match.group(2))]
+            if match.group(3) == "all-gather-start" and len(arrays) > 1:
+                arrays = arrays[len(arrays) // 2:]
+            elif match.group(3) == "collective-permute-start" and len(arrays) > 1:
+                arrays = arrays[1:2]
             found.append((match.group(3), arrays))
     return found
 

@@ -16,12 +16,17 @@ def check_path(path) -> None:
     Raises:
       InvalidArgumentTypeError: `path` is not a str or os.PathLike.
       MissingFolderError: the folder of `path` does not exist.
+      ExistingPathError: `path` is a folder.
       MissingDependencyError: matplotlib is not installed.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise errors.InvalidArgumentTypeError(
             f"plot: path must be a file path (str or os.PathLike) for the PNG; received "
             f"{type(path).__name__}.")
+    if os.path.isdir(path):
+        raise errors.ExistingPathError(
+            f"plot: {os.fspath(path)!r} is a folder; give the path of the PNG file to write, "
+            f"e.g. {os.path.join(os.fspath(path), 'speedup.png')!r}.")
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(folder):
         raise errors.MissingFolderError(

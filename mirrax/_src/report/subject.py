@@ -129,7 +129,9 @@ def _subject(fn, objects: tuple, kwargs: dict, batch, label: str) -> Subject:
         optimizer_arrays=tuple((tuple(np.shape(x)), _nbytes(x))
                                for v in optimizer for x in _arrays(v)),
         other_state_bytes=_bytes(others),
-        batch_bytes=sum(leaf.nbytes for leaf in jax.tree.leaves(batch)))
+        # What the device receives: 64-bit host arrays become 32-bit without jax_enable_x64.
+        batch_bytes=sum(int(np.prod(np.shape(leaf))) * jax.dtypes.canonicalize_dtype(
+            np.result_type(leaf)).itemsize for leaf in jax.tree.leaves(batch)))
 
 
 def _host_batch(batch) -> tuple:
