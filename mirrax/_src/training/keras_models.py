@@ -92,8 +92,7 @@ def _copy(variable):
     return jnp.array(variable.value, copy=True)
 
 
-def _non_trainable_variable(variable):
-    value = _copy(variable)
+def _non_trainable_variable(value):
     if jnp.issubdtype(value.dtype, jnp.floating):
         return nnx.BatchStat(value)
     # Integer counters and the like must stay equal on every replica (aggregation NONE).
@@ -142,7 +141,7 @@ class KerasModule(nnx.Module):
         self.variables = nnx.List([
             nnx.Param(_copy(v)) if i in trainable
             else KerasSeedKey(_copy(v)) if seeds[i]
-            else _non_trainable_variable(v)
+            else _non_trainable_variable(_copy(v))
             for i, v in enumerate(everything)])
         # The count advances by what Keras adds per draw, the same on every replica; JAX still
         # types it as varying (it is read off the replica's folded key), hence replica 0's.
@@ -190,8 +189,7 @@ class KerasModule(nnx.Module):
             if i in trainable and not isinstance(variable, nnx.Param):
                 self.variables[i] = nnx.Param(value)
             elif i not in trainable and isinstance(variable, nnx.Param):
-                self.variables[i] = (nnx.BatchStat(value) if jnp.issubdtype(value.dtype, jnp.floating)
-                                     else nnx.Variable(value))
+                self.variables[i] = _non_trainable_variable(value)
 
     def _values(self) -> list:
         """Every variable's value as Keras sees it (a seed state advanced by its count)."""
