@@ -163,11 +163,11 @@ def test_the_tutorial_notebook_runs_end_to_end(tmp_path):
     values = {name: float(v) for name, v in
               re.findall(r"(Eval accuracy|exported model|Mixed precision eval "
                                        r"accuracy|after clear_session): (\d\.\d{4})", text)}
-    # Measured 0.944 (6 epochs of 45 steps at global batch 4 x 8 on 1,437 digits): far above
+    # Measured 0.953 (6 epochs of 45 steps at global batch 4 x 8 on 1,437 digits): far above
     # the 0.1 of chance; 0.9 leaves room for another CPU's rounding.
     assert values["Eval accuracy"] >= 0.9
     # The exported program computes what evaluate did, on one device instead of four: the
     # same argmax except perhaps at a near-tie, hence at most one of the 360 test images.
     assert abs(values["exported model"] - values["Eval accuracy"]) <= 1 / 360 + 1e-4
     assert values["after clear_session"] == values["Eval accuracy"]
-    assert values["Mixed precision eval accuracy"] >= 0.85  # 3 epochs in bfloat16: measured 0.936
+    assert values["Mixed precision eval accuracy"] >= 0.85  # 3 epochs in bfloat16: measured 0.925

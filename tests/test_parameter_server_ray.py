@@ -623,6 +623,9 @@ def test_a_worker_killed_between_functions_and_restarted_unseen_runs_the_next_on
     assert fresh == list(range(len(fresh)))
 
 
+# When the loss surfaces at a schedule, the functions scheduled before it are still pending
+# at shutdown, which says so: expected here.
+@pytest.mark.filterwarnings("ignore:ParameterServerStrategy shut down with:RuntimeWarning")
 def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path):
     strategy = _strategy(num_workers=1, num_ps=2)
     model = Line()
