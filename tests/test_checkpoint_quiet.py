@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every save and restore path once, including the situations that made Orbax warn: a save onto
@@ -156,3 +158,37 @@ _TRUNCATED_FILES_SCRIPT = textwrap.dedent(
 
 def test_failed_restores_of_all_files_truncated_print_no_event_loop_traceback(tmp_path):
     assert _noise(_run(_TRUNCATED_FILES_SCRIPT, tmp_path)) == ""
+
+
+# An Orbax read coroutine collected before its task started (the loop closed after a sibling
+# read failed) makes Python warn "coroutine '_read_array_index_and_device_put' was never
+# awaited" plus a tracemalloc hint: 2 lines on stderr without mirrax's filter, none with it.
+_UNSTARTED_READ_SCRIPT = textwrap.dedent(
+    """
+    import gc, inspect, sys
+    sys.path.insert(0, {repo!r})
+    from orbax.checkpoint._src.serialization import serialization
+    from mirrax._src.checkpointing import orbax_quiet
+
+    if sys.argv[2] == "quiet":
+        orbax_quiet.ignore_closed_loop_callbacks()
+    read = serialization._read_array_index_and_device_put
+    unstarted = read(**{{name: None for name in inspect.signature(read).parameters}})
+    del unstarted
+    gc.collect()
+    print("DONE", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["quiet", "plain"])
+def test_an_unstarted_orbax_read_coroutine_prints_no_warning(tmp_path, mode):
+    result = subprocess.run(
+        [sys.executable, "-c", _UNSTARTED_READ_SCRIPT.format(repo=_REPO), str(tmp_path), mode],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "DONE\n", result.stderr
+    if mode == "quiet":
+        assert result.stderr == ""
+    else:  # the control: the warning this filter exists for
+        assert ("coroutine '_read_array_index_and_device_put' was never awaited"
+                in result.stderr)

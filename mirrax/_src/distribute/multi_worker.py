@@ -334,7 +334,9 @@ def _exit_at_once(previous):
             flush=True,
         )
         sys.stdout.flush()
-        _let_failing_peers_report()
+        # A disagreement found at a host exchange is found by every process (each holds all
+        # the values), so every report is certain to come.
+        _let_failing_peers_report(shared=isinstance(value, errors.DivergentWorkersError))
         os._exit(status)
 
     return hook
@@ -344,24 +346,38 @@ def _exit_at_once(previous):
 # workers to report theirs before it exits (its exit ends the service, and JAX then aborts the
 # peers, possibly before they print their own error).
 _PEER_REPORT_SECONDS = 3.0
+# The same for a failure every process detects (a DivergentWorkersError): the reports are
+# sure to come, but can be late on a loaded machine (a CI run once saw a worker of such a
+# failure end by SIGABRT with 3 s). The wait ends as soon as every peer has reported.
+_SHARED_FAILURE_REPORT_SECONDS = 30.0
+_PEER_EXIT_GRACE_SECONDS = 0.2
 
 
-def _let_failing_peers_report() -> None:
+def _let_failing_peers_report(shared: bool) -> None:
     """Marks this worker failed in the coordination service's store; the chief then waits up
-    to `_PEER_REPORT_SECONDS` in all for the others' marks (workers that fail at the same step,
-    e.g. on an input disagreement every worker detects, all print their error)."""
+    to `_PEER_REPORT_SECONDS` in all (`_SHARED_FAILURE_REPORT_SECONDS` when `shared`: a
+    failure every process detects) for the others' marks, so that workers that fail at the
+    same step all print their error before the chief's exit ends the service.
+
+    Only the chief waits: a peer that waited too (for the chief's mark) could be aborted by
+    JAX while the chief exits (tried: a SIGABRT in each of 3 runs of the divergent-input tests).
+    """
     try:
         client = multihost.coordination_client()
         me, count = jax.process_index(), jax.process_count()
         client.key_value_set(f"mirrax/failed/{me}", "1")
         if me != 0:
             return
-        deadline = time.monotonic() + _PEER_REPORT_SECONDS
+        seconds = _SHARED_FAILURE_REPORT_SECONDS if shared else _PEER_REPORT_SECONDS
+        deadline = time.monotonic() + seconds
         for peer in range(1, count):
             left_ms = int(1000 * (deadline - time.monotonic()))
             if left_ms <= 0:
                 return
             client.blocking_key_value_get(f"mirrax/failed/{peer}", left_ms)
+        # A peer's mark is stored before its set call returns to it: give it the moment to
+        # reach its own exit before this one ends the service.
+        time.sleep(_PEER_EXIT_GRACE_SECONDS)
     except Exception:  # a lost coordinator or a peer that never fails: exit anyway
         return
 
