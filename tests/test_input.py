@@ -6,6 +6,7 @@ import threading
 import time
 
 import grain
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -299,3 +300,24 @@ def test_a_distributed_batch_exposes_its_stacked_rows_mask_and_lengths():
     assert batch.lengths == (3, 3, 3, 1)
     assert np.asarray(batch.mask).tolist() == [[True] * 3] * 3 + [[True, False, False]]
     assert np.asarray(batch.stacked)[3, 0] == 9.0  # the last replica's one real example
+
+
+@pytest.mark.parametrize("device", [0, 3])
+def test_a_one_device_batch_is_the_same_bits_in_new_buffers_on_that_device(device):
+    # One device: batches are placed by a jitted identity (cheaper than jax.device_put); they
+    # must hold exactly what device_put would: the same dtypes (float64 -> float32, int64 ->
+    # int32 with x64 off), the same bits (NaN, -0.0, a float32 denormal, the largest float32),
+    # on the strategy's device, in buffers of their own (a later write to the host array does
+    # not reach them).
+    strategy = mirrax.MirroredStrategy([jax.devices()[device]])
+    x = np.array([[np.nan, -0.0, 1e-45, 3.4028235e38]], np.float64)
+    y = np.array([[7, -1, 2**31 - 1, 0]], np.int64)
+    (batch,) = strategy.experimental_distribute_dataset([(x[0], y[0])])
+    (placed_x,), (placed_y,) = (strategy.experimental_local_results(v) for v in batch)
+    reference = jax.device_put((x[0], y[0]), jax.devices()[device])
+    assert (placed_x.dtype, placed_y.dtype) == (np.float32, np.int32)
+    assert np.asarray(placed_x).tobytes() == np.asarray(reference[0]).tobytes()
+    assert np.asarray(placed_y).tolist() == [7, -1, 2**31 - 1, 0]
+    assert batch[0].stacked.devices() == {jax.devices()[device]}
+    x[...] = 5.0
+    assert np.asarray(placed_x).tobytes() == np.asarray(reference[0]).tobytes()

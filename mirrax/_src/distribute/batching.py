@@ -5,6 +5,7 @@ mask, placement, and (multi-worker) the processes' agreement on each step's shar
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Iterator, Sequence
@@ -68,9 +69,18 @@ def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first
 
 def put_stacked(strategy, host):
     """Places host arrays of shape (num_local_replicas, ...) as global (num_replicas, ...) arrays,
-    row r on replica r's device (sharded along `REPLICA_AXIS`)."""
-    sharding = strategy.extended.replica_devices.stacked
+    row r on replica r's device (sharded along `REPLICA_AXIS`). The arrays are new buffers
+    (never views of the host arrays)."""
+    replica_devices = strategy.extended.replica_devices
+    sharding = replica_devices.stacked
     if jax.process_count() == 1:
+        if len(replica_devices) == 1 and all(
+                type(a) is np.ndarray for a in jax.tree.leaves(host)):
+            # One device: a jitted identity takes NumPy arrays in C++, where jax.device_put's
+            # Python costs about 100 µs per call (measured: 12 vs 112 µs for a batch of 8 rows
+            # and its labels, 83 vs 147 µs at 128 rows of 784 floats). With more devices it is
+            # slower than device_put (220 vs 150 µs at 4), so those keep device_put.
+            return _single_device_put(sharding)(host)
         return jax.device_put(host, sharding)
     return jax.tree.map(
         lambda a: jax.make_array_from_process_local_data(
@@ -78,6 +88,12 @@ def put_stacked(strategy, host):
         ),
         host,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _single_device_put(sharding):
+    """`jax.device_put(host, sharding)` for NumPy pytrees on a one-device `sharding`, jitted."""
+    return jax.jit(lambda host: host, in_shardings=sharding, out_shardings=sharding)
 
 
 def by_replica(strategy, per_process: Sequence[Sequence]) -> tuple:

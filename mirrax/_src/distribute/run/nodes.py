@@ -58,9 +58,10 @@ class _Checks:
     """
 
     __slots__ = ("owners", "owned", "dicts", "lists", "variables", "metadata", "lengths", "keys",
-                 "held", "value_ids", "item_ids")
+                 "values", "items")
 
     def __init__(self, objects, dicts, lists, variables):
+        chain = itertools.chain.from_iterable
         self.owners = tuple(o for o, _ in objects)
         self.owned = tuple(d for _, d in objects)  # each owner's attribute dict
         self.dicts = tuple(dicts)
@@ -68,24 +69,25 @@ class _Checks:
         self.variables = tuple(variables)
         self.metadata = tuple(map(_compat.metadata_dict, variables))
         self.lengths = tuple(map(len, self.dicts)) + tuple(map(len, self.lists))
-        self.keys = tuple(itertools.chain.from_iterable(self.dicts))
-        # The values themselves are held, so their ids cannot be reused while compared.
-        self.held = (tuple(itertools.chain.from_iterable(map(dict.values, self.dicts))),
-                     tuple(itertools.chain.from_iterable(self.lists)))
-        self.value_ids = tuple(map(id, self.held[0]))
-        self.item_ids = tuple(map(id, self.held[1]))
+        # The keys, values and items themselves are held, so compared by identity they cannot
+        # be other objects that reuse a collected one's id.
+        self.keys = tuple(chain(self.dicts))
+        self.values = tuple(chain(map(dict.values, self.dicts)))
+        self.items = tuple(chain(self.lists))
 
     def hold(self) -> bool:
-        # Keys are strings (their == is exact); values are compared by id (an object's own ==
-        # may say equal for another object: a Variable compares its value).
-        chain = itertools.chain.from_iterable
+        # Everything by identity (an object's own == may say equal for another object: a
+        # Variable compares its value). The lengths come first: `map` stops at the shorter
+        # side, so equal lengths make each pass see every entry. A key that is an equal string
+        # but another object fails the check: a needless flatten, never a missed change.
+        chain, is_ = itertools.chain.from_iterable, operator.is_
         return (
-            all(map(operator.is_, map(vars, self.owners), self.owned))
-            and all(map(operator.is_, map(_compat.metadata_dict, self.variables), self.metadata))
+            all(map(is_, map(vars, self.owners), self.owned))
+            and all(map(is_, map(_compat.metadata_dict, self.variables), self.metadata))
             and tuple(map(len, self.dicts)) + tuple(map(len, self.lists)) == self.lengths
-            and tuple(chain(self.dicts)) == self.keys
-            and tuple(map(id, chain(map(dict.values, self.dicts)))) == self.value_ids
-            and tuple(map(id, chain(self.lists))) == self.item_ids
+            and all(map(is_, chain(self.dicts), self.keys))
+            and all(map(is_, chain(map(dict.values, self.dicts)), self.values))
+            and all(map(is_, chain(self.lists), self.items))
         )
 
 
