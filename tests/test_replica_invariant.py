@@ -98,6 +98,8 @@ def test_fit_evaluate_predict_are_the_same_bits_on_1_2_4_and_8_replicas():
 
 
 def test_steps_per_execution_composes_with_the_mode():
+    # Two steps per call in fit, its validation, evaluate (batches 32, 32 | 8) and predict
+    # (32 and the partial 8 in one call).
     _assert_same_bits({r: _fit_run(_invariant(r), steps_per_execution=2) for r in (1, 4)})
 
 

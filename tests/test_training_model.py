@@ -339,6 +339,71 @@ def test_steps_per_execution_with_a_partial_last_batch_divides_by_its_own_exampl
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+class _StepRecorder(mirrax.callbacks.Callback):
+    """Records the step indices the test and predict batch hooks get, and predict's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.calls.append(("test begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.calls.append(("test end", batch))
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self.calls.append(("predict begin", batch))
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.calls.append(("predict end", batch, np.asarray(logs["outputs"]).ravel().tolist()))
+
+
+def test_steps_per_execution_runs_evaluate_and_predict_k_steps_per_call_as_keras():
+    # 10 examples x = 1..10 at batch 4 over 4 replicas: batches of 4, 4 and 2 (the last one
+    # partial: replicas hold 1, 1, 0, 0 of its rows). steps_per_execution=3 runs all three in
+    # one call; each keeps its own rows (the partial one is not read with the first's mask).
+    model = identity_model(mirrored(4), steps_per_execution=3)
+    x = np.arange(1.0, 11.0, dtype=np.float32)[:, None]
+    y = np.zeros(10, np.float32)
+    recorder = _StepRecorder()
+    # The loss is the identity's output, so the mean loss is (1 + ... + 10) / 10 = 5.5.
+    assert model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[recorder]) == 5.5
+    # The identity's outputs: every example once, in order; Keras's hooks run once per call,
+    # with the first and last step's index, and predict's gets all three steps' outputs.
+    assert model.predict(x, batch_size=4, verbose=0, callbacks=[recorder]).tolist() == x.tolist()
+    assert recorder.calls == [("test begin", 0), ("test end", 2), ("predict begin", 0),
+                              ("predict end", 2, list(range(1, 11)))]
+    # Without hooks that read the outputs, predict copies them late: the same rows.
+    assert model.predict(x, batch_size=4, verbose=0).tolist() == x.tolist()
+    # fit's validation is evaluate's loop: the same 5.5 (the identity's w gets zero gradient).
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y))
+    assert history.history["val_loss"] == [5.5]
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_steps_per_execution_gives_evaluate_and_predict_of_one_step_per_call(
+        steps_per_execution):
+    # The same computation per batch, in one program or several: equal to float32 rounding
+    # (XLA may fuse one program's ops differently; the sums are of the same values).
+    w1, w2, x, y = mlp_data()
+    x, y = x[:14], y[:14]  # batches of 4, 4, 4, 2 at batch_size 4
+    results = []
+    for k in (1, steps_per_execution):
+        with mirrored(2).scope():
+            model = mirrax.Model(MLP(w1, w2))
+            model.compile("sgd", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"], steps_per_execution=k)
+        results.append((model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True),
+                        model.predict(x, batch_size=4, verbose=0)))
+    (logs_1, predicted_1), (logs_k, predicted_k) = results
+    assert logs_1.keys() == logs_k.keys()
+    for key in logs_1:
+        assert logs_k[key] == pytest.approx(logs_1[key], rel=1e-6), key
+    assert predicted_k.shape == predicted_1.shape == (14, 2)
+    np.testing.assert_allclose(predicted_k, predicted_1, rtol=1e-6, atol=1e-7)
+
+
 def test_gradient_accumulation_equals_one_step_on_the_larger_batch():
     w1, w2, x, y = mlp_data()
     strategy = mirrored(2)

@@ -149,12 +149,8 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             for group in steps_lib.groups(batches, model.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
-                state = train_objects(model, compiled)
-                if len(group) == 1:
-                    strategy.run(compiled.train_fn, args=state + (group[0],))
-                else:
-                    masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
-                    strategy.run(compiled.train_many_fn, args=state + (tuple(group), masks))
+                run_steps(strategy, compiled.train_fn, compiled.train_many_fn,
+                          train_objects(model, compiled), group)
                 logs = logs_of(model, compiled) if batch_logs else {}
                 cbs.on_train_batch_end(last, logs)
                 step = last + 1
@@ -206,11 +202,14 @@ def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, c
     return values[0] if len(values) == 1 else values
 
 
-def predict(model, strategy, predict_fn, checked, x, batch_size, verbose, steps, callbacks):
-    """`Model.predict` (its arguments, docs and errors there) on `strategy`, each step
-    `strategy.run(predict_fn, ...)`; `checked` holds the input signatures already checked."""
+def predict(model, strategy, step_fns, checked, x, batch_size, verbose, steps, callbacks):
+    """`Model.predict` (its arguments, docs and errors there) on `strategy`. `step_fns` is
+    (predict_fn, predict_many_fn, steps per call): each call `strategy.run`s one batch through
+    predict_fn, or that many through predict_many_fn (`steps_per_execution`, as Keras);
+    `checked` holds the input signatures already checked."""
     verbose = checks.check_verbose("predict", verbose)
     steps = checks.check_count("predict", "steps", steps, allow_none=True)
+    predict_fn, predict_many_fn, per_call = step_fns
     data = data_adapter.ModelInput(model, strategy, x, None, None, batch_size, False, "predict",
                                    inputs_only=True, checked=checked)
     model.module.eval()
@@ -226,18 +225,26 @@ def predict(model, strategy, predict_fn, checked, x, batch_size, verbose, steps,
     per_batch = (jax.process_count() > 1
                  or cbs.needs_batch_logs("on_predict_batch_end"))
     pending: collections.deque = collections.deque()
+    objects = (model.module, None, None, None, None)
+    step = 0
     try:
-        for step, batch in enumerate(data.batches(steps)):
+        for group in steps_lib.groups(data.batches(steps), per_call):
             cbs.on_predict_batch_begin(step)
-            out = strategy.run(predict_fn, args=(model.module, None, None, None, None, batch))
+            outs = run_steps(strategy, predict_fn, predict_many_fn, objects, group)
+            step += len(group)
             if per_batch:
-                outputs.append(jax.tree.map(np.asarray, strategy.gather(out, axis=0)))
-                cbs.on_predict_batch_end(step, {"outputs": outputs[-1]})
+                gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0))
+                            for out in outs]
+                outputs += gathered
+                # As Keras: the outputs of every step of the call, concatenated.
+                cbs.on_predict_batch_end(step - 1, {"outputs": gathered[0] if len(gathered) == 1
+                                                    else concatenate(gathered)})
             else:
-                pending.append(out)
-                if len(pending) > PREDICT_AHEAD:  # bounds the device memory held
-                    outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
-                cbs.on_predict_batch_end(step, {})
+                for out in outs:
+                    pending.append(out)
+                    if len(pending) > PREDICT_AHEAD:  # bounds the device memory held
+                        outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
+                cbs.on_predict_batch_end(step - 1, {})
     finally:
         data.close()
     outputs += [values_lib.gather_to_host(strategy, out) for out in pending]
@@ -248,7 +255,34 @@ def predict(model, strategy, predict_fn, checked, x, batch_size, verbose, steps,
         )
     warn_if_ran_out("predict", "steps", steps, len(outputs))
     cbs.on_predict_end()
+    return concatenate(outputs)
+
+
+def concatenate(outputs: list):
+    """The batches' outputs (NumPy pytrees of one structure) joined along the examples, in new
+    (writable) arrays."""
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+
+
+def run_steps(strategy, one_fn, many_fn, objects: tuple, group: list) -> tuple:
+    """Runs the consecutive batches `group` as ONE `strategy.run`: `one_fn(*objects, batch)`
+    for one batch, else `many_fn(*objects, batches, masks)` (`steps_per_execution`). Returns
+    each batch's result; its `PerReplica` values carry that batch's rows (mask and lengths:
+    `run` gives every output the first batch's, and the last batch may be partial)."""
+    if len(group) == 1:
+        return (strategy.run(one_fn, args=objects + (group[0],)),)
+    masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
+    results = strategy.run(many_fn, args=objects + (tuple(group), masks))
+    return tuple(_with_rows_of(strategy, result, batch) for result, batch in zip(results, group))
+
+
+def _with_rows_of(strategy, result, batch):
+    rows = next(leaf for leaf in jax.tree.leaves(batch, is_leaf=values_lib.is_distributed)
+                if isinstance(leaf, PerReplica))
+    return jax.tree.map(
+        lambda v: PerReplica(strategy, v.stacked, rows.mask, rows.lengths)
+        if isinstance(v, PerReplica) else v,
+        result, is_leaf=values_lib.is_distributed)
 
 
 def train_objects(model, compiled) -> tuple:
@@ -306,13 +340,14 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     model.module.eval()
     cbs.on_test_begin()
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
+    objects = (model.module, None, model.metrics, compiled.tracker, None)
     count = 0
-    for step, batch in enumerate(data.batches(steps, prefetch=batch_logs)):
-        cbs.on_test_batch_begin(step)
-        strategy.run(compiled.test_fn,
-                     args=(model.module, None, model.metrics, compiled.tracker, None, batch))
-        cbs.on_test_batch_end(step, logs_of(model, compiled) if batch_logs else {})
-        count += 1
+    for group in steps_lib.groups(data.batches(steps, prefetch=batch_logs),
+                                  model.steps_per_execution):
+        cbs.on_test_batch_begin(count)
+        run_steps(strategy, compiled.test_fn, compiled.test_many_fn, objects, group)
+        count += len(group)
+        cbs.on_test_batch_end(count - 1, logs_of(model, compiled) if batch_logs else {})
     if count == 0:
         raise errors.EmptyDatasetError(
             f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "

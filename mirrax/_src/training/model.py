@@ -121,8 +121,9 @@ class Model:
             `metrics` already holds that name.
           run_eagerly: only False (every step is one compiled program; to debug, run under
             `jax.disable_jit()`).
-          steps_per_execution: run this many steps in one compiled call (callbacks' batch
-            hooks then run once per call, with the first and last step's index).
+          steps_per_execution: run this many steps in one compiled call, in fit, evaluate
+            and predict (callbacks' batch hooks then run once per call, with the first and
+            last step's index), as Keras.
           jit_compile: "auto" or True (steps are always compiled by XLA); False is refused.
           auto_scale_loss: with the "mixed_float16" policy, apply dynamic loss scaling (as
             Keras); False trains float16 without it. No effect under other policies.
@@ -181,7 +182,9 @@ class Model:
         compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
         compiled.train_many_fn = steps_lib.make_multi_step(compiled.train_fn)
         compiled.test_fn = steps_lib.bound_step(self, self._binding, "test_step")
+        compiled.test_many_fn = steps_lib.make_multi_step(compiled.test_fn)
         compiled.predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
+        compiled.predict_many_fn = steps_lib.make_multi_step(compiled.predict_fn)
         self.optimizer.dynamic_scale = compiled.dynamic_scale
         self._compiled = compiled
 
@@ -365,10 +368,13 @@ class Model:
         if ps_loops.is_parameter_server(strategy):
             strategy = ps_loops.predict_strategy(strategy)
         if self._compiled is not None:
-            predict_fn, checked = self._compiled.predict_fn, self._compiled.checked_inputs
+            compiled = self._compiled
+            step_fns = (compiled.predict_fn, compiled.predict_many_fn, self.steps_per_execution)
+            checked = compiled.checked_inputs
         else:
-            predict_fn, checked = self._uncompiled_predict_fn, self._uncompiled_checked
-        return loops.predict(self, strategy, predict_fn, checked, x, batch_size, verbose, steps,
+            step_fns = (self._uncompiled_predict_fn, None, 1)
+            checked = self._uncompiled_checked
+        return loops.predict(self, strategy, step_fns, checked, x, batch_size, verbose, steps,
                              callbacks)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------

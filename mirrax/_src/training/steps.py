@@ -219,20 +219,25 @@ PREDICT_FLOAT32 = make_predict_step(mixed_precision.Policy("float32"))
 PREDICT_FLOAT32_MICRO = make_predict_step(mixed_precision.Policy("float32"), True)
 
 
-def make_multi_step(train_step):
-    """k training steps in one program: each micro-step sees its own batch mask."""
+def make_multi_step(step):
+    """k steps in one program (`steps_per_execution`, as Keras's `multi_*_steps`): each
+    micro-step sees its own batch mask. Returns the tuple of the k steps' results (predict:
+    the k batches' outputs; fit and evaluate: Nones)."""
 
-    def train_steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
+    def steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
         ctx = get_replica_context()
         saved = ctx.batch_mask
+        results = []
         try:
             for batch, mask in zip(batches, masks):
                 ctx.batch_mask = mask
-                train_step(module, optimizer, metrics, tracker, loss_scale, batch)
+                results.append(step(module, optimizer, metrics, tracker, loss_scale, batch))
         finally:
             ctx.batch_mask = saved
+        return tuple(results)
 
-    return train_steps
+    steps.__name__ = f"{getattr(step, '__name__', 'step')}s"
+    return steps
 
 
 def groups(batches, size: int):
@@ -267,8 +272,10 @@ class CompiledState:
       checked_inputs: input signatures already run abstractly through the module and loss.
       train_impl, test_impl, predict_impl: the default steps (`Model.train_step` & co. call
         them on the model's objects).
-      train_fn, train_many_fn, test_fn, predict_fn: what fit / evaluate / predict pass to
-        `strategy.run` (they call `Model.train_step`, `test_step`, `predict_step`).
+      train_fn, test_fn, predict_fn: what fit / evaluate / predict pass to `strategy.run`
+        (they call `Model.train_step`, `test_step`, `predict_step`); train_many_fn,
+        test_many_fn, predict_many_fn: the same for several steps per call
+        (`make_multi_step`).
     """
 
     loss_scale: float
@@ -283,7 +290,9 @@ class CompiledState:
     train_fn: Callable = None
     train_many_fn: Callable = None
     test_fn: Callable = None
+    test_many_fn: Callable = None
     predict_fn: Callable = None
+    predict_many_fn: Callable = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
 
 
