@@ -63,6 +63,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     add("--steps-scale", type=float, default=1.0, help="scales models' and loops' steps")
     add("--max-in-flight", type=int, default=2, help="steps dispatched ahead (default 2)")
     add("--no-donate", action="store_true", help="the floor without donation (run, fit)")
+    add("--steps-per-execution", type=int, default=1,
+        help="mirrax's compile(steps_per_execution=...) in the loops (default 1)")
     add("--profile", action="store_true", help="cProfile (run); fit taken apart (fit)")
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
@@ -75,8 +77,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
         batches["tiny MLP"] = 8
     env.check_divides(parser, args, batches)
     if min(args.cnn_steps, args.mlp_steps) < 2 or min(args.max_in_flight, args.repeats or 1) < 1 \
-            or args.steps_scale <= 0:
-        parser.error("--*-steps must be >= 2, --repeats, --max-in-flight >= 1, --steps-scale > 0")
+            or args.steps_scale <= 0 or args.steps_per_execution < 1:
+        parser.error("--*-steps must be >= 2, --repeats, --max-in-flight, --steps-per-execution "
+                     ">= 1, --steps-scale > 0")
     return args
 
 
@@ -156,12 +159,13 @@ def _measure(args, devices: int) -> dict:
                              end=self.end - s[-1][1])
             return times
 
-    def compiled_model(module_cls):
+    def compiled_model(module_cls, steps_per_execution=1):
         strategy = mirrax.MirroredStrategy(local)
         with strategy.scope():
             model = mirrax.Model(module_cls(nnx.Rngs(0)))
             model.compile(optimizer=optax.adam(1e-3),
-                          loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+                          loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=steps_per_execution)
         return model
 
     def fit(model, xs, ys, gb, validation=None, **clock):
@@ -289,7 +293,8 @@ def _measure(args, devices: int) -> dict:
                     "fit_steps": fit(compiled_model(module_cls), xs, ys, gb, per_step=True),
                     "fit_validation": fit(compiled_model(module_cls), xs, ys, gb,
                                           (tile(x, n), tile(y, n)), per_step=True)}
-        model, loops = compiled_model(module_cls), hand_loops(module_cls, xs, ys, gb, steps)
+        model = compiled_model(module_cls, args.steps_per_execution)
+        loops = hand_loops(module_cls, xs, ys, gb, steps)
         common = dict(batch_size=gb, verbose=0)
         mirrax_passes = {
             "fit": lambda: model.fit(xs, ys, epochs=1, shuffle=False, **common).history["loss"][-1],
@@ -356,6 +361,7 @@ def _measure(args, devices: int) -> dict:
             row = {"group": group, "workload": name, "family": family, "devices": devices,
                    "global_batch": gb, "steps": steps, "repeats": repeats,
                    "max_in_flight": args.max_in_flight, "donated": not args.no_donate,
+                   "steps_per_execution": args.steps_per_execution if group == "loops" else 1,
                    "target": TARGETS[group].get(family), "first_window_s": first,
                    "next_loss": {k: float(np.asarray(v)) for k, v in losses.items()},
                    "samples": samples,
@@ -479,7 +485,9 @@ def _table_loops(rows) -> list:
     return env.markdown_table(
         ["workload", "replicas", "pass", "steps", "mirrax ms", "hand-written ms", "ratio",
          "target"],
-        [[r["workload"], r["devices"], kind, r["steps"],
+        [[r["workload"], r["devices"],
+          kind if r.get("steps_per_execution", 1) == 1
+          else f"{kind}, steps_per_execution={r['steps_per_execution']}", r["steps"],
           f"{r['median'][f'mirrax_{kind}']['wall'] * 1e3:.1f}",
           f"{r['median'][f'handwritten_{kind}']['wall'] * 1e3:.1f}",
           f"{r['ratio'][f'mirrax_{kind}']:.3f}", f"<= {r['target']}"]
