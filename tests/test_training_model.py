@@ -617,3 +617,35 @@ def test_train_function_refuses_a_batch_that_is_not_distributed():
     train_function = model.make_train_function()
     with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="a distributed batch"):
         train_function((np.ones((4, 1), np.float32), np.zeros(4, np.float32)))
+
+
+class _DropoutIdentity(nnx.Module):
+    """The identity through a Dropout that, in training mode, drops about every example."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(()))
+        self.dropout = nnx.Dropout(0.999, rngs=nnx.Rngs(dropout=0))
+
+    def __call__(self, x):
+        return self.dropout(x) + 0.0 * self.w[...]
+
+
+def test_test_function_runs_evaluate_steps_on_distributed_batches_as_keras():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(_DropoutIdentity())
+        model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
+    model.module.train()  # the function itself puts the module in inference mode
+    test_function = model.make_test_function()
+    x = np.arange(1.0, 7.0, dtype=np.float32)[:, None]
+    model.reset_metrics()
+    for batch in strategy.experimental_distribute_dataset(
+            [(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(2, np.float32))]):
+        assert test_function(batch) is None
+    # Dropout off (inference): the mean loss is the mean of x, (1 + ... + 6) / 6 = 3.5.
+    assert model.get_metrics_result() == {"loss": 3.5}
+    with pytest.raises(mirrax.errors.InvalidArgumentTypeError,
+                       match="test_function: batch must be a distributed batch"):
+        test_function((x, np.zeros(6, np.float32)))
+    with pytest.raises(mirrax.errors.NotCompiledError, match="make_test_function"):
+        mirrax.Model(_DropoutIdentity()).make_test_function()

@@ -419,16 +419,37 @@ def one_batch_size(what: str, x) -> int:
 
 def make_train_function(model, compiled):
     """`Model.make_train_function` (its docs and errors there)."""
-    strategy = model.distribute_strategy
-    checks.check_not_parameter_server(strategy, "make_train_function")
+    return _batch_function(model, "train_function", compiled.train_fn,
+                           lambda: train_objects(model, compiled))
 
-    def train_function(batch):
+
+def make_test_function(model, compiled):
+    """`Model.make_test_function` (its docs and errors there)."""
+    def objects():
+        model.module.eval()  # as evaluate: inference mode (Dropout off, BatchNorm's averages)
+        return (model.module, None, model.metrics, compiled.tracker, None)
+
+    return _batch_function(model, "test_function", compiled.test_fn, objects)
+
+
+def _batch_function(model, name: str, step_fn, objects):
+    """`name(batch)`: `strategy.run(step_fn, args=objects() + (batch,))` on one distributed
+    batch; returns None.
+
+    Raises:
+      InvalidArgumentTypeError: (when called) the batch holds no distributed value.
+    """
+    strategy = model.distribute_strategy
+    checks.check_not_parameter_server(strategy, f"make_{name}")
+
+    def function(batch):
         if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(
                 batch, is_leaf=lambda v: isinstance(v, PerReplica))):
             raise errors.InvalidArgumentTypeError(
-                "train_function: batch must be a distributed batch, an element of "
+                f"{name}: batch must be a distributed batch, an element of "
                 "strategy.experimental_distribute_dataset(...); received "
                 f"{type(batch).__name__}. (A plain array would reach every replica whole.)")
-        strategy.run(compiled.train_fn, args=train_objects(model, compiled) + (batch,))
+        strategy.run(step_fn, args=objects() + (batch,))
 
-    return train_function
+    function.__name__ = name
+    return function

@@ -426,6 +426,19 @@ class Model:
         self._check_compiled("make_train_function")
         return loops.make_train_function(self, self._compiled)
 
+    def make_test_function(self):
+        """`test_function(batch)`: one step of `evaluate` on a distributed batch (an element of
+        `strategy.experimental_distribute_dataset(...)`: (x, y) or (x, y, sample_weight)), as
+        `keras.Model.make_test_function`: the module in inference mode, the loss tracker and
+        metrics updated; returns None. No callbacks and no reset: read the results with
+        `get_metrics_result`, reset them with `reset_metrics`.
+
+        Raises:
+          NotCompiledError: the model is not compiled.
+        """
+        self._check_compiled("make_test_function")
+        return loops.make_test_function(self, self._compiled)
+
     # -- the steps (overridable, as Keras's) -----------------------------------------------------
 
     def train_step(self, data):
