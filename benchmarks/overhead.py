@@ -17,7 +17,8 @@ in BENCHMARKS.md next to its table):
   --profile: fit's loop taken apart piece by piece, and a cProfile of one MLP epoch.
 - `loops`: `fit` / `evaluate` / `predict` on NumPy arrays vs hand-written loops that slice,
   `device_put` and run one jitted program per batch: MLP 784-256-256-10 (160 batches, target
-  <= 1.10) and the CNN (8 batches, <= 1.05), batch 128.
+  <= 1.10) and the CNN (8 batches, <= 1.05), batch 128. --profile: evaluate taken apart (on
+  batches placed before, and the hand-written loop likewise).
 
 Timing: one untimed window per variant (it compiles), then `--repeats` rounds timing every
 variant of a workload once, the order rotating every round; at most `--max-in-flight` steps
@@ -65,7 +66,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     add("--no-donate", action="store_true", help="the floor without donation (run, fit)")
     add("--steps-per-execution", type=int, default=1,
         help="mirrax's compile(steps_per_execution=...) in the loops (default 1)")
-    add("--profile", action="store_true", help="cProfile (run); fit taken apart (fit)")
+    add("--profile", action="store_true",
+        help="cProfile (run); fit taken apart (fit); evaluate taken apart (loops)")
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
     args.groups = env.names_option(parser, "--variants", args.variants, GROUPS)
@@ -247,7 +249,21 @@ def _measure(args, devices: int) -> dict:
             outs = loop((x,), lambda xb: predict_fn(holder["state"], xb))
             return np.concatenate([np.asarray(o) for o in outs])
 
-        return {"fit": run_fit, "evaluate": run_evaluate, "predict": run_predict}
+        placed = [(jax.device_put(x[i * gb:(i + 1) * gb], sharded),
+                   jax.device_put(y[i * gb:(i + 1) * gb], sharded)) for i in range(steps)]
+
+        def run_evaluate_placed():  # no input pipeline: the batches were placed before
+            totals, queue = jax.device_put(np.float32(0), replicated), []
+            for xb, yb in placed:
+                totals = eval_fn(holder["state"], totals, xb, yb)
+                if cap is not None:  # as `loop`: XLA:CPU's all-reduce rendezvous needs it
+                    queue.append(totals)
+                    if len(queue) > cap:
+                        jax.block_until_ready(queue.pop(0))
+            return float(totals) / (steps * gb)
+
+        return {"fit": run_fit, "evaluate": run_evaluate, "predict": run_predict,
+                "evaluate_placed": run_evaluate_placed}
 
     def workloads(group):
         """(family, title, module_cls, x, y, global batch, steps) of a comparison."""
@@ -300,8 +316,9 @@ def _measure(args, devices: int) -> dict:
             "fit": lambda: model.fit(xs, ys, epochs=1, shuffle=False, **common).history["loss"][-1],
             "evaluate": lambda: model.evaluate(xs, ys, **common),
             "predict": lambda: model.predict(xs, **common)}
-        return {f"{side}_{kind}": (outside(fn), fn) for kind in ("fit", "evaluate", "predict")
-                for side, fn in (("mirrax", mirrax_passes[kind]), ("handwritten", loops[kind]))}
+        built = {f"{side}_{kind}": (outside(fn), fn) for kind in ("fit", "evaluate", "predict")
+                 for side, fn in (("mirrax", mirrax_passes[kind]), ("handwritten", loops[kind]))}
+        return dict(built, evaluate_inputs=(model, loops, xs, ys, gb, steps))
 
     def take_fit_apart(model, x, y, gb, steps, repeats) -> dict:
         """ms per step of fit's pieces, each timed alone on one epoch of the same batches:
@@ -343,12 +360,41 @@ def _measure(args, devices: int) -> dict:
             part()
         return timing.medians(timing.interleave(parts, repeats), 1e3 / steps)
 
+    def take_evaluate_apart(inputs, repeats) -> dict:
+        """ms per step of evaluate's pieces, each timed alone on the same batches: evaluate on
+        the arrays, its test function on batches distributed before (no input pipeline), and
+        the hand-written evaluate on pre-placed batches and with a device_put per batch."""
+        model, loops, xs, ys, gb, steps = inputs
+        strategy = model.distribute_strategy
+        placed = list(strategy.experimental_distribute_dataset(
+            [(xs[i * gb:(i + 1) * gb], ys[i * gb:(i + 1) * gb]) for i in range(steps)]))
+        test_function = model.make_test_function()
+
+        def on_placed():
+            model.reset_metrics()
+            for batch in placed:
+                test_function(batch)
+            model.get_metrics_result()  # waits for the last step
+
+        parts = {
+            "evaluate (arrays)": lambda: model.evaluate(xs, ys, batch_size=gb, verbose=0),
+            "test function, batches placed before": on_placed,
+            "hand-written, batches placed before": loops["evaluate_placed"],
+            "hand-written, device_put per batch": loops["evaluate"],
+        }
+        for part in parts.values():
+            part()
+        # Each window returns None, so the interleave times it from outside.
+        timed = {name: (lambda part=part: (part(), None)[1]) for name, part in parts.items()}
+        return timing.medians(timing.interleave(timed, repeats), 1e3 / steps)
+
     rows = []
     for group in args.groups:
         repeats = args.repeats or REPEATS[group]
         for family, name, module_cls, x, y, gb, steps in workloads(group):
             built = variants(group, module_cls, x, y, gb, steps)
             fit_model = built.pop("fit_model", None)
+            evaluate_inputs = built.pop("evaluate_inputs", None)
             first = {}
             for key, (window, _) in built.items():
                 start = time.perf_counter()
@@ -389,6 +435,8 @@ def _measure(args, devices: int) -> dict:
                 row["decomposition_ms"] = take_fit_apart(fit_model, x, y, gb, steps,
                                                          repeats)
                 timing.profile(lambda: built["fit"][0](steps), "one MLP fit epoch", threads=True)
+            if args.profile and group == "loops":
+                row["evaluate_apart_ms"] = take_evaluate_apart(evaluate_inputs, repeats)
     return {"environment": env.environment(local), "rows": rows}
 
 
@@ -482,6 +530,15 @@ def _table_fit(rows) -> list:
 
 
 def _table_loops(rows) -> list:
+    apart = [r for r in rows if "evaluate_apart_ms" in r]
+    lines = []
+    if apart:
+        parts = list(apart[0]["evaluate_apart_ms"])
+        lines = ["", "evaluate taken apart (--profile), ms per step; each part timed alone on "
+                 "the same batches:", ""] + env.markdown_table(
+            ["workload", "replicas", *parts],
+            [[r["workload"], r["devices"], *[f"{r['evaluate_apart_ms'][p]:.3f}" for p in parts]]
+             for r in apart])
     return env.markdown_table(
         ["workload", "replicas", "pass", "steps", "mirrax ms", "hand-written ms", "ratio",
          "target"],
@@ -491,7 +548,7 @@ def _table_loops(rows) -> list:
           f"{r['median'][f'mirrax_{kind}']['wall'] * 1e3:.1f}",
           f"{r['median'][f'handwritten_{kind}']['wall'] * 1e3:.1f}",
           f"{r['ratio'][f'mirrax_{kind}']:.3f}", f"<= {r['target']}"]
-         for r in rows for kind in ("fit", "evaluate", "predict")])
+         for r in rows for kind in ("fit", "evaluate", "predict")]) + lines
 
 
 _TABLES = {

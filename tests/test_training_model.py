@@ -635,7 +635,7 @@ def test_test_function_runs_evaluate_steps_on_distributed_batches_as_keras():
     with strategy.scope():
         model = mirrax.Model(_DropoutIdentity())
         model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
-    model.module.train()  # the function itself puts the module in inference mode
+    model.module.train()  # making the function puts the module in inference mode
     test_function = model.make_test_function()
     x = np.arange(1.0, 7.0, dtype=np.float32)[:, None]
     model.reset_metrics()

@@ -425,11 +425,12 @@ def make_train_function(model, compiled):
 
 def make_test_function(model, compiled):
     """`Model.make_test_function` (its docs and errors there)."""
-    def objects():
-        model.module.eval()  # as evaluate: inference mode (Dropout off, BatchNorm's averages)
-        return (model.module, None, model.metrics, compiled.tracker, None)
-
-    return _batch_function(model, "test_function", compiled.test_fn, objects)
+    function = _batch_function(model, "test_function", compiled.test_fn,
+                               lambda: (model.module, None, model.metrics, compiled.tracker, None))
+    # As evaluate at its start: inference mode (Dropout off, BatchNorm's averages). Once, not
+    # per call: NNX sets a mode by walking the whole graph (about 0.5 ms for an MLP).
+    model.module.eval()
+    return function
 
 
 def _batch_function(model, name: str, step_fn, objects):

@@ -429,9 +429,10 @@ class Model:
     def make_test_function(self):
         """`test_function(batch)`: one step of `evaluate` on a distributed batch (an element of
         `strategy.experimental_distribute_dataset(...)`: (x, y) or (x, y, sample_weight)), as
-        `keras.Model.make_test_function`: the module in inference mode, the loss tracker and
-        metrics updated; returns None. No callbacks and no reset: read the results with
-        `get_metrics_result`, reset them with `reset_metrics`.
+        `keras.Model.make_test_function`: the loss tracker and metrics updated; returns None.
+        No callbacks and no reset: read the results with `get_metrics_result`, reset them with
+        `reset_metrics`. Making it puts the module in inference mode (`module.eval()`, as
+        evaluate does at its start); the steps run in the module's mode at each call.
 
         Raises:
           NotCompiledError: the model is not compiled.
