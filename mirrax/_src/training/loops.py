@@ -149,8 +149,7 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             for group in steps_lib.groups(batches, model.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
-                run_steps(strategy, compiled.train_fn, compiled.train_many_fn,
-                          train_objects(model, compiled), group)
+                run_steps(strategy, compiled.train_fn, train_objects(model, compiled), group)
                 logs = logs_of(model, compiled) if batch_logs else {}
                 cbs.on_train_batch_end(last, logs)
                 step = last + 1
@@ -202,14 +201,13 @@ def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, c
     return values[0] if len(values) == 1 else values
 
 
-def predict(model, strategy, step_fns, checked, x, batch_size, verbose, steps, callbacks):
-    """`Model.predict` (its arguments, docs and errors there) on `strategy`. `step_fns` is
-    (predict_fn, predict_many_fn, steps per call): each call `strategy.run`s one batch through
-    predict_fn, or that many through predict_many_fn (`steps_per_execution`, as Keras);
-    `checked` holds the input signatures already checked."""
+def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
+    """`Model.predict` (its arguments, docs and errors there) on `strategy`. `step_fn` is
+    (predict_fn, steps per call, the input signatures already checked): each call
+    `strategy.run`s that many batches (`steps_per_execution`, as Keras)."""
     verbose = checks.check_verbose("predict", verbose)
     steps = checks.check_count("predict", "steps", steps, allow_none=True)
-    predict_fn, predict_many_fn, per_call = step_fns
+    predict_fn, per_call, checked = step_fn
     data = data_adapter.ModelInput(model, strategy, x, None, None, batch_size, False, "predict",
                                    inputs_only=True, checked=checked)
     model.module.eval()
@@ -230,7 +228,7 @@ def predict(model, strategy, step_fns, checked, x, batch_size, verbose, steps, c
     try:
         for group in steps_lib.groups(data.batches(steps), per_call):
             cbs.on_predict_batch_begin(step)
-            outs = run_steps(strategy, predict_fn, predict_many_fn, objects, group)
+            outs = run_steps(strategy, predict_fn, objects, group)
             step += len(group)
             if per_batch:
                 gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0))
@@ -264,15 +262,16 @@ def concatenate(outputs: list):
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
 
-def run_steps(strategy, one_fn, many_fn, objects: tuple, group: list) -> tuple:
-    """Runs the consecutive batches `group` as ONE `strategy.run`: `one_fn(*objects, batch)`
-    for one batch, else `many_fn(*objects, batches, masks)` (`steps_per_execution`). Returns
-    each batch's result; its `PerReplica` values carry that batch's rows (mask and lengths:
-    `run` gives every output the first batch's, and the last batch may be partial)."""
+def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple:
+    """Runs the consecutive batches `group` as ONE `strategy.run`: `step_fn(*objects, batch)`
+    for one batch, else its `multi_step_of` with each batch's mask (`steps_per_execution`).
+    Returns each batch's result; its `PerReplica` values carry that batch's rows (mask and
+    lengths: `run` gives every output the first batch's, and the last batch may be partial)."""
     if len(group) == 1:
-        return (strategy.run(one_fn, args=objects + (group[0],)),)
+        return (strategy.run(step_fn, args=objects + (group[0],)),)
     masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
-    results = strategy.run(many_fn, args=objects + (tuple(group), masks))
+    results = strategy.run(steps_lib.multi_step_of(step_fn),
+                           args=objects + (tuple(group), masks))
     return tuple(_with_rows_of(strategy, result, batch) for result, batch in zip(results, group))
 
 
@@ -345,7 +344,7 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     for group in steps_lib.groups(data.batches(steps, prefetch=batch_logs),
                                   model.steps_per_execution):
         cbs.on_test_batch_begin(count)
-        run_steps(strategy, compiled.test_fn, compiled.test_many_fn, objects, group)
+        run_steps(strategy, compiled.test_fn, objects, group)
         count += len(group)
         cbs.on_test_batch_end(count - 1, logs_of(model, compiled) if batch_logs else {})
     if count == 0:

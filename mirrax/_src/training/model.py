@@ -74,8 +74,7 @@ class Model:
         # As Keras, a model made under a strategy's scope belongs to it (compile uses it).
         self._scope_strategy = get_strategy() if has_strategy() else None
         self.steps_per_execution = self.gradient_accumulation_steps = self.dtype_policy = None
-        # The compiled steps and their state (steps.CompiledState); None until compile.
-        self._compiled: steps_lib.CompiledState | None = None
+        self._compiled: steps_lib.CompiledState | None = None  # the compiled steps and state
         self._binding = steps_lib.StepBinding()  # the replica's objects while a step is traced
         self._uncompiled_predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
         self._uncompiled_checked: dict = {}  # predict's checked inputs before compile
@@ -180,11 +179,8 @@ class Model:
         # New step functions at every compile: they key strategy.run's program cache, so a
         # recompiled model (another loss, policy or metrics) never reuses an old program.
         compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
-        compiled.train_many_fn = steps_lib.make_multi_step(compiled.train_fn)
         compiled.test_fn = steps_lib.bound_step(self, self._binding, "test_step")
-        compiled.test_many_fn = steps_lib.make_multi_step(compiled.test_fn)
         compiled.predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
-        compiled.predict_many_fn = steps_lib.make_multi_step(compiled.predict_fn)
         self.optimizer.dynamic_scale = compiled.dynamic_scale
         self._compiled = compiled
 
@@ -367,15 +363,10 @@ class Model:
         strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
         if ps_loops.is_parameter_server(strategy):
             strategy = ps_loops.predict_strategy(strategy)
-        if self._compiled is not None:
-            compiled = self._compiled
-            step_fns = (compiled.predict_fn, compiled.predict_many_fn, self.steps_per_execution)
-            checked = compiled.checked_inputs
-        else:
-            step_fns = (self._uncompiled_predict_fn, None, 1)
-            checked = self._uncompiled_checked
-        return loops.predict(self, strategy, step_fns, checked, x, batch_size, verbose, steps,
-                             callbacks)
+        compiled = self._compiled
+        step_fn = ((self._uncompiled_predict_fn, 1, self._uncompiled_checked) if compiled is None
+                   else (compiled.predict_fn, self.steps_per_execution, compiled.checked_inputs))
+        return loops.predict(self, strategy, step_fn, x, batch_size, verbose, steps, callbacks)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
 
@@ -415,10 +406,9 @@ class Model:
         return loops.logs_of(self, self._compiled)
 
     def make_train_function(self):
-        """`train_function(batch)`: one step of `fit` on a distributed batch (an element of
-        `strategy.experimental_distribute_dataset(...)`: (x, y) or (x, y, sample_weight) of
-        the global batch size), as `keras.Model.make_train_function`; returns None. No
-        callbacks, no logs (read them with `get_metrics_result`).
+        """`train_function(batch)`: one step of `fit` on a distributed batch ((x, y) or (x, y,
+        sample_weight) from `strategy.experimental_distribute_dataset`), as Keras's; returns
+        None. No callbacks, no logs (read them with `get_metrics_result`).
 
         Raises:
           NotCompiledError: the model is not compiled.
@@ -427,12 +417,9 @@ class Model:
         return loops.make_train_function(self, self._compiled)
 
     def make_test_function(self):
-        """`test_function(batch)`: one step of `evaluate` on a distributed batch (an element of
-        `strategy.experimental_distribute_dataset(...)`: (x, y) or (x, y, sample_weight)), as
-        `keras.Model.make_test_function`: the loss tracker and metrics updated; returns None.
-        No callbacks and no reset: read the results with `get_metrics_result`, reset them with
-        `reset_metrics`. Making it puts the module in inference mode (`module.eval()`, as
-        evaluate does at its start); the steps run in the module's mode at each call.
+        """`test_function(batch)`: one step of `evaluate` on a distributed batch, as Keras's
+        (the loss tracker and metrics updated; no callbacks, no reset; returns None). Making
+        it puts the module in inference mode (`module.eval()`, as evaluate at its start).
 
         Raises:
           NotCompiledError: the model is not compiled.
@@ -493,14 +480,10 @@ class Model:
                 show_trainable=False, layer_range=None):
         """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`).
 
-        Args (Keras 3's):
-          line_length: the width of the table in characters (the variable column is widened to
-            fill it); default: as wide as the longest path.
-          positions: not supported (the columns are fixed).
-          print_fn: called with each line (default `print`).
-          expand_nested: accepted; every variable of every nested module is always listed.
-          show_trainable: add a "Trainable" column (`nnx.Param`s are trainable).
-          layer_range: not supported; filter `nnx.state(model.module)` yourself.
+        Args (Keras 3's): line_length: the table's width in characters (default: the longest
+        path's); print_fn: called with each line (default `print`); show_trainable: a
+        "Trainable" column (`nnx.Param`s are); expand_nested: accepted (every variable of
+        every nested module is listed); positions, layer_range: not supported.
 
         Raises:
           InvalidArgumentTypeError: print_fn not callable, a flag not a bool, line_length not

@@ -4,6 +4,7 @@ policy, the loss tracker, and the train, test and predict steps built at `compil
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 
@@ -219,6 +220,28 @@ PREDICT_FLOAT32 = make_predict_step(mixed_precision.Policy("float32"))
 PREDICT_FLOAT32_MICRO = make_predict_step(mixed_precision.Policy("float32"), True)
 
 
+# step function -> its `make_multi_step`, made once (the same function keys strategy.run's
+# program cache). Kept out of `CompiledState`: ParameterServerStrategy pickles that to its
+# workers, and each function reachable from it multiplied what a scheduled function carried
+# (three of them made the digits CNN test take 108 s instead of 23).
+_MULTI_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def multi_step_of(step):
+    """`make_multi_step(step)`, the same object for the same `step` while `step` lives (held
+    weakly: the multi-step calls `step` through a weak reference, only while tracing)."""
+    multi = _MULTI_STEPS.get(step)
+    if multi is None:
+        ref = weakref.ref(step)
+
+        def one(*args):
+            return ref()(*args)
+
+        one.__name__ = getattr(step, "__name__", "step")
+        multi = _MULTI_STEPS[step] = make_multi_step(one)
+    return multi
+
+
 def make_multi_step(step):
     """k steps in one program (`steps_per_execution`, as Keras's `multi_*_steps`): each
     micro-step sees its own batch mask. Returns the tuple of the k steps' results (predict:
@@ -273,9 +296,8 @@ class CompiledState:
       train_impl, test_impl, predict_impl: the default steps (`Model.train_step` & co. call
         them on the model's objects).
       train_fn, test_fn, predict_fn: what fit / evaluate / predict pass to `strategy.run`
-        (they call `Model.train_step`, `test_step`, `predict_step`); train_many_fn,
-        test_many_fn, predict_many_fn: the same for several steps per call
-        (`make_multi_step`).
+        (they call `Model.train_step`, `test_step`, `predict_step`); `multi_step_of` gives
+        each one's several-steps-per-call form.
     """
 
     loss_scale: float
@@ -288,11 +310,8 @@ class CompiledState:
     test_impl: Callable
     predict_impl: Callable
     train_fn: Callable = None
-    train_many_fn: Callable = None
     test_fn: Callable = None
-    test_many_fn: Callable = None
     predict_fn: Callable = None
-    predict_many_fn: Callable = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
 
 
