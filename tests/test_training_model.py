@@ -635,7 +635,7 @@ def test_test_function_runs_evaluate_steps_on_distributed_batches_as_keras():
     with strategy.scope():
         model = mirrax.Model(_DropoutIdentity())
         model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
-    model.module.train()  # making the function puts the module in inference mode
+    model.module.train()  # each call puts the module in inference mode
     test_function = model.make_test_function()
     x = np.arange(1.0, 7.0, dtype=np.float32)[:, None]
     model.reset_metrics()
@@ -649,3 +649,29 @@ def test_test_function_runs_evaluate_steps_on_distributed_batches_as_keras():
         test_function((x, np.zeros(6, np.float32)))
     with pytest.raises(mirrax.errors.NotCompiledError, match="make_test_function"):
         mirrax.Model(_DropoutIdentity()).make_test_function()
+
+
+def test_train_and_test_functions_alternate_modes_and_name_a_batch_without_labels():
+    # A custom loop of Keras's kind: each function sets the module's mode at its call, so
+    # a test function made (or run) in between does not leave the training steps without
+    # Dropout.
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(_DropoutIdentity())
+        model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
+    train_function, test_function = model.make_train_function(), model.make_test_function()
+    x = np.ones((4, 1), np.float32)
+    (batch,) = strategy.experimental_distribute_dataset([(x, np.zeros(4, np.float32))])
+    test_function(batch)
+    assert model.module.dropout.deterministic is True
+    train_function(batch)
+    assert model.module.dropout.deterministic is False
+    test_function(batch)
+    assert model.module.dropout.deterministic is True
+    (inputs_only,) = strategy.experimental_distribute_dataset([x])
+    for function in (train_function, test_function):
+        with pytest.raises(mirrax.errors.InvalidBatchError,
+                           match=r"\(and train_function / test_function\): each batch must be a "
+                                 r"tuple \(x, y\) or \(x, y, sample_weight\); received an array "
+                                 r"\(x alone\)\. Give the labels"):
+            function(inputs_only)

@@ -418,18 +418,20 @@ def one_batch_size(what: str, x) -> int:
 
 def make_train_function(model, compiled):
     """`Model.make_train_function` (its docs and errors there)."""
-    return _batch_function(model, "train_function", compiled.train_fn,
-                           lambda: train_objects(model, compiled))
+    def objects():
+        model.module.train()  # as Keras's training=True, whatever ran before (a test function)
+        return train_objects(model, compiled)
+
+    return _batch_function(model, "train_function", compiled.train_fn, objects)
 
 
 def make_test_function(model, compiled):
     """`Model.make_test_function` (its docs and errors there)."""
-    function = _batch_function(model, "test_function", compiled.test_fn,
-                               lambda: (model.module, None, model.metrics, compiled.tracker, None))
-    # As evaluate at its start: inference mode (Dropout off, BatchNorm's averages). Once, not
-    # per call: NNX sets a mode by walking the whole graph (about 0.5 ms for an MLP).
-    model.module.eval()
-    return function
+    def objects():
+        model.module.eval()  # as evaluate: Dropout off, BatchNorm's moving averages
+        return (model.module, None, model.metrics, compiled.tracker, None)
+
+    return _batch_function(model, "test_function", compiled.test_fn, objects)
 
 
 def _batch_function(model, name: str, step_fn, objects):

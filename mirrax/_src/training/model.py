@@ -407,8 +407,8 @@ class Model:
 
     def make_train_function(self):
         """`train_function(batch)`: one step of `fit` on a distributed batch ((x, y) or (x, y,
-        sample_weight) from `strategy.experimental_distribute_dataset`), as Keras's; returns
-        None. No callbacks, no logs (read them with `get_metrics_result`).
+        sample_weight) from `strategy.experimental_distribute_dataset`), in training mode, as
+        Keras's; returns None. No callbacks, no logs (read them with `get_metrics_result`).
 
         Raises:
           NotCompiledError: the model is not compiled.
@@ -417,9 +417,9 @@ class Model:
         return loops.make_train_function(self, self._compiled)
 
     def make_test_function(self):
-        """`test_function(batch)`: one step of `evaluate` on a distributed batch, as Keras's
-        (the loss tracker and metrics updated; no callbacks, no reset; returns None). Making
-        it puts the module in inference mode (`module.eval()`, as evaluate at its start).
+        """`test_function(batch)`: one step of `evaluate` on a distributed batch, as Keras's,
+        in inference mode (`module.eval()` at each call; the train function sets training
+        mode): the loss tracker and metrics updated; no callbacks, no reset; returns None.
 
         Raises:
           NotCompiledError: the model is not compiled.

@@ -93,9 +93,13 @@ def _unpack(batch):
     """(x, y, sample_weight) of a batch given as (x, y) or (x, y, sample_weight)."""
     if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
         return tuple(batch) + (None,) * (3 - len(batch))
+    # Inside the step a bare batch is a tracer: name what the user passed, an array.
+    what = (f"a tuple of {len(batch)}" if isinstance(batch, (tuple, list))
+            else "an array (x alone)" if hasattr(batch, "shape") else f"a {type(batch).__name__}")
     raise errors.InvalidBatchError(
-        "fit/evaluate: each batch must be a tuple (x, y) or (x, y, sample_weight); received "
-        f"a {type(batch).__name__}."
+        "fit / evaluate (and train_function / test_function): each batch must be a tuple "
+        f"(x, y) or (x, y, sample_weight); received {what}. Give the labels with the inputs, "
+        "e.g. experimental_distribute_dataset([(x, y), ...])."
     )
 
 
