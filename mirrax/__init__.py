@@ -11,6 +11,7 @@ from mirrax import experimental as experimental
 from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
+from mirrax import models as models
 from mirrax import partitioners as partitioners
 from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
@@ -66,6 +67,7 @@ from mirrax._src.parameter_server.remote_values import RemoteValue as RemoteValu
 from mirrax._src.parameter_server.strategy import (
     ParameterServerStrategy as ParameterServerStrategy,
 )
+from mirrax._src.training.keras_optimizer import KerasOptimizer as KerasOptimizer
 from mirrax._src.training.model import Model as Model
 
 __version__ = "0.1.0"
@@ -86,6 +88,7 @@ __all__ = [
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
+    "KerasOptimizer",
     "Mirrored",
     "Model",
     "MirroredStrategy",
@@ -124,6 +127,7 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "models",
     "partitioners",
     "scale_regularization_loss",
     "set_cpu_device_count",

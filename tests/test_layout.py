@@ -19,6 +19,7 @@ _LAZY_OK = {
     "mirrax._src.parameter_server.actors": "a worker's JAX side, in the worker process only",
     "mirrax._src.training.keras_models": "keras (optional), when a Keras model is given",
     "mirrax._src.training.keras_objects": "keras (optional), when a Keras object is given",
+    "mirrax._src.training.keras_saving": "keras (optional), when a .keras file is loaded",
     "mirrax._src.report.plot": "matplotlib (optional), when a plot is drawn",
 }
 

@@ -14,6 +14,7 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
+from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib
 
@@ -125,6 +126,14 @@ def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerl
             "compile: loss is required (a Keras model's add_loss losses are added to it, but "
             "they cannot replace it), e.g. "
             "loss='sparse_categorical_crossentropy'."
+        )
+    if getattr(loss, "reduction", "sum_over_batch_size") != "sum_over_batch_size" and \
+            isinstance(loss, losses_lib.Loss):
+        raise errors.UnsupportedArgumentError(
+            f"compile: the loss {loss.name!r} has reduction={loss.reduction!r}; compile reduces "
+            "every loss as 'sum_over_batch_size' (the global mean). Pass the loss built with "
+            "the default reduction (reduction=None is for custom loops, with "
+            "mirrax.compute_average_loss)."
         )
     if isinstance(loss, (dict, list, tuple)):
         raise errors.UnsupportedArgumentError(

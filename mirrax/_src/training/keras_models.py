@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,11 @@ from flax import nnx
 from mirrax import errors
 
 _SEED_STATE_NAME = "seed_generator_state"
+
+# The activity and `add_loss` losses of each KerasModule object's last call (Keras's
+# `layer.losses` keeps them until the next call). Held beside the module, not in it, so NNX
+# never sees them: inside a step the module is a fresh copy, so traced losses stay there.
+_LAST_CALL_LOSSES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def is_keras_model(obj) -> bool:
@@ -238,8 +244,38 @@ class KerasModule(nnx.Module):
             else:
                 variable = self.variables[i]
                 variable.set_value(jnp.asarray(new, variable.get_value().dtype))
+        # Keras lists the weight regularizers' losses last (`Layer.losses`).
+        _LAST_CALL_LOSSES[self] = list(losses[:len(losses) - len(self._regularized())])
         total = sum((jnp.asarray(loss, jnp.float32) for loss in losses), jnp.float32(0.0))
         return outputs, total
+
+    def _regularized(self) -> list:
+        """(position, regularizer) of each trainable Keras variable that has a regularizer."""
+        keras_variables = self.keras_model.variables
+        return [(i, keras_variables[i].regularizer) for i in self.trainable_index
+                if getattr(keras_variables[i], "regularizer", None) is not None]
+
+    @property
+    def losses(self) -> list:
+        """The model's own losses, as `keras.Model.losses`: a list of scalars, the activity and
+        `add_loss` losses of this module's last call (none before a call), then each weight
+        regularizer's loss on the current weights (e.g. L2(l2): l2 * sum(w ** 2)).
+
+        Inside a step (a function `strategy.run` runs) the module is that step's copy: after
+        `predictions = model(x, training=True)` in a loss function, `model.losses` are that
+        call's, differentiable, as in TF's custom-training tutorial.
+        """
+        values = self._values()
+        own = list(_LAST_CALL_LOSSES.get(self, ()))
+        with jax.numpy_rank_promotion("allow"):
+            return own + [regularizer(values[i]) for i, regularizer in self._regularized()]
+
+    @property
+    def trainable_variables(self) -> list:
+        """The `nnx.Param`s of the Keras model's trainable variables, in
+        `keras_model.trainable_variables`' order (as of the last compile or wrapping); what
+        `nnx.grad` differentiates and `mirrax.KerasOptimizer.apply_gradients` takes."""
+        return [self.variables[i] for i in self.trainable_index]
 
     def __call__(self, *args, **kwargs):
         """The Keras model's outputs on `args` (its own losses dropped; see `call_with_losses`)."""

@@ -46,7 +46,8 @@ def is_keras_metric(obj) -> bool:
     return _is_keras(obj, "metrics", "Metric")
 
 
-def _config(obj) -> dict:
+def keras_config(obj) -> dict:
+    """`obj.get_config()` of a Keras object, without NumPy 2's warning about Keras's code."""
     # Keras's get_config reads its variables with np.array(variable), which NumPy 2 warns
     # about (Keras's code, not the user's); the values are right.
     with warnings.catch_warnings():
@@ -70,7 +71,7 @@ def _arguments_for(cls, keras_object, config) -> tuple[dict, dict]:
     """(the config's arguments `cls` takes, the ones it does not take whose value differs from
     a default-constructed Keras object's); "name" always passes, "dtype" never."""
     try:
-        defaults = _config(type(keras_object)())
+        defaults = keras_config(type(keras_object)())
     except Exception:  # a class without defaults for every argument
         defaults = {}
     taken = set(inspect.signature(cls.__init__).parameters)
@@ -91,7 +92,7 @@ def loss_from_keras(loss) -> losses_lib.Loss:
         "sum_over_batch_size", or ignores a class (`ignore_class`: mirrax would count the
         ignored examples in the mean); the message names the alternative.
     """
-    config = _config(loss)
+    config = keras_config(loss)
     reduction = config.get("reduction", "sum_over_batch_size")
     if reduction not in _MEAN_REDUCTIONS:
         raise errors.UnsupportedArgumentError(
@@ -131,7 +132,7 @@ def metric_from_keras(metric):
             f"({metric.name!r}). Pass a name ('accuracy', 'mse', ...), a mirrax.metrics "
             "metric, or a function fn(y_true, y_pred) returning one value per example."
         )
-    passed, dropped = _arguments_for(cls, metric, _config(metric))
+    passed, dropped = _arguments_for(cls, metric, keras_config(metric))
     if dropped:
         raise errors.UnsupportedArgumentError(
             f"compile: the Keras metric {type(metric).__name__} has {dropped}, which "
@@ -235,7 +236,7 @@ def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
         decay on an optimizer other than AdamW, amsgrad, or gradient clipping / EMA / loss
         scaling options (the message names the optax route).
     """
-    config = _config(optimizer)
+    config = keras_config(optimizer)
     name = type(optimizer).__name__
     rate = _learning_rate(optimizer, config)
     decay = config.get("weight_decay") or 0.0

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from mirrax import errors
+from mirrax._src.training import loss_reductions as reductions
 from mirrax._src.training import targets
 from mirrax._src.distribute.losses import compute_average_loss
 
@@ -35,9 +36,6 @@ InvalidLabelError = errors.InvalidLabelError
 
 # Keras 3 loss arguments mirrax does not take, and what to use instead.
 _KERAS_ONLY_ARGUMENTS = {
-    "reduction": "mirrax losses reduce as Keras's 'sum_over_batch_size' (inside strategy.run, "
-                 "this replica's share of the global mean); for one loss per example, as "
-                 "reduction=None (TF's Reduction.NONE), call loss.per_example(y_true, y_pred)",
     "ignore_class": "mask those examples with sample_weight (0 for the ignored class)",
     "axis": "put the class axis last",
     "dtype": "losses compute in float32 (mirrax.mixed_precision keeps them there)",
@@ -45,17 +43,20 @@ _KERAS_ONLY_ARGUMENTS = {
 
 
 def _refusing_keras_only_arguments(init):
-    """`init`, raising UnsupportedArgumentError (naming the alternative) for Keras-only keywords."""
+    """`init`, raising UnsupportedArgumentError (naming the alternative) for Keras-only keywords;
+    `reduction` is taken here, for every class (see `reductions.check_reduction`)."""
 
     @functools.wraps(init)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self, *args, reduction="sum_over_batch_size", **kwargs):
         for name in kwargs:
             if name in _KERAS_ONLY_ARGUMENTS:
                 raise errors.UnsupportedArgumentError(
                     f"{type(self).__name__}({name}={kwargs[name]!r}): mirrax's losses do not take "
                     f"Keras's {name!r} argument; {_KERAS_ONLY_ARGUMENTS[name]}."
                 )
-        return init(self, *args, **kwargs)
+        reduction = reductions.check_reduction(type(self).__name__, reduction)
+        init(self, *args, **kwargs)
+        self.reduction = reduction
 
     return wrapper
 
@@ -67,8 +68,14 @@ class Loss:
     (batch, ...) in float32; `per_example` averages its trailing axes and `__call__` reduces it
     with `mirrax.compute_average_loss`.
 
+    Every class takes Keras's `reduction=`: "sum_over_batch_size" (the default), "sum", or None /
+    "none" / `Reduction.NONE` (TF users' spelling): `__call__` then returns one loss per example,
+    shape (batch,), for `mirrax.compute_average_loss`. `compile` uses `per_example` whatever the
+    reduction (and refuses a loss built with another reduction than the default).
+
     Attributes:
       name: the loss's name (Keras's default names, e.g. "sparse_categorical_crossentropy").
+      reduction: None, "sum" or "sum_over_batch_size".
     """
 
     default_name = "loss"
@@ -133,6 +140,8 @@ class Loss:
             outside `strategy.run`), where there is no replica to count examples over.
           ValueError: the shapes do not fit the loss or each other.
         """
+        if self.reduction != "sum_over_batch_size":
+            return reductions.unaveraged(self, self.per_example(y_true, y_pred), sample_weight)
         if sample_weight is None:
             return compute_average_loss(self.per_example(y_true, y_pred))
         weight = jnp.asarray(sample_weight, jnp.float32)

@@ -90,6 +90,18 @@ class Metric(nnx.Pytree):
             if isinstance(value, nnx.metrics.MetricState):
                 value.set_value(jnp.zeros_like(value.get_value()))
 
+    def reset_states(self) -> None:
+        """`reset_state()` under tf.keras 2's name (the custom-training tutorial's), which
+        Keras 3 dropped."""
+        self.reset_state()
+
+    def __call__(self, *args, **kwargs):
+        """`update_state(*args, **kwargs)`, then `result()`, as `keras.metrics.Metric.__call__`
+        (e.g. `accuracy(y_true, y_pred)`). Inside `strategy.run` the result shows this
+        replica's increment only (see the module's rules); read `result()` after the step."""
+        self.update_state(*args, **kwargs)
+        return self.result()
+
     def _add(self, variable, increment) -> None:
         variable.set_value(variable.get_value() + jnp.asarray(increment, jnp.float32))
 

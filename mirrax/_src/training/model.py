@@ -25,14 +25,14 @@ from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import keras_models, keras_objects
-from mirrax._src.training import loops, mixed_precision
+from mirrax._src.training import loops, mixed_precision, model_glue
 from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training import weights as weights_lib
 
 
-class Model:
+class Model(model_glue.KerasGlue):
     """A Keras-style model around an `nnx.Module`, as `keras.Model` with a distribution strategy.
 
     `compile` picks the strategy in scope (or the default strategy); `fit`, `evaluate` and
@@ -53,7 +53,8 @@ class Model:
 
     Attributes:
       module, optimizer (an `OptimizerHandle` after compile), loss, metrics, stop_training,
-      history (the `History` of the last fit), distribute_strategy.
+      history (the `History` of the last fit), distribute_strategy; `save`, `losses` and
+      `trainable_variables` come from `KerasGlue` (model_glue.py).
     """
 
     def __init__(self, module):
@@ -145,6 +146,8 @@ class Model:
             was made in.
         """
         keras_models.before_compile(self.module, mixed_precision.global_policy())
+        self._remember_compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                               metrics=metrics, weighted_metrics=weighted_metrics)
         loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
             loss, optimizer, metrics, weighted_metrics)
         checks.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
@@ -209,18 +212,6 @@ class Model:
         """The number of values in the module's weights (`get_weights()`), as
         `keras.Model.count_params` (trainable and non-trainable; PRNG state left out)."""
         return int(sum(np.prod(np.shape(v.get_value())) for _, v in weights_lib.module_weights(self.module)))
-
-    def save(self, filepath, *args, **kwargs):
-        """Refused: mirrax has no `.keras` archive (the model's code is an NNX module).
-
-        Raises:
-          UnsupportedArgumentError: always; the message names what to use instead.
-        """
-        raise errors.UnsupportedArgumentError(
-            f"Model.save({filepath!r}): mirrax writes no .keras archive. Use model.save_weights("
-            "path) for the weights, mirrax.Checkpoint(model=model).save(path) for weights and "
-            "optimizer state, or mirrax.export(model, path, input_signature) for a program that "
-            "serves without the model's code.")
 
     def set_weights(self, weights) -> None:
         """Sets the module's variables from `get_weights()`-ordered arrays (shapes must match).

@@ -1,0 +1,273 @@
+"""Keras glue in custom loops (model.losses, trainable_variables, KerasOptimizer, callable metrics,
+reduction=None losses) and whole-model save of Keras models to .keras (round trip, bad input, a
+save killed part-way)."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")
+from keras import layers  # noqa: E402
+
+import mirrax  # noqa: E402
+from flax import nnx  # noqa: E402
+from tests.conftest import mirrored  # noqa: E402
+
+if keras.backend.backend() != "jax":
+    pytest.skip("Keras was imported with another backend than JAX", allow_module_level=True)
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _regularized_dense():
+    # One Dense unit on 2 inputs, weights 1, penalty L2(0.5): 0.5 * (1 + 1) = 1.0.
+    return keras.Sequential([keras.Input((2,)), layers.Dense(
+        1, use_bias=False, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(0.5))])
+
+
+def _penalty_step(model, optimizer, batch, use_update):
+    """The custom-training tutorial's step with only the model's own loss (so the gradient is
+    the regularizer's): each replica adds its share, as tf.nn.scale_regularization_loss."""
+    x, _ = batch
+
+    def loss_fn(model):
+        model(x, training=True)
+        return mirrax.scale_regularization_loss(sum(model.losses))
+
+    loss, grads = mirrax.value_and_grad(loss_fn)(model)
+    if use_update:
+        optimizer.update(model, grads)
+    else:
+        optimizer.apply_gradients(zip(jax.tree.leaves(grads), model.trainable_variables))
+    return loss
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_losses_trainable_variables_and_a_keras_optimizer_in_a_custom_loop(replicas):
+    strategy = mirrored(replicas)
+    with strategy.scope():
+        model = mirrax.Model(_regularized_dense())
+        optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1, momentum=0.9))
+    # Keras's model.losses before any call: the weight regularizer, 0.5 * (1 + 1) = 1.0.
+    assert [float(v) for v in model.losses] == [1.0]
+    assert [v.get_value().shape for v in model.trainable_variables] == [(2, 1)]
+    assert isinstance(model.trainable_variables[0], nnx.Param)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))])))
+    # Keras's SGD with momentum: v = 0.9 v - 0.1 g, w = w + v. The gradient of 0.5 * sum(w²)
+    # is w. Step 1 (apply_gradients): g = 1, v = -0.1, w = 0.9; penalty 1.0.
+    loss = strategy.run(_penalty_step, args=(model.module, optimizer, batch, False))
+    assert float(strategy.reduce("sum", loss)) == pytest.approx(1.0)
+    np.testing.assert_allclose(model.get_weights()[0], np.full((2, 1), 0.9), rtol=1e-6)
+    # Step 2 (update, nnx.Optimizer's spelling): g = 0.9, v = -0.09 - 0.09 = -0.18, w = 0.72;
+    # penalty 0.5 * 2 * 0.81 = 0.81.
+    loss = strategy.run(_penalty_step, args=(model.module, optimizer, batch, True))
+    assert float(strategy.reduce("sum", loss)) == pytest.approx(0.81)
+    np.testing.assert_allclose(model.get_weights()[0], np.full((2, 1), 0.72), rtol=1e-6)
+    assert int(optimizer.iterations) == 2
+    # model.losses after the steps: on the current weights, 0.5 * 2 * 0.72² = 0.5184.
+    assert float(model.losses[0]) == pytest.approx(0.5184, rel=1e-6)
+
+
+def test_an_activity_loss_is_the_last_calls_and_nnx_models_have_none():
+    # Keras divides an activity regularizer by the batch: L1(0.1) of outputs 3 and 5 (inputs
+    # [1, 2] and [2, 3], weights 1) is 0.1 * (3 + 5) / 2 = 0.4.
+    keras_model = keras.Sequential([keras.Input((2,)), layers.Dense(
+        1, use_bias=False, kernel_initializer="ones",
+        activity_regularizer=keras.regularizers.L1(0.1))])
+    model = mirrax.Model(keras_model)
+    assert model.losses == []
+    model(np.array([[1.0, 2.0], [2.0, 3.0]], np.float32))
+    assert [float(v) for v in model.losses] == [pytest.approx(0.4)]
+    assert mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).losses == []
+    nnx_model = mirrax.Model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    assert sorted(v.get_value().shape for v in nnx_model.trainable_variables) == [(2, 3), (3,)]
+
+
+def test_keras_optimizer_bad_input():
+    model = mirrax.Model(_regularized_dense())
+    with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="must be a keras.optimizers"):
+        mirrax.KerasOptimizer(model, "adam")
+    with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="nnx.Optimizer"):
+        mirrax.KerasOptimizer(mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))),
+                              keras.optimizers.Adam())
+    optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1))
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match="already built"):
+        mirrax.KerasOptimizer(model, optimizer.keras_optimizer)
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"received 0 \(gradient"):
+        optimizer.apply_gradients([])
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"pair 0 has a gradient of shape \(3,\)"):
+        optimizer.apply_gradients(zip([jnp.ones(3)], model.trainable_variables))
+
+
+def test_metrics_are_callable_and_reset_states_resets():
+    accuracy = mirrax.metrics.SparseCategoricalAccuracy()
+    # As Keras's metric(y_true, y_pred): both right -> 1.0; then one wrong -> 2 of 3.
+    assert float(accuracy(np.array([0, 1]), np.array([[0.9, 0.1], [0.2, 0.8]]))) == 1.0
+    assert float(accuracy(np.array([0]), np.array([[0.1, 0.9]]))) == pytest.approx(2 / 3)
+    accuracy.reset_states()
+    assert float(accuracy.result()) == 0.0
+    mean = mirrax.metrics.Mean()
+    assert float(mean(np.array([1.0, 2.0, 6.0]))) == 3.0
+
+
+def test_reduction_none_gives_per_example_losses_for_compute_average_loss():
+    y, p = np.array([1.0, 2.0, 3.0]), np.array([1.0, 4.0, 6.0])  # squared errors 0, 4, 9
+    for reduction in (None, "none", mirrax.losses.Reduction.NONE):
+        loss = mirrax.losses.MeanSquaredError(reduction=reduction)
+        np.testing.assert_array_equal(loss(y[:, None], p[:, None]), [0.0, 4.0, 9.0])
+    assert float(mirrax.losses.MeanSquaredError(reduction="sum")(y[:, None], p[:, None])) == 13.0
+    # Weighted, reduction None: each loss times its weight.
+    np.testing.assert_array_equal(mirrax.losses.MeanSquaredError(reduction=None)(
+        y[:, None], p[:, None], sample_weight=np.array([1.0, 0.5, 2.0])), [0.0, 2.0, 18.0])
+    # A partial batch of 6 over 4 replicas (2, 2, 2, 0 real rows): Keras's and mirrax's
+    # per-example losses with compute_average_loss give the mean of the 6, (0+1+4+9+16+25)/6.
+    strategy = mirrored(4)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        [(np.zeros((6, 1), np.float32), np.arange(6, dtype=np.float32)[:, None])])))
+    for loss in (keras.losses.MeanSquaredError(reduction=None),
+                 mirrax.losses.MeanSquaredError(reduction=mirrax.losses.Reduction.NONE)):
+        def step(batch, loss=loss):
+            y_true, y_pred = batch
+            with jax.numpy_rank_promotion("allow"):
+                per_example = loss(y_true, y_pred)
+            assert per_example.shape == (2,)
+            return mirrax.compute_average_loss(per_example)
+        total = strategy.reduce("sum", strategy.run(step, args=(batch,)))
+        assert float(total) == pytest.approx(55 / 6)
+
+
+def test_reduction_bad_input_and_compile_refuses_an_unreduced_loss():
+    with pytest.raises(mirrax.errors.UnsupportedArgumentError, match=r"MeanSquaredError\(reduction='auto'\)"):
+        mirrax.losses.MeanSquaredError(reduction="auto")
+    model = mirrax.Model(_regularized_dense())
+    with pytest.raises(mirrax.errors.UnsupportedArgumentError, match="has reduction=None; compile"):
+        model.compile(optimizer="sgd", loss=mirrax.losses.MeanSquaredError(reduction=None))
+
+
+# -- save / load -----------------------------------------------------------------------------
+
+def _classifier():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), layers.Dense(8, activation="relu"),
+                             layers.Dropout(0.1), layers.Dense(3)])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
+
+
+@pytest.mark.parametrize("replicas", [0, 4])  # OneDeviceStrategy, MirroredStrategy on 4
+def test_save_and_load_round_trip_as_tfs_save_and_load_tutorial(tmp_path, replicas):
+    strategy = mirrored(replicas)
+    x, y = _data()
+    with strategy.scope():
+        model = mirrax.Model(_classifier())
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    expected = model.predict(x, batch_size=16, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert sorted(os.listdir(tmp_path)) == ["m.keras"]  # no temporary left beside it
+    # The tutorial loads under the strategy's scope, then without one, then with Keras.
+    with strategy.scope():
+        restored = mirrax.models.load_model(path)
+    assert restored.distribute_strategy is strategy
+    without_scope = mirrax.models.load_model(path)
+    by_keras = mirrax.Model(keras.models.load_model(path))
+    # Same weights (the ones mirrax trained), same program: the same bits.
+    np.testing.assert_array_equal(restored.predict(x, batch_size=16, verbose=0), expected)
+    np.testing.assert_array_equal(by_keras.predict(x, batch_size=16, verbose=0), expected)
+    # Compiled again from the file (loss, metrics, optimizer's class and rate): evaluate
+    # gives the trained model's numbers, and fit continues.
+    assert restored.evaluate(x, y, batch_size=16, verbose=0) == \
+        model.evaluate(x, y, batch_size=16, verbose=0)
+    assert restored.optimizer.learning_rate == pytest.approx(1e-2)
+    history = restored.fit(x, y, batch_size=16, epochs=1, verbose=0).history
+    assert sorted(history) == ["accuracy", "learning_rate", "loss"]
+    assert np.isfinite(history["loss"][0])
+    assert without_scope.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)["loss"] > 0
+
+
+def test_save_without_keras_compile_arguments_warns_and_loads_uncompiled(tmp_path):
+    model = mirrax.Model(_classifier())
+    model.compile(optimizer="adam", loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match="compile arguments loss are not Keras objects"):
+        model.save(tmp_path / "m.keras")
+    restored = mirrax.models.load_model(tmp_path / "m.keras")
+    assert restored.optimizer is None
+
+
+def test_save_and_load_bad_input(tmp_path):
+    model = mirrax.Model(_classifier())
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"the path must end in \.keras"):
+        model.save(tmp_path / "m.h5")
+    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
+                       match=r"NNX module.*save_weights.*mirrax.Checkpoint.*mirrax.export"):
+        mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).save(tmp_path / "n.keras")
+    model.save(tmp_path / "m.keras")
+    with pytest.raises(mirrax.errors.ExistingPathError, match="exists; pass overwrite=True"):
+        model.save(tmp_path / "m.keras", overwrite=False)
+    with pytest.raises(mirrax.errors.UnsupportedArgumentError, match="zipped"):
+        model.save(tmp_path / "z.keras", zipped=False)
+    with pytest.raises(mirrax.errors.MissingCheckpointError, match="no file at"):
+        mirrax.models.load_model(tmp_path / "missing.keras")
+    with pytest.raises(mirrax.errors.InvalidArgumentError, match="mirrax reads Keras's .keras"):
+        mirrax.models.load_model(tmp_path)
+
+
+# The child saves once (weights 1), then saves again (weights 2) but blocks inside Keras's
+# write of the archive (its metadata and config entries written, before the weights: Keras's
+# saving_lib._save_state), prints BLOCKED and waits to be killed.
+_KILL_CHILD = textwrap.dedent(
+    """
+    import os, sys, threading
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import keras
+    import mirrax
+    path = sys.argv[1]
+    model = mirrax.Model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        1, kernel_initializer="ones", bias_initializer="ones")]))
+    model.save(path)
+    model.set_weights([w * 2 for w in model.get_weights()])
+    from keras.src.saving import saving_lib
+    def blocking(*args, **kwargs):
+        print("BLOCKED", flush=True)
+        threading.Event().wait()  # until SIGKILL
+    saving_lib._save_state = blocking
+    model.save(path)
+    """
+)
+
+
+def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
+    path = tmp_path / "m.keras"
+    child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD.format(repo=_REPO), str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        assert ready and child.stdout.readline().strip() == "BLOCKED"
+        leftovers = [n for n in os.listdir(tmp_path) if n != "m.keras"]
+        assert len(leftovers) == 1 and leftovers[0].startswith(".m.keras.mirrax-tmp-")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    # The path holds the first save, whole (weights 1), and the next save clears the leftover.
+    restored = mirrax.models.load_model(path)
+    assert [w.tolist() for w in restored.get_weights()] == [[[1.0], [1.0]], [1.0]]
+    restored.save(path)
+    assert os.listdir(tmp_path) == ["m.keras"]
