@@ -635,6 +635,36 @@ def loaders(out_dir, index):
     return loader_runs(_strategy())
 
 
+def keras_save(out_dir, index):
+    """Model.save of a Keras model on 2 workers, in TF's pattern (the chief writes
+    OUT_DIR/m.keras, the other worker is given workertemp_1/m.keras): only the chief's file is
+    written, and after save every worker reads it back with its own predictions."""
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    strategy = _strategy()
+    import keras
+
+    import mirrax
+
+    keras.utils.set_random_seed(0)
+    w1, w2, x, y = _mlp_problem()
+    with strategy.scope():
+        model = mirrax.Model(keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8),
+                                               keras.layers.Dense(int(y.max()) + 1)]))
+        model.compile(keras.optimizers.Adam(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    chief_path = pathlib.Path(out_dir) / "m.keras"
+    path = chief_path if index == 0 else pathlib.Path(out_dir) / f"workertemp_{index}" / "m.keras"
+    model.save(path)
+    with strategy.scope():
+        loaded = mirrax.models.load_model(chief_path, compile=False)
+    return {"same_predictions": bool(np.array_equal(loaded.predict(x, verbose=0),
+                                                    model.predict(x, verbose=0))),
+            "wrote_own_path": path.exists() and path != chief_path}
+
+
 SCENARIOS = {
     "autoshard": autoshard,
     "divergent": divergent,
@@ -643,6 +673,7 @@ SCENARIOS = {
     "facts": facts,
     "fit": fit,
     "invariant": invariant,
+    "keras_save": keras_save,
     "killed": killed,
     "loaders": loaders,
     "sharded": sharded,
