@@ -77,6 +77,25 @@ def test_losses_trainable_variables_and_a_keras_optimizer_in_a_custom_loop(repli
     assert float(model.losses[0]) == pytest.approx(0.5184, rel=1e-6)
 
 
+def test_a_keras_optimizers_learning_rate_is_read_and_set_in_its_state():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mirrax.Model(_regularized_dense())
+        optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1))
+    assert optimizer.learning_rate == pytest.approx(0.1)
+    optimizer.learning_rate = 0.5
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        [(np.ones((2, 2), np.float32), np.zeros((2, 1), np.float32))])))
+    strategy.run(_penalty_step, args=(model.module, optimizer, batch, True))
+    # Plain SGD on the penalty's gradient w = 1: w = 1 - 0.5 * 1 = 0.5.
+    np.testing.assert_allclose(model.get_weights()[0], np.full((2, 1), 0.5), rtol=1e-6)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    scheduled = mirrax.KerasOptimizer(mirrax.Model(_regularized_dense()),
+                                      keras.optimizers.SGD(schedule))
+    with pytest.raises(AttributeError, match="has a learning-rate schedule"):
+        scheduled.learning_rate
+
+
 def test_an_activity_loss_is_the_last_calls_and_nnx_models_have_none():
     # Keras divides an activity regularizer by the batch: L1(0.1) of outputs 3 and 5 (inputs
     # [1, 2] and [2, 3], weights 1) is 0.1 * (3 + 5) / 2 = 0.4.

@@ -7,7 +7,8 @@ replicas), float non-trainable variables (BatchNormalization's moving statistics
 `nnx.BatchStat`s (averaged over the replicas), and each `keras.random.SeedGenerator` state
 becomes a PRNG key plus a draw count, so every replica draws its own dropout mask and every
 step a new one. Keras's own losses (`add_loss`, kernel/activity regularizers) come back from
-`call_with_losses`, which the training step adds once to the global loss.
+`call_with_losses`, which the training step adds once to the global loss; a custom loop reads
+them as Keras's list, `module.losses`, beside `module.trainable_variables`.
 
 Keras is imported only when a Keras model is given; it is the optional extra `mirrax[keras]`.
 """

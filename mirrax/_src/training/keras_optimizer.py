@@ -78,13 +78,39 @@ class KerasOptimizer(nnx.Pytree):
         self.trainable_index = nnx.static(module.trainable_index)
         self.variables = nnx.List([nnx.OptState(jnp.array(v.value, copy=True))
                                    for v in optimizer.variables])
-        self.iterations_index = nnx.static(
-            [id(v) for v in optimizer.variables].index(id(optimizer.iterations)))
+        ids = [id(v) for v in optimizer.variables]
+        self.iterations_index = nnx.static(ids.index(id(optimizer.iterations)))
+        # Keras's `learning_rate` is one of its variables unless it is a schedule.
+        rate = id(optimizer.learning_rate)
+        self.learning_rate_index = nnx.static(ids.index(rate) if rate in ids else None)
 
     @property
     def iterations(self):
         """The number of updates applied (int64 scalar array), as Keras's `iterations`."""
         return self.variables[self.iterations_index].get_value()
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next update (float), as Keras's; settable (e.g. by a
+        schedule the loop computes) when it is a constant, not a Keras schedule.
+
+        Raises:
+          AttributeError: the optimizer's learning rate is a schedule (Keras computes it).
+        """
+        return float(self._rate_variable().get_value())
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        variable = self._rate_variable()
+        old = variable.get_value()
+        variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
+
+    def _rate_variable(self):
+        if self.learning_rate_index is None:
+            raise AttributeError(
+                f"The Keras optimizer {self.keras_optimizer.name!r} has a learning-rate "
+                "schedule, which Keras evaluates at each update; it has no value to read or set.")
+        return self.variables[self.learning_rate_index]
 
     def _apply(self, grads: list, params: list) -> None:
         values = [p.get_value() for p in params]
