@@ -65,9 +65,11 @@ def _serializable(value) -> bool:
             or keras_objects.is_keras_metric(value))
 
 
-def compile_keras_model(keras_model, compile_args: dict | None) -> None:
+def compile_keras_model(keras_model, compile_args: dict | None, handle=None) -> None:
     """Compiles the Keras model with `Model.compile`'s Keras arguments, so its file holds them
-    (Keras saves `compile_config` for a compiled model only); warns when they cannot be saved."""
+    (Keras saves `compile_config` for a compiled model only), a Keras optimizer with the
+    current learning rate of `handle` (the model's `OptimizerHandle`; a callback may have
+    changed it), as Keras saves its rate variable; warns when they cannot be saved."""
     if not compile_args:
         return
     keras_args = {k: compile_args[k] for k in _KERAS_COMPILE_ARGUMENTS}
@@ -86,6 +88,8 @@ def compile_keras_model(keras_model, compile_args: dict | None) -> None:
         # with a warning unless they match the built optimizer's.
         optimizer = type(optimizer).from_config(keras_objects.keras_config(optimizer))
         optimizer.build(keras_model.trainable_variables)
+        if handle is not None and handle.has_learning_rate:
+            optimizer.learning_rate = handle.learning_rate
         keras_args["optimizer"] = optimizer
     keras_model.compile(**keras_args)
 
@@ -129,7 +133,7 @@ def save_model(model, filepath, overwrite, compile_args, kwargs: dict) -> None:
             f"Model.save: {path} exists{' and is a directory' if os.path.isdir(path) else ''}; "
             "pass overwrite=True to replace a file, or another path.")
     module.write_to_keras()
-    compile_keras_model(module.keras_model, compile_args)
+    compile_keras_model(module.keras_model, compile_args, model.optimizer)
     failure = None
     if jax.process_index() == 0:
         try:
