@@ -75,6 +75,8 @@ def compile_keras_model(keras_model, compile_args: dict | None, handle=None) -> 
     keras_args = {k: compile_args[k] for k in _KERAS_COMPILE_ARGUMENTS}
     unsaved = [k for k, v in keras_args.items() if not _serializable(v)]
     if unsaved:
+        if keras_model.compiled:
+            return  # the user's own keras_model.compile(...) is what the file keeps
         warnings.warn(
             f"Model.save: the compile arguments {', '.join(unsaved)} are not Keras objects or "
             "names (e.g. an optax optimizer or a mirrax loss), so the file holds no compile "
