@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from tests.multiworker import broadcast
+
 
 def _write(out_dir, index, result) -> None:
     path = pathlib.Path(out_dir) / f"{index}.json"
@@ -647,6 +649,7 @@ SCENARIOS = {
     "loaders": loaders,
     "sharded": sharded,
     "uneven": uneven,
+    **broadcast.SCENARIOS,
 }
 
 
