@@ -139,7 +139,8 @@ def _warn_replaced(nodes, arrays) -> None:
         f"{', '.join(paths) or f'{len(arrays)} state array(s)'} differs from worker 0's, and "
         "worker 0's was taken: mirrored state is the same on every worker (a checkpoint of it "
         "is one model). Assign the same value on every worker (e.g. computed from the same "
-        "seed, or read from the same file), or assign it on worker 0 alone if that is meant.",
+        "seed, or read from the same file); every worker must assign it, since the workers "
+        "meet at the broadcast.",
         stacklevel=5)
 
 
