@@ -86,6 +86,8 @@ def test_the_broadcast_keeps_every_bit_of_every_dtype():
         jnp.zeros((0, 5), jnp.float32),
         jax.random.key(3),
         np.arange(6, dtype=np.int32).reshape(2, 3),  # a NumPy array enters too
+        jnp.arange(300_000, dtype=jnp.float32) - 0.5,  # 1.2 MB > 1 MiB: its own buffer
+        jnp.arange(600_000, dtype=jnp.int16),  # the same, bytes packed two to a word
     ]
     replicated = strategy.extended.replica_devices.replicated
     results, differing = broadcast.from_worker_zero(strategy, xs, [replicated] * len(xs),

@@ -5,10 +5,11 @@ creates it (CollectiveAllReduceExtended's variable creator: worker 0's first dev
 other device receives), so an unseeded initializer gives one model, not one per worker. mirrax's
 objects exist before any strategy sees them, so the same happens at the strategy's FIRST use of
 an array that is still local to its process (just initialized, restored, or assigned on the
-host): every such array of one call is packed into ONE buffer of 32-bit words and summed over the
-replicas in one all-reduce in which only worker 0's first replica contributes (the others give
-zeros), so the result is worker 0's bits exactly (integer adds of zeros: -0.0 and NaN payloads
-survive). Arrays a step wrote back are already global and never come here.
+host): every such array of one call is packed into ONE buffer of 32-bit words (arrays over
+1 MiB are bitcast, not copied, each its own buffer) and the buffers are summed across the
+processes in one all-reduce in which only worker 0 contributes (the others give zeros), so the
+result is worker 0's bits exactly (integer adds of zeros: -0.0 and NaN payloads survive).
+Arrays a step wrote back are already global and never come here.
 
 Bounded in time: before the collective the processes meet at a named host exchange (multihost,
 with the strategy's `CommunicationOptions(timeout_seconds=...)`) that also compares the arrays'
@@ -25,15 +26,16 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mirrax._src.distribute import multihost
-from mirrax._src.distribute.replica_context import REPLICA_AXIS
 
 _COUNTER = itertools.count()
 _PROGRAMS: dict = {}  # (layout, mesh, shardings) -> jitted program; a few per model
 _PROGRAMS_KEPT = 64
+_PROCESSES, _LOCAL = "processes", "local"
+_ALONE_WORDS = 1 << 18  # an array over 1 MiB is broadcast as its own buffer
 
 
 class _Leaf:
@@ -108,26 +110,54 @@ def _compare(xs, words, leaves, wanted):
                               != words[ends[i] - leaves[i].words:ends[i]]) for i in wanted])
 
 
-def _program(leaves, mesh, shardings):
-    """The jitted broadcast: (replicas, words) rows, zeros except worker 0's first replica's,
-    summed over the replicas, unpacked into arrays placed as `shardings`; also the words."""
+def _process_mesh(replica_devices):
+    """The replicas' devices as a (processes, local devices) mesh: the sum runs across the
+    processes only (one all-reduce per local device index, none inside a process)."""
+    rows: dict = {}
+    for device in replica_devices.devices:
+        rows.setdefault(device.process_index, []).append(device)
+    grid = [rows[p] for p in sorted(rows)]
+    if len({len(row) for row in grid}) != 1:  # uneven processes: one flat axis
+        return Mesh(np.array(replica_devices.devices, dtype=object).reshape(-1, 1),
+                    (_PROCESSES, _LOCAL))
+    return Mesh(np.array(grid, dtype=object), (_PROCESSES, _LOCAL))
+
+
+def _segments(leaves) -> tuple:
+    """The buffers of one broadcast: every small array packed into one, each big one alone
+    (bitcast in place: packing and unpacking it would copy it twice, while its own
+    all-reduce costs its bytes either way)."""
+    small = tuple(i for i, leaf in enumerate(leaves) if leaf.words <= _ALONE_WORDS)
+    big = tuple((i,) for i, leaf in enumerate(leaves) if leaf.words > _ALONE_WORDS)
+    return ((small,) if small else ()) + big
+
+
+def _program(leaves, segments, mesh, shardings):
+    """The jitted broadcast: per segment (processes, words) rows, zeros except worker 0's,
+    summed over the processes in one all-reduce, unpacked into arrays placed as `shardings`;
+    also each segment's words."""
     key = (tuple(leaf.key() for leaf in leaves), mesh, tuple(shardings))
     program = _PROGRAMS.get(key)
     if program is not None:
         return program
 
     def sum_rows(rows):
-        return jax.lax.psum(rows[0], REPLICA_AXIS)
+        return jax.lax.psum([r[0] for r in rows], _PROCESSES)
 
     def broadcast(rows):
-        words = jax.shard_map(sum_rows, mesh=mesh, in_specs=P(REPLICA_AXIS), out_specs=P())(rows)
-        out, offset = [], 0
-        for leaf in leaves:
-            out.append(_from_words(words[offset:offset + leaf.words], leaf))
-            offset += leaf.words
+        summed = jax.shard_map(sum_rows, mesh=mesh, in_specs=P(_PROCESSES),
+                               out_specs=P())(rows)
+        out = [None] * len(leaves)
+        words = [jax.lax.bitcast_convert_type(w, jnp.uint32) for w in summed]
+        for segment, segment_words in zip(segments, words):
+            offset = 0
+            for i in segment:
+                out[i] = _from_words(segment_words[offset:offset + leaves[i].words], leaves[i])
+                offset += leaves[i].words
         return out, words
 
-    program = jax.jit(broadcast, out_shardings=(list(shardings), NamedSharding(mesh, P())))
+    replicated = NamedSharding(mesh, P())
+    program = jax.jit(broadcast, out_shardings=(list(shardings), [replicated] * len(segments)))
     if len(_PROGRAMS) >= _PROGRAMS_KEPT:
         _PROGRAMS.clear()
     _PROGRAMS[key] = program
@@ -173,31 +203,47 @@ def from_worker_zero(strategy, xs: list, shardings: list, check=None) -> tuple[l
         name, "the shapes and dtypes of the mirrored state placed on the replicas at its first "
         "use (every worker must build the same models, optimizers and metrics)", votes)
     replica_devices = strategy.extended.replica_devices
-    local = replica_devices.local_devices
-    total = sum(leaf.words for leaf in leaves)
+    mesh = _process_mesh(replica_devices)
+    segments = _segments(leaves)
     source = replica_devices.devices[0]
-    rows = []
-    for device in local:
-        if device == source:
-            rows.append(_pack([jax.device_put(x, device) for x in xs], _Hashable(leaves))[None])
-        else:
-            rows.append(jnp.zeros((1, total), jnp.uint32, device=device))
-    stacked = jax.make_array_from_single_device_arrays(
-        (len(replica_devices), total), replica_devices.stacked, rows)
-    results, words = _program(leaves, strategy.mesh, shardings)(stacked)
+    sharding = NamedSharding(mesh, P(_PROCESSES))
+    stacked = []
+    for segment in segments:
+        total = sum(leaves[i].words for i in segment)
+        # Each device of worker 0's process holds the words, every other device zeros.
+        rows = []
+        for device in mesh.local_devices:
+            if device.process_index != source.process_index:
+                rows.append(jnp.zeros((1, total), jnp.int32, device=device))
+            elif not rows:
+                packed = _pack([jax.device_put(xs[i], device) for i in segment],
+                               _Hashable([leaves[i] for i in segment]))
+                rows.append(jax.lax.bitcast_convert_type(packed, jnp.int32)[None])
+            else:
+                rows.append(jax.device_put(rows[0], device))
+        stacked.append(jax.make_array_from_single_device_arrays(
+            (mesh.devices.shape[0], total), sharding, rows))
+    results, words = _program(leaves, segments, mesh, shardings)(stacked)
     differing = []
     if check is not None and any(check) and jax.process_index() != 0:
-        differing = _differing(xs, leaves, check, words.addressable_data(0))
+        differing = _differing(xs, leaves, segments, check,
+                               [w.addressable_data(0) for w in words])
     return results, differing
 
 
-def _differing(xs, leaves, check, words) -> list:
-    """Indices of the flagged arrays whose bits differ from worker 0's `words`."""
-    device = next(iter(words.devices()))
-    wanted = tuple(i for i, flag in enumerate(check) if flag)
-    flags = np.asarray(_compare([jax.device_put(x, device) for x in xs], words,
-                                _Hashable(leaves), wanted))
-    return [i for i, flag in zip(wanted, flags) if flag]
+def _differing(xs, leaves, segments, check, words) -> list:
+    """Indices of the flagged arrays whose bits differ from worker 0's `words` (per segment)."""
+    found = []
+    for segment, segment_words in zip(segments, words):
+        wanted = tuple(k for k, i in enumerate(segment) if check[i])
+        if not wanted:
+            continue
+        device = next(iter(segment_words.devices()))
+        flags = np.asarray(_compare([jax.device_put(xs[i], device) for i in segment],
+                                    segment_words, _Hashable([leaves[i] for i in segment]),
+                                    wanted))
+        found.extend(segment[k] for k, flag in zip(wanted, flags) if flag)
+    return sorted(found)
 
 
 class _Hashable(tuple):
