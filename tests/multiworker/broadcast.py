@@ -86,9 +86,6 @@ def mirrored(out_dir, index):
     x, y = _problem()
     loss = mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {}
-    import time
-    t0 = time.perf_counter()
-    marks = out["seconds"] = []
 
     # Model.fit as the first use (NNX model, Adam: its state is placed too).
     with strategy.scope():
@@ -96,7 +93,6 @@ def mirrored(out_dir, index):
         model.compile(optax.adam(0.05), loss)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     out["fit"] = _params(model.module)
-    marks.append(round(time.perf_counter() - t0, 1))
 
     # A Keras model with its own unseeded initializers: evaluate first, then fit.
     keras_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
@@ -109,7 +105,6 @@ def mirrored(out_dir, index):
     out["keras_evaluated"] = [np.asarray(w).ravel().tolist() for w in wrapped.get_weights()]
     wrapped.fit(x, y, batch_size=8, epochs=1, verbose=0)
     out["keras_fit"] = [np.asarray(w).ravel().tolist() for w in wrapped.get_weights()]
-    marks.append(round(time.perf_counter() - t0, 1))
 
     # A custom loop: a read first (sum of ones = 4 * 3 = 12 on worker 0), then training.
     with strategy.scope():
@@ -142,7 +137,6 @@ def mirrored(out_dir, index):
         module.l1.kernel[...] = jax.numpy.full((4, 3), 2.0 if jax.process_index() == 0 else 7.0)
         out["custom_updated"] = float(strategy.run(_read, args=(module, optimizer)).values[0])
     out["warnings"] = [str(w.message) for w in caught]
-    marks.append(round(time.perf_counter() - t0, 1))
 
     # The sharded optimizer (Model.fit's path is the same strategy.run): Adam's first moment
     # of l1.kernel (4, 8) split by rows over the 4 replicas; worker 0's moments are ones, the
@@ -167,7 +161,6 @@ def mirrored(out_dir, index):
     inv_model.evaluate(x, y, batch_size=8, verbose=0)
     out["invariant_evaluated"] = _params(inv_model.module)
     out["invariant_evaluated_keys"] = _keys(inv_model.module)
-    marks.append(round(time.perf_counter() - t0, 1))
     return out
 
 
