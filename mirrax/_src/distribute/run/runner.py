@@ -213,7 +213,8 @@ class Runner:
         specs = binding.specs if binding.specs is not None and len(binding.specs) == len(
             leaves) else (None,) * len(leaves)
         later = None
-        if written is not None and len(written) == len(raw) == len(leaves):
+        if (written is not None and jax.process_count() > 1
+                and len(written) == len(raw) == len(leaves)):
             # Leaves that replaced what a step wrote, and that no other program over these
             # objects wrote since (fit's validation): assigned by the user between steps.
             steps = {id(x) for _, other in memo.values() if other.written is not None
