@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from tests.multiworker import broadcast
+
 
 def _write(out_dir, index, result) -> None:
     path = pathlib.Path(out_dir) / f"{index}.json"
@@ -678,6 +680,7 @@ SCENARIOS = {
     "loaders": loaders,
     "sharded": sharded,
     "uneven": uneven,
+    **broadcast.SCENARIOS,
 }
 
 

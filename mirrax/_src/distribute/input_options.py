@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import itertools
 import math
 
 import numpy as np
@@ -202,22 +203,20 @@ class PipelineNames:
     waiting on different names.
     """
 
-    def __init__(self):
-        self._datasets = 0
-        self._passes = 0
-        self._values = 0
+    # Shared by every strategy of the process: two strategies of one multi-worker program
+    # (e.g. a second one with shard_optimizer_state=True) must not reuse each other's keys.
+    _datasets = itertools.count(1)
+    _passes = itertools.count()
+    _values = itertools.count(1)
 
     def dataset(self, kind: str) -> str:
         """A new dataset's name: f"{kind}#{n}"."""
-        self._datasets += 1
-        return f"{kind}#{self._datasets}"
+        return f"{kind}#{next(PipelineNames._datasets)}"
 
     def next_pass(self) -> int:
-        """The number of this pass over any of the strategy's distributed datasets (0, 1, ...)."""
-        self._passes += 1
-        return self._passes - 1
+        """The number of this pass over any distributed dataset of the process (0, 1, ...)."""
+        return next(PipelineNames._passes)
 
     def values(self) -> str:
         """A name for one `experimental_distribute_values_from_function` call."""
-        self._values += 1
-        return f"values/{self._values}"
+        return f"values/{next(PipelineNames._values)}"

@@ -33,7 +33,7 @@ from mirrax._src.distribute import _compat, sharded_optimizer
 from mirrax._src.distribute.replica_context import current_replica_context
 from mirrax._src.distribute.run import arguments, captures, nodes as nodes_lib, program as prog
 from mirrax._src.distribute.run.arguments import StaticSlot, is_variable
-from mirrax._src.distribute.run.placement import place
+from mirrax._src.distribute.run.placement import place, place_state
 from mirrax._src.distribute.values import Mirrored, PerReplica
 
 _CACHE_SIZE = 256
@@ -188,7 +188,7 @@ class Runner:
                 key = (call_key, graphdef, state_def)
                 program = self._programs.get(key)
             binding = _Binding(live, strategy)
-        state_leaves, written = self._state_leaves(binding, call)
+        state_leaves, written = self._state_leaves(binding, call, node_state.memo)
         if program is None:
             program = self._compile(call, key, graphdef, state_def, binding, node_state,
                                     state_leaves, batch_info)
@@ -199,7 +199,7 @@ class Runner:
             memo[call_key] = (program, binding)
         return program, binding, call, state_leaves, batch_info, written
 
-    def _state_leaves(self, binding, call) -> tuple[list, bool]:
+    def _state_leaves(self, binding, call, memo) -> tuple[list, bool]:
         """The state arrays to pass, and whether they are the ones this runner wrote back last
         step (passed as they are: their placement is known); others are placed."""
         raw = list(map(_compat.raw_value, binding.live))
@@ -212,9 +212,15 @@ class Runner:
         leaves = jax.tree.leaves(raw)
         specs = binding.specs if binding.specs is not None and len(binding.specs) == len(
             leaves) else (None,) * len(leaves)
-        placed = [place(strategy, x, call.names, None, call.nodes, fresh=True, spec=s)
-                  for x, s in zip(leaves, specs)]
-        return placed, False
+        later = None
+        if (written is not None and jax.process_count() > 1
+                and len(written) == len(raw) == len(leaves)):
+            # Leaves that replaced what a step wrote, and that no other program over these
+            # objects wrote since (fit's validation): assigned by the user between steps.
+            steps = {id(x) for _, other in memo.values() if other.written is not None
+                     for x in other.written}
+            later = [x is not w and id(x) not in steps for x, w in zip(raw, written)]
+        return place_state(strategy, leaves, call.names, call.nodes, specs, later), False
 
     @staticmethod
     def _protect_aliases(binding, state_leaves, written: bool) -> list:
