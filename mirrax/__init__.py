@@ -22,6 +22,7 @@ from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterRes
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
 from mirrax._src.distribute.gradients import value_and_grad as value_and_grad
 from mirrax._src.distribute.input_options import AutoShardPolicy as AutoShardPolicy
+from mirrax._src.distribute.input import DatasetCreator as DatasetCreator
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input_options import InputContext as InputContext
@@ -67,6 +68,7 @@ from mirrax._src.parameter_server.strategy import (
     ParameterServerStrategy as ParameterServerStrategy,
 )
 from mirrax._src.training.model import Model as Model
+from mirrax.errors import PaddedBatchWarning as PaddedBatchWarning
 
 __version__ = "0.1.0"
 
@@ -81,6 +83,7 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
+    "DatasetCreator",
     "DistributedDataset",
     "DistributedIterator",
     "HierarchicalCopyAllReduce",
@@ -92,6 +95,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "PaddedBatchWarning",
     "ParameterServerStrategy",
     "PerWorkerDataset",
     "PerWorkerIterator",

@@ -111,7 +111,91 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
     return one_pass
 
 
-class DistributedDataset(DistributedInput):
+class DatasetCreator:
+    """A dataset function for `Model.fit`, as `tf.keras.utils.experimental.DatasetCreator`.
+
+    `dataset_fn(input_context)` returns this input pipeline's batches (of the PER-REPLICA
+    batch size, `input_context.get_per_replica_batch_size(global_batch_size)`): anything
+    `experimental_distribute_dataset` accepts. `Model.fit` (every strategy) passes it to
+    `strategy.distribute_datasets_from_function(creator, options=input_options)`, and so can
+    the user. Calling the creator calls `dataset_fn` and checks what it returns.
+
+    Args:
+      dataset_fn: a callable of one `mirrax.InputContext`.
+      input_options: None or a `mirrax.InputOptions`, used where the creator is distributed.
+
+    Raises:
+      InvalidArgumentTypeError: `dataset_fn` is not callable, `input_options` is not an
+        `InputOptions`, or (when called) `dataset_fn` returns no dataset.
+    """
+
+    def __init__(self, dataset_fn, input_options=None):
+        if not callable(dataset_fn):
+            raise errors.InvalidArgumentTypeError(
+                "DatasetCreator: dataset_fn must be a callable of one argument, the "
+                f"InputContext, returning batches; received {type(dataset_fn).__name__} "
+                f"({dataset_fn!r:.60}). Pass the function itself: DatasetCreator(dataset_fn).")
+        if input_options is not None and not isinstance(input_options, InputOptions):
+            raise errors.InvalidArgumentTypeError(
+                "DatasetCreator: input_options must be a mirrax.InputOptions or None; "
+                f"received {type(input_options).__name__} ({input_options!r:.60}).")
+        self.dataset_fn = dataset_fn
+        self.input_options = input_options
+
+    def __call__(self, *args, **kwargs):
+        dataset = self.dataset_fn(*args, **kwargs)
+        try:
+            _batch_source(dataset)
+        except (errors.InvalidArgumentTypeError, errors.EmptyDatasetError) as e:
+            name = getattr(self.dataset_fn, "__name__", "dataset_fn")
+            raise errors.InvalidArgumentTypeError(
+                f"DatasetCreator: {name} must return a dataset (batches: a tuple/dict of "
+                "arrays, an iterable of such batches, a tf.data.Dataset); it returned "
+                f"{type(dataset).__name__} ({dataset!r:.60}). ({e})") from None
+        return dataset
+
+    def __repr__(self) -> str:
+        return f"DatasetCreator({getattr(self.dataset_fn, '__name__', self.dataset_fn)!r})"
+
+
+def _element_spec(element):
+    """The per-replica spec of a distributed batch: its structure with a
+    `jax.ShapeDtypeStruct` per leaf, of shape (per-replica rows, ...)."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.stacked.shape[1:], v.stacked.dtype),
+                        element, is_leaf=lambda v: isinstance(v, PerReplica))
+
+
+class _SpecOfFirstPass:
+    """`element_spec` of a distributed dataset: read from the first batch of a pass started
+    for it, which the next `iter(dataset)` then continues (so a one-shot source loses nothing
+    and every worker's passes stay in step)."""
+
+    _pending = None
+    _spec = None
+
+    @property
+    def element_spec(self):
+        """The structure of one element, with a `jax.ShapeDtypeStruct` of the PER-REPLICA
+        shape and dtype per leaf, as TF's `DistributedDataset.element_spec` (which gives
+        `TensorSpec`s, wrapped in `PerReplicaSpec` for several replicas; mirrax's replicas
+        share one static shape). The batch axis is the static per-replica row count of the
+        first batch (TF: None when the last batch may be partial).
+
+        Raises:
+          EmptyDatasetError: the dataset yields no batch.
+        """
+        if self._spec is None:
+            if self._pending is None:
+                self._pending = self._start()
+            self._spec = self._pending.element_spec
+        return self._spec
+
+    def __iter__(self) -> "DistributedIterator":
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self._start()
+
+
+class DistributedDataset(_SpecOfFirstPass, DistributedInput):
     """A dataset of global batches, split over replicas; iterate it for `PerReplica` batches.
 
     Made by `strategy.experimental_distribute_dataset`. Iterable any number of times (each
@@ -175,13 +259,13 @@ class DistributedDataset(DistributedInput):
                 yield (split_global_batch(piece, size, local, range(local)),
                        f"worker batch of {size} over {local} replicas", None, None)
 
-    def __iter__(self) -> "DistributedIterator":
+    def _start(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
                                 self._uid, self._strategy.extended.pipeline_names.next_pass())
         return DistributedIterator(producer, self._options)
 
 
-class DistributedDatasetsFromFunction(DistributedInput):
+class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
     """Per-worker datasets of per-replica batches, dealt to the local replicas in turn.
 
     Made by `strategy.distribute_datasets_from_function`; `dataset_fn` is called once, here.
@@ -190,6 +274,8 @@ class DistributedDatasetsFromFunction(DistributedInput):
 
     def __init__(self, strategy, dataset_fn, options=None, input_context=None):
         self._strategy = strategy
+        if options is None and isinstance(dataset_fn, DatasetCreator):
+            options = dataset_fn.input_options
         self._options = check_options(options)
         # A ParameterServerStrategy's worker is one process of its own job, so it passes its
         # own context; everywhere else there is one input pipeline per JAX process.
@@ -222,7 +308,7 @@ class DistributedDatasetsFromFunction(DistributedInput):
             empty = jax.tree.map(lambda a: a[:0], round_[0])
             yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None, None
 
-    def __iter__(self) -> "DistributedIterator":
+    def _start(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
                                 self._uid, self._strategy.extended.pipeline_names.next_pass())
         return DistributedIterator(producer, self._options)
@@ -311,6 +397,8 @@ class DistributedIterator(DistributedInput):
 
     def __init__(self, producer: Iterator, options: InputOptions):
         self._producer = producer
+        self._peeked = None  # a batch read for element_spec, not yet handed out
+        self._spec = None
         self._handed = 0  # batches returned by __next__: the position a checkpoint saves
         self._thread = None
         if options.experimental_fetch_to_device:
@@ -331,6 +419,9 @@ class DistributedIterator(DistributedInput):
         return item
 
     def _next(self) -> PerReplica:
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
         if self._thread is None:
             return next(self._producer)
         while True:
@@ -351,6 +442,40 @@ class DistributedIterator(DistributedInput):
     def get_next(self) -> PerReplica:
         """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
         return next(self)
+
+    def get_next_as_optional(self) -> "Optional":
+        """The next batch as an `Optional`, empty at the end of the data, as TF's
+        `DistributedIterator.get_next_as_optional` (which returns a `tf.experimental.Optional`).
+
+        Multi-worker: the iterator ends only when every worker's data has ended (a worker
+        whose data ended earlier gets fully masked batches until then), so `has_value()` is
+        the same on every worker.
+        """
+        try:
+            return Optional(next(self))
+        except StopIteration:
+            return Optional(None, has_value=False)
+
+    @property
+    def element_spec(self):
+        """The structure of one element with a `jax.ShapeDtypeStruct` of the per-replica
+        shape and dtype per leaf (see `DistributedDataset.element_spec`); before the first
+        batch is handed out it is read from that batch, which `next` then returns.
+
+        Raises:
+          EmptyDatasetError: the iterator has no batch to read the spec from.
+        """
+        if self._spec is None:
+            if self._peeked is None:
+                try:
+                    self._peeked = self._next()
+                except StopIteration:
+                    raise errors.EmptyDatasetError(
+                        "element_spec: this distributed iterator has no batch left to read the "
+                        "element structure from (the dataset is empty or used up); ask the "
+                        "dataset's element_spec, or a fresh iter(dataset)'s.") from None
+            self._spec = _element_spec(self._peeked)
+        return self._spec
 
     # -- mirrax's checkpoint protocol (checkpointing/parts.py): the position, not the data ---
 
@@ -401,3 +526,32 @@ class DistributedIterator(DistributedInput):
 
     def __del__(self):
         self.close()
+
+
+class Optional:
+    """A batch that may be absent: what `DistributedIterator.get_next_as_optional` returns, as
+    `tf.experimental.Optional`."""
+
+    def __init__(self, value, has_value: bool = True):
+        self._value = value
+        self._has_value = has_value
+
+    def has_value(self) -> bool:
+        """True when there is a batch (TF returns a scalar bool tensor; here a Python bool)."""
+        return self._has_value
+
+    def get_value(self):
+        """The batch (its structure with a `PerReplica` per leaf).
+
+        Raises:
+          InvalidArgumentError: the optional is empty (the iterator was at its end), as TF's
+            `get_value` raises InvalidArgumentError.
+        """
+        if not self._has_value:
+            raise errors.InvalidArgumentError(
+                "Optional.get_value: the optional has no value (the distributed iterator was at "
+                "the end of its data). Check optional.has_value() before get_value().")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Optional(has_value={self._has_value})"

@@ -50,6 +50,10 @@ class ReplicaContext:
     def __init__(self, strategy, batch_mask=None, traced: bool = True, example_count=None):
         self.strategy = strategy
         self._batch_mask = batch_mask
+        # Whether the traced step read the mask (directly, or through compute_average_loss,
+        # mirrax's losses and metrics): a step that did not, run on a padded batch, sums its
+        # padding rows (strategy.run warns; docs/design.md, "Input").
+        self.mask_consulted = False
         # int32 scalar: the real examples of the distributed batch over ALL replicas, known on
         # the host (so `compute_average_loss` need not sum them across replicas); None if unknown.
         self._example_count = example_count
@@ -64,6 +68,8 @@ class ReplicaContext:
 
     @property
     def batch_mask(self):
+        if self._batch_mask is not None:
+            self.mask_consulted = True
         return self._batch_mask
 
     @batch_mask.setter
