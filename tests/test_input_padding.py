@@ -136,7 +136,9 @@ def test_fit_evaluate_predict_never_warn_on_partial_batches():
     strategy = mirrored(4)
     with strategy.scope():
         model = mirrax.Model(nnx.Sequential(
-            nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
+            nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+            nnx.BatchNorm(8, rngs=nnx.Rngs(3)),
+            nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
             nnx.Linear(8, 10, rngs=nnx.Rngs(2))))
         model.compile("sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x = np.random.default_rng(0).normal(size=(61, 4)).astype(np.float32)

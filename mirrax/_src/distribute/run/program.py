@@ -80,6 +80,7 @@ class Program:
       sums_padding: the step takes a distributed batch, never reads its mask, and updates
         state or returns more than per-example rows: on a padded batch its reductions
         count the padding rows (the runner warns, `padding_warned` once set).
+      batch_rows: the static per-replica rows of the step's distributed batch, or None.
     """
 
     compiled: Any
@@ -90,6 +91,7 @@ class Program:
     order: tuple | None = None
     sums_padding: bool = False
     padding_warned: bool = False
+    batch_rows: int | None = None
 
 
 def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
@@ -192,7 +194,8 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     compiled = jax.jit(step, donate_argnums=(0,) if donates else (),
                        compiler_options=invariant.compiler_options(spec.strategy))
     return Program(compiled, found["treedef"], varying, same_state, donates,
-                   sums_padding=found.get("sums_padding", False))
+                   sums_padding=found.get("sums_padding", False),
+                   batch_rows=None if batch_info is None else batch_info[0].shape[-1])
 
 
 def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):

@@ -349,7 +349,7 @@ def _retrace_key(fn_key):
 def _warn_if_padded(program, call) -> None:
     """Warns, once per program and before it runs, when a step that never reads the batch mask
     is given a batch with padding rows (docs/design.md, "Input")."""
-    rows = call.mask.shape[-1]
+    rows = program.batch_rows
     if min(call.lengths) == rows:
         return
     program.padding_warned = True
