@@ -44,7 +44,8 @@ class ReplicaContext:
       batch_mask: bool array of shape (per_replica_batch,) marking the real examples of this
         replica's shard of the current distributed batch (False for the padding that makes every
         shard the same static size), or None when no input of `run` came from a distributed
-        dataset.
+        dataset. Reading it marks the step as one that masks its reductions; a step that never
+        does, run on a padded batch, gets `mirrax.PaddedBatchWarning` (docs/design.md, "Input").
     """
 
     def __init__(self, strategy, batch_mask=None, traced: bool = True, example_count=None):
