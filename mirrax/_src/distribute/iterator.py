@@ -57,7 +57,8 @@ class DistributedIterator(DistributedInput):
     """Iterator over `PerReplica` batches, prefetched to the devices by a background thread.
 
     As TF's `DistributedIterator`: `next(it)` / `it.get_next()` return the next batch and raise
-    `StopIteration` at the end. An error in the source is raised here, in the caller's thread.
+    `StopIteration` at the end; `it.get_next_as_optional()` returns it as an `Optional`, empty
+    at the end; `it.element_spec` describes one element. An error in the source is raised here, in the caller's thread.
     The thread holds no reference to the iterator, so an abandoned iterator is collected and
     its thread stops (or call `close()`).
 
