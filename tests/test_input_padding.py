@@ -154,3 +154,24 @@ def test_fit_evaluate_predict_never_warn_on_partial_batches():
 def test_the_warning_is_a_user_warning():
     assert issubclass(mirrax.PaddedBatchWarning, UserWarning)
     assert mirrax.PaddedBatchWarning is mirrax.errors.PaddedBatchWarning
+
+
+def test_replica_invariant_mode_warns_a_hand_written_sum():
+    # The micro-batch split reads the mask for mirrax; the loss itself never does.
+    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True,
+                                       micro_batches=4)
+
+    def step(model, x, y):
+        loss_fn = lambda m, x, y: jnp.sum(cross_entropy(m, x, y)) * (1.0 / GLOBAL)  # noqa: E731
+        return mirrax.value_and_grad(loss_fn)(model, x, y)[0]
+
+    def fixed(model, x, y):
+        loss_fn = lambda m, x, y: mirrax.compute_average_loss(  # noqa: E731
+            cross_entropy(m, x, y), global_batch_size=GLOBAL)
+        return mirrax.value_and_grad(loss_fn)(model, x, y)[0]
+
+    (_, w1), (_, w2) = run_all(strategy, step, zero_model())
+    assert (len(w1), len(w2)) == (0, 1)
+    (_, w1), (partial, w2) = run_all(strategy, fixed, zero_model())
+    assert partial == pytest.approx(29 * LN10 / GLOBAL)  # 2.086718
+    assert not w1 and not w2
