@@ -23,6 +23,7 @@ from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterRes
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
 from mirrax._src.distribute.gradients import value_and_grad as value_and_grad
 from mirrax._src.distribute.input_options import AutoShardPolicy as AutoShardPolicy
+from mirrax._src.distribute.input import DatasetCreator as DatasetCreator
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
 from mirrax._src.distribute.input_options import InputContext as InputContext
@@ -69,6 +70,7 @@ from mirrax._src.parameter_server.strategy import (
 )
 from mirrax._src.training.keras_optimizer import KerasOptimizer as KerasOptimizer
 from mirrax._src.training.model import Model as Model
+from mirrax.errors import PaddedBatchWarning as PaddedBatchWarning
 
 __version__ = "0.1.0"
 
@@ -83,6 +85,7 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
+    "DatasetCreator",
     "DistributedDataset",
     "DistributedIterator",
     "HierarchicalCopyAllReduce",
@@ -95,6 +98,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "PaddedBatchWarning",
     "ParameterServerStrategy",
     "PerWorkerDataset",
     "PerWorkerIterator",

@@ -159,3 +159,12 @@ class CancelledFunctionError(MirraxError, RuntimeError):
 class WorkerCrashError(MirraxError, RuntimeError):
     """A scheduled function was given up because the worker running it died every time it ran
     (ParameterServerStrategy: at-least-once, but at most three tries)."""
+
+
+# -- warnings ------------------------------------------------------------------------------------
+
+
+class PaddedBatchWarning(UserWarning):
+    """A `strategy.run` step that never reads the batch mask was given a partial batch, whose
+    padding rows its sums, means and state updates count (docs/design.md, "Input"). Make it an
+    error with `warnings.simplefilter("error", mirrax.PaddedBatchWarning)`."""

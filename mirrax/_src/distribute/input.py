@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import collections.abc
 import math
-import queue
-import threading
 import warnings
 from typing import Callable, Iterator
 
@@ -37,7 +35,8 @@ from mirrax._src.distribute.input_options import (
     check_one_argument,
     check_options,
 )
-from mirrax._src.distribute.values import DistributedInput, PerReplica
+from mirrax._src.distribute.iterator import DistributedIterator
+from mirrax._src.distribute.values import DistributedInput
 
 
 def not_batches_hint(source) -> str:
@@ -111,7 +110,84 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
     return one_pass
 
 
-class DistributedDataset(DistributedInput):
+class DatasetCreator:
+    """A dataset function for `Model.fit`, as `tf.keras.utils.experimental.DatasetCreator`.
+
+    `dataset_fn(input_context)` returns this input pipeline's batches (of the PER-REPLICA
+    batch size, `input_context.get_per_replica_batch_size(global_batch_size)`): anything
+    `experimental_distribute_dataset` accepts. `Model.fit` (every strategy) passes it to
+    `strategy.distribute_datasets_from_function(creator, options=input_options)`, and so can
+    the user. Calling the creator calls `dataset_fn` and checks what it returns.
+
+    Args:
+      dataset_fn: a callable of one `mirrax.InputContext`.
+      input_options: None or a `mirrax.InputOptions`, used where the creator is distributed.
+
+    Raises:
+      InvalidArgumentTypeError: `dataset_fn` is not callable, `input_options` is not an
+        `InputOptions`, or (when called) `dataset_fn` returns no dataset.
+    """
+
+    def __init__(self, dataset_fn, input_options=None):
+        if not callable(dataset_fn):
+            raise errors.InvalidArgumentTypeError(
+                "DatasetCreator: dataset_fn must be a callable of one argument, the "
+                f"InputContext, returning batches; received {type(dataset_fn).__name__} "
+                f"({dataset_fn!r:.60}). Pass the function itself: DatasetCreator(dataset_fn).")
+        if input_options is not None and not isinstance(input_options, InputOptions):
+            raise errors.InvalidArgumentTypeError(
+                "DatasetCreator: input_options must be a mirrax.InputOptions or None; "
+                f"received {type(input_options).__name__} ({input_options!r:.60}).")
+        self.dataset_fn = dataset_fn
+        self.input_options = input_options
+
+    def __call__(self, *args, **kwargs):
+        dataset = self.dataset_fn(*args, **kwargs)
+        try:
+            _batch_source(dataset)
+        except (errors.InvalidArgumentTypeError, errors.EmptyDatasetError) as e:
+            name = getattr(self.dataset_fn, "__name__", "dataset_fn")
+            raise errors.InvalidArgumentTypeError(
+                f"DatasetCreator: {name} must return a dataset (batches: a tuple/dict of "
+                "arrays, an iterable of such batches, a tf.data.Dataset); it returned "
+                f"{type(dataset).__name__} ({dataset!r:.60}). ({e})") from None
+        return dataset
+
+    def __repr__(self) -> str:
+        return f"DatasetCreator({getattr(self.dataset_fn, '__name__', self.dataset_fn)!r})"
+
+
+class _SpecOfFirstPass:
+    """`element_spec` of a distributed dataset: read from the first batch of a pass started
+    for it, which the next `iter(dataset)` then continues (so a one-shot source loses nothing
+    and every worker's passes stay in step)."""
+
+    _pending = None
+    _spec = None
+
+    @property
+    def element_spec(self):
+        """The structure of one element, with a `jax.ShapeDtypeStruct` of the PER-REPLICA
+        shape and dtype per leaf, as TF's `DistributedDataset.element_spec` (which gives
+        `TensorSpec`s, wrapped in `PerReplicaSpec` for several replicas; mirrax's replicas
+        share one static shape). The batch axis is the static per-replica row count of the
+        first batch (TF: None when the last batch may be partial).
+
+        Raises:
+          EmptyDatasetError: the dataset yields no batch.
+        """
+        if self._spec is None:
+            if self._pending is None:
+                self._pending = self._start()
+            self._spec = self._pending.element_spec
+        return self._spec
+
+    def __iter__(self) -> "DistributedIterator":
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self._start()
+
+
+class DistributedDataset(_SpecOfFirstPass, DistributedInput):
     """A dataset of global batches, split over replicas; iterate it for `PerReplica` batches.
 
     Made by `strategy.experimental_distribute_dataset`. Iterable any number of times (each
@@ -175,13 +251,13 @@ class DistributedDataset(DistributedInput):
                 yield (split_global_batch(piece, size, local, range(local)),
                        f"worker batch of {size} over {local} replicas", None, None)
 
-    def __iter__(self) -> "DistributedIterator":
+    def _start(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
                                 self._uid, self._strategy.extended.pipeline_names.next_pass())
         return DistributedIterator(producer, self._options)
 
 
-class DistributedDatasetsFromFunction(DistributedInput):
+class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
     """Per-worker datasets of per-replica batches, dealt to the local replicas in turn.
 
     Made by `strategy.distribute_datasets_from_function`; `dataset_fn` is called once, here.
@@ -190,6 +266,8 @@ class DistributedDatasetsFromFunction(DistributedInput):
 
     def __init__(self, strategy, dataset_fn, options=None, input_context=None):
         self._strategy = strategy
+        if options is None and isinstance(dataset_fn, DatasetCreator):
+            options = dataset_fn.input_options
         self._options = check_options(options)
         # A ParameterServerStrategy's worker is one process of its own job, so it passes its
         # own context; everywhere else there is one input pipeline per JAX process.
@@ -222,7 +300,7 @@ class DistributedDatasetsFromFunction(DistributedInput):
             empty = jax.tree.map(lambda a: a[:0], round_[0])
             yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None, None
 
-    def __iter__(self) -> "DistributedIterator":
+    def _start(self) -> "DistributedIterator":
         producer = place_agreed(self._strategy, self._placer, self._local_batches(),
                                 self._uid, self._strategy.extended.pipeline_names.next_pass())
         return DistributedIterator(producer, self._options)
@@ -265,139 +343,3 @@ def _worker_batch_size(global_batch_size: int, workers: int) -> int:
             f"by the {workers} workers; use a multiple of {workers}."
         )
     return global_batch_size // workers
-
-
-class _End:
-    pass
-
-
-def _fill(producer: Iterator, out: queue.Queue, stop: threading.Event):
-    """The prefetch thread: runs the producer ahead, handing items (or its error) to `out`."""
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in producer:
-            if not put(item):
-                return
-        put(_End())
-    except BaseException as e:  # handed to the consumer, raised there
-        put(_Failure(e))
-
-
-class _Failure:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-class DistributedIterator(DistributedInput):
-    """Iterator over `PerReplica` batches, prefetched to the devices by a background thread.
-
-    As TF's `DistributedIterator`: `next(it)` / `it.get_next()` return the next batch and raise
-    `StopIteration` at the end. An error in the source is raised here, in the caller's thread.
-    The thread holds no reference to the iterator, so an abandoned iterator is collected and
-    its thread stops (or call `close()`).
-
-    Its position (the batches handed to the caller, not those prefetched) is what
-    `mirrax.Checkpoint(iterator=it)` saves, as TF checkpoints a tf.data iterator.
-    """
-
-    def __init__(self, producer: Iterator, options: InputOptions):
-        self._producer = producer
-        self._handed = 0  # batches returned by __next__: the position a checkpoint saves
-        self._thread = None
-        if options.experimental_fetch_to_device:
-            self._queue: queue.Queue = queue.Queue(options.experimental_per_replica_buffer_size)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=_fill, args=(producer, self._queue, self._stop), daemon=True,
-                name="mirrax-prefetch",
-            )
-            self._thread.start()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> PerReplica:
-        item = self._next()
-        self._handed += 1
-        return item
-
-    def _next(self) -> PerReplica:
-        if self._thread is None:
-            return next(self._producer)
-        while True:
-            try:
-                item = self._queue.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise StopIteration from None
-        if isinstance(item, _End):
-            self._queue.put(item)  # later calls also stop
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._queue.put(_End())
-            raise item.error
-        return item
-
-    def get_next(self) -> PerReplica:
-        """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
-        return next(self)
-
-    # -- mirrax's checkpoint protocol (checkpointing/parts.py): the position, not the data ---
-
-    def checkpoint_state(self) -> dict:
-        """{"position": int64 array}: the batches handed to the caller (prefetched ones are not
-        counted), as `mirrax.Checkpoint` stores it."""
-        return {"position": np.asarray(self._handed, np.int64)}
-
-    def restore_checkpoint_state(self, state: dict) -> None:
-        """Fast-forwards this fresh iterator to `state["position"]` (see `_skip_to`)."""
-        self._skip_to(int(np.asarray(state["position"])))
-
-    def check_restorable(self) -> None:
-        """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""
-        self._check_fresh()
-
-    def _check_fresh(self) -> None:
-        """Raises ValueError if this iterator has handed out batches (a restore needs a fresh one)."""
-        if self._handed:
-            raise errors.InvalidArgumentError(
-                f"Cannot restore an iterator position into a DistributedIterator that has "
-                f"already handed out {self._handed} batches; restore into a fresh one, "
-                "iter(dist_dataset), before taking batches from it."
-            )
-
-    def _skip_to(self, position: int) -> None:
-        """Fast-forwards a fresh iterator to `position` by reading and discarding batches
-        (they are re-read from the source; a shuffling source must be seeded to match).
-
-        Raises:
-          ValueError: this iterator has already handed out batches, or the source ends first.
-        """
-        self._check_fresh()
-        for _ in range(position):
-            try:
-                next(self)
-            except StopIteration:
-                raise errors.InvalidArgumentError(
-                    f"The checkpoint's iterator position is {position} batches, but the dataset "
-                    f"ended after {self._handed}; restore into an iterator over the same "
-                    "(deterministic) dataset that was saved."
-                ) from None
-
-    def close(self):
-        """Stops the prefetch thread (also done when the iterator is garbage-collected)."""
-        if self._thread is not None:
-            self._stop.set()
-
-    def __del__(self):
-        self.close()

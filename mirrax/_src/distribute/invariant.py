@@ -183,7 +183,7 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     # Scalars (a temperature, a step count) are no batch: every micro-batch gets them as is.
     arrays = [i for i, leaf in enumerate(leaves)
               if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0]
-    mask = ctx.batch_mask
+    mask = ctx.peek_batch_mask()  # the split only: the loss itself must read the mask
     if not arrays:
         raise errors.InvalidBatchError(
             f"{what}: replica_invariant=True splits the batch into micro-batches, but the "

@@ -44,12 +44,17 @@ class ReplicaContext:
       batch_mask: bool array of shape (per_replica_batch,) marking the real examples of this
         replica's shard of the current distributed batch (False for the padding that makes every
         shard the same static size), or None when no input of `run` came from a distributed
-        dataset.
+        dataset. Reading it marks the step as one that masks its reductions; a step that never
+        does, run on a padded batch, gets `mirrax.PaddedBatchWarning` (docs/design.md, "Input").
     """
 
     def __init__(self, strategy, batch_mask=None, traced: bool = True, example_count=None):
         self.strategy = strategy
         self._batch_mask = batch_mask
+        # Whether the traced step read the mask (directly, or through compute_average_loss,
+        # mirrax's losses and metrics): a step that did not, run on a padded batch, sums its
+        # padding rows (strategy.run warns; docs/design.md, "Input").
+        self.mask_consulted = False
         # int32 scalar: the real examples of the distributed batch over ALL replicas, known on
         # the host (so `compute_average_loss` need not sum them across replicas); None if unknown.
         self._example_count = example_count
@@ -64,6 +69,13 @@ class ReplicaContext:
 
     @property
     def batch_mask(self):
+        if self._batch_mask is not None:
+            self.mask_consulted = True
+        return self._batch_mask
+
+    def peek_batch_mask(self):
+        """`batch_mask` for mirrax's own plumbing (splitting a batch into micro-batches), which
+        does not mark the step as one that masks its reductions."""
         return self._batch_mask
 
     @batch_mask.setter

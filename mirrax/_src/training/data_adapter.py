@@ -112,6 +112,8 @@ class ModelInput:
         # or a jax error from inside the compiled step.
         self.num_classes = None
         self._signatures: set = set()
+        if isinstance(x, input_lib.DatasetCreator):  # as Keras: distributed from the function
+            x = strategy.distribute_datasets_from_function(x, options=x.input_options)
         if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
             if y is not None or batch_size is not None or sample_weight is not None:
                 raise errors.InvalidArgumentError(

@@ -77,6 +77,10 @@ class Program:
       order: for NNX objects that flatten to distinct Variables, the position in that
         flatten of each state leaf's Variable (so objects of the same structure find their
         Variables without `nnx.split`); else None.
+      sums_padding: the step takes a distributed batch, never reads its mask, and updates
+        state or returns more than per-example rows: on a padded batch its reductions
+        count the padding rows (the runner warns, `padding_warned` once set).
+      batch_rows: the static per-replica rows of the step's distributed batch, or None.
     """
 
     compiled: Any
@@ -85,6 +89,9 @@ class Program:
     same_state: bool
     donates: bool
     order: tuple | None = None
+    sums_padding: bool = False
+    padding_warned: bool = False
+    batch_rows: int | None = None
 
 
 def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
@@ -115,6 +122,14 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
         new_state, outputs, found["treedef"], recorded = _body(
             spec, state_leaves, dynamic, batch_info, found)
         found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
+        if batch_info is not None:
+            # Per-example outputs (one row per row of the batch) are trimmed of their padding
+            # by experimental_local_results; anything else is a reduction or a state update.
+            rows = batch_info[0].shape[-1]
+            found["sums_padding"] = not found["mask_consulted"] and (
+                found["state_changed"] or not all(
+                    v and x.ndim >= 1 and x.shape[0] == rows
+                    for x, v in zip(outputs, found["varying"])))
         found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         found["new_avals"] = [(x.shape, x.dtype) for x in jax.tree.leaves(new_state)]
         if specs is not None:
@@ -178,7 +193,9 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
 
     compiled = jax.jit(step, donate_argnums=(0,) if donates else (),
                        compiler_options=invariant.compiler_options(spec.strategy))
-    return Program(compiled, found["treedef"], varying, same_state, donates)
+    return Program(compiled, found["treedef"], varying, same_state, donates,
+                   sums_padding=found.get("sums_padding", False),
+                   batch_rows=None if batch_info is None else batch_info[0].shape[-1])
 
 
 def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
@@ -267,6 +284,12 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
         variable.set_value(key)
     _, new_state = nnx.split(nodes)
     _warn_if_not_invariant(spec, new_state, old_values, ctx)
+    if found is not None:
+        found["mask_consulted"] = ctx.mask_consulted
+        # RNG streams advance at every call whatever the batch; every other update counts.
+        found["state_changed"] = any(
+            not isinstance(variable, nnx.RngState) and variable.get_value() is not old_values.get(path)
+            for path, variable in nnx.to_flat_state(new_state))
     new_state = _aggregate(spec, new_state, old_values, replica_id, ctx, sharded_paths)
 
     # Variables (e.g. the gradients nnx.grad returns) come back as their values.

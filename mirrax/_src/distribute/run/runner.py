@@ -129,6 +129,8 @@ class Runner:
         """Implements `Strategy.run` (validated there)."""
         program, binding, call, state_leaves, batch_info, written = self._prepare(
             fn, args, kwargs)
+        if program.sums_padding and not program.padding_warned and call.lengths is not None:
+            _warn_if_padded(program, call)
         if program.donates:
             state_leaves = self._protect_aliases(binding, state_leaves, written)
         new_state, outputs = program.compiled(state_leaves, call.dynamic, batch_info)
@@ -348,3 +350,28 @@ def _retrace_key(fn_key):
         except ValueError:  # an empty cell
             captured.append(None)
     return (code, tuple(captured))
+
+
+def _warn_if_padded(program, call) -> None:
+    """Warns, once per program and before it runs, when a step that never reads the batch mask
+    is given a batch with padding rows (docs/design.md, "Input")."""
+    rows = program.batch_rows
+    if min(call.lengths) == rows:
+        return
+    program.padding_warned = True
+    name = arguments.fn_name(call.fn)
+    replicas = len(call.lengths)
+    warnings.warn(errors.PaddedBatchWarning(
+        f"strategy.run: {name} runs on a partial batch of {sum(call.lengths)} examples over "
+        f"{replicas} replicas (per replica {list(call.lengths)}), padded to {rows} rows per "
+        "replica with copies of a real example so that every replica has the same shape; "
+        f"{name} never reads the batch mask, so its sums and means over the batch (e.g. "
+        "jnp.sum(loss) / GLOBAL_BATCH_SIZE, a metric's update) and its state updates count "
+        "the padding rows. Fix: compute the loss with mirrax.compute_average_loss("
+        "per_example_loss, global_batch_size=...) (mirrax's losses and metrics also drop "
+        "the padding), or mask a hand-written reduction with "
+        "mirrax.get_replica_context().batch_mask, e.g. jnp.sum(jnp.where(mask, loss, 0.0)); "
+        "or drop the partial batch (drop_remainder=True). Max, min, any and per-example "
+        "outputs are exact with padding; when the step only uses those, silence this with "
+        "warnings.filterwarnings('ignore', category=mirrax.PaddedBatchWarning)."),
+        stacklevel=4)
