@@ -284,3 +284,35 @@ def test_the_caller_objects_are_unchanged_by_a_failing_captured_step():
     with pytest.raises(ValueError, match="the step's own error"):
         strategy.run(step, args=(np.ones((2, 2), np.float32),))
     np.testing.assert_array_equal(np.asarray(model.kernel[...]), kernel)
+
+
+def test_a_captured_mirrax_model_is_carried_through_its_module():
+    strategy = mirrored(2)
+    model = mirrax.Model(nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0)))
+    model.module.kernel[...] = jnp.ones((2, 1))
+
+    def forward(x):
+        return model(x)  # mirrax.Model.__call__ reads model.module
+
+    x = np.ones((2, 2), np.float32)
+    assert _total(strategy, forward_run(strategy, forward, x)) == 4.0  # 2 rows x (1 + 1)
+    model.module.kernel[...] = 3 * jnp.ones((2, 1))
+    assert _total(strategy, forward_run(strategy, forward, x)) == 12.0  # 2 rows x (3 + 3)
+
+
+_g_scale = 2.0
+
+
+def _global_scaled(batch):
+    return batch * _g_scale
+
+
+def test_a_changed_global_constant_recompiles():
+    # Unlike TF (which keeps the value it traced with): the walk re-reads globals each call.
+    global _g_scale
+    strategy = mirrored(2)
+    x = next(iter(strategy.experimental_distribute_dataset(np.ones((2, 1), np.float32))))
+    _g_scale = 2.0
+    assert _total(strategy, strategy.run(_global_scaled, args=(x,))) == 4.0  # 2 rows x 2.0
+    _g_scale = 5.0
+    assert _total(strategy, strategy.run(_global_scaled, args=(x,))) == 10.0  # 2 rows x 5.0
