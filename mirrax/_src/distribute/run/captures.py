@@ -31,7 +31,7 @@ from mirrax._src.distribute.run.arguments import StaticSlot, is_graph_node
 
 # Modules whose functions never hold user state; the walk does not look inside them. Plain
 # objects of mirrax (a `mirrax.Model` holding its module) are looked into, its functions not.
-_OBJECT_LIBRARIES = ("jax", "flax", "optax", "numpy", "builtins", "functools", "keras")
+_OBJECT_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "builtins", "functools", "keras")
 _LIBRARY_PREFIXES = _OBJECT_LIBRARIES + ("mirrax",)
 MAX_DEPTH = 3
 _CACHE_SIZE = 64
