@@ -355,8 +355,20 @@ def _add_captured(call, captured) -> tuple:
 
 
 def _retrace_key(fn):
-    """What the retrace warning counts compiles by: a function's code, so a function made anew
-    for every call (defined inside the loop or the step) counts as one however its captures
-    change (captured NNX objects of one structure share a program, so they compile once)."""
+    """What the retrace warning counts compiles by. A user's function: its code, so one made
+    anew for every call (defined inside the loop or the step) counts as one however its
+    captures change (captured NNX objects of one structure share a program: they compile
+    once). mirrax's own steps (one per compiled Model): their code and what their closure
+    holds, so two models' steps do not count together."""
     code = getattr(fn, "__code__", None)
-    return fn if code is None else code
+    if code is None:
+        return fn
+    if captures.user_function(fn):
+        return code
+    captured = []
+    for cell in fn.__closure__ or ():
+        try:
+            captured.append(id(cell.cell_contents))
+        except ValueError:  # an empty cell
+            captured.append(None)
+    return (code, tuple(captured))
