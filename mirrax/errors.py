@@ -38,7 +38,9 @@ class MixedStrategyError(MirraxError, ValueError):
 
 
 class CapturedStateError(MirraxError, ValueError):
-    """The function given to `strategy.run` captures NNX state instead of taking it in `args`."""
+    """The function given to `strategy.run` reaches NNX state that cannot be carried into the
+    program: held by a plain object passed in `args`, by an object that cannot be copied, or
+    deeper than the capture walk looks (an attribute of an attribute)."""
 
 
 class VaryingVariableError(MirraxError, ValueError):

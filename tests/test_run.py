@@ -1,6 +1,7 @@
 """strategy.run: one compiled program, in-place NNX updates, exact gradients, aggregation, RNG."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -146,14 +147,16 @@ def test_module_optimizer_and_metric_are_updated_in_place(strategy):
     assert float(metric.compute()) == pytest.approx(3.0)
 
 
-def test_closure_capture_of_nnx_state_is_refused_with_the_fix(strategy):
+def test_closure_capture_of_nnx_state_is_carried(strategy):
+    # Before: CapturedStateError. Now carried like an argument (tests/test_run_captures.py).
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
     def step(x):
         return model(x)
 
-    with pytest.raises(mirrax.errors.CapturedStateError, match=r"captures NNX state 'model'.*args=\(model"):
-        strategy.run(step, args=(np.ones((2, 2), np.float32),))
+    x = np.ones((2, 2), np.float32)
+    out = strategy.experimental_local_results(strategy.run(step, args=(x,)))[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model(x)), rtol=1e-6)
 
 
 class _Registry:
@@ -175,16 +178,21 @@ def test_mutation_through_an_attribute_is_refused(strategy):
         strategy.run(step, args=(np.ones((2, 2), np.float32),))
 
 
-def test_a_module_read_through_a_plain_global_object_is_refused_before_tracing(strategy):
-    # Before: the weights were compiled in as constants (stale once the model trains).
-    _registry.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+def test_a_module_read_through_a_plain_global_object_is_carried(strategy):
+    # Before: refused (CapturedStateError); earlier still, compiled in as constants. Now the
+    # object's attribute is carried, so a weight changed between calls is seen.
+    _registry.model = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(0))
 
     def step(x):
         return _registry.model(x)
 
-    with pytest.raises(mirrax.errors.CapturedStateError,
-                       match=r"captures NNX state '_registry.model' \(Linear\).*Pass the object in args"):
-        strategy.run(step, args=(np.ones((2, 2), np.float32),))
+    x = np.ones((2, 2), np.float32)
+    strategy.run(step, args=(x,))
+    _registry.model.kernel[...] = jnp.ones((2, 2))
+    out = strategy.run(step, args=(x,))
+    # [1, 1] @ ones((2, 2)) = [2, 2] on every replica (the same replicated input).
+    np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(out)[0]),
+                                  [[2, 2], [2, 2]])
 
 
 def test_gradient_through_an_unrelated_object_is_a_captured_state_error():
@@ -557,11 +565,19 @@ def test_recompiling_one_function_again_and_again_warns():
             strategy.run(step, args=(np.ones(2, np.float32), value))
 
 
-def test_a_function_defined_anew_every_call_warns_as_one_function():
+def test_a_function_defined_anew_every_call_warns_when_its_captures_change():
+    # Before: six lambdas of one code were six programs. Now one program serves a function
+    # defined anew with the same captures (tests/test_run_captures.py); a capture that is a
+    # new array every time still makes a new program each time, and warns.
     strategy = mirrored(2)
-    with pytest.warns(UserWarning, match=r"compiled <lambda> 6 times.*defined anew for every call"):
-        for _ in range(6):  # six function objects of one code: six programs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(6):
             strategy.run(lambda x: x * 3, args=(np.ones(2, np.float32),))
+    with pytest.warns(UserWarning, match=r"compiled <lambda> 6 times.*defined anew for every call"):
+        for i in range(6):
+            scale = np.float32(i)
+            strategy.run(lambda x: x * scale, args=(np.ones(2, np.float32),))
 
 
 def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from mirrax import errors
 from mirrax._src.distribute import _compat, exact_sums, invariant
 from mirrax._src.distribute import sharded_optimizer
+from mirrax._src.distribute.run import captures, rebuild
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
@@ -61,6 +62,7 @@ class Spec:
     state_def: Any
     node_names: tuple
     state_specs: tuple | None = None  # per state leaf, sharded_optimizer.state_specs
+    captured: tuple = ()  # per NNX object `fn` captures (captures.py order), its index in nodes
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: a key of NodeState.memo
@@ -247,22 +249,27 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
                          example_count=count)
     recorder = None if spec.state_specs is None else sharded_optimizer.Recorder(
         nodes, variables, spec.state_specs, fn_name(spec.fn), ctx.scattered_gradients)
+    fn = spec.fn
+    if spec.captured:  # the function reaching the merged objects instead of the caller's
+        fn = rebuild.substitute(fn, spec.fn_node, tuple(nodes[i] for i in spec.captured))
     try:
         with replica_context_scope(ctx):
             if spec.fn_node is None:
-                outputs = spec.fn(*args, **kwargs)
+                outputs = fn(*args, **kwargs)
             elif spec.fn_node is spec.fn:
                 outputs = fn_node(*args, **kwargs)
             else:
-                outputs = spec.fn.__func__(fn_node, *args, **kwargs)
+                outputs = fn.__func__(fn_node, *args, **kwargs)
         if recorder is not None:
             recorder.check_unchanged()
     except flax.errors.TraceContextError as e:
         raise errors.CapturedStateError(
-            f"strategy.run: {fn_name(spec.fn)} mutates an NNX object it reaches through a "
-            "closure, a global or an attribute, not through its arguments; the update would be "
-            "lost. Pass the object in args, e.g. strategy.run(step, args=(model, optimizer, "
-            f"batch)), and use the argument inside the function. (flax said: {e})"
+            f"strategy.run: {fn_name(spec.fn)} mutates an NNX object it reaches by a path "
+            "mirrax does not carry (an attribute of an attribute of a plain object, or a "
+            "helper more than three calls deep), not through its arguments or a direct "
+            "capture; the update would be lost. Pass the object in args, e.g. "
+            "strategy.run(step, args=(model, optimizer, batch)), or capture the object itself "
+            f"(a closure variable or global holding it). (flax said: {e})"
         ) from e
     except ValueError as e:
         # flax's nnx.split / nnx.grad of an object that belongs to no trace of this step (it was

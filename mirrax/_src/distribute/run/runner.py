@@ -124,6 +124,7 @@ class Runner:
         self._nodes.clear()
         self._example_counts.clear()
         self._compile_counts.clear()
+        captures.clear()
 
     def run(self, fn, args, kwargs):
         """Implements `Strategy.run` (validated there)."""
@@ -169,8 +170,15 @@ class Runner:
             batch_info = (call.mask, count)
         mask_key = None if batch_info is None else batch_info[1] is not None
 
+        captured = captures.lookup(call.fn, call.fn_node)
+        if captured.nodes:
+            captured_at = _add_captured(call, captured)
+        else:
+            captured_at = ()
+        if captured.key is not None:
+            call.fn_key = captured.key
         node_state = self._nodes.lookup(call.nodes)
-        call_key = (call.fn_key, call.treedef, call.slots, mask_key)
+        call_key = (call.fn_key, call.treedef, call.slots, mask_key, captured_at)
         program = binding = bound = None
         if node_state.key is not None:
             bound = node_state.memo.get(call_key)
@@ -193,7 +201,7 @@ class Runner:
         state_leaves, written = self._state_leaves(binding, call, node_state.memo)
         if program is None:
             program = self._compile(call, key, graphdef, state_def, binding, node_state,
-                                    state_leaves, batch_info)
+                                    state_leaves, batch_info, captured, captured_at)
         if node_state.key is not None and bound is None:
             memo = node_state.memo
             if len(memo) >= _MEMO_SIZE:
@@ -249,14 +257,16 @@ class Runner:
         return state_leaves if protected is None else protected
 
     def _compile(self, call, key, graphdef, state_def, binding, node_state, state_leaves,
-                 batch_info):
+                 batch_info, captured, captured_at):
         strategy = self._strategy
-        captures.check_captures(call.fn, call.fn_node)
         captures.check_static_holders(call.slots, call.names)
         self._warn_on_retracing(call)
-        node_names = tuple(call.names.of_node(node) for node in call.nodes)
+        captured_names = {index: f"{name} (captured)"
+                          for index, name in zip(captured_at, captured.names)}
+        node_names = tuple(captured_names.get(i) or call.names.of_node(node)
+                           for i, node in enumerate(call.nodes))
         spec = prog.Spec(strategy, call.fn, call.fn_node, call.treedef, call.slots, graphdef,
-                         state_def, node_names, binding.specs)
+                         state_def, node_names, binding.specs, captured_at)
         program = prog.compile_program(spec, state_leaves, call.dynamic, batch_info)
         if node_state.key is not None and state_def.num_leaves == len(binding.live):
             index = {id(v): i for i, v in enumerate(node_state.variables)}
@@ -319,7 +329,7 @@ class Runner:
     def _warn_on_retracing(self, call) -> None:
         """Warns, as tf.function does, when one function keeps being compiled anew."""
         counts = self._compile_counts
-        key = _retrace_key(call.fn_key)
+        key = _retrace_key(call.fn)
         counts[key] = counts.get(key, 0) + 1
         if counts[key] == _RETRACE_WARNING_AT:
             statics = [repr(slot.value) for slot in call.slots if isinstance(slot, StaticSlot)]
@@ -329,22 +339,42 @@ class Runner:
                 "makes a new program; this call's Python values: "
                 f"{', '.join(statics) or 'none'}. Pass values that change every step as arrays "
                 "(jnp.int32(step)) and keep batch shapes fixed. A function defined anew for "
-                "every call (inside the loop or the step) is a new function each time: define "
-                "it once, outside.",
+                "every call (inside the loop or the step) shares one program only while what "
+                "it captures is the same (NNX objects, Python constants by value, other "
+                "objects such as arrays by identity): define it once, outside, or pass "
+                "the changing values in args.",
                 stacklevel=5,
             )
 
 
-def _retrace_key(fn_key):
-    """What the retrace warning counts compiles by: a function's code and what its closure
-    holds, so a function made anew for every call (defined inside the loop or the step) with
-    the same captures counts as one, while two models' steps (same code, other captures) do
-    not."""
-    code = getattr(fn_key, "__code__", None)
+def _add_captured(call, captured) -> tuple:
+    """Appends the NNX objects `call.fn` captures to `call.nodes` (those also passed in args
+    are carried once); returns each captured object's index there, in `captured` order."""
+    nodes = call.nodes
+    index = {id(node): i for i, node in enumerate(nodes)}
+    at = []
+    for node in captured.nodes:
+        i = index.get(id(node))
+        if i is None:
+            i = index[id(node)] = len(nodes)
+            nodes.append(node)
+        at.append(i)
+    return tuple(at)
+
+
+def _retrace_key(fn):
+    """What the retrace warning counts compiles by. A user's function: its code, so one made
+    anew for every call (defined inside the loop or the step) counts as one however its
+    captures change (captured NNX objects of one structure share a program: they compile
+    once). mirrax's own steps (one per compiled Model): their code and what their closure
+    holds, so two models' steps do not count together."""
+    code = getattr(fn, "__code__", None)
     if code is None:
-        return fn_key
+        return fn
+    if captures.user_function(fn):
+        return code
     captured = []
-    for cell in fn_key.__closure__ or ():
+    for cell in fn.__closure__ or ():
         try:
             captured.append(id(cell.cell_contents))
         except ValueError:  # an empty cell
