@@ -12,6 +12,7 @@ from mirrax import losses as losses
 from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
 from mirrax import partitioners as partitioners
+from mirrax import train as train
 from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus as CheckpointLoadStatus
@@ -67,6 +68,7 @@ from mirrax._src.parameter_server.strategy import (
     ParameterServerStrategy as ParameterServerStrategy,
 )
 from mirrax._src.training.model import Model as Model
+from mirrax._src.training.sidecar_evaluator import SidecarEvaluator as SidecarEvaluator
 
 __version__ = "0.1.0"
 
@@ -101,6 +103,7 @@ __all__ = [
     "ReductionToOneDevice",
     "RemoteValue",
     "ReplicaContext",
+    "SidecarEvaluator",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "Strategy",
@@ -127,5 +130,6 @@ __all__ = [
     "partitioners",
     "scale_regularization_loss",
     "set_cpu_device_count",
+    "train",
     "value_and_grad",
 ]

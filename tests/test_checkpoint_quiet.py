@@ -28,8 +28,8 @@ _SCRIPT = textwrap.dedent(
     model = mirrax.Model(RngNet(0))
     model.compile(optax.adam(0.01), loss="mse")
     ckpt = mirrax.Checkpoint(model=model, step=1)
-    ckpt.save(os.path.join(work, "c"))
-    ckpt.save(os.path.join(work, "c"))  # onto an existing checkpoint
+    ckpt.write(os.path.join(work, "c"))
+    ckpt.write(os.path.join(work, "c"))  # onto an existing checkpoint
     ckpt.restore(os.path.join(work, "c")).assert_consumed()
     mirrax.Checkpoint(model=model).restore(os.path.join(work, "c"))  # "step" left unread
     model.save_weights(os.path.join(work, "w"))
@@ -101,7 +101,7 @@ _DAMAGED_SCRIPT = textwrap.dedent(
     def tracked(seed):
         return dict(net=nnx.Linear(2, 300, rngs=nnx.Rngs(seed)), w=nnx.Variable(jnp.arange(1000.0)))
     for k in range(30):
-        path = mirrax.Checkpoint(**tracked(0)).save(os.path.join(work, f"c{{k}}"))
+        path = mirrax.Checkpoint(**tracked(0)).write(os.path.join(work, f"c{{k}}"))
         files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
         largest = max(files, key=os.path.getsize)
         os.truncate(largest, os.path.getsize(largest) // 2)
@@ -139,7 +139,7 @@ _TRUNCATED_FILES_SCRIPT = textwrap.dedent(
     model.compile("adam", "mse")
     ckpt = mirrax.Checkpoint(model=model)
     for k in range(10):
-        path = ckpt.save(os.path.join(work, f"c{{k}}"))
+        path = ckpt.write(os.path.join(work, f"c{{k}}"))
         for d, _, names in os.walk(path):
             for f in (os.path.join(d, n) for n in names):
                 if os.path.getsize(f) > 100 and "metadata" not in f.lower():
@@ -150,7 +150,7 @@ _TRUNCATED_FILES_SCRIPT = textwrap.dedent(
             pass
         else:
             raise AssertionError("a restore of truncated files succeeded")
-    ckpt.save(os.path.join(work, "after"))  # later Orbax calls stay quiet too
+    ckpt.write(os.path.join(work, "after"))  # later Orbax calls stay quiet too
     print("DONE", flush=True)
     """
 )
