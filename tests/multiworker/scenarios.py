@@ -635,7 +635,10 @@ def loaders(out_dir, index):
     return loader_runs(_strategy())
 
 
+from tests.multiworker.checkpoints_tf import checkpoints_tf  # noqa: E402
+
 SCENARIOS = {
+    "checkpoints_tf": checkpoints_tf,
     "autoshard": autoshard,
     "divergent": divergent,
     "chief_writes": chief_writes,

@@ -114,11 +114,13 @@ class Checkpoint:
             )
         self.save_counter += 1
         try:
-            path = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save")
+            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save")
         except BaseException:
             self.save_counter -= 1
             raise
-        update_state(os.path.dirname(path), path)
+        update_state(os.path.dirname(target), target)
+        # Every worker's latest_checkpoint after save() sees this one.
+        atomic_dirs.barrier(f"mirrax_checkpoint_state:{target}")
         return path
 
     def write(self, path) -> str:
@@ -144,18 +146,19 @@ class Checkpoint:
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
           InvalidArgumentError: a non-chief path contains or lies in the chief's.
         """
-        return self._write(atomic_dirs.checked_path(path, "Checkpoint.write"), "Checkpoint.write")
+        return self._write(atomic_dirs.checked_path(path, "Checkpoint.write"),
+                           "Checkpoint.write")[0]
 
-    def _write(self, path: str, what: str) -> str:
-        refuse_to_replace(path, what)
-        target = chief_path(path, what)
+    def _write(self, path: str, what: str) -> tuple:
+        """Writes the checkpoint for this process's `path`; returns (`path`, the path written)."""
+        target = chief_path(path, what, lambda own: refuse_to_replace(own, what))
         save_args = orbax_save_args(self)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         atomic_dirs.replace_atomically(
             target, lambda new: write_checkpoint(new, save_args), is_complete)
         if target != path:
             write_stub(path, target)
-        return path
+        return path, target
 
     def restore(self, path) -> CheckpointLoadStatus:
         """Reads the checkpoint at `path` into the tracked objects, placed where they are now.

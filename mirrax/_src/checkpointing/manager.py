@@ -152,9 +152,9 @@ class CheckpointManager:
             )
         self.checkpoint = checkpoint
         self.directory = atomic_dirs.checked_path(directory, owner)
-        refuse_non_directory(self.directory, owner)
         # Where the checkpoints live: the chief's directory, on every process (workers.py).
-        self._shared = chief_path(self.directory, owner)
+        self._shared = chief_path(
+            self.directory, owner, lambda own: refuse_non_directory(own, owner))
         self.max_to_keep = max_to_keep
         self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self.checkpoint_interval = checkpoint_interval

@@ -29,26 +29,43 @@ STUB_FILE = "MIRRAX_CHIEF_CHECKPOINT.txt"
 _EXCHANGES = itertools.count()
 
 
-def chief_path(path: str, what: str) -> str:
+def chief_path(path: str, what: str, check) -> str:
     """The path every process writes for a save whose own path is `path` (absolute): the chief's
-    (process 0's) in a multi-process run, `path` itself in one process. Collective."""
+    (process 0's) in a multi-process run, `path` itself in one process. Collective.
+
+    `check(path)` raises a MirraxError when this process may not save to its path; in a
+    multi-process run a refusal on any process is raised on every process (none is left
+    waiting in Orbax's barrier for a peer that refused).
+    """
     if jax.process_count() == 1:
+        check(path)
         return path
+    try:
+        check(path)
+        refusal = None
+    except errors.MirraxError as e:
+        refusal, own_error = f"{type(e).__name__}: {e}", e
     name = f"checkpoint_path/{next(_EXCHANGES)}"
-    paths = multihost.exchange(name, path)
-    multihost.forget(name)
-    if paths[0] != path:
-        stub_path = path
-        chief = paths[0]
-        if os.path.commonpath([stub_path, chief]) in (stub_path, chief):
+    # The keys stay in the store (about 100 bytes a save): no point is known where every peer
+    # has read them (a refusal skips Orbax's barrier), and deleting one early strands a peer.
+    answers = multihost.exchange(name, [path, refusal])
+    if refusal is not None:
+        raise own_error
+    for process, (_, other) in enumerate(answers):
+        if other is not None:
             raise errors.InvalidArgumentError(
-                f"{what}: this worker (process {jax.process_index()}) saves to {stub_path}, which "
-                f"contains or lies inside the chief's checkpoint path {chief}; deleting this "
-                "worker's copy would delete the chief's. Give non-chief workers a path beside the "
-                "chief's, e.g. os.path.join(os.path.dirname(path), f'workertemp_{task_id}', "
+                f"{what}: worker process {process} refused its save, so no worker saved: {other}")
+    chief = answers[0][0]
+    for process, (own, _) in enumerate(answers):
+        if own != chief and os.path.commonpath([own, chief]) in (own, chief):
+            raise errors.InvalidArgumentError(
+                f"{what}: worker process {process} saves to {own}, which contains or lies inside "
+                f"the chief's checkpoint path {chief}; deleting that worker's copy would delete "
+                "the chief's. Give non-chief workers a path beside the chief's, e.g. "
+                "os.path.join(os.path.dirname(path), f'workertemp_{task_id}', "
                 "os.path.basename(path)) (TF's write_filepath), or the chief's path itself."
             )
-    return paths[0]
+    return chief
 
 
 def is_stub(path: str) -> bool:
