@@ -13,6 +13,7 @@ from mirrax import metrics as metrics
 from mirrax import mixed_precision as mixed_precision
 from mirrax import models as models
 from mirrax import partitioners as partitioners
+from mirrax import train as train
 from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus as CheckpointLoadStatus
@@ -71,6 +72,7 @@ from mirrax._src.parameter_server.strategy import (
 from mirrax._src.training.keras_optimizer import KerasOptimizer as KerasOptimizer
 from mirrax._src.training.model import Model as Model
 from mirrax.errors import PaddedBatchWarning as PaddedBatchWarning
+from mirrax._src.training.sidecar_evaluator import SidecarEvaluator as SidecarEvaluator
 
 __version__ = "0.1.0"
 
@@ -108,6 +110,7 @@ __all__ = [
     "ReductionToOneDevice",
     "RemoteValue",
     "ReplicaContext",
+    "SidecarEvaluator",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "Strategy",
@@ -135,5 +138,6 @@ __all__ = [
     "partitioners",
     "scale_regularization_loss",
     "set_cpu_device_count",
+    "train",
     "value_and_grad",
 ]

@@ -40,7 +40,7 @@ def test_adam_state_saved_under_4_replicas_restores_exactly_under_1_2_8_and_one_
     four = mirrored(4)
     model, optimizer = _make(four, w1, w2)
     _train(four, model, optimizer, steps=3)
-    path = mirrax.Checkpoint(model=model, optimizer=optimizer, step=3).save(tmp_path / "ckpt")
+    path = mirrax.Checkpoint(model=model, optimizer=optimizer, step=3).write(tmp_path / "ckpt")
     saved = _leaves(model, optimizer)
     _train(four, model, optimizer, steps=1)
     after_step_4 = _leaves(model)
@@ -75,7 +75,7 @@ def test_checkpoint_size_does_not_grow_with_replicas(tmp_path):
     for replicas in (1, 8):
         with mirrored(replicas).scope():
             layer = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
-        mirrax.Checkpoint(layer=layer).save(tmp_path / str(replicas))
+        mirrax.Checkpoint(layer=layer).write(tmp_path / str(replicas))
         sizes[replicas] = _dir_bytes(tmp_path / str(replicas))
     assert abs(sizes[8] - sizes[1]) < 4096, sizes  # metadata noise only
     assert sizes[1] < 2 * 263_168, sizes
@@ -118,7 +118,7 @@ def test_model_step_counter_and_metric_round_trip_and_save_counter(tmp_path):
 
 
 def test_mismatched_structure_lists_paths_and_shapes(tmp_path):
-    path = mirrax.Checkpoint(net=nnx.Linear(4, 3, rngs=nnx.Rngs(0))).save(tmp_path / "c")
+    path = mirrax.Checkpoint(net=nnx.Linear(4, 3, rngs=nnx.Rngs(0))).write(tmp_path / "c")
     other = nnx.Linear(4, 5, use_bias=False, rngs=nnx.Rngs(0))
     kernel = np.asarray(other.kernel[...])
     with pytest.raises(ValueError) as info:
@@ -130,7 +130,7 @@ def test_mismatched_structure_lists_paths_and_shapes(tmp_path):
 
 
 def test_dtype_difference_is_named(tmp_path):
-    path = mirrax.Checkpoint(net=nnx.Linear(2, 2, rngs=nnx.Rngs(0))).save(tmp_path / "c")
+    path = mirrax.Checkpoint(net=nnx.Linear(2, 2, rngs=nnx.Rngs(0))).write(tmp_path / "c")
     half = nnx.Linear(2, 2, param_dtype=np.float16, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"net\['kernel'\] has dtype float32 in the checkpoint, float16"):
         mirrax.Checkpoint(net=half).restore(path)
@@ -241,7 +241,7 @@ def used_rng_net(seed: int, legacy: bool) -> RngNet:
 @pytest.mark.parametrize("how", ["restore", "read"])
 def test_dropout_batchnorm_and_rngs_state_restores_exactly(tmp_path, legacy, how):
     saved = used_rng_net(0, legacy)
-    path = mirrax.Checkpoint(net=saved).save(tmp_path / "ckpt")
+    path = mirrax.Checkpoint(net=saved).write(tmp_path / "ckpt")
     target = RngNet(1, legacy)  # other weights, other keys, counts 0
     getattr(mirrax.Checkpoint(net=target), how)(path).assert_consumed()
     assert_same_state(target, saved)
@@ -257,7 +257,7 @@ def test_dropout_batchnorm_and_rngs_state_restores_exactly(tmp_path, legacy, how
 
 def test_typed_key_values_and_variables_restore_exactly(tmp_path):
     key, var = jax.random.key(7), nnx.Variable(jax.random.key(8))
-    path = mirrax.Checkpoint(key=key, var=var).save(tmp_path / "ckpt")
+    path = mirrax.Checkpoint(key=key, var=var).write(tmp_path / "ckpt")
     ckpt = mirrax.Checkpoint(key=jax.random.key(0), var=nnx.Variable(jax.random.key(0)))
     ckpt.restore(path).assert_consumed()
     assert jax.dtypes.issubdtype(ckpt.key.dtype, jax.dtypes.prng_key)
@@ -268,7 +268,7 @@ def test_typed_key_values_and_variables_restore_exactly(tmp_path):
 def test_rng_state_saved_under_4_replicas_restores_under_one_device(tmp_path):
     with mirrored(4).scope():
         saved = used_rng_net(0, legacy=False)
-    path = mirrax.Checkpoint(net=saved).save(tmp_path / "ckpt")
+    path = mirrax.Checkpoint(net=saved).write(tmp_path / "ckpt")
     with named_strategy("OneDevice").scope():
         target = RngNet(1)
     mirrax.Checkpoint(net=target).restore(path).assert_consumed()
@@ -290,14 +290,14 @@ def test_save_weights_and_load_weights_keep_rng_and_batchnorm_state(tmp_path, le
 def test_load_weights_reads_the_module_of_a_full_checkpoint(tmp_path):
     saved = mirrax.Model(used_rng_net(0, legacy=False))
     saved.compile(optax.adam(0.1), loss="mse")
-    path = mirrax.Checkpoint(model=saved).save(tmp_path / "full")  # model.module, model.optimizer
+    path = mirrax.Checkpoint(model=saved).write(tmp_path / "full")  # model.module, model.optimizer
     target = mirrax.Model(RngNet(1))
     target.load_weights(path)  # was: AssertionError "... has nothing for ['weights']"
     assert_same_state(target.module, saved.module)
 
 
 def test_load_weights_names_the_restoring_call_for_a_checkpoint_without_a_model(tmp_path):
-    path = mirrax.Checkpoint(net=RngNet(0), step=3).save(tmp_path / "other")
+    path = mirrax.Checkpoint(net=RngNet(0), step=3).write(tmp_path / "other")
     with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
                        match=r"holds no single model's weights \(its items: \['net', "
                              r"'step'\]\).*mirrax\.Checkpoint\(net=<the object saved>\)"
@@ -315,18 +315,18 @@ def test_a_save_never_replaces_a_file_or_a_directory_of_other_things(tmp_path, m
     monkeypatch.chdir(tmp_path)
     # Before: abspath('') is the working directory, and Orbax's force=True deleted it.
     with pytest.raises(mirrax.errors.InvalidArgumentError, match="the path is empty"):
-        mirrax.Checkpoint(step=0).save("")
+        mirrax.Checkpoint(step=0).write("")
     with pytest.raises(mirrax.errors.ExistingPathError, match="holds no checkpoint"):
-        mirrax.Checkpoint(step=0).save(tmp_path)
+        mirrax.Checkpoint(step=0).write(tmp_path)
     with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
         mirrax.Model(RngNet(0)).save_weights(tmp_path / "notes.txt")
     assert (tmp_path / "notes.txt").read_text() == "keep"
     # An empty directory, or a damaged checkpoint, is replaced.
     (tmp_path / "empty").mkdir()
-    mirrax.Checkpoint(step=0).save(tmp_path / "empty")
-    path = mirrax.Checkpoint(step=1).save(tmp_path / "damaged")
+    mirrax.Checkpoint(step=0).write(tmp_path / "empty")
+    path = mirrax.Checkpoint(step=1).write(tmp_path / "damaged")
     os.remove(os.path.join(path, "_CHECKPOINT_METADATA"))
-    mirrax.Checkpoint(step=2).save(path)
+    mirrax.Checkpoint(step=2).write(path)
     ckpt = mirrax.Checkpoint(step=0)
     ckpt.restore(path)
     assert ckpt.step == 2

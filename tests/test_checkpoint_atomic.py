@@ -150,7 +150,7 @@ def test_save_killed_part_way_leaves_previous_checkpoint_latest_and_intact(tmp_p
 
 def _saved_checkpoint(tmp_path):
     values = np.arange(100_000, dtype=np.float32)  # 400,000 bytes: the largest file is its data
-    path = mirrax.Checkpoint(w=nnx.Variable(jnp.asarray(values))).save(tmp_path / "ckpt")
+    path = mirrax.Checkpoint(w=nnx.Variable(jnp.asarray(values))).write(tmp_path / "ckpt")
     files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
     data_file = max(files, key=os.path.getsize)
     assert f"{os.sep}d{os.sep}" in data_file, data_file  # an OCDBT data file of item "w"
@@ -249,7 +249,7 @@ def kill_save(kind: str, work: str, module) -> None:
 
     path = os.path.join(work, "target")
     if kind == "checkpoint":
-        mirrax.Checkpoint(model=module).save(path)
+        mirrax.Checkpoint(model=module).write(path)
     elif kind == "save_weights":
         mirrax.Model(module).save_weights(path, overwrite=True)
     elif kind.startswith("model_checkpoint"):

@@ -20,7 +20,7 @@ def test_restored_iterator_continues_with_the_next_batch(tmp_path):
     iterator = iter(dist_dataset)
     for _ in range(3):  # batches 0, 1, 2 handed out; the prefetch thread has read further
         next(iterator)
-    mirrax.Checkpoint(iterator=iterator).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(iterator=iterator).write(tmp_path / "ckpt")
 
     fresh = iter(dist_dataset)
     mirrax.Checkpoint(iterator=fresh).restore(tmp_path / "ckpt").assert_consumed()
@@ -37,7 +37,7 @@ def test_restore_into_a_used_iterator_raises(tmp_path):
     dist_dataset = strategy.experimental_distribute_dataset(_BATCHES)
     iterator = iter(dist_dataset)
     next(iterator)
-    mirrax.Checkpoint(iterator=iterator).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(iterator=iterator).write(tmp_path / "ckpt")
 
     used = iter(dist_dataset)
     next(used)
@@ -52,7 +52,7 @@ def test_restore_past_the_end_of_a_shorter_dataset_raises(tmp_path):
     iterator = iter(strategy.experimental_distribute_dataset(_BATCHES))
     for _ in range(3):
         next(iterator)
-    mirrax.Checkpoint(iterator=iterator).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(iterator=iterator).write(tmp_path / "ckpt")
 
     short = iter(strategy.experimental_distribute_dataset(_BATCHES[:2]))
     with pytest.raises(ValueError, match="position is 3 batches, but the dataset ended after 2"):
@@ -66,7 +66,7 @@ def test_a_failed_iterator_restore_changes_no_other_object(tmp_path):
     iterator = iter(strategy.experimental_distribute_dataset(_BATCHES))
     for _ in range(3):
         next(iterator)
-    mirrax.Checkpoint(iterator=iterator, weights=mirrax.metrics.Sum()).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(iterator=iterator, weights=mirrax.metrics.Sum()).write(tmp_path / "ckpt")
     short = iter(strategy.experimental_distribute_dataset(_BATCHES[:2]))
     total = mirrax.metrics.Sum()
     total.update_state(np.float32(7.0))
@@ -84,7 +84,7 @@ def test_iterator_position_and_a_dropout_model_restore_together(tmp_path):
     next(iterator)
     with strategy.scope():
         net = used_rng_net(0, legacy=False)
-    mirrax.Checkpoint(iterator=iterator, net=net).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(iterator=iterator, net=net).write(tmp_path / "ckpt")
     fresh, target = iter(dist_dataset), RngNet(1)
     mirrax.Checkpoint(iterator=fresh, net=target).restore(tmp_path / "ckpt").assert_consumed()
     assert_same_state(target, net)

@@ -94,7 +94,7 @@ def test_bad_task_raises_on_construction(task, match):
      "at most one 'chief'"),
     ('{"cluster": {"master": ["a:1"]}, "task": {"type": "master", "index": 0}}',
      r"unknown job names \['master'\]"),
-    ('{"cluster": {"evaluator": ["a:1"]}, "task": {"type": "evaluator", "index": 0}}',
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}',
      "no training task"),
 ])
 def test_malformed_tf_config_raises(tf_config, match):

@@ -213,7 +213,7 @@ def test_a_keras_model_checkpoints_and_exports_like_an_nnx_module(tmp_path):
             layers.BatchNormalization(), layers.Flatten(), layers.Dropout(0.3), layers.Dense(10)]))
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x[:256], y[:256], batch_size=64, verbose=0)
-    mirrax.Checkpoint(model=model).save(tmp_path / "ckpt")
+    mirrax.Checkpoint(model=model).write(tmp_path / "ckpt")
     saved = model.predict(x_test, verbose=0)
     model.fit(x[:256], y[:256], batch_size=64, verbose=0)
     assert not np.array_equal(model.predict(x_test, verbose=0), saved)

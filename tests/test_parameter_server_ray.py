@@ -352,7 +352,7 @@ def test_shutdown_hands_the_values_back_and_an_object_lives_on_one_strategy(tmp_
             assert isinstance(error, errors.UnsupportedArgumentError) and "was shut down" in str(error)
         with pytest.raises(errors.UnsupportedArgumentError, match="was shut down"):
             coordinator.schedule(add_one, args=(model,))
-        mirrax.Checkpoint(model=model).save(tmp_path / "after")  # the coordinator's own now
+        mirrax.Checkpoint(model=model).write(tmp_path / "after")  # the coordinator's own now
         second_coordinator = mirrax.ClusterCoordinator(second)
         second_coordinator.schedule(add_one, args=(model,))  # free to move
         second_coordinator.join()
@@ -430,7 +430,7 @@ def test_one_synchronous_worker_equals_mirrored_strategy(tmp_path):
 
         # A checkpoint saved on the coordinator holds the parameter servers' values and
         # restores into a MirroredStrategy model, and the other way round.
-        mirrax.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "ps")
+        mirrax.Checkpoint(model=model, optimizer=optimizer).write(tmp_path / "ps")
         fresh = MLP(nnx.Rngs(5))
         fresh_optimizer = nnx.Optimizer(fresh, optax.adam(0.01), wrt=nnx.Param)
         mirrax.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(tmp_path / "ps")
@@ -439,7 +439,7 @@ def test_one_synchronous_worker_equals_mirrored_strategy(tmp_path):
         assert int(fresh_optimizer.step[...]) == 10
 
         other = MLP(nnx.Rngs(9))
-        mirrax.Checkpoint(model=other).save(tmp_path / "mirrored")
+        mirrax.Checkpoint(model=other).write(tmp_path / "mirrored")
         mirrax.Checkpoint(model=model).restore(tmp_path / "mirrored")
         remote_kernel = coordinator.schedule(lambda: model.out.kernel[...]).fetch()
         np.testing.assert_array_equal(remote_kernel, np.asarray(other.out.kernel[...]))
@@ -640,7 +640,7 @@ def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path
         for _ in range(20):
             coordinator.schedule(step, args=(iterator,))
         coordinator.join()
-        mirrax.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "ckpt")
+        mirrax.Checkpoint(model=model, optimizer=optimizer).write(tmp_path / "ckpt")
         saved = (float(model.w[...][0]), float(model.b[...][0]))
         os.kill(strategy.extended.cluster.ps_pids[1], signal.SIGKILL)
 

@@ -266,7 +266,7 @@ def test_checkpoints_hold_whole_arrays_and_restore_into_any_layout(tmp_path):
     model, optimizer = _build(strategy, optax.adam(1e-2))
     _train(strategy, model, optimizer, 10)
     path = str(tmp_path / "sharded")
-    mirrax.Checkpoint(model=model, optimizer=optimizer).save(path)
+    mirrax.Checkpoint(model=model, optimizer=optimizer).write(path)
     _train(strategy, model, optimizer, 1)  # step 11, continuing under 4
     expected = _arrays(model, optimizer)
     for replicas, shard in ((1, False), (2, True), (8, True)):
@@ -282,7 +282,7 @@ def test_an_unsharded_checkpoint_restores_into_a_sharded_strategy(tmp_path):
     model, optimizer = _build(plain, optax.adam(1e-2))
     _train(plain, model, optimizer, 3)
     path = str(tmp_path / "plain")
-    mirrax.Checkpoint(model=model, optimizer=optimizer).save(path)
+    mirrax.Checkpoint(model=model, optimizer=optimizer).write(path)
     _train(plain, model, optimizer, 1)
     sharded = _strategy(4)
     restored_model, restored_optimizer = _build(sharded, optax.adam(1e-2))

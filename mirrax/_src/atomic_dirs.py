@@ -193,5 +193,5 @@ def resolve(path: str, what: str, complete, missing=None) -> str:
             return candidate
     raise errors.MissingCheckpointError(
         missing or f"{what}: no checkpoint directory at {path}; write one with "
-        "Checkpoint.save(path) or CheckpointManager.save()."
+        "Checkpoint.write(path), Checkpoint.save(prefix) or CheckpointManager.save()."
     )

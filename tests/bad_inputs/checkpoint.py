@@ -27,7 +27,7 @@ def _linear(strategy=None, width: int = 2, dtype=jnp.float32):
 
 
 def _saved(env, name: str = "ckpt", **objects) -> str:
-    return mirrax.Checkpoint(**(objects or {"net": _linear()})).save(env.tmp_path / name)
+    return mirrax.Checkpoint(**(objects or {"net": _linear()})).write(env.tmp_path / name)
 
 
 def _file(env, name: str = "file") -> str:
@@ -86,19 +86,19 @@ CASES = [
     Case("Checkpoint(_hidden=1): a name starting with '_'",
          lambda env: mirrax.Checkpoint(_hidden=1), errors.InvalidArgumentError,
          ("starts with '_'", "'_hidden'", "rename it")),
-    Case("Checkpoint.save(123): a path that is not a path",
-         lambda env: mirrax.Checkpoint(step=0).save(123), errors.InvalidArgumentTypeError,
+    Case("Checkpoint.write(123): a path that is not a path",
+         lambda env: mirrax.Checkpoint(step=0).write(123), errors.InvalidArgumentTypeError,
          ("must be a str or os.PathLike", "received 123 of type int")),
-    Case("Checkpoint.save onto a directory of other files (was: deleted them)",
+    Case("Checkpoint.write onto a directory of other files (was: deleted them)",
          lambda env: ((env.tmp_path / "home").mkdir(), _file(env, "home/notes.txt"),
-                      mirrax.Checkpoint(step=0).save(env.tmp_path / "home")),
+                      mirrax.Checkpoint(step=0).write(env.tmp_path / "home")),
          errors.ExistingPathError, ("is a directory that holds no checkpoint", "['notes.txt']",
                                     "Save to a new or empty directory")),
-    Case("Checkpoint.save(''): an empty path (was: replaced the working directory)",
-         lambda env: mirrax.Checkpoint(step=0).save(""), errors.InvalidArgumentError,
+    Case("Checkpoint.write(''): an empty path (was: replaced the working directory)",
+         lambda env: mirrax.Checkpoint(step=0).write(""), errors.InvalidArgumentError,
          ("path is empty", "pass a directory path")),
-    Case("Checkpoint.save onto a regular file (was: replaced it)",
-         lambda env: mirrax.Checkpoint(step=0).save(_file(env)), errors.ExistingPathError,
+    Case("Checkpoint.write onto a regular file (was: replaced it)",
+         lambda env: mirrax.Checkpoint(step=0).write(_file(env)), errors.ExistingPathError,
          ("is a file, not a checkpoint directory", "does not replace it", "Save to another path")),
     Case("Checkpoint.restore where no tracked name is in the checkpoint",
          lambda env: mirrax.Checkpoint(model=_model()).restore(_saved(env)),
@@ -106,7 +106,7 @@ CASES = [
                                               "nothing was restored", "under the names")),
     Case("Checkpoint.restore from a missing directory",
          lambda env: _restore(env, env.tmp_path / "nowhere"), errors.MissingCheckpointError,
-         ("no checkpoint directory at", "nowhere", "Checkpoint.save(path)")),
+         ("no checkpoint directory at", "nowhere", "Checkpoint.write(path)")),
     Case("Checkpoint.restore from an empty directory",
          lambda env: (env.tmp_path / "empty").mkdir() or _restore(env, env.tmp_path / "empty"),
          errors.InvalidCheckpointError,

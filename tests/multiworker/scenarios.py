@@ -666,8 +666,10 @@ def keras_save(out_dir, index):
                                                     model.predict(x, verbose=0))),
             "wrote_own_path": path.exists() and path != chief_path}
 
+from tests.multiworker.checkpoints_tf import checkpoints_tf  # noqa: E402
 
 SCENARIOS = {
+    "checkpoints_tf": checkpoints_tf,
     "autoshard": autoshard,
     "divergent": divergent,
     "chief_writes": chief_writes,

@@ -25,6 +25,8 @@ from mirrax._src.checkpointing.directory import (
 )
 from mirrax._src.checkpointing.parts import as_arrays, nnx_part, tracked_parts
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus, restore_parts
+from mirrax._src.checkpointing.state_file import update_state
+from mirrax._src.checkpointing.workers import chief_path, for_save, write_stub
 
 
 class Checkpoint:
@@ -45,11 +47,12 @@ class Checkpoint:
 
     Example:
       ckpt = mirrax.Checkpoint(model=model, optimizer=optimizer, step=0)
-      ckpt.save("/tmp/ckpt")
-      ckpt.restore("/tmp/ckpt").assert_consumed()
+      path = ckpt.save("/tmp/training/ckpt")        # '/tmp/training/ckpt-1'
+      ckpt.restore(mirrax.train.latest_checkpoint("/tmp/training")).assert_consumed()
 
     Attributes:
-      save_counter: number of `save` calls (restored by `restore`, not by `read`), as TF's.
+      save_counter: number of `save` calls (and `CheckpointManager.save` calls), restored by
+        `restore`, not by `read`, as TF's; `write` leaves it alone.
     """
 
     def __init__(self, **objects: Any):
@@ -79,29 +82,83 @@ class Checkpoint:
         return [part for name, obj in self._objects.items()
                 for part in tracked_parts(self._objects, name, obj)]
 
-    def save(self, path) -> str:
-        """Writes every tracked object to the directory `path` (replaced if it exists).
+    def save(self, file_prefix) -> str:
+        """Writes a new numbered checkpoint `<file_prefix>-<save_counter>`, as
+        `tf.train.Checkpoint.save`: `save_counter` is incremented first (so the first save
+        writes `prefix-1`) and stored with the checkpoint; the `checkpoint` state file in
+        `file_prefix`'s directory then names it, for `mirrax.train.latest_checkpoint`.
+
+        Atomic as `write`; the state file is replaced only after the checkpoint is committed,
+        so it never names a half-written one. In a multi-process run every process calls
+        `save`; the chief's (process 0's) prefix is the one written (see `write`).
+
+        Args:
+          file_prefix: str or os.PathLike, e.g. '/tmp/training/ckpt'; its directory is created.
+
+        Returns:
+          The absolute path written, `<file_prefix>-<n>`.
+
+        Raises:
+          InvalidArgumentTypeError: `file_prefix` is not a str or os.PathLike.
+          InvalidArgumentError: `file_prefix` is empty or names a directory (a prefix ending in
+            '/'); TF would write files named '-1' inside it.
+          ExistingPathError: as `write`, for the numbered path.
+        """
+        raw = file_prefix
+        prefix = atomic_dirs.checked_path(file_prefix, "Checkpoint.save")
+        if os.fspath(raw).endswith(("/", os.sep)) or os.path.isdir(prefix):
+            raise errors.InvalidArgumentError(
+                f"Checkpoint.save: file_prefix must be a path prefix inside a directory, not a "
+                f"directory; received {raw!r}. Pass e.g. os.path.join({os.fspath(raw)!r}, 'ckpt') "
+                "(saves become ckpt-1, ckpt-2, ...), or write(path) to write exactly a path."
+            )
+        self.save_counter += 1
+        try:
+            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save")
+        except BaseException:
+            self.save_counter -= 1
+            raise
+        update_state(os.path.dirname(target), target)
+        # Every worker's latest_checkpoint after save() sees this one.
+        atomic_dirs.barrier(f"mirrax_checkpoint_state:{target}")
+        return path
+
+    def write(self, path) -> str:
+        """Writes every tracked object to the directory `path` (replaced if it exists), as
+        `tf.train.Checkpoint.write`: exactly `path`, no numbering, `save_counter` unchanged.
 
         Atomic, also when replacing: Orbax writes the new checkpoint to a temporary directory
         beside `path` and renames it when complete, then mirrax swaps it in by rename, so a
         kill at any moment leaves the old or the new checkpoint restorable from `path`. In a
-        multi-process run every process calls `save`; Orbax lets process 0 write.
+        multi-process run every process calls `write`; Orbax lets process 0 write. When the
+        processes pass different paths (TF's tutorials: the chief `ckpt`, the others
+        `workertemp_<i>/ckpt`), the chief's path holds the checkpoint and every other
+        process's path becomes a stub directory naming it (deleting a stub deletes nothing of
+        the chief's; restoring one is refused with the chief's path). Host-local state (no
+        step has touched it yet) is written with the chief's values.
 
         Returns:
-          The absolute path written.
+          The absolute path written (in a non-chief process with its own path: that stub).
 
         Raises:
           ExistingPathError: `path` is a regular file, or a non-empty directory that is no
             checkpoint (neither is ever replaced).
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
+          InvalidArgumentError: a non-chief path contains or lies in the chief's.
         """
-        path = atomic_dirs.checked_path(path, "Checkpoint.save")
-        refuse_to_replace(path, "Checkpoint.save")
-        self.save_counter += 1
+        return self._write(atomic_dirs.checked_path(path, "Checkpoint.write"),
+                           "Checkpoint.write")[0]
+
+    def _write(self, path: str, what: str) -> tuple:
+        """Writes the checkpoint for this process's `path`; returns (`path`, the path written)."""
+        target = chief_path(path, what, lambda own: refuse_to_replace(own, what))
         save_args = orbax_save_args(self)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         atomic_dirs.replace_atomically(
-            path, lambda target: write_checkpoint(target, save_args), is_complete)
-        return path
+            target, lambda new: write_checkpoint(new, save_args), is_complete)
+        if target != path:
+            write_stub(path, target)
+        return path, target
 
     def restore(self, path) -> CheckpointLoadStatus:
         """Reads the checkpoint at `path` into the tracked objects, placed where they are now.
@@ -166,7 +223,7 @@ class Checkpoint:
 def orbax_save_args(checkpoint: Checkpoint) -> ocp.args.Composite:
     """One save's Orbax arguments: every part `checkpoint` tracks, and its save_counter (for
     `Checkpoint.save` and `CheckpointManager.save`)."""
-    items = {part.item: ocp.args.StandardSave(as_arrays(part.get()))
+    items = {part.item: ocp.args.StandardSave(for_save(as_arrays(part.get())))
              for part in checkpoint._all_parts()}
     counter = np.asarray(checkpoint.save_counter, np.int64)
     items[SAVE_COUNTER] = ocp.args.StandardSave({"value": counter})
@@ -188,7 +245,7 @@ def save_weights(model, filepath, overwrite: bool = True) -> None:
         raise errors.ExistingPathError(
             f"save_weights: {path} exists; pass overwrite=True to replace it."
         )
-    Checkpoint(weights=model.module).save(path)
+    Checkpoint(weights=model.module).write(path)
 
 
 def load_weights(model, filepath) -> None:

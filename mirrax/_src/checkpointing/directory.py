@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 
 from mirrax import errors
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
+from mirrax._src.checkpointing.workers import STUB_FILE, refuse_stub
 
 # Item holding `Checkpoint.save_counter` (TF's name); `read` leaves it alone, as TF's does.
 SAVE_COUNTER = "save_counter"
@@ -36,7 +37,7 @@ def refuse_non_directory(path: str, what: str) -> None:
 def _looks_like_checkpoint(path: str) -> bool:
     """Whether a directory is (or was meant to be) an Orbax checkpoint, complete or damaged."""
     names = os.listdir(path)
-    if not names or METADATA_FILE in names or "commit_success.txt" in names:
+    if not names or METADATA_FILE in names or "commit_success.txt" in names or STUB_FILE in names:
         return True
     return any(os.path.isfile(os.path.join(path, n, "_METADATA")) for n in names)
 
@@ -75,6 +76,7 @@ def stored_items(path: str, what: str) -> dict:
             "save was interrupted before it was committed). Restore an earlier checkpoint "
             "(CheckpointManager.checkpoints lists the complete ones)."
         )
+    refuse_stub(path, what)
     if not is_complete(path):
         found = sorted(os.listdir(path))
         raise errors.InvalidCheckpointError(

@@ -26,6 +26,7 @@ from mirrax._src.checkpointing.directory import (
     METADATA_FILE, is_complete, refuse_non_directory, write_checkpoint,
 )
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
+from mirrax._src.checkpointing.workers import chief_path, write_stub
 
 _LOG = logging.getLogger("mirrax")
 
@@ -107,6 +108,14 @@ class CheckpointManager:
       InvalidArgumentTypeError / InvalidArgumentError: an argument of the wrong type or out of
         range (e.g. `max_to_keep=0`, `'3'` or `2.5`; a negative `checkpoint_interval`).
       ExistingPathError: `directory` is a regular file.
+
+    Multi-worker (TF's tutorial pattern): every process constructs the manager and calls
+    `save`. When the processes pass different directories (the chief `ckpt`, the others
+    `workertemp_<i>/ckpt`), the chief's directory holds the checkpoints; each other process's
+    directory gets a stub naming it (so deleting it, as the tutorials do, deletes nothing of
+    the chief's), and its `checkpoints` / `latest_checkpoint` / `restore_or_initialize` read the
+    chief's. Constructing the manager is then collective (the processes agree on the chief's
+    directory), as Orbax's own manager already is.
     """
 
     def __init__(self, checkpoint: Checkpoint, directory, max_to_keep: int | None = 5,
@@ -143,7 +152,9 @@ class CheckpointManager:
             )
         self.checkpoint = checkpoint
         self.directory = atomic_dirs.checked_path(directory, owner)
-        refuse_non_directory(self.directory, owner)
+        # Where the checkpoints live: the chief's directory, on every process (workers.py).
+        self._shared = chief_path(
+            self.directory, owner, lambda own: refuse_non_directory(own, owner))
         self.max_to_keep = max_to_keep
         self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self.checkpoint_interval = checkpoint_interval
@@ -155,7 +166,7 @@ class CheckpointManager:
         )
         with quiet_orbax():
             self._manager = ocp.CheckpointManager(
-                self.directory,
+                self._shared,
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=max_to_keep,
                     keep_time_interval=keep_time_interval,
@@ -174,10 +185,10 @@ class CheckpointManager:
             self._manager.wait_until_finished()
         _IN_FLIGHT.discard(self._manager)
         if jax.process_index() == 0:
-            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
+            atomic_dirs.delete_if_exists(os.path.join(self._shared, _DELETED_SUBDIR))
 
     def _path(self, number: int) -> str:
-        return os.path.join(self.directory, str(number))
+        return os.path.join(self._shared, str(number))
 
     def _complete_numbers(self) -> list:
         """Numbers of the complete checkpoints, oldest first; the others logged and skipped."""
@@ -209,10 +220,10 @@ class CheckpointManager:
     def _tidy(self) -> None:
         """Before a save (none in flight): moves aside numbered directories that are not
         checkpoints (Orbax would count them as kept ones) and removes killed saves' leftovers."""
-        if jax.process_index() == 0 and os.path.isdir(self.directory):
-            atomic_dirs.delete_if_exists(os.path.join(self.directory, _DELETED_SUBDIR))
-            for name in os.listdir(self.directory):
-                full = os.path.join(self.directory, name)
+        if jax.process_index() == 0 and os.path.isdir(self._shared):
+            atomic_dirs.delete_if_exists(os.path.join(self._shared, _DELETED_SUBDIR))
+            for name in os.listdir(self._shared):
+                full = os.path.join(self._shared, name)
                 if ocp.path.step.TMP_DIR_SUFFIX in name or name.endswith(atomic_dirs.DELETING_SUFFIX):
                     atomic_dirs.delete(full)
                 elif name.isdigit() and os.path.isdir(full) and not is_complete(full):
@@ -221,7 +232,7 @@ class CheckpointManager:
                     _LOG.warning("mirrax: %s is not a complete checkpoint; renamed it %s.",
                                  full, aside)
                     atomic_dirs.rename(full, aside)
-        atomic_dirs.barrier(f"mirrax_manager_tidy:{self.directory}")
+        atomic_dirs.barrier(f"mirrax_manager_tidy:{self._shared}")
         with quiet_orbax():
             self._manager.reload()
 
@@ -256,9 +267,11 @@ class CheckpointManager:
                 path, lambda target: write_checkpoint(target, save_args), is_complete)
             with quiet_orbax():
                 self._manager.reload()
+            self._stub()
             return path
         with quiet_orbax():
             self._manager.save(number, args=orbax_save_args(ckpt), force=True)
+        self._stub()
         if self.async_save:
             # Orbax registers no exit hook; without one a save in flight at exit is lost.
             _register_exit_hook()
@@ -266,6 +279,12 @@ class CheckpointManager:
         else:
             self.wait_until_finished()
         return path
+
+    def _stub(self) -> None:
+        """A non-chief worker with its own directory (TF's `workertemp_<i>`, which the
+        tutorials delete after each save) gets a stub there, never the checkpoints."""
+        if self._shared != self.directory:
+            write_stub(self.directory, self._shared)
 
     def restore_or_initialize(self) -> str | None:
         """Restores the latest checkpoint and returns its path; with none, calls `init_fn`

@@ -234,7 +234,9 @@ class ClusterResolver:
                     f"{source}: the cluster may have at most one {job!r} task; received "
                     f"{cluster.as_dict()[job]!r}. Make the others 'worker' tasks."
                 )
-        if not self._training_tasks():
+        # An evaluator-only cluster is TF's sidecar evaluator task (parameter_server_training
+        # tutorial): it trains nothing and joins no collective, so TF accepts it.
+        if not self._training_tasks() and self.task_type != "evaluator":
             raise errors.InvalidArgumentError(
                 f"{source}: the cluster {cluster.as_dict()} has no training task. Add a 'chief' "
                 "or 'worker' job."

@@ -202,8 +202,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise errors.InvalidArgumentError(
                 f"MultiWorkerMirroredStrategy: this task is {cluster_resolver.task_type!r}:"
                 f"{cluster_resolver.task_id}, which does not train (only 'chief' and 'worker' "
-                "tasks do). Run the evaluator's own program without this strategy (e.g. read "
-                "the chief's checkpoints and call Model.evaluate)."
+                "tasks do). Run the evaluator's own program without this strategy (e.g. "
+                "mirrax.SidecarEvaluator over the chief's checkpoint directory)."
             )
         self.cluster_resolver = cluster_resolver
         self.communication_options = communication_options

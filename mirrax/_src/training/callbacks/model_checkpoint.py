@@ -198,7 +198,7 @@ class ModelCheckpoint(Callback):
             self.model.save_weights(path, overwrite=True)
         else:
 
-            Checkpoint(model=self.model).save(path)
+            Checkpoint(model=self.model).write(path)
 
     def _print(self, message: str) -> None:
         if self.verbose > 0 and is_chief():
