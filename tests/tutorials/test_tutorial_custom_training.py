@@ -335,10 +335,10 @@ def test_iterating_inside_a_tf_function(outcomes):
 
 @pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: the training loop section")
 def test_tracking_training_loss_across_replicas(outcomes):
-    # The tutorial: the per-replica losses are scaled by 1/GLOBAL_BATCH_SIZE and SUM-reduced,
-    # so the printed loss is the global-batch mean whatever the replica count. Check: after
-    # training, an all-correct prediction... is not what the notebook prints; it prints
-    # train_loss = mean over batches of the SUM-reduced loss, a value near the test loss.
+    # The tutorial: each replica's loss is scaled by 1 / GLOBAL_BATCH_SIZE and the replicas'
+    # values are SUM-reduced, so the printed loss is the global-batch mean per example, of the
+    # size of the test loss (a per-example mean too), not 8 times it (a sum of replica means)
+    # nor an eighth of it (one replica's share).
     history = sections.result(outcomes, "training_loop")["history"]
     train_loss, test_loss = history[-1][0], history[-1][2]
     # The mean loss per example, not per replica (x 8) nor per-replica mean / 8.
