@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 import types
 
@@ -38,16 +39,19 @@ class Tutorial:
         """Runs every section `fn(ns)` in order; {section name: outcome dict}.
 
         An outcome is {"ok": True, "values": what fn returned} or {"ok": False, "error": "Type:
-        message", "traceback": ...}. `on_result(outcomes)` is called after each section.
+        message", "traceback": ...}, each with its "seconds". `on_result(outcomes)` is called
+        after each section.
         """
         ns = ns if ns is not None else types.SimpleNamespace()
         outcomes: dict = {}
         for fn in self.sections:
+            start = time.monotonic()
             try:
                 outcomes[fn.__name__] = {"ok": True, "values": fn(ns)}
             except Exception as e:  # noqa: BLE001 - recorded, raised again by the section's test
                 outcomes[fn.__name__] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                          "traceback": traceback.format_exc()[-4000:]}
+            outcomes[fn.__name__]["seconds"] = round(time.monotonic() - start, 2)
             if on_result is not None:
                 on_result(outcomes)
         return outcomes
