@@ -289,7 +289,8 @@ def test_define_the_metrics(outcomes):
 
 @pytest.mark.xfail(strict=True, reason="issue 26 item 5: mirrax.train, Checkpoint.save(prefix) "
                    "numbering; item 8: a Keras optimizer in a custom loop (apply_gradients; "
-                   "mirrax.Checkpoint refuses to track a Keras optimizer, InvalidArgumentTypeError), "
+                   "mirrax.Checkpoint refuses to track a Keras optimizer: "
+                   "InvalidArgumentTypeError), "
                    "model.losses, model.trainable_variables, metric.reset_states; item 7: the "
                    "step captures the model, optimizer and metrics")
 def test_training_loop(outcomes):

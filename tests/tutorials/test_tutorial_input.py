@@ -32,7 +32,8 @@ tutorial = sections.Tutorial()
 
 def ones_dataset(count, batch_size):
     """tf.data.Dataset.from_tensors(([1.], [1.])).repeat(count).batch(batch_size)."""
-    sizes = [batch_size] * (count // batch_size) + ([count % batch_size] if count % batch_size else [])
+    sizes = [batch_size] * (count // batch_size)
+    sizes += [count % batch_size] if count % batch_size else []
     return [(np.ones((n, 1), np.float32), np.ones((n, 1), np.float32)) for n in sizes]
 
 
@@ -101,7 +102,8 @@ def use_a_pythonic_for_loop_construct(ns):
     losses = []
     for x in ns.dist_dataset:
         loss = strategy.run(train_step, args=(x,))
-        losses.append([np.asarray(v).ravel().tolist() for v in strategy.experimental_local_results(loss)])
+        losses.append([np.asarray(v).ravel().tolist()
+                       for v in strategy.experimental_local_results(loss)])
     return {"steps": len(losses), "last": losses[-1],
             "values": sorted({round(v, 6) for step in losses for shard in step for v in shard})}
 
@@ -160,7 +162,8 @@ def using_the_element_spec_property(ns):
         iterator = iter(dist_dataset)
         assert iterator.element_spec == spec
         for _ in range(steps_per_epoch):
-            outputs.append(float(np.asarray(strategy.gather(train_step(next(iterator))[0], 0)).max()))
+            doubled_features = train_step(next(iterator))[0]
+            outputs.append(float(np.asarray(strategy.gather(doubled_features, 0)).max()))
     return {"spec": repr(spec), "outputs": outputs}
 
 
@@ -288,7 +291,8 @@ def test_use_a_pythonic_for_loop_construct(outcomes):
 
 
 def test_use_iter_to_create_an_explicit_iterator(outcomes):
-    assert sections.result(outcomes, "use_iter_to_create_an_explicit_iterator") == {"steps": 50}  # 10 x 5
+    # 10 epochs x 5 steps.
+    assert sections.result(outcomes, "use_iter_to_create_an_explicit_iterator") == {"steps": 50}
 
 
 @pytest.mark.xfail(strict=True, reason="issue 26 item 9: DistributedIterator.get_next_as_optional")
