@@ -109,7 +109,9 @@ def define_a_custom_training_loop_and_train_the_model(ns):
     strategy, multi_worker_model = ns.strategy, ns.multi_worker_model
     with strategy.scope():
         # The optimizer and train_accuracy create variables: built under the scope too.
-        optimizer = keras.optimizers.RMSprop(learning_rate=0.001)
+        # A Keras optimizer in a custom loop: the documented one-line translation.
+        optimizer = mirrax.KerasOptimizer(multi_worker_model,
+                                          keras.optimizers.RMSprop(learning_rate=0.001))
         train_accuracy = mirrax.metrics.SparseCategoricalAccuracy(name="train_accuracy")
     ns.optimizer, ns.train_accuracy = optimizer, train_accuracy
     before = weight_sums(multi_worker_model)
@@ -131,9 +133,13 @@ def define_a_custom_training_loop_and_train_the_model(ns):
                     loss += mirrax.scale_regularization_loss(sum(model_losses))
                 return loss, predictions
 
-            (loss, predictions), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-                multi_worker_model)
-            optimizer.apply_gradients(zip(grads, multi_worker_model.trainable_variables))
+            # The documented translation (docs/training.md, "Custom training loops with Keras
+            # models"): JAX differentiates the model's NNX module; the gradients come back as
+            # NNX state shaped like it, its leaves in trainable_variables' order.
+            (loss, predictions), grads = mirrax.value_and_grad(loss_fn, has_aux=True)(
+                multi_worker_model.module)
+            optimizer.apply_gradients(
+                zip(jax.tree.leaves(grads), multi_worker_model.trainable_variables))
             train_accuracy.update_state(y, predictions)
             return loss
 

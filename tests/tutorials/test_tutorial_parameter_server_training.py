@@ -29,9 +29,9 @@ import types
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
 
 keras = pytest.importorskip("keras")
 pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray")
@@ -158,7 +158,8 @@ def build_the_model(ns):
             units=1, activation="sigmoid",
             kernel_regularizer=keras.regularizers.L2(1e-4))(emb_output)
         ns.model = mirrax.Model(keras.Model({"features": model_input}, dense_output))
-        ns.optimizer = keras.optimizers.RMSprop(learning_rate=0.1)
+        # A Keras optimizer in a custom loop: the documented one-line translation.
+        ns.optimizer = mirrax.KerasOptimizer(ns.model, keras.optimizers.RMSprop(learning_rate=0.1))
         ns.accuracy = mirrax.metrics.Accuracy()
     ns.emb_layer = emb_layer
     # The notebook's checks: the (8, 16384) float32 table (512 KiB) is cut in 2 shards of
@@ -184,8 +185,11 @@ def define_the_training_step(ns):
                     loss += mirrax.scale_regularization_loss(sum(model_losses))
                 return loss, pred
 
-            (loss, pred), gradients = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            # The documented translation (docs/training.md, "Custom training loops with Keras
+            # models"): JAX differentiates the model's NNX module; the gradients come back as
+            # NNX state shaped like it, its leaves in trainable_variables' order.
+            (loss, pred), gradients = mirrax.value_and_grad(loss_fn, has_aux=True)(model.module)
+            optimizer.apply_gradients(zip(jax.tree.leaves(gradients), model.trainable_variables))
             actual_pred = (pred > 0.5).astype("int64")
             accuracy.update_state(labels, actual_pred)
             return loss
