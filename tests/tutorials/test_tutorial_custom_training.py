@@ -8,15 +8,16 @@ a Keras metric's variables cannot be carried through a JAX step); for the steps,
 translation docs/training.md documents ("Custom training loops with Keras models"): a Keras
 optimizer as `mirrax.KerasOptimizer(model, keras_optimizer)`, `tf.GradientTape` ->
 `mirrax.value_and_grad(loss_fn)(model.module)`, `apply_gradients(zip(jax.tree.leaves(grads),
-model.trainable_variables))` (TF's literal lines are one extra test); `@tf.function` dropped; `tf.train.*` -> `mirrax.train.*`; Fashion-MNIST ->
-the bundled digits (8x8: both convolutions get padding="same", as 3x3 kernels leave nothing
-for the second pooling otherwise), 3 epochs instead of 10, 16 examples per replica.
+model.trainable_variables))` (TF's literal lines are one extra test); `@tf.function`
+dropped; `tf.train.*` -> `mirrax.train.*`; Fashion-MNIST -> the bundled digits (8x8: both
+convolutions get padding="same", as 3x3 kernels leave nothing for the second pooling
+otherwise), 3 epochs instead of 10, 16 examples per replica.
 `Reduction.NONE` is Keras 3's `reduction=None`.
 
-Sections (11, and one test of TF's literal step lines): dataset, strategy, input pipeline, model, loss function, metrics, training
-loop, restore the latest checkpoint, using iterators, iterating inside a tf.function, tracking
-training loss across replicas (prose only: its statement is checked on the training loop's
-numbers).
+Sections (11, and one test of TF's literal step lines): dataset, strategy, input pipeline,
+model, loss function, metrics, training loop, restore the latest checkpoint, using iterators,
+iterating inside a tf.function, tracking training loss across replicas (prose only: its
+statement is checked on the training loop's numbers).
 """
 
 import os

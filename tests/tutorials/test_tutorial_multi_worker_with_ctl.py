@@ -7,7 +7,10 @@ the notebook's two `python main.py` with their TF_CONFIG); each test reads one s
 outcome on both workers. Translation (mechanical): `tf.distribute.X` -> `mirrax.X`,
 `tf.nn.compute_average_loss` -> `mirrax.`; tf.keras layers, losses and optimizers -> Keras 3 on
 JAX, the model wrapped in `mirrax.Model`; `tf.keras.metrics` -> `mirrax.metrics`;
-`tf.GradientTape` -> `nnx.value_and_grad`; `@tf.function` dropped; `tf.Variable` ->
+the steps as docs/training.md translates them for Keras models ("Custom training
+loops with Keras models": `mirrax.KerasOptimizer(model, keras_optimizer)`, `tf.GradientTape` ->
+`mirrax.value_and_grad(loss_fn)(model.module)`, `zip(jax.tree.leaves(grads), ...)`);
+`@tf.function` dropped; `tf.Variable` ->
 `nnx.Variable` (`assign_add(1)` -> `.value = .value + 1`); `tf.train.*` -> `mirrax.train.*`;
 `tf.io.gfile` -> `os` / `shutil`; MNIST -> the bundled digits as (N, 8, 8) images; 16 examples
 per worker and 5 steps per epoch instead of 64 and 70.
@@ -70,7 +73,8 @@ def test_auto_shard_your_data_across_workers(workers):
 
 @pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: step_fn captures the model, "
                    "optimizer and metric; model.losses, model.trainable_variables, Keras "
-                   "RMSprop apply_gradients; item 1: the workers' unseeded Keras weights")
+                   "RMSprop apply_gradients (mirrax.KerasOptimizer); item 1: the workers' unseeded "
+                   "Keras weights")
 def test_define_a_custom_training_loop_and_train_the_model(workers):
     first, second = both(workers, "define_a_custom_training_loop_and_train_the_model")
     # The all-reduced loss is the same on both workers; so are the weights, before the step
