@@ -408,8 +408,7 @@ def test_inline_evaluation_scheduled(outcomes):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 26 item 5: mirrax.SidecarEvaluator, "
-                   "mirrax.train.Checkpoint.save; needs the model (not in issue 26: unbuilt "
-                   "Keras models, partitioned weights)")
+                   "mirrax.train.Checkpoint.save")
 def test_sidecar_evaluation(outcomes):
     # The evaluator loaded the checkpoint the training wrote: the trained weights.
     assert sections.result(outcomes, "sidecar_evaluation") == {"weights_equal": True}
