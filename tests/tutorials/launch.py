@@ -28,14 +28,20 @@ def launch(module: str, out_dir, *args: str, num_workers: int = 2, cpu_devices: 
     command = [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc",
                str(num_workers), "--cpu-devices", str(cpu_devices), "--",
                sys.executable, "-m", module, str(out_dir), *map(str, args)]
-    # Its own process group, so that a timeout ends the launcher and its workers together.
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
         output = f"exit {process.returncode}\n{output[-8000:]}"
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        output = f"killed after {timeout} s\n{output[-8000:]}"
+        # The launcher puts each worker in a process group of its own and stops them when it
+        # gets SIGTERM (SIGKILL after its 10 s grace period): a kill of the launcher alone
+        # would leave them running.
+        process.terminate()
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        output = f"stopped after {timeout} s (a hang)\n{output[-8000:]}"
     return sections.read(str(out_dir), num_workers), output
