@@ -353,14 +353,14 @@ def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
             num_batches += 1
         losses.append(total_loss / num_batches)
         train_accuracy.reset_states()
-    checkpoint.save(str(tmp_path / "ckpt"))
+    saved = checkpoint.save(str(tmp_path / "ckpt"))  # TF numbers it: ckpt-1
     # The tutorial's claims: the loss falls; a restored model, without a strategy, classifies as
     # the trained one (the same weights).
     assert losses[-1] < losses[0]
     eval_accuracy = mirrax.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
     new_model = mirrax.Model(create_model())
     new_optimizer = mirrax.KerasOptimizer(new_model, keras.optimizers.Adam())
-    mirrax.Checkpoint(optimizer=new_optimizer, model=new_model).restore(str(tmp_path / "ckpt"))
+    mirrax.Checkpoint(optimizer=new_optimizer, model=new_model).restore(saved)
     eval_accuracy(y_test, new_model(x_test, training=False))
     trained = mirrax.metrics.SparseCategoricalAccuracy()
     trained(y_test, model(x_test, training=False))

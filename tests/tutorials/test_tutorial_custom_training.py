@@ -318,12 +318,6 @@ def test_define_the_metrics(outcomes):
         "names": ["test_loss", "train_accuracy", "test_accuracy"]}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 5: mirrax.train, Checkpoint.save(prefix) "
-                   "numbering; item 8: a Keras optimizer in a custom loop (apply_gradients; "
-                   "mirrax.Checkpoint refuses to track a Keras optimizer: "
-                   "InvalidArgumentTypeError), "
-                   "model.losses, model.trainable_variables, metric.reset_states; item 7: the "
-                   "step captures the model, optimizer and metrics")
 def test_training_loop(outcomes):
     values = sections.result(outcomes, "training_loop")
     history = values["history"]
@@ -337,9 +331,6 @@ def test_training_loop(outcomes):
     assert values["saved"] == [values["prefix"] + "-1", values["prefix"] + "-2"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 5: mirrax.train.latest_checkpoint, "
-                   "Checkpoint.save numbering; item 8: metric(y, p) callable; needs the "
-                   "training loop (items 7, 8)")
 def test_restore_the_latest_checkpoint_and_test(outcomes):
     training = sections.result(outcomes, "training_loop")
     values = sections.result(outcomes, "restore_the_latest_checkpoint_and_test")
@@ -349,8 +340,6 @@ def test_restore_the_latest_checkpoint_and_test(outcomes):
     assert values["accuracy"] == pytest.approx(training["test_accuracy"], abs=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: the training step of the "
-                   "training loop section")
 def test_using_iterators(outcomes):
     training = sections.result(outcomes, "training_loop")
     losses = sections.result(outcomes, "using_iterators")["losses"]
@@ -358,8 +347,6 @@ def test_using_iterators(outcomes):
     assert max(losses) < training["history"][0][0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: the training step of the "
-                   "training loop section")
 def test_iterating_inside_a_tf_function(outcomes):
     training = sections.result(outcomes, "training_loop")
     values = sections.result(outcomes, "iterating_inside_a_tf_function")
@@ -367,7 +354,6 @@ def test_iterating_inside_a_tf_function(outcomes):
     assert min(values["accuracies"]) > training["history"][0][1]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: the training loop section")
 def test_tracking_training_loss_across_replicas(outcomes):
     # The tutorial: each replica's loss is scaled by 1 / GLOBAL_BATCH_SIZE and the replicas'
     # values are SUM-reduced, so the printed loss is the global-batch mean per example, of the

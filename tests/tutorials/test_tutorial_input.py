@@ -295,7 +295,6 @@ def test_use_iter_to_create_an_explicit_iterator(outcomes):
     assert sections.result(outcomes, "use_iter_to_create_an_explicit_iterator") == {"steps": 50}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 9: DistributedIterator.get_next_as_optional")
 def test_get_next_as_optional(outcomes):
     # range(9).batch(4): [0..3], [4..7], [8]; 4 over 8 replicas: one each for replicas 0-3;
     # the loop breaks at the 4th get_next_as_optional (no value), as the notebook's 3 prints.
@@ -305,8 +304,6 @@ def test_get_next_as_optional(outcomes):
         [[8], [], [], [], [], [], [], []]]}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 9: element_spec on the distributed "
-                   "dataset and iterator")
 def test_using_the_element_spec_property(outcomes):
     values = sections.result(outcomes, "using_the_element_spec_property")
     # 5 epochs x 5 steps of 2 * 1.0.

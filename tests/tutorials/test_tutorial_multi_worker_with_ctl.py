@@ -71,10 +71,6 @@ def test_auto_shard_your_data_across_workers(workers):
         {"global_batch_size": 32, "local_shards": [8, 8]}] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: step_fn captures the model, "
-                   "optimizer and metric; model.losses, model.trainable_variables, Keras "
-                   "RMSprop apply_gradients (mirrax.KerasOptimizer); item 1: the workers' unseeded "
-                   "Keras weights")
 def test_define_a_custom_training_loop_and_train_the_model(workers):
     first, second = both(workers, "define_a_custom_training_loop_and_train_the_model")
     # The all-reduced loss is the same on both workers; so are the weights, before the step
@@ -84,7 +80,7 @@ def test_define_a_custom_training_loop_and_train_the_model(workers):
     assert first["weights_after"] != first["weights_before"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 3: TF's write_filepath pattern "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: the checkpoint section hangs (worker 1: Gloo DEADLINE_EXCEEDED in process_allgather; worker 0 never finishes) -- issue 26 item 3: TF's write_filepath pattern "
                    "(workertemp_1), item 5: mirrax.train.latest_checkpoint / CheckpointManager, "
                    "item 4: saving the untouched epoch variables; needs the training step "
                    "(items 7, 8)")
@@ -103,7 +99,7 @@ def test_checkpoint_saving_and_restoring(workers):
     assert second["workertemp_left"] is False
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 3, 4, 5: restoring TF's multi-worker "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: the checkpoint section hangs (worker 1: Gloo DEADLINE_EXCEEDED in process_allgather; worker 0 never finishes) -- issue 26 items 3, 4, 5: restoring TF's multi-worker "
                    "checkpoint; needs the training loop (items 7, 8)")
 def test_complete_code_at_a_glance(workers):
     trained = both(workers, "checkpoint_saving_and_restoring")

@@ -89,9 +89,6 @@ def test_train_the_model(workers):
     assert all(abs(loss - np.log(10)) < 0.3 for loss in first["history"]["loss"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 1: Keras's unseeded initializers give "
-                   "each worker its own model; mirrored variables are not broadcast from "
-                   "worker 0")
 def test_train_the_model_trains_one_model_on_every_worker(workers):
     first, second = both(workers, "train_the_model")
     assert first["weights"] == second["weights"]
@@ -105,7 +102,7 @@ def test_dataset_sharding(workers):
     assert first["local_labels"] == second["local_labels"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 6: Model.save('m.keras') of a Keras "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 6: Model.save('m.keras') of a Keras "
                    "model and mirrax.models.load_model; item 3: the non-chief's temporary path; "
                    "item 1: the saved weights are worker 0's")
 def test_model_saving_and_loading(workers):
@@ -117,7 +114,7 @@ def test_model_saving_and_loading(workers):
     assert len(first["history"]["loss"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 3: CheckpointManager in TF's "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 3: CheckpointManager in TF's "
                    "write_filepath pattern (sync_global_devices name mismatch) and the "
                    "non-chief cleanup; item 5: mirrax.train")
 def test_checkpoint_saving_and_restoring(workers):
@@ -128,7 +125,7 @@ def test_checkpoint_saving_and_restoring(workers):
     assert first["history"] == second["history"] and len(first["history"]["loss"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 1: every worker's model equal after fit "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 1: every worker's model equal after fit "
                    "(the runs' weights are compared across workers)")
 def test_the_backupandrestore_callback(workers):
     first, second = both(workers, "the_backupandrestore_callback")

@@ -371,7 +371,7 @@ def test_build_the_model(outcomes):
     sections.result(outcomes, "build_the_model")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: replica_fn captures the "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: replica_fn captures the "
                    "model, optimizer and metric; model.losses, model.trainable_variables, "
                    "Keras RMSprop apply_gradients, Reduction NONE")
 def test_define_the_training_step(outcomes):
@@ -380,7 +380,7 @@ def test_define_the_training_step(outcomes):
     assert np.isfinite(values["final_loss"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: the training step captures "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: the training step captures "
                    "the model (the coordinator refuses a BytesIO it finds in the captured "
                    "mirrax.Model of a Keras model as 'an iterator or dataset of the "
                    "coordinator'); metric.reset_states")
@@ -393,13 +393,13 @@ def test_dispatch_training_steps_to_remote_workers(outcomes):
     assert values["final_loss"] < 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 items 7 and 8: needs the trained model")
+@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: needs the trained model")
 def test_inline_evaluation(outcomes):
     sections.result(outcomes, "dispatch_training_steps_to_remote_workers")
     assert sections.result(outcomes, "inline_evaluation")["accuracy"] > 0.8
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 7: eval replica_fn captures the model "
+@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 item 7: eval replica_fn captures the model "
                    "and metric (the coordinator refuses a BytesIO it finds in the captured "
                    "mirrax.Model of a Keras model); needs the trained model (items 7, 8)")
 def test_inline_evaluation_scheduled(outcomes):
@@ -407,8 +407,6 @@ def test_inline_evaluation_scheduled(outcomes):
     assert sections.result(outcomes, "inline_evaluation_scheduled")["accuracy"] > 0.8
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 5: mirrax.SidecarEvaluator, "
-                   "mirrax.train.Checkpoint.save")
 def test_sidecar_evaluation(outcomes):
     # The evaluator loaded the checkpoint the training wrote: the trained weights.
     assert sections.result(outcomes, "sidecar_evaluation") == {"weights_equal": True}
@@ -419,7 +417,6 @@ def test_set_the_tf_config_environment_variable(outcomes):
         "worker": ["worker", 1, 3]}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 5: an evaluator-only TF_CONFIG")
 def test_set_the_tf_config_of_the_evaluator(outcomes):
     assert sections.result(outcomes, "set_the_tf_config_of_the_evaluator") == {
         "evaluator": ["evaluator", 0], "bare": ["evaluator", 0]}

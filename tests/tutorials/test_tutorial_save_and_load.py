@@ -183,8 +183,6 @@ def test_overview(outcomes):
     assert loss[1] < loss[0] and accuracy[1] > accuracy[0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 6: Model.save('m.keras') of a Keras "
-                   "model, mirrax.models.load_model")
 def test_the_keras_api(outcomes):
     overview = sections.result(outcomes, "overview")
     values = sections.result(outcomes, "the_keras_api")

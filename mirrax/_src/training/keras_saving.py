@@ -36,7 +36,7 @@ def _refuse_nnx(filepath):
     raise errors.UnsupportedArgumentError(
         f"Model.save({filepath!r}): the model is an NNX module, which has no .keras archive (its "
         "code is Python, not a Keras config). Use model.save_weights(path) for the weights, "
-        "mirrax.Checkpoint(model=model).save(path) for weights and optimizer state, or "
+        "mirrax.Checkpoint(model=model).write(path) for weights and optimizer state, or "
         "mirrax.export(model, path, input_signature) for a program that serves without the "
         "model's code. (A Keras 3 model wrapped in mirrax.Model saves as .keras.)")
 

@@ -241,7 +241,7 @@ class Model(model_glue.KerasGlue):
         """Reads variables into the module (placed where they are now), as `keras.Model.load_weights`.
 
         Reads what `save_weights` wrote, or the module's variables of a full checkpoint
-        (`mirrax.Checkpoint(model=model).save`, `ModelCheckpoint`'s default output), as Keras
+        (`mirrax.Checkpoint(model=model).write`, `ModelCheckpoint`'s default output), as Keras
         loads weights from a full save; the optimizer state of a full checkpoint is not read.
 
         Raises:
