@@ -103,6 +103,7 @@ def lookup(fn, fn_node) -> Captured:
 
 
 def clear() -> None:
+    """Forgets every cached capture walk (mirrax.clear_session); the next call walks again."""
     _cache.clear()
     _tokens.clear()
 
@@ -159,6 +160,7 @@ def _is_library(value) -> bool:
 
 
 def user_function(value) -> bool:
+    """True for a plain Python function outside the libraries the walk never looks into."""
     return isinstance(value, types.FunctionType) and not _is_library(value)
 
 
@@ -174,6 +176,7 @@ def plain_object(value) -> bool:
 
 
 def nodes_in(value) -> list:
+    """The NNX objects `value` is or holds (inside lists, tuples and dicts), in tree order."""
     if is_graph_node(value):
         return [value]
     if isinstance(value, (list, tuple, dict)):
