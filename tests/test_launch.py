@@ -301,6 +301,27 @@ def test_a_second_signal_kills_workers_that_ignore_the_first(tmp_path):
 
 # -- arguments ----------------------------------------------------------------------------------
 
+def test_a_bare_python_is_the_launchers_interpreter_not_the_first_on_path(
+        capsys, monkeypatch, tmp_path):
+    # The README's `.venv/bin/mirrax launch ... -- python train.py` with PATH's first `python`
+    # outside the venv: before, every worker ran that one (and died of ModuleNotFoundError:
+    # jax). Here PATH's `python` and `python3` are a script that says so and exits 3.
+    for name in ("python", "python3"):
+        fake = tmp_path / name
+        fake.write_text("#!/bin/sh\necho \"PATH's $0\"\nexit 3\n")
+        fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    show = ["-c", "import sys; print(sys.executable)"]
+    for name in ("python", "python3"):
+        assert main(["launch", "--nproc", "2", "--", name, *show]) == 0
+        assert sorted(capsys.readouterr().out.splitlines()) == [
+            f"[worker {i}] {sys.executable}" for i in range(2)]
+    # A path is run as given, whatever its name.
+    assert main(["launch", "--", str(tmp_path / "python"), *show]) == 3
+    assert capsys.readouterr().out == f"[worker 0] PATH's {tmp_path / 'python'}\n"
+    assert launch_lib.resolve_program(["python3.11", "x.py"]) == ["python3.11", "x.py"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "2"], "no program to run: put it after '--'"),
     (["--nproc", "2", "--"], "no program to run: put it after '--'"),

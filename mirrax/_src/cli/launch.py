@@ -49,6 +49,10 @@ _GLOO_PIECES = re.compile(
 _GLOO_WORDS = re.compile(rb"\[Gloo\] Rank|is connected to|connected peer ranks")
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
+# A bare interpreter name after '--' means the launcher's own interpreter, as torchrun runs
+# scripts with sys.executable: `.venv/bin/mirrax launch -- python train.py` must not run
+# whichever `python` PATH finds first (outside the venv, without jax).
+_BARE_PYTHONS = ("python", "python3")
 
 
 def parse_address(address: str, what: str = "--coordinator") -> tuple[str, int]:
@@ -154,6 +158,18 @@ def local_tf_configs(nproc: int, nnodes: int, node_rank: int, coordinator: str) 
     return [tf_config(addresses, node_rank * nproc + i) for i in range(nproc)]
 
 
+def resolve_program(argv_command: Sequence[str]) -> list[str]:
+    """The argv the workers run: `argv_command` with a bare `python` or `python3` as its
+    program replaced by this interpreter (`sys.executable`), so the workers run in the
+    launcher's environment (its virtual environment, with mirrax and JAX) whatever PATH holds.
+    Any other program, a path (`/usr/bin/python3`, `./python`) or a versioned name
+    (`python3.11`) included, is run as given."""
+    argv = list(argv_command)
+    if argv and argv[0] in _BARE_PYTHONS and sys.executable:
+        argv[0] = sys.executable
+    return argv
+
+
 def worker_env(base: Mapping[str, str], config: dict, cpu_devices: int | None) -> dict[str, str]:
     """The environment of one worker: `base` plus TF_CONFIG and the launcher's variables.
 
@@ -247,7 +263,8 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
     """Runs `argv_command` as this node's `nproc` workers of a multi-worker job; waits for them.
 
     Worker i of this node (global index g = node_rank * nproc + i, of nnodes * nproc) runs
-    `argv_command` (an argv list, no shell) with the environment of `worker_env`: TF_CONFIG
+    `argv_command` (an argv list, no shell; a bare `python` or `python3` as the program is this
+    interpreter, `sys.executable`: see `resolve_program`) with the environment of `worker_env`: TF_CONFIG
     names g and every worker's address, worker 0's being the coordinator (`coordinator`, else
     127.0.0.1:`port`, else 127.0.0.1 and a free port). Each line a worker prints goes to the
     launcher's stdout (stderr for stderr lines) after `[worker g] `. Workers read no stdin.
@@ -280,6 +297,7 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
     if coordinator is None:
         coordinator = f"{_LOCALHOST}:{port if port is not None else free_port()}"
     configs = local_tf_configs(nproc, nnodes, node_rank, coordinator)
+    program = resolve_program(argv_command)
     output = _Output(sys.stdout, sys.stderr)
     received: list[int] = []
     previous_handlers = {}
@@ -295,7 +313,7 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
             index = config["task"]["index"]
             try:
                 process = subprocess.Popen(
-                    list(argv_command), env=worker_env(os.environ, config, cpu_devices),
+                    program, env=worker_env(os.environ, config, cpu_devices),
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     start_new_session=True)
             except OSError as e:

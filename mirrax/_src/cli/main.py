@@ -161,7 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Run PROGRAM as --nproc worker processes on this node, each with a TF_CONFIG "
             "(worker 0 is the chief; its address is the coordinator of jax.distributed), its "
             "output lines prefixed '[worker i] '. Signals are forwarded; when a worker fails, "
-            "the others are stopped and the launcher exits with the worker's code. For several "
+            "the others are stopped and the launcher exits with the worker's code. A bare "
+            "'python' or 'python3' as PROGRAM is the interpreter running mirrax (sys.executable, "
+            "as torchrun does), not the first one on PATH, so the workers see the same packages; "
+            "give a path (e.g. /usr/bin/python3) to run another. For several "
             "nodes, run the same command on each with --nnodes, --node-rank and --coordinator. "
             "See docs/launch.md."
         ),
@@ -188,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between SIGTERM (or a forwarded signal) and SIGKILL "
                         "(default 10)")
     launch.add_argument("program", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS ...]",
-                        help="the program and its arguments, run as given (no shell)")
+                        help="the program and its arguments, run as given (no shell); "
+                        "python or python3 means this interpreter (" + sys.executable.replace("%", "%%") + ")")
     return parser
 
 
