@@ -237,12 +237,51 @@ def _compiled_model():
     (["--bandwidth", "0"], "argument --bandwidth: expected a finite number > 0"),
     (["--latency", "-1"], "argument --latency: expected a finite number >= 0"),
     (["--overlap", "2"], "argument --overlap: expected a number from 0 to 1"),
+    # Before: refused by scaling_report, after loading the data and building the model (20 s).
+    (["--latency", "5"], "--latency 5 was given without --bandwidth; a link needs both. Add "
+     "--bandwidth GB/S"),
+    (["--link", "local", "--bandwidth", "3"], "--link local is measured on this machine, so it "
+     "takes no numbers; received --bandwidth 3. Drop --bandwidth 3"),
 ])
 def test_cli_bad_arguments_exit_2_naming_the_value(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["report", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_plot_suffix_that_is_no_image_format_before_any_work(capsys, tmp_path,
+                                                                         monkeypatch):
+    from mirrax._src.cli import report as cli_report
+
+    # Before: the whole report ran, then PNG bytes were written to out.txt.
+    monkeypatch.setattr(cli_report, "report", lambda args: pytest.fail("the report ran"))
+    assert main(["report", "--plot", str(tmp_path / "out.txt")]) == 1
+    assert "mirrax report: error: plot: the file's suffix names its format, one of .png, " \
+        ".svg, .pdf; received" in capsys.readouterr().err
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_the_plot_is_written_in_the_format_its_suffix_names(report, tmp_path):
+    # Each format's signature: PNG's 8 bytes, SVG's XML prologue, PDF's header (before: PNG
+    # bytes under every name).
+    for name, signature in (("s.svg", b"<?xml"), ("s.PDF", b"%PDF-"),
+                            ("s.png", b"\x89PNG\r\n\x1a\n")):
+        report.plot(tmp_path / name)
+        assert (tmp_path / name).read_bytes().startswith(signature), name
+
+
+def test_a_bare_module_is_refused_with_the_mirrax_model_route():
+    # Before: the module ran as the step on the (x, y) tuple and JAX said "Cannot concatenate
+    # arrays with different numbers of dimensions".
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"step_or_model is a bare model \(MLP\).*Wrap it in a compiled "
+                             r"mirrax\.Model: model = mirrax\.Model\(module\)"):
+        scaling_report(MLP(), BATCH)
+    keras = pytest.importorskip("keras")
+    dense = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    with pytest.raises(errors.InvalidArgumentTypeError, match=r"bare model \(Sequential\)"):
+        scaling_report(dense, BATCH)
 
 
 def test_the_hlo_reader_takes_the_outputs_of_asynchronous_starts_and_fp8_sizes():

@@ -14,8 +14,10 @@ import math
 import os
 import sys
 
+from mirrax import errors
 from mirrax._src.distribute import cpu_devices
-from mirrax._src.report.links import LINK_NAMES
+from mirrax._src.report import plot as plot_lib
+from mirrax._src.report.links import LINK_NAMES, LOCAL
 
 DEFAULT_CPU_DEVICES = 4
 MIXED_PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -149,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Adam's learning rate (default 1e-3)")
     report.add_argument("--json", action="store_true",
                         help="print the report as JSON instead of the table")
-    report.add_argument("--plot", default=None, metavar="PNG",
+    report.add_argument("--plot", default=None, metavar="FILE",
                         help="also draw the predicted speedup against replicas (and the ideal) "
-                        "into this PNG file (needs matplotlib)")
+                        "into FILE, in the format its suffix names: .png, .svg or .pdf (needs "
+                        "matplotlib)")
     add_cpu_devices(report, default="--max-replicas, at most 8")
 
     launch = commands.add_parser(
@@ -229,13 +232,22 @@ def main(argv=None) -> int:
             f"--tensorboard {args.tensorboard} is a file, not a folder; TensorBoard writes its "
             "event files into a folder. Give a folder path (it is created if missing)."
         )
+    if args.command == "report":
+        # Before any work: the report takes tens of seconds to compile and time its step.
+        problem = _report_link_problem(args)
+        if problem is not None:
+            parser.error(problem)
+        if args.plot is not None:
+            try:
+                plot_lib.check_path(args.plot)
+            except errors.MirraxError as e:
+                print(f"mirrax report: error: {e}", file=sys.stderr, flush=True)
+                return 1
     # The report compiles its step at every replica count there are devices for, up to 8
     # (more fake devices than that cost compile time and say little more).
     configure_cpu_devices(args.cpu_devices, default=min(args.max_replicas, 8)
                           if args.command == "report" else DEFAULT_CPU_DEVICES)
-    # Imported only now: these modules import JAX, which must see XLA_FLAGS first.
-    from mirrax import errors
-
+    # The commands' modules are imported only now, inside `try`: they must see XLA_FLAGS first.
     try:
         if args.command == "devices":
             from mirrax._src.cli.devices import physical_device_lines
@@ -253,6 +265,21 @@ def main(argv=None) -> int:
         print(f"mirrax {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _report_link_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with `mirrax report`'s link options, or None (the checks of
+    `mirrax._src.report.links.resolve`, worded for the command line)."""
+    if args.link == LOCAL and (args.bandwidth is not None or args.latency is not None):
+        given = " ".join(f"{option} {value:g}" for option, value in (
+            ("--bandwidth", args.bandwidth), ("--latency", args.latency)) if value is not None)
+        return (f"--link local is measured on this machine, so it takes no numbers; received "
+                f"{given}. Drop {given}, or pick another --link.")
+    if args.link is None and args.bandwidth is None and args.latency is not None:
+        return (f"--latency {args.latency:g} was given without --bandwidth; a link needs both. "
+                "Add --bandwidth GB/S (your link's bandwidth each way), or pick a preset with "
+                "--link (--latency then replaces its latency).")
+    return None
 
 
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -144,9 +144,14 @@ class ScalingReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def plot(self, path) -> None:
-        """Writes a PNG of the predicted speedup against replicas, with the ideal (N) line.
+        """Writes the predicted speedup against replicas, with the ideal (N) line, to `path`
+        (a str or os.PathLike) in the format its suffix names: .png, .svg or .pdf (as
+        matplotlib's `savefig`).
 
         Raises:
+          InvalidArgumentError: another suffix, or none (e.g. "out.txt").
+          InvalidArgumentTypeError: `path` is not a str or os.PathLike.
+          ExistingPathError: `path` is a folder. MissingFolderError: its folder does not exist.
           MissingDependencyError: matplotlib is not installed (`pip install mirrax[plot]`).
         """
         plot_lib.write_speedup(self, path)

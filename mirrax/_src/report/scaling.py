@@ -76,7 +76,8 @@ def scaling_report(step_or_model, batch, args=(), kwargs=None, *, max_replicas: 
 
     Raises:
       NotCompiledError: a `mirrax.Model` that is not compiled.
-      InvalidArgumentTypeError: `step_or_model` neither a Model nor callable; `args` not a
+      InvalidArgumentTypeError: `step_or_model` neither a Model nor callable, or a bare
+        `nnx.Module` / Keras model (wrap it in a compiled `mirrax.Model`); `args` not a
         tuple; a number of the wrong type.
       InvalidArgumentError: `max_replicas` not a power of two >= 1; an unknown link; a
         bandwidth <= 0 or a negative latency; `overlap` outside [0, 1]; `args` with a Model;

@@ -14,6 +14,7 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute import sharded_optimizer
+from mirrax._src.training import keras_models
 from mirrax._src.training import model as model_lib
 
 WHAT = "scaling_report"
@@ -93,10 +94,21 @@ def from_step(fn, batch, args, kwargs) -> Subject:
     """A user step for `strategy.run(fn, args=(*args, batch), kwargs=kwargs)`.
 
     Raises:
-      InvalidArgumentTypeError: `fn` is not callable, `args` not a tuple or list, `kwargs` not
-        a dict, or the arguments cannot be copied (no NNX graph or arrays).
+      InvalidArgumentTypeError: `fn` is not callable; `fn` is a bare model (an `nnx.Module` or
+        a Keras model: callable, but its call is a forward pass, not a training step); `args`
+        not a tuple or list, `kwargs` not a dict, or the arguments cannot be copied (no NNX
+        graph or arrays).
       InvalidBatchError: `batch` holds no arrays, or arrays with different first dimensions.
     """
+    if isinstance(fn, nnx.Module) or keras_models.is_keras_model(fn):
+        # Called as a step it would run the forward pass on the batch tuple and fail deep in
+        # JAX ("Cannot concatenate arrays ..."), naming neither the model nor the fix.
+        raise errors.InvalidArgumentTypeError(
+            f"{WHAT}: step_or_model is a bare model ({type(fn).__name__}); the report needs a "
+            "training step (loss, gradients, optimizer update). Wrap it in a compiled "
+            "mirrax.Model: model = mirrax.Model(module); model.compile(optimizer='adam', "
+            "loss=...); scaling_report(model, (x, y)); or pass your step function with "
+            "args=(module, optimizer).")
     if not callable(fn):
         raise errors.InvalidArgumentTypeError(
             f"{WHAT}: step_or_model must be a compiled mirrax.Model or a step function for "
