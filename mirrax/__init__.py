@@ -4,6 +4,8 @@ Three changes turn a one-device training script into an N-device one: create a s
 build the model and optimizer under `strategy.scope()`, distribute the dataset.
 """
 
+# First: defaults KERAS_BACKEND to jax before anything can import Keras (keras_backend.py).
+from mirrax._src import keras_backend as _keras_backend  # noqa: F401
 from mirrax import callbacks as callbacks
 from mirrax import data as data
 from mirrax import errors as errors
