@@ -9,9 +9,9 @@ shell leaves it), "parse" parses it with the `mirrax` command's own parser (it t
 reports for minutes; the test named there runs that command), "make" dry-runs the Makefile
 target (it installs and runs the job or the whole suite), "help" runs its `--help` (it runs
 every benchmark, or names a placeholder), "example" is an examples/ program that
-tests/test_examples.py runs as this very command line (with an XLA_FLAGS prefix). A new block or command line without a check fails
-here, so the README cannot show one nobody has run. Paths the README names must be tracked
-files, so a fresh clone has them.
+tests/test_examples.py runs as this very command line (with an XLA_FLAGS prefix). A new block
+or command line without a check fails here, so the README cannot show one nobody has run.
+Paths the README names must be tracked files, so a fresh clone has them.
 """
 
 import os

@@ -264,10 +264,11 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
 
     Worker i of this node (global index g = node_rank * nproc + i, of nnodes * nproc) runs
     `argv_command` (an argv list, no shell; a bare `python` or `python3` as the program is this
-    interpreter, `sys.executable`: see `resolve_program`) with the environment of `worker_env`: TF_CONFIG
-    names g and every worker's address, worker 0's being the coordinator (`coordinator`, else
-    127.0.0.1:`port`, else 127.0.0.1 and a free port). Each line a worker prints goes to the
-    launcher's stdout (stderr for stderr lines) after `[worker g] `. Workers read no stdin.
+    interpreter, `sys.executable`: see `resolve_program`) with the environment of
+    `worker_env`: TF_CONFIG names g and every worker's address, worker 0's being the
+    coordinator (`coordinator`, else 127.0.0.1:`port`, else 127.0.0.1 and a free port). Each
+    line a worker prints goes to the launcher's stdout (stderr for stderr lines) after
+    `[worker g] `. Workers read no stdin.
 
     SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker (each runs
     in its own process group, which receives the signal); a second one kills them at once. When

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 10)")
     launch.add_argument("program", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS ...]",
                         help="the program and its arguments, run as given (no shell); "
-                        "python or python3 means this interpreter (" + sys.executable.replace("%", "%%") + ")")
+                        "python or python3 means this interpreter ("
+                        + sys.executable.replace("%", "%%") + ")")
     return parser
 
 

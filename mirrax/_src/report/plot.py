@@ -1,6 +1,7 @@
 """The scaling report's plot: predicted speedup against replicas, with the ideal line, as a PNG,
-SVG or PDF (the format the file's suffix names). matplotlib is optional (`pip install mirrax[plot]`): imported only when a plot is drawn, through
-its object interface (no pyplot), so the caller's matplotlib state is left alone."""
+SVG or PDF (the format the file's suffix names). matplotlib is optional (`pip install
+mirrax[plot]`): imported only when a plot is drawn, through its object interface (no pyplot),
+so the caller's matplotlib state is left alone."""
 
 from __future__ import annotations
 
