@@ -396,6 +396,12 @@ class Model(model_glue.KerasGlue):
         self._check_compiled("get_metrics_result")
         return loops.logs_of(self, self._compiled)
 
+    @property
+    def metrics_names(self) -> list:
+        """["loss", <metric log names>...] in the order of `evaluate`'s list, as tf.keras's (Keras
+        3 lists its trackers, ["loss", "compile_metrics"]); [] before `compile`."""
+        return [] if self._compiled is None else ["loss"] + list(self._compiled.metric_names)
+
     def make_train_function(self):
         """`train_function(batch)`: one step of `fit` on a distributed batch ((x, y) or (x, y,
         sample_weight) from `strategy.experimental_distribute_dataset`), in training mode, as
