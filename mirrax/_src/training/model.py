@@ -115,7 +115,8 @@ class Model(model_glue.KerasGlue):
           loss_weights: a float that scales the loss (single-output models; a list or dict of
             per-output weights is refused).
           metrics: list of `mirrax.metrics.Metric`s or names ("accuracy" resolves by the loss,
-            as Keras); updated WITHOUT sample weights (as Keras).
+            as Keras); updated WITHOUT sample weights (as Keras); a name already taken
+            is logged with `_1`, `_2`, ... (two `AUC()`: "auc", "auc_1"), as Keras 3.
           weighted_metrics: list of metrics updated with the sample weights (and class
             weights), as Keras; logged under the metric's name, or "weighted_<name>" when
             `metrics` already holds that name.
