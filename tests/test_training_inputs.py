@@ -2,6 +2,9 @@
 steps_per_epoch, class and sample weights, weighted metrics, the strategy of compile, and the
 checks made before the first step (issue 11, defects 3-5 and the Keras-parity audit)."""
 
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -239,6 +242,47 @@ def test_metrics_ignore_sample_weights_and_weighted_metrics_use_them():
     assert logs == {"loss": 5.5, "mean_x": 2.5, "weighted_mean_x": 2.75}
 
 
+def test_metrics_of_the_same_name_get_keras_keys_everywhere(tmp_path):
+    # Issue 27, item 3: [AUC(), AUC(curve="PR")] logged one "auc". Keras 3 keys them "auc",
+    # "auc_1" (compile_utils.CompileMetrics.result); a name= is kept; a weighted metric whose
+    # name is taken is "weighted_<name>".
+    auc = mirrax.metrics.AUC
+    model = identity_model(
+        mirrored(2), metrics=[auc(num_thresholds=3), auc(num_thresholds=3, curve="PR"),
+                              "accuracy", "accuracy", auc(num_thresholds=3, name="roc")],
+        weighted_metrics=[auc(num_thresholds=3, curve="PR")])
+    names = ["loss", "auc", "auc_1", "accuracy", "accuracy_1", "roc", "weighted_auc"]
+    assert model.metrics_names == names
+    # The identity model predicts x itself: scores [0, 0.5, 0.3, 0.9] for labels [0, 0, 1, 1]
+    # (Keras's AUC docstring), weights [1, 2, 3, 4] for the weighted metric and the loss.
+    x = np.array([[0.0], [0.5], [0.3], [0.9]], np.float32)
+    y, w = np.array([0, 0, 1, 1], np.float32), np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    expected = {
+        "loss": (0 * 1 + 0.5 * 2 + 0.3 * 3 + 0.9 * 4) / 4,  # the weighted sum over 4 examples
+        "auc": 0.75,  # ROC: recall [1, .5, 0], fpr [1, 0, 0]: (1 + .5) / 2
+        # PR, tp [2, 1, 0], fp [2, 0, 0], fn [0, 1, 2]: slopes [1/3, 1], intercepts [2/3, 0],
+        # (1/3)(1 + (2/3) ln 4) / 2 + 1 * 1 / 2.
+        "auc_1": (1 + 2 / 3 * np.log(4.0)) / 6 + 0.5,
+        "accuracy": 0.75, "accuracy_1": 0.75,  # predictions > 0.5: [0, 0, 0, 1]
+        "roc": 0.75,
+        "weighted_auc": (0.5 * (3 + 2 * np.log(2.5)) + 4) / 7,  # test_auc_matches_keras
+    }
+    logs = model.evaluate(x, y, sample_weight=w, batch_size=4, verbose=0, return_dict=True)
+    assert list(logs) == names
+    assert logs == pytest.approx(expected, rel=1e-5)
+    # The list form: one value per name (it had 6 for 7).
+    values = model.evaluate(x, y, sample_weight=w, batch_size=4, verbose=0)
+    assert values == pytest.approx([expected[n] for n in names], rel=1e-5)
+    path = tmp_path / "log.csv"
+    history = model.fit(x, y, sample_weight=w, batch_size=4, verbose=0,
+                        callbacks=[mirrax.callbacks.CSVLogger(path)])
+    assert list(history.history) == names + ["learning_rate"]
+    # CSVLogger's columns: "epoch", the keys sorted, then (no validation) their val_ twins.
+    keys = sorted(history.history)
+    assert path.read_text().splitlines()[0].split(",") == ["epoch"] + keys + [
+        f"val_{k}" for k in keys]
+
+
 def test_validation_batch_size_sets_the_validation_batches():
     class CountTestBatches(mirrax.callbacks.Callback):
         def __init__(self):
@@ -397,3 +441,81 @@ def test_fit_under_another_strategys_scope_is_refused_as_tf():
     with mirrored(4).scope():  # its own scope, and outside every scope: its own strategy
         model.fit(x, y, verbose=0)
     model.fit(x, y, verbose=0)
+
+
+# -- issue 27, item 6: torch bfloat16, text, and Keras's list of input arrays --------------------
+
+
+def test_torch_bfloat16_and_float8_batches_arrive_as_jax_dtypes_bit_for_bit():
+    torch = pytest.importorskip("torch", reason="torch is not installed (the test extra has it)")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    # 1.5, -2.25 and 3.140625 are exact in bfloat16 (8 significant bits).
+    tensor = torch.tensor([[1.5, -2.25, 3.140625, 0.0]], dtype=torch.bfloat16)
+    batch = next(iter(mirrored(2).experimental_distribute_dataset([(tensor.repeat(4, 1),)])))
+    shard = np.asarray(mirrored(2).experimental_local_results(batch[0])[0])
+    assert shard.dtype == jnp.bfloat16 and shard.shape == (2, 4)
+    np.testing.assert_array_equal(shard.astype(np.float32), [[1.5, -2.25, 3.140625, 0.0]] * 2)
+    # float8 too (no NumPy dtype either): 0.5 and -3.0 are exact in e4m3.
+    eight = torch.tensor([[0.5, -3.0]]).to(torch.float8_e4m3fn).repeat(2, 1)
+    batch = next(iter(mirrored(2).experimental_distribute_dataset([(eight,)])))
+    shard = np.asarray(mirrored(2).experimental_local_results(batch[0])[0])
+    assert shard.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(shard.astype(np.float32), [[0.5, -3.0]])
+
+    _, _, x, y = mlp_data()
+    x16 = torch.from_numpy(x).to(torch.bfloat16)
+    as_float32 = x16.float().numpy()  # the same values, in a dtype NumPy has
+    loader = DataLoader(TensorDataset(x16, torch.from_numpy(y.astype(np.int64))), batch_size=4)
+    model = mlp_model(mirrored(2))
+    # The same values through the same layers (bfloat16 -> float32 is exact): equal up to
+    # XLA's fusion of the cast, hence a tolerance.
+    np.testing.assert_allclose(model.evaluate(loader, verbose=0),
+                               model.evaluate(as_float32, y, batch_size=4, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(model.predict(x16, batch_size=4, verbose=0),
+                               model.predict(as_float32, batch_size=4, verbose=0), rtol=1e-6)
+    model.fit(loader, verbose=0)
+    assert model.optimizer.iterations == 4  # 16 examples in batches of 4
+
+
+@pytest.mark.parametrize("x", [["a cat", "a dog"] * 8, np.array(["a cat", "a dog"] * 8),
+                               np.array([b"a cat", b"a dog"] * 8, dtype=object)],
+                         ids=["list", "unicode array", "bytes objects (tf.string)"])
+def test_text_as_x_is_refused_as_text_first(x):
+    model = mlp_model(mirrored(2))
+    # Before: "Remove batch_size" (a list is a dataset), then a shape fix for the array.
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"fit: x holds strings \(e.g. b?'a cat'\); strings are not numeric "
+                             r"inputs.*TextVectorization"):
+        model.fit(x, np.zeros(16, np.int32), batch_size=8, verbose=0)
+    with pytest.raises(errors.InvalidArgumentTypeError, match=r"predict: x holds strings"):
+        model.predict(x, verbose=0)
+
+
+def test_text_labels_and_text_in_batches_are_refused_as_text():
+    _, _, x, _ = mlp_data()
+    model = mlp_model(mirrored(2))
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"fit: y holds strings \(e.g. 'cat'\).*np.unique\(y, "
+                             r"return_inverse=True\)"):
+        model.fit(x, ["cat", "dog"] * 8, verbose=0)
+    # A DataLoader's default collate gives a list of str for a text field.
+    with pytest.raises(errors.InvalidArgumentTypeError,
+                       match=r"fit: the first batch holds strings \(e.g. 'a cat'\)"):
+        model.fit(iter([(["a cat", "a dog"], np.zeros(2, np.int32))]), verbose=0)
+    assert model.optimizer.iterations == 0
+
+
+def test_a_list_of_input_arrays_gets_the_dict_hint_first():
+    xa, xb = np.zeros((8, 4), np.float32), np.zeros((8, 3), np.float32)
+    model = mlp_model(mirrored(2))
+    for kwargs in ({"batch_size": 4}, {}):  # before: "Remove batch_size" came first
+        with pytest.raises(errors.InvalidArgumentError, match=re.escape(
+                "fit: x is a list of 2 arrays ((8, 4), (8, 3)) given with y; Keras's list of "
+                "input arrays (one per input) is not supported") + ".*" + re.escape(
+                "pass x as a dict of arrays, e.g. {'input_0': x[0], 'input_1': x[1]}")):
+            model.fit([xa, xb], np.zeros(8, np.int32), verbose=0, **kwargs)
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=re.escape("predict: x is a tuple of 2 arrays ((8, 4), (8, 3)) "
+                                       "given with batch_size")):
+        model.predict((xa, xb), batch_size=4, verbose=0)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.distribute import invariant, multihost
+from mirrax._src.distribute import host_tensors, invariant, multihost
 from mirrax._src.distribute.values import PerReplica
 
 
@@ -159,13 +159,7 @@ def to_host_batch(batch):
     leaves, sizes = [], {}
     for path, leaf in with_paths:
         name = "batch" + jax.tree_util.keystr(path)
-        if hasattr(leaf, "numpy") and not isinstance(leaf, (np.ndarray, jax.Array)):
-            # A torch tensor that tracks gradients or lives on a GPU has no direct .numpy().
-            if hasattr(leaf, "detach"):
-                leaf = leaf.detach()
-            if hasattr(leaf, "cpu"):
-                leaf = leaf.cpu()
-            leaf = leaf.numpy()
+        leaf = host_tensors.to_numpy(leaf)
         if not isinstance(leaf, (np.ndarray, jax.Array, np.generic)):
             raise errors.InvalidBatchError(
                 f"{name} is a {type(leaf).__name__} ({leaf!r:.60}); every leaf of a batch must be "
@@ -173,7 +167,7 @@ def to_host_batch(batch):
                 "Convert it with np.asarray, or drop it from the batch."
             )
         leaf = np.asarray(leaf)
-        if leaf.dtype.kind not in "biufc":
+        if not host_tensors.is_numeric(leaf.dtype):
             raise errors.InvalidBatchError(
                 f"{name} has dtype {leaf.dtype}, which is not numeric; batches must hold "
                 "numbers (bool, int, float, complex). Encode text or objects as numbers before "

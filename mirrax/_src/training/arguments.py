@@ -10,8 +10,11 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
+from mirrax._src.distribute import host_tensors
+from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
 from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.training import losses as losses_lib
@@ -185,15 +188,30 @@ def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerl
 
 
 def metric_names(plain, weighted) -> list:
-    """Log names of the metrics then the weighted metrics, as Keras 3's CompileMetrics."""
-    names = [m.name for m in plain]
-    for metric in weighted:
-        name = metric.name if metric.name not in names else f"weighted_{metric.name}"
-        base, index = name, 1
-        while name in names:
-            name = f"{base}_{index}"
+    """Log names of the metrics then the weighted metrics, as Keras 3's
+    `CompileMetrics.result` (keras/src/trainers/compile_utils.py): a name already taken gets
+    `_1`, `_2`, ... in order (`[AUC(), AUC(curve="PR")]` log "auc" and "auc_1", "accuracy"
+    twice "accuracy" and "accuracy_1"); a weighted metric whose name is taken is logged as
+    "weighted_<name>" (then "weighted_<name>_1", ...). A user's `name=` is kept as given.
+    Unlike Keras, a suffixed name that is itself taken (a metric named "auc_1" before two
+    AUC()) counts on ("auc_2"), where Keras's dict silently keeps one of the two."""
+    counters: dict = {}
+    names: list = []
+
+    def unique(name):
+        if name not in counters and name not in names:
+            counters[name] = 1
+            return name
+        index = counters.get(name, 1)
+        while f"{name}_{index}" in names:
             index += 1
-        names.append(name)
+        counters[name] = index + 1
+        return f"{name}_{index}"
+
+    names.extend(unique(m.name) for m in plain)
+    for metric in weighted:
+        taken = metric.name in counters or metric.name in names
+        names.append(unique(f"weighted_{metric.name}" if taken else metric.name))
     return names
 
 
@@ -256,12 +274,9 @@ def host_array(leaf):
 
 
 def to_numpy(leaf):
-    """A tf / torch tensor as NumPy (a torch tensor detached and on the host first)."""
-    if isinstance(leaf, (np.ndarray, jax.Array)) or not hasattr(leaf, "numpy"):
-        return leaf
-    if hasattr(leaf, "detach") and hasattr(leaf, "cpu"):  # torch: grad-tracking or on a GPU
-        leaf = leaf.detach().cpu()
-    return leaf.numpy()
+    """A tf / torch tensor as NumPy (a torch tensor detached and on the host first; torch's
+    bfloat16 and float8 as JAX's dtypes of those names: host_tensors.to_numpy)."""
+    return host_tensors.to_numpy(leaf)
 
 
 def _shapes(tree) -> str:
@@ -290,15 +305,42 @@ def _first_layer_hint(module) -> str:
     return ""
 
 
-def check_fits_model(model, checked: dict, x, y, what: str):
+# Errors of the module's code, whatever the input: raised as they are, not as an input error.
+_NOT_ABOUT_THE_INPUT = (NameError, NotImplementedError, RecursionError, jax.errors.JAXTypeError,
+                        jax.errors.JAXIndexError)
+
+
+def _abstract_forward(module, x1, policy, strategy):
+    """The module's output shapes on `x1`, traced as the step traces it: inside `shard_map`
+    over the strategy's mesh, under a replica context, so collectives over
+    `mirrax.REPLICA_AXIS` (synchronized BatchNorm) are bound. Every input enters replicated,
+    so each replica sees `x1` itself and nothing varies (vma checks are the step's)."""
+    graphdef, state = nnx.split(module)
+    found = {}
+
+    def one_replica(state, x):
+        with replica_context_scope(ReplicaContext(strategy)):
+            y = steps_lib.forward(nnx.merge(graphdef, state), x, policy)
+        found["y_pred"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
+        return ()
+
+    jax.eval_shape(jax.shard_map(one_replica, mesh=strategy.mesh, in_specs=(P(), P()),
+                                 out_specs=()), state, x1)
+    return found["y_pred"]
+
+
+def check_fits_model(model, checked: dict, x, y, what: str, strategy):
     """Runs the module (and the loss) abstractly on the first example of a batch.
 
     So shapes or dtypes that do not fit give one named error before any step, instead of a
-    jax / flax error from inside the compiled step. Returns the model's output shape.
+    jax / flax error from inside the compiled step. The module is traced inside the
+    strategy's replica mesh, as the step is (`_abstract_forward`). Returns the model's output
+    shapes (`jax.ShapeDtypeStruct`s).
 
     Raises:
       IncompatibleInputError: the module cannot take x, or the loss cannot compare y with the
-        module's output.
+        module's output. An error of the module's own code that no input causes (a NameError,
+        a tracer used as a Python bool) propagates unchanged.
     """
     def one(a):
         a = host_array(a) if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a
@@ -312,12 +354,11 @@ def check_fits_model(model, checked: dict, x, y, what: str):
         (x1, y1))), policy.name, id(model.loss))
     if key in checked:
         return checked[key]
-    graphdef, state = nnx.split(model.module)
     try:
-        y_pred = jax.eval_shape(lambda s, v: steps_lib.forward(nnx.merge(graphdef, s), v, policy), state, x1)
-    except errors.MirraxError:
-        raise
-    except Exception as error:  # any failure of the user's module on this input
+        y_pred = _abstract_forward(model.module, x1, policy, strategy)
+    except (errors.MirraxError, *_NOT_ABOUT_THE_INPUT):
+        raise  # the module's own fault (an unbound axis, Python control flow on a tracer)
+    except Exception as error:  # the user's module cannot take this input
         detail = _first_line(error)
         raise errors.IncompatibleInputError(
             f"{what}: the model cannot take x of shape {_shapes(x)}: {type(error).__name__}: "

@@ -129,6 +129,10 @@ class ModelInput:
             self.arrays = False
             self.dataset, self.steps = x, None
             return
+        # Text first: otherwise a list of strings is refused as a dataset given a batch_size,
+        # a string array as a shape the model cannot take.
+        dataset_batches.check_not_text(what, "x", x)
+        dataset_batches.check_not_text(what, "y", y)
         self.arrays = is_arrays(x)
         if not self.arrays:
             self._init_dataset(x, y, sample_weight, batch_size, what)
@@ -164,12 +168,13 @@ class ModelInput:
         self.n = n
         self.steps = math.ceil(n / self.batch_size)
         self.dataset = None
-        y_pred = checks.check_fits_model(model, self.checked, x, y, what)
+        y_pred = checks.check_fits_model(model, self.checked, x, y, what, strategy)
         if y is not None and isinstance(model.loss, losses_lib.SparseCategoricalCrossentropy):
             losses_lib.SparseCategoricalCrossentropy.check_labels(np.asarray(y), y_pred.shape[-1])
 
     def _init_dataset(self, x, y, sample_weight, batch_size, what):
         dataset_batches.check_source(what, x)
+        dataset_batches.check_not_input_list(what, x, y, batch_size)
         if batch_size is not None:
             raise errors.InvalidArgumentError(
                 f"{what}: batch_size={batch_size} was given with a {type(x).__name__}, "
@@ -178,17 +183,10 @@ class ModelInput:
             )
         for name, value in (("y", y), ("sample_weight", sample_weight)):
             if value is not None:
-                several = isinstance(x, (list, tuple)) and x and all(
-                    is_arrays(as_arrays(item)) for item in x)
                 raise errors.InvalidArgumentError(
                     f"{what}: {name} must be None when x is a dataset of (x, y[, sample_weight]) "
                     f"batches; received {name} of type {type(value).__name__}. Put it in the "
                     "batches."
-                    + (" A list or tuple x is a sequence of batches in mirrax; for a model with "
-                       "several inputs pass x as a dict of arrays (Keras's list of input "
-                       "arrays is not supported)." if several else "")
-                    + (" x holds Python numbers (e.g. from X.tolist()): pass the examples as "
-                       "arrays, np.asarray(x) and np.asarray(y)." if checks.python_numbers(x) else "")
                 )
         self.dataset = None
         try:
@@ -219,8 +217,10 @@ class ModelInput:
             )
         dataset_batches.check_batched(what, x, first)
         batch = dataset_batches.normalize_batch(first, self.inputs_only, self.class_weight)
-        y_pred = checks.check_fits_model(self.model, self.checked, batch[0], None if self.inputs_only else batch[1],
-                                   what)
+        dataset_batches.check_not_text(what, "the first batch", batch)
+        y_pred = checks.check_fits_model(self.model, self.checked, batch[0],
+                                         None if self.inputs_only else batch[1], what,
+                                         self.strategy)
         if not self.inputs_only:
             rows = len(checks.host_array(jax.tree.leaves(batch[0])[0]))
             if len(batch) == 3:
@@ -342,8 +342,9 @@ class ModelInput:
                                         leaf.dtype)
 
         parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
-        checks.check_fits_model(self.model, self.checked, parts[0], None if self.inputs_only else parts[1],
-                          f"{self._what} (batch {index + 1})")
+        checks.check_fits_model(self.model, self.checked, parts[0],
+                                None if self.inputs_only else parts[1],
+                                f"{self._what} (batch {index + 1})", self.strategy)
         self._signatures.add(signature)
 
     def _stream_batches(self, steps):

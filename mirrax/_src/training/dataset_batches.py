@@ -50,6 +50,68 @@ def check_source(what: str, x):
         )
 
 
+def _text_leaf(value):
+    """The first string of `value` (a str / bytes leaf, or a NumPy string or object array of
+    strings, as tf.string tensors give), or None. Only lists, tuples and dicts are looked into
+    (never a loader or an iterator)."""
+    for leaf in jax.tree.leaves(value, is_leaf=lambda v: not isinstance(v, (list, tuple, dict))):
+        if isinstance(leaf, (str, bytes)):
+            return leaf
+        if isinstance(leaf, np.ndarray) and leaf.size and (leaf.dtype.kind in "US" or (
+                leaf.dtype.kind == "O" and isinstance(leaf.flat[0], (str, bytes)))):
+            return np.asarray(leaf.flat[0]).item()
+    return None
+
+
+def check_not_text(what: str, name: str, value) -> None:
+    """Refuses strings given as `name` ("x", "y" or a batch), before any other check of it.
+    A bare string (a file name given as x) is left to `check_source`.
+
+    Raises:
+      InvalidArgumentTypeError: `value` holds text, which no JAX array holds.
+    """
+    text = None if isinstance(value, (str, bytes)) else _text_leaf(value)
+    if text is None:
+        return
+    fix = ("Map the labels to class indices first, e.g. classes, y = np.unique(y, "
+           "return_inverse=True)." if name == "y" else
+           "Turn the text into numbers first (token ids from a tokenizer, e.g. "
+           "keras.layers.TextVectorization adapted on the text and applied to it before fit), "
+           "and pass those arrays.")
+    raise errors.InvalidArgumentTypeError(
+        f"{what}: {name} holds strings (e.g. {text!r:.40}); strings are not numeric inputs: "
+        f"a JAX model computes on numbers. {fix}"
+    )
+
+
+def check_not_input_list(what: str, x, y, batch_size) -> None:
+    """Refuses a list / tuple of arrays given with labels or a batch size: Keras's list of a
+    multi-input model's input arrays (or arrays as Python lists), which mirrax reads as a
+    sequence of batches. Checked before the batch size, so the first error names the fix.
+
+    Raises:
+      InvalidArgumentError: as above, naming the dict of arrays to pass instead.
+    """
+    if not isinstance(x, (list, tuple)) or not x or (y is None and batch_size is None):
+        return
+    if checks.python_numbers(x):
+        raise errors.InvalidArgumentError(
+            f"{what}: x holds Python numbers (e.g. from X.tolist()): pass the examples as "
+            "arrays, np.asarray(x) and np.asarray(y) (a list x is a sequence of batches)."
+        )
+    if not all(batching.is_array(item) and len(getattr(item, "shape", ())) for item in x):
+        return
+    shapes = ", ".join(str(tuple(item.shape)) for item in x[:4]) + (", ..." if len(x) > 4 else "")
+    keys = ", ".join(f"'input_{i}': x[{i}]" for i in range(min(len(x), 2)))
+    raise errors.InvalidArgumentError(
+        f"{what}: x is a {type(x).__name__} of {len(x)} arrays ({shapes}) given with "
+        f"{'y' if y is not None else 'batch_size'}; Keras's list of input arrays (one per "
+        "input) is not supported: a list or tuple x is a sequence of batches in mirrax (a "
+        "DataLoader yields lists). For a model with several inputs pass x as a dict of arrays, "
+        f"e.g. {{{keys}{', ...' if len(x) > 2 else ''}}} with the keys the module reads."
+    )
+
+
 # Keys that name the labels in a dict batch (Hugging Face's "label", ...), for the hint that
 # turns such a batch into (x, y).
 _LABEL_KEYS = ("label", "labels", "y", "target", "targets")
