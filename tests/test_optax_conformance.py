@@ -39,6 +39,12 @@ def _labels(params):
                                   params)
 
 
+def _label_tree():
+    """The same groups as a pytree of labels over the parameters' arrays (`nnx.as_pure`: the
+    structure optax's update sees)."""
+    return _labels(nnx.as_pure(nnx.state(_module(), nnx.Param)))
+
+
 def _matrices(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
@@ -48,6 +54,8 @@ CATALOGUE = {
     "adamw_masked": lambda: optax.adamw(LR, weight_decay=0.5, mask=_matrices),
     "multi_transform": lambda: optax.multi_transform(
         {"train": optax.adam(LR), "frozen": optax.set_to_zero()}, _labels),
+    "multi_transform_label_tree": lambda: optax.multi_transform(
+        {"train": optax.sgd(LR, momentum=0.9), "frozen": optax.set_to_zero()}, _label_tree()),
     "chain_clip": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(LR)),
     "multi_steps": lambda: optax.MultiSteps(optax.sgd(LR), every_k_schedule=2),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(LR), max_consecutive_errors=2),
@@ -63,7 +71,7 @@ NEEDS_VALUE = {
     "reduce_on_plateau": lambda: optax.chain(
         optax.adam(LR), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)),
 }
-FROZEN = {"multi_transform": ("bias",)}
+FROZEN = {"multi_transform": ("bias",), "multi_transform_label_tree": ("bias",)}
 
 _SHARDED = []
 
@@ -104,7 +112,7 @@ def _reference(name):
     """(initial, final) parameters of `nnx.jit` + `nnx.Optimizer` on one device, each step
     the mean squared error of one whole global batch (Keras's "mse": mean over the outputs,
     then over the batch)."""
-    factory = CATALOGUE.get(name) or NEEDS_VALUE[name]
+    factory = {**CATALOGUE, **NEEDS_VALUE, "sgd": lambda: optax.sgd(LR)}[name]
     module = _module()
     optimizer = nnx.Optimizer(module, factory(), wrt=nnx.Param)
     initial = _params(module)
@@ -179,6 +187,28 @@ def test_an_update_that_needs_the_loss_runs_in_a_custom_loop(strategy_name):
     name = "reduce_on_plateau"
     _check(name, _custom_loop(strategy, name, NEEDS_VALUE[name]),
            f"custom loop on {strategy_name}")
+
+
+def _sgd_through_a_replica_max():
+    """optax.sgd(LR) written with a collective over the replicas: the max over them of a
+    gradient that is already summed (the same on every replica) is the gradient itself."""
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda g: -LR * jax.lax.pmax(g, mirrax.REPLICA_AXIS), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("strategy_name", ["OneDevice", "Mirrored4CPU"])
+def test_an_update_with_a_collective_over_the_replicas_is_not_refused(strategy_name):
+    # compile's check traces the update outside the replicas, where the axis is unbound; the
+    # step runs it inside them (without sharded state), so it must not be refused.
+    strategy = _strategy(strategy_name)
+    with strategy.scope():
+        model = mirrax.Model(_module())
+        model.compile(optimizer=_sgd_through_a_replica_max(), loss="mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    _check("sgd", _params(model.module), f"fit on {strategy_name}")
 
 
 REFUSED = {
