@@ -165,3 +165,30 @@ def test_an_array_held_before_the_first_step_stays_valid():
     strategy.run(sgd_step, args=(model, optimizer, batch))
     assert not kept[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(kept[0]), w1)
+
+
+def test_variables_holding_no_array_or_several_are_written_back_to_themselves():
+    """A Variable holding an empty pytree (optax.MaskedNode, as multi_transform's state keeps
+    for a parameter outside a group) carries no array, one holding a tuple carries two; the
+    step's new values go to their own Variables (on main the flat list was written in order
+    into the three Variables, each getting another's value)."""
+    class Held(nnx.Module):
+        def __init__(self):
+            self.empty = nnx.Variable(optax.MaskedNode())
+            self.pair = nnx.Variable((jnp.zeros(2), jnp.ones(3)))
+            self.w = nnx.Param(jnp.ones(2))
+
+    def step(module):
+        a, b = module.pair.get_value()
+        module.pair.set_value((a + 1.0, b * 2.0))
+        module.w[...] += 1.0
+
+    strategy = _two_replicas()
+    module = Held()
+    for _ in range(2):
+        strategy.run(step, args=(module,))
+    a, b = module.pair.get_value()
+    np.testing.assert_array_equal(np.asarray(a), [2.0, 2.0])  # 0 + 1 + 1
+    np.testing.assert_array_equal(np.asarray(b), [4.0, 4.0, 4.0])  # 1 * 2 * 2
+    np.testing.assert_array_equal(np.asarray(module.w[...]), [3.0, 3.0])  # 1 + 1 + 1
+    assert module.empty.get_value() == optax.MaskedNode()

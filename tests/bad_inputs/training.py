@@ -35,8 +35,8 @@ def _model(env, optimizer="sgd", **compile_kwargs):
     return model
 
 
-def _compile(env, **kwargs):
-    with env.strategy.scope():
+def _compile(env, strategy=None, **kwargs):
+    with (strategy or env.strategy).scope():
         model = mirrax.Model(_MLP())
         kwargs.setdefault("loss", "sparse_categorical_crossentropy")
         model.compile(**kwargs)
@@ -73,6 +73,21 @@ CASES = [
          errors.InvalidIdentifierError, ("'adamax'", "adam, adamw, rmsprop, sgd")),
     Case("compile(optimizer=0.01)", lambda env: _compile(env, optimizer=0.01),
          errors.InvalidArgumentTypeError, ("optimizer must be", "float 0.01", "'adam'")),
+    Case("compile(optimizer=chain(adam, reduce_on_plateau)), which needs the loss",
+         lambda env: _compile(env, optimizer=optax.chain(
+             optax.adam(1e-3), optax.contrib.reduce_on_plateau())),
+         errors.UnsupportedArgumentError,
+         ("needs 'value'", "fit does not pass", "ReduceLROnPlateau callback",
+          "optimizer.update(model, grads, value="), S),
+    Case("compile(optimizer=optax.lookahead(...))",
+         lambda env: _compile(env, optimizer=optax.lookahead(optax.adam(1e-3), 2, 0.5)),
+         errors.UnsupportedArgumentError,
+         ("optax.lookahead", "LookaheadParams", "Use the fast optimizer alone"), S),
+    Case("compile(optimizer=optax.sm3) with shard_optimizer_state=True",
+         lambda env: _compile(env, strategy=mirrax.MirroredStrategy(
+             ["cpu:0", "cpu:1"], shard_optimizer_state=True), optimizer=optax.sm3(1e-2)),
+         errors.UnsupportedArgumentError,
+         ("ScaleBySM3State", "nested lists or tuples", "shard_optimizer_state=False")),
     Case("compile without a loss", lambda env: _compile(env, loss=None),
          errors.InvalidArgumentError, ("loss is required", "sparse_categorical_crossentropy")),
     Case("compile(loss='msee')", lambda env: _compile(env, loss="msee"),

@@ -145,16 +145,7 @@ class Recorder:
                 "(applied when the step returns), so the override would never run. Use "
                 "nnx.Optimizer itself (do the extra work in the step), or "
                 "shard_optimizer_state=False.")
-        unsplit = {id(x) for v in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
-                   if id(v) not in self._index for x in jax.tree.leaves(_compat.raw_value(v))}
-        if unsplit:
-            owner = _state_owner(nnx.as_pure(optimizer.opt_state), unsplit)
-            raise errors.UnsupportedArgumentError(
-                f"strategy.run: {self._fn_name}: the state of {name}'s transformation "
-                f"({_transformation_name(optimizer.tx)}{', in its ' + owner if owner else ''}) "
-                "holds nested lists or tuples of arrays in one variable, which a sharded "
-                "optimizer state cannot follow. Use shard_optimizer_state=False for this "
-                "optimizer.")
+        check_shardable(optimizer, f"strategy.run: {self._fn_name}")
 
     def close(self) -> None:
         for node in self._patched:
@@ -242,8 +233,35 @@ class Recorder:
                 "shard_optimizer_state=False.")
 
     def _opt_indices(self, optimizer) -> tuple:
+        # A Variable holding an empty pytree (optax.MaskedNode, a parameter outside one of
+        # multi_transform's groups) has no array, so no position; the optimizer state's
+        # structure (`Update.opt_def`) keeps it.
         variables = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
-        return tuple(self._index[id(v)] for v in variables)
+        return tuple(self._index[id(v)] for v in variables
+                     if jax.tree.leaves(_compat.raw_value(v)))
+
+
+def check_shardable(optimizer, what: str) -> None:
+    """Refuses an `nnx.Optimizer` whose state a sharded optimizer state cannot follow: a
+    Variable holding several arrays (nested lists or tuples, as `optax.sm3`'s).
+
+    Raises:
+      UnsupportedArgumentError: naming the transformation and its state, with the fix.
+    """
+    unsplit = {id(x) for v in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
+               for x in _several(jax.tree.leaves(_compat.raw_value(v)))}
+    if unsplit:
+        owner = _state_owner(nnx.as_pure(optimizer.opt_state), unsplit)
+        raise errors.UnsupportedArgumentError(
+            f"{what}: the state of {type(optimizer).__name__}'s transformation "
+            f"({_transformation_name(optimizer.tx)}{', in its ' + owner if owner else ''}) "
+            "holds nested lists or tuples of arrays in one variable, which a sharded "
+            "optimizer state cannot follow. Use shard_optimizer_state=False for this "
+            "optimizer.")
+
+
+def _several(leaves: list) -> list:
+    return leaves if len(leaves) > 1 else []
 
 
 def _is_variable(x) -> bool:

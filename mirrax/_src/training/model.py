@@ -168,7 +168,7 @@ class Model(model_glue.KerasGlue):
         if gradient_accumulation_steps > 1:
             # optax's accumulator: the mean of k micro-batch gradients, applied every k-th step.
             tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
-        self.optimizer = optimizers.OptimizerHandle(tx, nnx.Optimizer(self.module, tx, wrt=nnx.Param))
+        self.optimizer = optimizers.make_handle(self.module, tx, self.distribute_strategy)
         self.loss = losses_lib.get(loss)
         loss_scale = 1.0 if loss_weights is None else float(loss_weights)
         plain = [metric_registry.get(m, loss=self.loss) for m in (metrics or [])]

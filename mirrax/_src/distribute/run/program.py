@@ -83,6 +83,7 @@ class Program:
         state or returns more than per-example rows: on a padded batch its reductions
         count the padding rows (the runner warns, `padding_warned` once set).
       batch_rows: the static per-replica rows of the step's distributed batch, or None.
+      state_def: the structure of the state (and, with `same_state`, of the new state).
     """
 
     compiled: Any
@@ -94,6 +95,7 @@ class Program:
     sums_padding: bool = False
     padding_warned: bool = False
     batch_rows: int | None = None
+    state_def: Any = None
 
 
 def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
@@ -197,7 +199,8 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
                        compiler_options=invariant.compiler_options(spec.strategy))
     return Program(compiled, found["treedef"], varying, same_state, donates,
                    sums_padding=found.get("sums_padding", False),
-                   batch_rows=None if batch_info is None else batch_info[0].shape[-1])
+                   batch_rows=None if batch_info is None else batch_info[0].shape[-1],
+                   state_def=spec.state_def)
 
 
 def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):

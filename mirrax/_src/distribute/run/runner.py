@@ -99,7 +99,11 @@ class _Binding:
     __slots__ = ("live", "written", "specs")
 
     def __init__(self, live, strategy):
-        self.live = live
+        # A Variable whose value is an empty pytree carries no array, so it has no place among
+        # the state leaves and nothing is written back into it: optax.masked and
+        # multi_transform (optax.contrib.muon too) keep one, holding optax.MaskedNode, for
+        # each parameter outside a group.
+        self.live = [v for v in live if jax.tree.leaves(_compat.raw_value(v))]
         self.written = None
         # Per Variable, the PartitionSpec of its sharded optimizer state, or None.
         self.specs = sharded_optimizer.state_specs(strategy, live)
@@ -291,6 +295,8 @@ class Runner:
             _compat.set_raw_values(live, new_state)
             binding.written = new_state
         elif call.nodes:
+            if program.same_state:  # flat leaves, but some Variable holds a pytree of them
+                new_state = jax.tree.unflatten(program.state_def, new_state)
             nnx.update(tuple(call.nodes), new_state)
             binding.written = None
         strategy = self._strategy
