@@ -18,7 +18,8 @@ per worker and 5 steps per epoch instead of 64 and 70.
 Sections (8, 7 ported): dataset and model definition, describe your cluster,
 MultiWorkerMirroredStrategy, auto-shard your data across workers, define a custom training loop
 and train the model, checkpoint saving and restoring, complete code at a glance (the restarted
-main.py: restore, nothing left to train). Not ported: "Environment variables and subprocesses
+main.py: it restores epoch 2 with its steps done, and the notebook's loop then divides by zero,
+in TF as here). Not ported: "Environment variables and subprocesses
 in notebooks" (shell magics only).
 """
 
