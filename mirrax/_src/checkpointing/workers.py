@@ -38,7 +38,7 @@ def chief_path(path: str | None, what: str, check, refused: Exception | None = N
     waiting in Orbax's barrier, or at this exchange, for a peer that refused). `refused` is a
     MirraxError this process already has for its arguments (a bad prefix or path type, found
     before there is a path; `path` is then None): it is published as a refusal the same way,
-    then raised (see `refuse_on_every_worker`).
+    then raised (see `checked_everywhere`).
     """
     if jax.process_count() == 1:
         if refused is not None:
