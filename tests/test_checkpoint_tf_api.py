@@ -227,3 +227,13 @@ def test_tf_multi_worker_checkpoint_pattern(tmp_path):
     assert worker["file_refused"].startswith("InvalidArgumentError: Checkpoint.write: worker "
                                              "process 0 refused its save")
     assert not (tmp_path / "workertemp_1").joinpath("ckpt").exists()
+    # A prefix refused on worker 1 only (Checkpoint.save's check ran before the path exchange,
+    # so the chief waited there): refused on both workers, then both save again.
+    assert worker["prefix_refused"].startswith(
+        "InvalidArgumentError: Checkpoint.save: file_prefix must be a path prefix inside a "
+        "directory, not a directory")
+    assert chief["prefix_refused"].startswith(
+        "InvalidArgumentError: Checkpoint.save: worker process 1 refused its save, so no worker "
+        "saved: InvalidArgumentError: Checkpoint.save: file_prefix must be a path prefix")
+    assert chief["after_refusal"] == str(tmp_path / "after" / "ckpt")
+    assert (tmp_path / "after" / "ckpt" / "_CHECKPOINT_METADATA").exists()

@@ -37,6 +37,22 @@ def test_cluster_facts_of_the_issue_tf_config(tmp_path):
     assert worker1["examples_seen"] == list(range(32, 48)) + list(range(80, 96))
     assert chief["examples_seen"] == list(range(0, 16)) + list(range(48, 64))
     assert sorted(sum((r["examples_seen"] for r in results), [])) == list(range(96))
+    # Outside every scope each worker runs alone on its own first device, as TF's default
+    # strategy (issue 26: it was worker 0's device, so worker 1 failed with an IndexError and
+    # worker 0 waited for it): one input pipeline, the whole batch of 48 on its one replica,
+    # and predict of a model built outside the scope: 2 * x + 1 for x = 0..5.
+    for r in results:
+        assert r["default_worker_devices"] == [
+            f"/job:localhost/replica:0/task:{r['process_index']}/device:CPU:0"]
+        assert r["default_pipelines"] == (1, 0) or r["default_pipelines"] == [1, 0]
+        assert r["default_rows"] == [48]
+        assert r["predicted"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    # A strategy on the devices of processes 0 and 1: process 2 has no replica, and every
+    # process says so (process 2 at once, the others at their first exchange), no hang.
+    for r in results:
+        assert r["no_replica_refused"].startswith(
+            "InvalidBatchError: MirroredStrategy's replicas are on the devices of process(es) "
+            "[0, 1] only, so process(es) [2] have no replica to feed a batch to."), r
 
 
 @pytest.fixture(scope="module")

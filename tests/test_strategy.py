@@ -81,6 +81,12 @@ def test_default_strategy_outside_every_scope():
     assert float(ctx.all_reduce("sum", 3.0)) == 3.0
     out = strategy.run(lambda x: x + 1, args=(np.float32(1.0),))
     assert float(strategy.reduce("sum", out)) == 2.0
+    # This process's own first device, and no other process's (a multi-worker run gives each
+    # worker its own; tests/test_multi_worker.py checks 3 workers).
+    devices = strategy.extended.replica_devices
+    assert devices.devices == (jax.local_devices()[0],)
+    assert devices.process_indices == (jax.process_index(),)
+    assert devices.spans_processes is False
 
 
 def test_contexts_inside_scope_and_run():

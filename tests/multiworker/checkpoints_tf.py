@@ -109,6 +109,13 @@ def checkpoints_tf(out_dir, index):
         (out / "a_file").write_text("keep")
     result["file_refused"] = _refused(lambda: mirrax.train.Checkpoint(step=1).write(
         str(out / ("a_file" if index == 0 else f"own{index}"))))
+    # A bad prefix on worker 1 only (a directory, refused before there is a path): the chief
+    # gets the refusal at the path exchange instead of waiting there for an hour.
+    bad_prefix = str(out / "saved") + "/" if index == 1 else str(out / "saved2" / "ckpt")
+    result["prefix_refused"] = _refused(lambda: mirrax.train.Checkpoint(step=1).save(bad_prefix))
+    # Orbax's barriers still line up afterwards: one more save on every worker.
+    result["after_refusal"] = mirrax.train.Checkpoint(step=2).write(
+        _write_filepath(str(out / "after" / "ckpt"), task_type, task_id))
     return result
 
 

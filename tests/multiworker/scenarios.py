@@ -68,6 +68,41 @@ def facts(out_dir, index):
         "per_replica_batch_48": ctx.get_per_replica_batch_size(48),
         "examples_seen": seen,
         "is_mirrax_strategy": isinstance(strategy, mirrax.Strategy),
+        **_outside_the_scope(batches),
+    }
+
+
+def _outside_the_scope(batches) -> dict:
+    """Issue 26: outside every scope each worker runs alone on its own device (TF's default
+    strategy); a strategy with no replica on some process is refused on every process."""
+    import jax
+    from flax import nnx
+
+    import mirrax
+
+    default = mirrax.get_strategy()
+    contexts = []
+    default.distribute_datasets_from_function(
+        lambda ctx: contexts.append(ctx) or [np.zeros((8, 1), np.float32)])
+    rows = [int(np.asarray(local).shape[0]) for batch in default.experimental_distribute_dataset(
+        [batches[:48]]) for local in default.experimental_local_results(batch)]
+    module = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+    module.kernel[...] = np.full((1, 1), 2.0, np.float32)
+    module.bias[...] = np.ones((1,), np.float32)
+    predicted = mirrax.Model(module).predict(batches[:6], batch_size=4, verbose=0)
+    # The devices of processes 0 and 1 only: the last process has no replica to feed.
+    partial = mirrax.MirroredStrategy(devices=[d for d in jax.devices() if d.process_index < 2])
+    try:
+        next(iter(partial.experimental_distribute_dataset([batches[:12]])))
+        refused = None
+    except Exception as e:  # the test checks the type's name and the message
+        refused = f"{type(e).__name__}: {e}"
+    return {
+        "default_worker_devices": list(default.extended.worker_devices),
+        "default_pipelines": (contexts[0].num_input_pipelines, contexts[0].input_pipeline_id),
+        "default_rows": rows,
+        "predicted": np.asarray(predicted)[:, 0].tolist(),
+        "no_replica_refused": refused,
     }
 
 

@@ -227,24 +227,31 @@ def checkpoint_saving_and_restoring(ns):
             "weights": weight_sums(ns.multi_worker_model),
             "latest_after": mirrax.train.latest_checkpoint(ns.checkpoint_dir),
             "chief_dir": sorted(os.listdir(ns.checkpoint_dir)),
-            "workertemp_left": os.path.exists(os.path.join(
-                os.path.dirname(ns.checkpoint_dir), f"workertemp_{ns.state.task_id}"))
+            # What the tutorial's tf.io.gfile.rmtree(write_checkpoint_dir) deleted (it leaves the
+            # empty workertemp_<i> that _get_temp_dir made, as TF's does).
+            "workertemp_left": os.path.exists(ns.state.write_checkpoint_dir)
             and not _is_chief(ns.state.task_type, ns.state.task_id, ns.state.cluster_spec)}
 
 
 @tutorial.section
 def complete_code_at_a_glance(ns):
     # main.py started again (a restarted worker): a fresh model restores the latest
-    # checkpoint, finds every epoch done, trains nothing and carries the trained weights.
+    # checkpoint. The notebook's loop saves BEFORE epoch.assign_add(1), so the last checkpoint
+    # holds epoch 2 with all 5 of its steps done: the loop enters epoch 2, runs no step and
+    # divides 0.0 by num_batches = 0, a ZeroDivisionError in TF's code as here.
     with ns.strategy.scope():
         restarted_model = mirrax.Model(build_cnn_model())
     state = make_checkpoint(ns, restarted_model)
     latest_checkpoint = mirrax.train.latest_checkpoint(ns.checkpoint_dir)
     if latest_checkpoint:
         state.checkpoint.restore(latest_checkpoint)
-    printed = train(ns, state)
-    return {"epoch": int(state.epoch.value), "printed": printed,
-            "weights": weight_sums(restarted_model)}
+    restored = {"epoch": int(state.epoch[...]), "step_in_epoch": int(state.step_in_epoch[...])}
+    try:
+        printed, error = train(ns, state), None
+    except ZeroDivisionError as e:
+        printed, error = None, f"{type(e).__name__}: {e}"
+    return {"latest": latest_checkpoint, "restored": restored, "printed": printed,
+            "error": error, "weights": weight_sums(restarted_model)}
 
 
 def main(out_dir, checkpoint_base):

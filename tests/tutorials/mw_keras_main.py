@@ -139,6 +139,7 @@ def model_saving_and_loading(ns):
     single_worker_dataset = mnist_dataset(PER_WORKER_BATCH_SIZE)
     history = loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=3, verbose=0)
     return {"loaded_weights": loaded_weights, "history": fit_logs(history),
+            "loaded_replicas": loaded_model.distribute_strategy.num_replicas_in_sync,
             "chief_file": os.path.exists(model_path)}
 
 

@@ -102,21 +102,18 @@ def test_dataset_sharding(workers):
     assert first["local_labels"] == second["local_labels"]
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 6: Model.save('m.keras') of a Keras "
-                   "model and mirrax.models.load_model; item 3: the non-chief's temporary path; "
-                   "item 1: the saved weights are worker 0's")
 def test_model_saving_and_loading(workers):
     trained = both(workers, "train_the_model")
     first, second = both(workers, "model_saving_and_loading")
     assert first["chief_file"] and second["chief_file"]
     # Both workers load the chief's file: the weights it trained (worker 0's).
     assert first["loaded_weights"] == second["loaded_weights"] == trained[0]["weights"]
+    # Loaded outside the strategy's scope, the model trains on each worker alone, as TF's
+    # (the default strategy: one replica, the worker's own device, its own 16 examples).
+    assert first["loaded_replicas"] == second["loaded_replicas"] == 1
     assert len(first["history"]["loss"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 3: CheckpointManager in TF's "
-                   "write_filepath pattern (sync_global_devices name mismatch) and the "
-                   "non-chief cleanup; item 5: mirrax.train")
 def test_checkpoint_saving_and_restoring(workers):
     first, second = both(workers, "checkpoint_saving_and_restoring")
     # The chief's checkpoint, found by both workers (max_to_keep=1: the one save).
@@ -125,8 +122,6 @@ def test_checkpoint_saving_and_restoring(workers):
     assert first["history"] == second["history"] and len(first["history"]["loss"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: loaded_model.fit on worker 1 raises IndexError in batching._signature (shards[0]) and worker 0 hangs, so this and the later sections never report -- issue 26 item 1: every worker's model equal after fit "
-                   "(the runs' weights are compared across workers)")
 def test_the_backupandrestore_callback(workers):
     first, second = both(workers, "the_backupandrestore_callback")
     # The run trains its 3 epochs and removes its backup when done, with the same weights on

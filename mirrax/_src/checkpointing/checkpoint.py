@@ -26,7 +26,9 @@ from mirrax._src.checkpointing.directory import (
 from mirrax._src.checkpointing.parts import as_arrays, nnx_part, tracked_parts
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus, restore_parts
 from mirrax._src.checkpointing.state_file import update_state
-from mirrax._src.checkpointing.workers import chief_path, for_save, write_stub
+from mirrax._src.checkpointing.workers import (
+    checked_everywhere, chief_path, for_save, write_stub,
+)
 
 
 class Checkpoint:
@@ -104,14 +106,7 @@ class Checkpoint:
             '/'); TF would write files named '-1' inside it.
           ExistingPathError: as `write`, for the numbered path.
         """
-        raw = file_prefix
-        prefix = atomic_dirs.checked_path(file_prefix, "Checkpoint.save")
-        if os.fspath(raw).endswith(("/", os.sep)) or os.path.isdir(prefix):
-            raise errors.InvalidArgumentError(
-                f"Checkpoint.save: file_prefix must be a path prefix inside a directory, not a "
-                f"directory; received {raw!r}. Pass e.g. os.path.join({os.fspath(raw)!r}, 'ckpt') "
-                "(saves become ckpt-1, ckpt-2, ...), or write(path) to write exactly a path."
-            )
+        prefix = checked_everywhere(lambda: _checked_prefix(file_prefix), "Checkpoint.save")
         self.save_counter += 1
         try:
             path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save")
@@ -146,8 +141,9 @@ class Checkpoint:
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
           InvalidArgumentError: a non-chief path contains or lies in the chief's.
         """
-        return self._write(atomic_dirs.checked_path(path, "Checkpoint.write"),
-                           "Checkpoint.write")[0]
+        what = "Checkpoint.write"
+        return self._write(
+            checked_everywhere(lambda: atomic_dirs.checked_path(path, what), what), what)[0]
 
     def _write(self, path: str, what: str) -> tuple:
         """Writes the checkpoint for this process's `path`; returns (`path`, the path written)."""
@@ -218,6 +214,20 @@ class Checkpoint:
             unused_in_checkpoint=sorted(set(stored) - tracked - {SAVE_COUNTER}),
             not_in_checkpoint=sorted(tracked - set(stored)),
         )
+
+
+def _checked_prefix(file_prefix) -> str:
+    """`Checkpoint.save`'s prefix as an absolute path; refuses a directory (TF would write files
+    named '-1' inside it)."""
+    prefix = atomic_dirs.checked_path(file_prefix, "Checkpoint.save")
+    if os.fspath(file_prefix).endswith(("/", os.sep)) or os.path.isdir(prefix):
+        raise errors.InvalidArgumentError(
+            f"Checkpoint.save: file_prefix must be a path prefix inside a directory, not a "
+            f"directory; received {file_prefix!r}. Pass e.g. "
+            f"os.path.join({os.fspath(file_prefix)!r}, 'ckpt') (saves become ckpt-1, ckpt-2, "
+            "...), or write(path) to write exactly a path."
+        )
+    return prefix
 
 
 def orbax_save_args(checkpoint: Checkpoint) -> ocp.args.Composite:

@@ -26,7 +26,7 @@ from mirrax._src.checkpointing.directory import (
     METADATA_FILE, is_complete, refuse_non_directory, write_checkpoint,
 )
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
-from mirrax._src.checkpointing.workers import chief_path, write_stub
+from mirrax._src.checkpointing.workers import checked_everywhere, chief_path, write_stub
 
 _LOG = logging.getLogger("mirrax")
 
@@ -151,7 +151,8 @@ class CheckpointManager:
                 f"CheckpointManager: async_save must be True or False; received {async_save!r}."
             )
         self.checkpoint = checkpoint
-        self.directory = atomic_dirs.checked_path(directory, owner)
+        self.directory = checked_everywhere(
+            lambda: atomic_dirs.checked_path(directory, owner), owner)
         # Where the checkpoints live: the chief's directory, on every process (workers.py).
         self._shared = chief_path(
             self.directory, owner, lambda own: refuse_non_directory(own, owner))

@@ -29,27 +29,34 @@ STUB_FILE = "MIRRAX_CHIEF_CHECKPOINT.txt"
 _EXCHANGES = itertools.count()
 
 
-def chief_path(path: str, what: str, check) -> str:
+def chief_path(path: str | None, what: str, check, refused: Exception | None = None) -> str:
     """The path every process writes for a save whose own path is `path` (absolute): the chief's
     (process 0's) in a multi-process run, `path` itself in one process. Collective.
 
     `check(path)` raises a MirraxError when this process may not save to its path; in a
     multi-process run a refusal on any process is raised on every process (none is left
-    waiting in Orbax's barrier for a peer that refused).
+    waiting in Orbax's barrier, or at this exchange, for a peer that refused). `refused` is a
+    MirraxError this process already has for its arguments (a bad prefix or path type, found
+    before there is a path; `path` is then None): it is published as a refusal the same way,
+    then raised (see `checked_everywhere`).
     """
     if jax.process_count() == 1:
+        if refused is not None:
+            raise refused
         check(path)
         return path
-    try:
-        check(path)
-        refusal = None
-    except errors.MirraxError as e:
-        refusal, own_error = f"{type(e).__name__}: {e}", e
+    own_error = refused
+    if own_error is None:
+        try:
+            check(path)
+        except errors.MirraxError as e:
+            own_error = e
+    refusal = None if own_error is None else f"{type(own_error).__name__}: {own_error}"
     name = f"checkpoint_path/{next(_EXCHANGES)}"
     # The keys stay in the store (about 100 bytes a save): no point is known where every peer
     # has read them (a refusal skips Orbax's barrier), and deleting one early strands a peer.
     answers = multihost.exchange(name, [path, refusal])
-    if refusal is not None:
+    if own_error is not None:
         raise own_error
     for process, (_, other) in enumerate(answers):
         if other is not None:
@@ -66,6 +73,18 @@ def chief_path(path: str, what: str, check) -> str:
                 "os.path.basename(path)) (TF's write_filepath), or the chief's path itself."
             )
     return chief
+
+
+def checked_everywhere(validate, what: str):
+    """`validate()` (this process's checks of a save's arguments, before its path exists); a
+    MirraxError it raises is raised on every process of a multi-process run, through the same
+    exchange as `chief_path`'s, so a bad argument on one worker never leaves the others waiting
+    at the path exchange."""
+    try:
+        return validate()
+    except errors.MirraxError as e:
+        chief_path(None, what, None, refused=e)
+        raise  # not reached: chief_path raises `e`
 
 
 def is_stub(path: str) -> bool:

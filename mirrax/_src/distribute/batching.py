@@ -1,20 +1,19 @@
 """Global batches to per-replica shards on the devices: host conversion, the split (TF's ceil
 split, or replica-invariant mode's contiguous one), padding to a static shape with a validity
-mask, placement, and (multi-worker) the processes' agreement on each step's shards.
+mask and placement. The processes' agreement on each step's shards is input_agreement.py.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.distribute import host_tensors, invariant, multihost
+from mirrax._src.distribute import host_tensors, invariant
 from mirrax._src.distribute.values import PerReplica
 
 
@@ -73,7 +72,7 @@ def put_stacked(strategy, host):
     (never views of the host arrays)."""
     replica_devices = strategy.extended.replica_devices
     sharding = replica_devices.stacked
-    if jax.process_count() == 1:
+    if not replica_devices.spans_processes:
         leaves = jax.tree.leaves(host)
         if _jitted_placement(replica_devices) and all(
                 type(a) is np.ndarray for a in leaves) and sum(
@@ -348,94 +347,3 @@ def place_host_batches(strategy, batches, batch_size: int | None = None,
         else:
             shards = split_global_batch(batch, n, replicas, local)
             yield placer.place(shards, f"global batch of {n} over {replicas} replicas")
-
-
-def batch_fingerprint(host_batch, n: int) -> str:
-    """A short digest of a global batch's bytes: DATA-sharded workers must all read the same.
-
-    CRC-32 of every leaf's bytes (about 5 GB/s: 0.6 ms for a 3 MB batch of 256 CIFAR-10 images
-    in float32), computed in the prefetch thread; equal data give equal digests on any host.
-    """
-    crc = 0
-    for leaf in jax.tree.leaves(host_batch):
-        crc = zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8), crc)
-    return f"{n} examples, CRC-32 {crc:08x}"
-
-
-def _signature(shards: list) -> str:
-    """The batch's structure, trailing shapes and dtypes: what every worker must agree on."""
-    leaves, treedef = jax.tree.flatten(shards[0])
-    return f"{treedef} " + ", ".join(f"{a.dtype}{list(a.shape[1:])}" for a in leaves)
-
-
-def place_agreed(strategy, placer: Placer, local_batches: Iterator, uid: str,
-                 iteration: int) -> Iterator:
-    """Places each local batch; with several processes, first agrees with the peers on it.
-
-    Multi-worker (docs/design.md, "Input"): before each step every process publishes the true
-    lengths of its local shards, or that its data has ended. The step happens while ANY process
-    still has data; a process whose data has ended feeds fully masked filler rows (copies of its
-    last real example), so no worker blocks in a collective its peers never join, and every
-    example is counted exactly once. All processes then know every replica's length (for
-    `gather`) and the same static row count.
-    """
-    if jax.process_count() == 1:
-        for shards, name, _, lengths in local_batches:
-            yield placer.place(shards, name, lengths=lengths)
-        return
-    local = len(strategy.extended.replica_devices.local_replica_ids)
-    options = getattr(strategy, "communication_options", None)
-    timeout = getattr(options, "timeout_seconds", None)
-    last = None  # one row of this process's last batch (a real example when it had one)
-    ended = False
-    step = 0
-    while True:
-        item = None if ended else next(local_batches, None)
-        ended = item is None
-        lengths = None if ended else item[3] or [
-            int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
-        name = f"input/{iteration}/{step}"
-        votes = multihost.exchange(name, {
-            "dataset": uid, "lengths": lengths, "had_data": last is not None or not ended,
-            "batch": None if ended else _signature(item[0]),
-            "global": None if ended else item[2],
-        }, timeout)
-        if step >= 3:
-            multihost.forget(f"input/{iteration}/{step - 3}")
-        multihost.check_same(name, "which distributed dataset is read",
-                             [v["dataset"] for v in votes])
-        multihost.check_same(name, "the structure, trailing shapes and dtypes of the batches",
-                             [v["batch"] for v in votes if v["batch"] is not None])
-        if any(v["global"] is not None for v in votes):
-            # DATA sharding: every worker reads the same global batches (their size and a
-            # digest of their bytes); a difference means the workers read different data, and
-            # each would train on its own part of a batch that exists nowhere: a silent mix.
-            multihost.check_same(
-                name, "the global batch every worker reads (AutoShardPolicy.DATA: every worker "
-                "must read the same batches, in the same order: the same files and the same "
-                "shuffle seed; for each worker to read its own data, use "
-                "distribute_datasets_from_function)",
-                [v["global"] for v in votes])
-        if all(v["lengths"] is None for v in votes):
-            return
-        empty = [p for p, v in enumerate(votes) if not v["had_data"]]
-        if empty:
-            raise errors.InvalidBatchError(
-                f"The input pipelines of process(es) {empty} yielded no batch at all while the "
-                "others have data; a worker needs at least one batch (its examples set the "
-                "shapes it feeds once its data has ended). Give every worker data, e.g. shard "
-                "with fewer, larger pieces."
-            )
-        all_lengths = by_replica(strategy, [v["lengths"] or [0] * local for v in votes])
-        if ended:
-            yield placer.place([last] * local, "filler", lengths=(0,) * local,
-                               all_lengths=all_lengths)
-        else:
-            shards, first_name, _, given = item
-            real = next((s for s in shards if jax.tree.leaves(s)[0].shape[0]), None)
-            if real is not None:
-                last = jax.tree.map(lambda a: a[:1], real)
-            elif last is None:
-                last = jax.tree.map(lambda a: np.zeros((1,) + a.shape[1:], a.dtype), shards[0])
-            yield placer.place(shards, first_name, lengths=given, all_lengths=all_lengths)
-        step += 1

@@ -30,6 +30,11 @@ class ReplicaDevices:
       replicated: the `NamedSharding` that puts a value whole on every replica.
       stacked: the `NamedSharding` that puts row r of a (num_replicas, ...) array on replica r.
       local_replica_ids: the replica indices whose devices belong to this process, ascending.
+      process_indices: the processes (workers) that hold the replicas' devices, ascending.
+      spans_processes: whether the replicas involve a process other than this one (a
+        multi-worker strategy). False for a strategy on this process's devices only, such as
+        the default strategy or a `MirroredStrategy` in a multi-worker run: it runs on this
+        worker alone, as TF's (no host exchange, no broadcast, its input read whole).
     """
 
     def __init__(self, devices):
@@ -40,6 +45,8 @@ class ReplicaDevices:
         me = jax.process_index()
         self.local_replica_ids = tuple(
             i for i, d in enumerate(self.devices) if d.process_index == me)
+        self.process_indices = tuple(sorted({d.process_index for d in self.devices}))
+        self.spans_processes = self.process_indices != (me,)
 
     @property
     def local_devices(self) -> tuple:

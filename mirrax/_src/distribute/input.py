@@ -20,14 +20,13 @@ from mirrax import errors
 from mirrax._src.data.files import FileDataset
 from mirrax._src.distribute.batching import (
     Placer,
-    batch_fingerprint,
     invariant_rows,
     is_array,
-    place_agreed,
     split_global_batch,
     split_invariant,
     to_host_batch,
 )
+from mirrax._src.distribute.input_agreement import batch_fingerprint, place_agreed
 from mirrax._src.distribute.input_options import (
     AutoShardPolicy,
     InputContext,
@@ -197,10 +196,11 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
     def __init__(self, strategy, dataset, options=None):
         self._strategy = strategy
         self._options = check_options(options)
-        self._policy = _shard_policy(dataset, self._options.experimental_auto_shard_policy)
+        workers, index = _workers(strategy)
+        self._policy = _shard_policy(dataset, self._options.experimental_auto_shard_policy,
+                                     workers)
         if self._policy is AutoShardPolicy.FILE:
-            workers = jax.process_count()
-            dataset = dataset.shard(workers, jax.process_index(),
+            dataset = dataset.shard(workers, index,
                                     _worker_batch_size(dataset.batch_size, workers))
         self._source = _batch_source(dataset)
         self._placer = Placer(strategy)
@@ -210,7 +210,8 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
     def _local_batches(self) -> Iterator[tuple]:
         strategy = self._strategy
         invariant_mode = strategy.replica_invariant
-        if invariant_mode and self._policy is not AutoShardPolicy.DATA and jax.process_count() > 1:
+        workers = _workers(strategy)[0]
+        if invariant_mode and self._policy is not AutoShardPolicy.DATA and workers > 1:
             raise errors.UnsupportedArgumentError(
                 f"experimental_distribute_dataset: replica_invariant=True needs every worker to "
                 f"read the same global batches (AutoShardPolicy.DATA), so that each batch is cut "
@@ -222,7 +223,7 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
             for batch in self._source():
                 host, n = to_host_batch(batch)
                 name = f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
-                fingerprint = batch_fingerprint(host, n) if jax.process_count() > 1 else n
+                fingerprint = batch_fingerprint(host, n) if workers > 1 else n
                 if invariant_mode:
                     self._rows = invariant_rows(strategy, self._rows, n,
                                                 "experimental_distribute_dataset")
@@ -241,7 +242,7 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
         for batch in self._source():
             host, n = to_host_batch(batch)
             if self._policy is AutoShardPolicy.OFF:
-                per_worker = math.ceil(n / jax.process_count())
+                per_worker = math.ceil(n / workers)
                 pieces = [jax.tree.map(lambda a: a[i : i + per_worker], host)
                           for i in range(0, n, per_worker)]
             else:
@@ -271,9 +272,10 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
         self._options = check_options(options)
         # A ParameterServerStrategy's worker is one process of its own job, so it passes its
         # own context; everywhere else there is one input pipeline per JAX process.
+        workers, index = (1, 0) if input_context is not None else _workers(strategy)
         self.input_context = input_context or InputContext(
-            num_input_pipelines=jax.process_count(),
-            input_pipeline_id=jax.process_index(),
+            num_input_pipelines=workers,
+            input_pipeline_id=index,
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
         check_one_argument(dataset_fn, "distribute_datasets_from_function: dataset_fn",
@@ -306,7 +308,16 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
         return DistributedIterator(producer, self._options)
 
 
-def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
+def _workers(strategy) -> tuple[int, int]:
+    """(the number of workers `strategy`'s input is read by, this worker's index among them):
+    one per process that holds its replicas, so (1, 0) for a strategy on this process's devices
+    only (the default strategy in a multi-worker run reads its input whole, as TF's)."""
+    processes = strategy.extended.replica_devices.process_indices
+    me = jax.process_index()
+    return len(processes), processes.index(me) if me in processes else 0
+
+
+def _shard_policy(dataset, policy: AutoShardPolicy, workers: int) -> AutoShardPolicy:
     """The policy in effect for `dataset`: AUTO resolved; one worker → DATA (docs/design.md,
     "Input").
 
@@ -314,7 +325,6 @@ def _shard_policy(dataset, policy: AutoShardPolicy) -> AutoShardPolicy:
       ValueError: FILE on a dataset that is not a FileDataset, or with fewer files than
         workers (the message suggests DATA).
     """
-    workers = jax.process_count()
     if workers == 1:
         return AutoShardPolicy.DATA
     files = len(dataset.files) if isinstance(dataset, FileDataset) else None

@@ -209,14 +209,23 @@ class PipelineNames:
     _passes = itertools.count()
     _values = itertools.count(1)
 
+    def __init__(self, shared: bool = True):
+        # A strategy on one process's devices only (the default strategy of a multi-worker
+        # run) exchanges nothing and may run on one worker alone (TF's `if is_chief:
+        # model.evaluate(...)`): it counts on its own, so the shared counts stay alike on
+        # every process.
+        self._counters = (PipelineNames._datasets, PipelineNames._passes,
+                          PipelineNames._values) if shared else (
+            itertools.count(1), itertools.count(), itertools.count(1))
+
     def dataset(self, kind: str) -> str:
         """A new dataset's name: f"{kind}#{n}"."""
-        return f"{kind}#{next(PipelineNames._datasets)}"
+        return f"{kind}#{next(self._counters[0])}"
 
     def next_pass(self) -> int:
         """The number of this pass over any distributed dataset of the process (0, 1, ...)."""
-        return next(PipelineNames._passes)
+        return next(self._counters[1])
 
     def values(self) -> str:
         """A name for one `experimental_distribute_values_from_function` call."""
-        return f"values/{next(PipelineNames._values)}"
+        return f"values/{next(self._counters[2])}"

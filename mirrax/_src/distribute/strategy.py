@@ -91,7 +91,7 @@ class Strategy:
         self._replica_invariant = bool(replica_invariant)
         self._micro_batches = int(micro_batches)
         self._replica_devices = devices_lib.ReplicaDevices(devices)
-        self._pipeline_names = input_options.PipelineNames()
+        self._pipeline_names = input_options.PipelineNames(self._replica_devices.spans_processes)
         self.mesh = self._replica_devices.mesh
         self.extended = self._new_extended()
         self._runner = runner_lib.Runner(self)
@@ -364,10 +364,15 @@ class Strategy:
 
 
 class _DefaultStrategy(Strategy):
-    """The strategy in effect outside every scope: one replica on JAX's default device."""
+    """The strategy in effect outside every scope: one replica on this process's first device.
+
+    In a multi-worker run each worker's default strategy is its own (TF's: a model built and
+    trained outside every scope trains on each worker alone); `jax.devices()[0]` would be
+    worker 0's device, which no other worker can feed.
+    """
 
     def __init__(self):
-        super().__init__([jax.devices()[0]])
+        super().__init__([jax.local_devices()[0]])
 
 
 _default: list = []
@@ -410,7 +415,8 @@ def get_strategy() -> Strategy:
     """The current strategy, as `tf.distribute.get_strategy`.
 
     Inside `strategy.run` or `strategy.scope()` that strategy; otherwise the default strategy
-    (one replica on JAX's default device, so code written for strategies also runs without one).
+    (one replica on this process's first device, so code written for strategies also runs
+    without one; in a multi-worker run, on that worker alone).
     """
     ctx = current_replica_context()
     if ctx is not None:

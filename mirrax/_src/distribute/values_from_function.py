@@ -31,7 +31,7 @@ def values_from_function(strategy, value_fn) -> PerReplica:
         for r in replica_devices.local_replica_ids
     ]
     stacked, lengths = stack_host_values(values)
-    if jax.process_count() > 1:
+    if replica_devices.spans_processes:
         lengths = _agree_value_lengths(strategy, values, stacked, lengths)
         if lengths is not None:
             stacked, _ = stack_host_values(values, rows=max(lengths))

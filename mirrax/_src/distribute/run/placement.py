@@ -78,7 +78,8 @@ def place_state(strategy, xs: list, names, nodes, specs, later=None) -> list:
       MixedStrategyError, ReplicaContextError: as `place`.
       UnresponsivePeerError, DivergentWorkersError: as `broadcast.from_worker_zero`.
     """
-    if jax.process_count() == 1:
+    if not strategy.extended.replica_devices.spans_processes:
+        # One process, or a strategy on this worker's devices only (its state is its own).
         return [place(strategy, x, names, None, nodes, fresh=True, spec=s)
                 for x, s in zip(xs, specs)]
     placed, pending, targets = [], [], []
