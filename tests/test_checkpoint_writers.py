@@ -26,6 +26,7 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
+from tests.multiworker import harness
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,7 +115,7 @@ def test_a_second_process_saving_to_the_same_directory_is_refused_every_time(tmp
                          f"process {pid} on host {host!r} (CheckpointManager.save, since",
                          "nothing was written", "Save to another path",
                          "or call close() on its CheckpointManager",
-                         f"{tmp_path}/run/.mirrax-writer"):
+                         f"{tmp_path}/run.mirrax-writer"):
             assert fragment in message, message
         with pytest.raises(errors.LockedCheckpointError, match=f"process {pid} on host"):
             mirrax.Checkpoint(step=nnx.Variable(jnp.zeros(4))).save(tmp_path / "tf" / "ckpt")
@@ -143,7 +144,7 @@ def test_a_writer_killed_during_a_save_leaves_a_lock_the_next_writer_takes_over(
         child.process.wait(60)
         child.process.stdout.close()
         child.log.close()
-    lock = tmp_path / "run" / ".mirrax-writer"
+    lock = tmp_path / "run.mirrax-writer"
     assert json.loads(lock.read_text())["pid"] == child.process.pid  # stale, left behind
     ckpt = mirrax.Checkpoint(step=nnx.Variable(jnp.zeros(4)))
     manager = mirrax.CheckpointManager(ckpt, tmp_path / "run")
@@ -188,9 +189,9 @@ def test_write_while_another_writes_is_refused_and_close_releases_the_directory(
     second.save(checkpoint_number=7)
     first.close()
     with pytest.raises(BlockingIOError):  # still held by `second`
-        os.close(_hold_as_another_process(tmp_path / "run" / ".mirrax-writer"))
+        os.close(_hold_as_another_process(tmp_path / "run.mirrax-writer"))
     second.close()
-    os.close(_hold_as_another_process(tmp_path / "run" / ".mirrax-writer"))
+    os.close(_hold_as_another_process(tmp_path / "run.mirrax-writer"))
 
 
 # A process whose files may not grow past 20000 bytes (`ulimit -f`: how "File too large"
@@ -248,3 +249,21 @@ def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint
         assert np.array_equal(np.asarray(restored.model.kernel[...]), np.asarray(initial.kernel[...]))
     assert sorted(os.listdir(tmp_path / "run")) == ["1"]  # partial files gone, lock released
     assert mirrax.train.latest_checkpoint(tmp_path / "run") == f"{tmp_path}/run/1"
+
+
+def test_a_second_multi_worker_strategy_trains_and_saves_and_the_chief_holds_the_lock(tmp_path):
+    # One launch (2 workers x 2 devices, tests/multiworker/files_procs.py): two strategies one
+    # after the other in each process, each fit / a distributed dataset pass / a manager save.
+    chief, worker = harness.run("second_strategy", tmp_path, num_workers=2, cpu_devices=2,
+                                timeout=300, env={"MIRRAX_TEST_TIMEOUT": "60"})
+    for name in ("first", "second"):
+        a, b = chief[name], worker[name]
+        assert a["path"] == b["path"] == f"{tmp_path}/{name}/1"
+        assert a["loss"] == b["loss"] and a["weights"] == b["weights"]
+        assert a["seen"] + b["seen"] == 32  # 4 batches of 8, each example on one worker
+        # The job's lock is the chief's (process 0), released by close().
+        assert a["lock_owner"] == chief["pid"] and a["lock_released"] is True
+        assert b["lock_owner"] is None
+    # The same program and data: the second strategy trains exactly as the first.
+    assert chief["second"]["loss"] == chief["first"]["loss"]
+    assert chief["second"]["weights"] == chief["first"]["weights"]

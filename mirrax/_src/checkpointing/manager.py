@@ -289,8 +289,7 @@ class CheckpointManager:
         if self._writer_lock is None:
             os.makedirs(self._shared, exist_ok=True)
             self._writer_lock = writer_lock.take(
-                os.path.join(self._shared, writer_lock.MANAGER_FILE), "CheckpointManager.save",
-                self._shared)
+                self._shared + writer_lock.SUFFIX, "CheckpointManager.save", self._shared)
             self._release.detach()
             self._release = weakref.finalize(self, writer_lock.release, self._writer_lock)
         self.wait_until_finished()

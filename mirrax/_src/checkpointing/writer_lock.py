@@ -2,8 +2,8 @@
 
 Two processes saving to one place overwrite and delete each other's files (Orbax then fails deep
 inside, or one's checkpoints silently replace the other's). A save first takes the owner file
-(`<path>.mirrax-writer` beside a `Checkpoint` path or prefix, `.mirrax-writer` inside a manager's
-directory) with `flock(LOCK_EX | LOCK_NB)`; the file holds the owner's pid, host and what it
+(`<path>.mirrax-writer` beside a `Checkpoint` path or prefix, or beside a manager's directory:
+Orbax's directory holds checkpoints only) with `flock(LOCK_EX | LOCK_NB)`; the file holds the owner's pid, host and what it
 writes, so a refused writer is told who holds it. The kernel releases an flock when its
 process dies, `kill -9` included, so a stale owner never blocks: the next writer takes the file
 over (logged). The lock is per job: in a multi-worker run only the chief (process 0) takes it,
@@ -30,9 +30,8 @@ from mirrax._src.distribute import multihost
 
 _LOG = logging.getLogger("mirrax")
 
-# The owner file's name beside a Checkpoint path or prefix, and inside a manager's directory.
+# The owner file's suffix: `<path>` + SUFFIX beside a Checkpoint path, prefix or manager directory.
 SUFFIX = ".mirrax-writer"
-MANAGER_FILE = ".mirrax-writer"
 
 # Lock path -> [file descriptor, holders in this process].
 _HELD: dict = {}
