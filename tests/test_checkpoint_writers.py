@@ -221,6 +221,8 @@ _FULL = textwrap.dedent(
             save()
         except mirrax.errors.CheckpointWriteError as e:
             errors[name] = [type(e).__name__, isinstance(e, OSError), str(e)]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    errors["next"] = manager.save()  # the failed save took no number
     print(json.dumps(errors))
     """
 )
@@ -232,6 +234,7 @@ def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]  # was ~115 lines of them
     caught = json.loads(done.stdout.strip().splitlines()[-1])
+    assert caught["next"] == f"{tmp_path}/run/2"
     for name, path in (("write", f"{tmp_path}/c"), ("manager", f"{tmp_path}/run/2")):
         kind, is_os_error, message = caught[name]
         assert (kind, is_os_error) == ("CheckpointWriteError", True)
@@ -239,16 +242,20 @@ def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint
                          "It needs about 0.3 MB of arrays",  # 263,168 bytes
                          "MB free on its filesystem",
                          "the checkpoint that was there before is unchanged",
+                         "the next save first removes this one's partial files",
                          "Free some space", "or save elsewhere"):
             assert fragment in message, message
     # The checkpoints written before the limit restore bit-exact (the model's initial values).
     initial = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+    assert mirrax.train.latest_checkpoint(tmp_path / "run") == f"{tmp_path}/run/2"
     for path in (tmp_path / "c", tmp_path / "run" / "1"):
         restored = mirrax.Checkpoint(model=nnx.Linear(256, 256, rngs=nnx.Rngs(1)))
         restored.restore(path)
         assert np.array_equal(np.asarray(restored.model.kernel[...]), np.asarray(initial.kernel[...]))
-    assert sorted(os.listdir(tmp_path / "run")) == ["1"]  # partial files gone, lock released
-    assert mirrax.train.latest_checkpoint(tmp_path / "run") == f"{tmp_path}/run/1"
+    # The next saves (unlimited) remove the partial files; the locks were released.
+    assert sorted(os.listdir(tmp_path / "run")) == ["1", "2"]
+    mirrax.Checkpoint(model=initial).write(tmp_path / "c")
+    assert sorted(os.listdir(tmp_path)) == ["c", "run"]
 
 
 def test_a_second_multi_worker_strategy_trains_and_saves_and_the_chief_holds_the_lock(tmp_path):

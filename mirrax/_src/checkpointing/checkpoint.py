@@ -109,6 +109,8 @@ class Checkpoint:
           InvalidArgumentError: `file_prefix` is empty or names a directory (a prefix ending in
             '/'); TF would write files named '-1' inside it.
           ExistingPathError: as `write`, for the numbered path.
+          LockedCheckpointError / CheckpointWriteError: as `write`; the prefix's writer lock
+            (`<file_prefix>.mirrax-writer`) is held while this Checkpoint lives.
         """
         raw = file_prefix
         prefix = atomic_dirs.checked_path(file_prefix, "Checkpoint.save")
@@ -152,6 +154,10 @@ class Checkpoint:
             checkpoint (neither is ever replaced).
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
           InvalidArgumentError: a non-chief path contains or lies in the chief's.
+          LockedCheckpointError: another process is writing `path` (its writer lock
+            `<path>.mirrax-writer` names its pid and host); nothing was written.
+          CheckpointWriteError: no space left (disk, quota or file size limit); the
+            checkpoint that was at `path` is unchanged.
         """
         return self._write(atomic_dirs.checked_path(path, "Checkpoint.write"),
                            "Checkpoint.write")[0]

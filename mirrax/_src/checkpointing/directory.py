@@ -130,8 +130,7 @@ def write_checkpoint(target: str, save_args, what: str = "Checkpoint.write") -> 
     """One Orbax composite save to the fresh directory `target` (committed by Orbax's rename).
 
     Raises:
-      CheckpointWriteError: no space left (disk, quota or file size limit); the partial files
-        are removed.
+      CheckpointWriteError: no space left (disk, quota or file size limit).
     """
     try:
         with quiet_orbax():
@@ -139,8 +138,5 @@ def write_checkpoint(target: str, save_args, what: str = "Checkpoint.write") -> 
     except Exception as e:
         if not space.is_out_of_space(e):
             raise
-        parent, base = os.path.split(target)
-        partial = [os.path.join(parent, n) for n in os.listdir(parent)
-                   if n.startswith(base + ocp.path.step.TMP_DIR_SUFFIX)]
         shown = target[:-len(NEW_SUFFIX)] if target.endswith(NEW_SUFFIX) else target
-        raise space.write_error(what, shown, e, space.save_bytes(save_args), partial) from None
+        raise space.write_error(what, shown, e, space.save_bytes(save_args)) from None

@@ -166,7 +166,6 @@ class CheckpointManager:
         # close() or until this manager is dropped.
         self._writer_lock: list | None = None
         self._saving, self._saving_bytes = None, 0  # the save in flight: number, bytes
-        self._release = weakref.finalize(self, writer_lock.release, [])
         keep_time_interval = (
             None if keep_checkpoint_every_n_hours is None
             else datetime.timedelta(hours=float(keep_checkpoint_every_n_hours))
@@ -208,11 +207,9 @@ class CheckpointManager:
 
     def _raise_if_out_of_space(self, error: BaseException) -> None:
         if space.is_out_of_space(error):
-            number = self._saving
-            partial = [os.path.join(self._shared, n) for n in os.listdir(self._shared)
-                       if ocp.path.step.TMP_DIR_SUFFIX in n]
-            raise space.write_error("CheckpointManager.save", self._path(number), error,
-                                    self._saving_bytes, partial) from None
+            # The partial files are the next save's to remove (_tidy), once Orbax is done.
+            raise space.write_error("CheckpointManager.save", self._path(self._saving), error,
+                                    self._saving_bytes) from None
 
     def close(self) -> None:
         """Waits for a save in flight, then gives back the directory's writer lock, so another
@@ -280,9 +277,17 @@ class CheckpointManager:
         waits for the previous save, then returns while this one is written. A number that
         exists is replaced atomically.
 
+        The first save takes the directory's writer lock (`<directory>.mirrax-writer`, held
+        until `close()` or until this manager is dropped; the chief's in a multi-worker job),
+        so a second process cannot save there meanwhile.
+
         Raises:
           InvalidArgumentTypeError / InvalidArgumentError: `checkpoint_number` is not an int
             >= 0 (e.g. -1, 2.5, '3').
+          LockedCheckpointError: another process holds the directory (the message names its
+            pid and host); nothing was written.
+          CheckpointWriteError: no space left (disk, quota or file size limit); the earlier
+            checkpoints are unchanged and `save_counter` is as before the call.
         """
         checkpoint_number = _check_count(
             checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
@@ -290,8 +295,8 @@ class CheckpointManager:
             os.makedirs(self._shared, exist_ok=True)
             self._writer_lock = writer_lock.take(
                 self._shared + writer_lock.SUFFIX, "CheckpointManager.save", self._shared)
-            self._release.detach()
-            self._release = weakref.finalize(self, writer_lock.release, self._writer_lock)
+            # `release` empties the token, so after close() this finalizer has nothing to do.
+            weakref.finalize(self, writer_lock.release, self._writer_lock)
         self.wait_until_finished()
         self._tidy()
         last = self._manager.latest_step()
@@ -306,9 +311,13 @@ class CheckpointManager:
         self._saving, self._saving_bytes = number, space.save_bytes(save_args)
         if number in self._manager.all_steps():
             # Orbax refuses an existing step; replace it as Checkpoint.save does.
-            atomic_dirs.replace_atomically(
-                path, lambda target: write_checkpoint(target, save_args,
-                                                      "CheckpointManager.save"), is_complete)
+            try:
+                atomic_dirs.replace_atomically(
+                    path, lambda target: write_checkpoint(target, save_args,
+                                                          "CheckpointManager.save"), is_complete)
+            except BaseException:
+                ckpt.save_counter -= 1
+                raise
             with quiet_orbax():
                 self._manager.reload()
             self._stub()
@@ -316,16 +325,18 @@ class CheckpointManager:
         try:
             with quiet_orbax():
                 self._manager.save(number, args=save_args, force=True)
+            if not self.async_save:
+                self.wait_until_finished()
         except Exception as e:
-            self._raise_if_out_of_space(e)
+            ckpt.save_counter -= 1  # nothing was saved (as Checkpoint.save)
+            if not isinstance(e, errors.CheckpointWriteError):
+                self._raise_if_out_of_space(e)
             raise
         self._stub()
         if self.async_save:
             # Orbax registers no exit hook; without one a save in flight at exit is lost.
             _register_exit_hook()
             _IN_FLIGHT.add(self._manager)
-        else:
-            self.wait_until_finished()
         return path
 
     def _stub(self) -> None:

@@ -4,8 +4,9 @@ TensorStore reports a full disk, a full quota or a file size limit (`ulimit -f`)
 `ValueError: OUT_OF_RANGE ... File too large` / `No space left on device`, after Orbax's
 threads have logged the same error with its traceback (quiet_orbax drops those: the error
 itself reaches the caller). The new checkpoint is written beside the old one and swapped in
-only when complete, so the old one is unchanged; the failed write's partial files are removed
-at once (they hold the space the user needs back).
+only when complete, so the old one is unchanged. The failed write's partial files are left to
+the next save, which removes them before it writes: removing them at once raced with Orbax's
+writer threads still running (one in four runs logged their FileNotFoundError traceback).
 """
 
 from __future__ import annotations
@@ -48,13 +49,9 @@ def save_bytes(save_args) -> int:
                    for a in jax.tree.leaves(save_args[name].item) if hasattr(a, "dtype")))
 
 
-def write_error(what: str, target: str, error: BaseException, needed: int,
-                leftovers=()) -> errors.CheckpointWriteError:
-    """The CheckpointWriteError for a save of `needed` bytes to `target` that ran out of space;
-    removes the failed write's `leftovers` first (directories or files)."""
-    for path in leftovers:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+def write_error(what: str, target: str, error: BaseException,
+                needed: int) -> errors.CheckpointWriteError:
+    """The CheckpointWriteError for a save of `needed` bytes to `target` that ran out of space."""
     parent = target
     while parent and not os.path.isdir(parent):
         parent = os.path.dirname(parent)
@@ -68,7 +65,7 @@ def write_error(what: str, target: str, error: BaseException, needed: int,
         f"{what}: could not write the checkpoint {target}: {words} (the disk or a quota is "
         f"full, or a file size limit such as `ulimit -f` was hit). It needs about "
         f"{_megabytes(needed)} of arrays; {free}. Nothing was replaced: the checkpoint that "
-        "was there before is unchanged, and its partial files are removed (now, or by the next save). Free some space "
+        "was there before is unchanged; the next save first removes this one's partial files. Free some space "
         "(e.g. keep fewer checkpoints: CheckpointManager(max_to_keep=...)) or save elsewhere, "
         "then save again."
     )

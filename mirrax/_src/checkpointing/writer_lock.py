@@ -114,7 +114,10 @@ def _acquire(lock_path: str, what: str, target: str) -> str | None:
     mine = json.dumps({
         "pid": os.getpid(), "host": socket.gethostname(), "what": what,
         "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
-    os.ftruncate(fd, 0)
+    if os.fstat(fd).st_size:
+        # Only a stale file is truncated: ext4 flushes a truncated-and-rewritten file on close
+        # (auto_da_alloc), which made every take-and-release cost ~3 ms instead of ~0.1 ms.
+        os.ftruncate(fd, 0)
     os.pwrite(fd, mine.encode(), 0)
     _HELD[lock_path] = [fd, 1]
     return lock_path
