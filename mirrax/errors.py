@@ -125,6 +125,17 @@ class ExistingPathError(MirraxError, FileExistsError):
     """A save's path is taken: by a regular file, or (with `overwrite=False`) by an earlier save."""
 
 
+class LockedCheckpointError(MirraxError, RuntimeError):
+    """Another process is writing to the same checkpoint path or `CheckpointManager` directory
+    (its owner file names its pid and host); two writers would overwrite and delete each
+    other's checkpoints, so the save was refused and nothing was written."""
+
+
+class CheckpointWriteError(MirraxError, OSError):
+    """A checkpoint could not be written for lack of space (the disk or a quota is full, or a
+    file size limit was hit); the checkpoint that was there before is unchanged."""
+
+
 class UnknownFilepathFieldError(MirraxError, KeyError):
     """`ModelCheckpoint`'s filepath names a `{field}` that the epoch's logs do not have."""
 

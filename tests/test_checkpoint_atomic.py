@@ -117,6 +117,7 @@ def test_save_killed_part_way_leaves_previous_checkpoint_latest_and_intact(tmp_p
     step_1 = _values(1.0)
     manager = mirrax.CheckpointManager(mirrax.Checkpoint(**_tracked(step_1)), directory)
     manager.save(checkpoint_number=1)
+    manager.close()  # the directory's writer lock, for the child (one writer at a time)
 
     _run_child_until_blocked(directory, kill_point, tmp_path / "child.log")
 

@@ -3,6 +3,7 @@ load_weights, ModelCheckpoint, BackupAndRestore, export / load_exported, and dam
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
@@ -78,7 +79,34 @@ def _model_checkpoint_save(env, filepath, logs, **kwargs):
     callback.on_epoch_end(0, logs)
 
 
+def _while_another_writes(env, name: str, save):
+    """`save(env)` while an flock through another open file holds `<tmp>/<name>.mirrax-writer`
+    with another process's owner record (flock conflicts between open files, as between
+    processes)."""
+    fd = os.open(env.tmp_path / f"{name}.mirrax-writer", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, json.dumps({"pid": 4242, "host": "trainer-7", "what": "Checkpoint.save",
+                                 "since": "2026-12-02T20:00:00+00:00"}).encode())
+        return save(env)
+    finally:
+        os.close(fd)
+
+
+_ANOTHER_WRITER = ("another process is writing to", "process 4242 on host 'trainer-7'",
+                   "nothing was written", "Save to another path")
+
 CASES = [
+    Case("Checkpoint.write to a path another process is writing (was: deep Orbax/OS errors)",
+         lambda env: _while_another_writes(env, "ckpt", lambda env: _saved(env)),
+         errors.LockedCheckpointError, _ANOTHER_WRITER),
+    Case("Checkpoint.save to a prefix another process saves to",
+         lambda env: _while_another_writes(
+             env, "ckpt", lambda env: mirrax.Checkpoint(step=0).save(env.tmp_path / "ckpt")),
+         errors.LockedCheckpointError, _ANOTHER_WRITER),
+    Case("CheckpointManager.save to a directory another process's manager saves to",
+         lambda env: _while_another_writes(env, "run", lambda env: _manager(env).save()),
+         errors.LockedCheckpointError, _ANOTHER_WRITER + ("call close() on its CheckpointManager",)),
     # -- Checkpoint ------------------------------------------------------------------------------
     Case("Checkpoint(data='hello'): an untrackable object",
          lambda env: mirrax.Checkpoint(data="hello"), errors.InvalidArgumentTypeError,

@@ -702,6 +702,7 @@ def keras_save(out_dir, index):
             "wrote_own_path": path.exists() and path != chief_path}
 
 from tests.multiworker.checkpoints_tf import checkpoints_tf  # noqa: E402
+from tests.multiworker.files_procs import SCENARIOS as _FILES_PROCS  # noqa: E402
 
 SCENARIOS = {
     "checkpoints_tf": checkpoints_tf,
@@ -718,6 +719,7 @@ SCENARIOS = {
     "sharded": sharded,
     "uneven": uneven,
     **broadcast.SCENARIOS,
+    **_FILES_PROCS,
 }
 
 

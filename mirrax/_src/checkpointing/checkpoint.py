@@ -13,6 +13,7 @@ so a checkpoint written under 4 replicas restores under 1, 2 or 8, or `OneDevice
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from mirrax import errors
 from mirrax._src import atomic_dirs
+from mirrax._src.checkpointing import writer_lock
 from mirrax._src.checkpointing.directory import (
     SAVE_COUNTER, is_complete, refuse_to_replace, stored_items, write_checkpoint,
 )
@@ -60,6 +62,10 @@ class Checkpoint:
     def __init__(self, **objects: Any):
         object.__setattr__(self, "_objects", {})
         object.__setattr__(self, "save_counter", 0)
+        # Prefix -> the writer lock its numbered saves hold, released with this Checkpoint.
+        locks: dict = {}
+        object.__setattr__(self, "_writer_locks", locks)
+        weakref.finalize(self, _release_all, locks)
         for name, obj in objects.items():
             setattr(self, name, obj)
 
@@ -105,11 +111,14 @@ class Checkpoint:
           InvalidArgumentError: `file_prefix` is empty or names a directory (a prefix ending in
             '/'); TF would write files named '-1' inside it.
           ExistingPathError: as `write`, for the numbered path.
+          LockedCheckpointError / CheckpointWriteError: as `write`; the prefix's writer lock
+            (`<file_prefix>.mirrax-writer`) is held while this Checkpoint lives.
         """
         prefix = checked_everywhere(lambda: _checked_prefix(file_prefix), "Checkpoint.save")
         self.save_counter += 1
         try:
-            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save")
+            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save",
+                                       numbered=True)
         except BaseException:
             self.save_counter -= 1
             raise
@@ -140,18 +149,38 @@ class Checkpoint:
             checkpoint (neither is ever replaced).
           InvalidArgumentTypeError: `path` is not a str or os.PathLike.
           InvalidArgumentError: a non-chief path contains or lies in the chief's.
+          LockedCheckpointError: another process is writing `path` (its writer lock
+            `<path>.mirrax-writer` names its pid and host); nothing was written.
+          CheckpointWriteError: no space left (disk, quota or file size limit); the
+            checkpoint that was at `path` is unchanged.
         """
         what = "Checkpoint.write"
         return self._write(
             checked_everywhere(lambda: atomic_dirs.checked_path(path, what), what), what)[0]
 
-    def _write(self, path: str, what: str) -> tuple:
-        """Writes the checkpoint for this process's `path`; returns (`path`, the path written)."""
+    def _write(self, path: str, what: str, numbered: bool = False) -> tuple:
+        """Writes the checkpoint for this process's `path`; returns (`path`, the path written).
+
+        The writer lock (writer_lock.py) of a numbered save's prefix is held while this
+        Checkpoint lives (its numbers and state file are its own); a `write`'s only while
+        it writes.
+        """
         target = chief_path(path, what, lambda own: refuse_to_replace(own, what))
         save_args = orbax_save_args(self)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic_dirs.replace_atomically(
-            target, lambda new: write_checkpoint(new, save_args), is_complete)
+        token = []
+        if numbered:
+            prefix = target.rsplit("-", 1)[0]
+            if prefix not in self._writer_locks:
+                self._writer_locks[prefix] = writer_lock.take(
+                    prefix + writer_lock.SUFFIX, what, f"{prefix}-<n>")
+        else:
+            token = writer_lock.take(target + writer_lock.SUFFIX, what, target)
+        try:
+            atomic_dirs.replace_atomically(
+                target, lambda new: write_checkpoint(new, save_args, what), is_complete)
+        finally:
+            writer_lock.release(token)
         if target != path:
             write_stub(path, target)
         return path, target
@@ -228,6 +257,11 @@ def _checked_prefix(file_prefix) -> str:
             "...), or write(path) to write exactly a path."
         )
     return prefix
+
+
+def _release_all(locks: dict) -> None:
+    for token in locks.values():
+        writer_lock.release(token)
 
 
 def orbax_save_args(checkpoint: Checkpoint) -> ocp.args.Composite:

@@ -14,6 +14,8 @@ import os
 import orbax.checkpoint as ocp
 
 from mirrax import errors
+from mirrax._src.atomic_dirs import NEW_SUFFIX
+from mirrax._src.checkpointing import space
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
 from mirrax._src.checkpointing.workers import STUB_FILE, refuse_stub
 
@@ -124,7 +126,17 @@ def _check_listed_items(path: str, what: str) -> None:
         )
 
 
-def write_checkpoint(target: str, save_args) -> None:
-    """One Orbax composite save to the fresh directory `target` (committed by Orbax's rename)."""
-    with quiet_orbax():
-        ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(target, save_args, force=True)
+def write_checkpoint(target: str, save_args, what: str = "Checkpoint.write") -> None:
+    """One Orbax composite save to the fresh directory `target` (committed by Orbax's rename).
+
+    Raises:
+      CheckpointWriteError: no space left (disk, quota or file size limit).
+    """
+    try:
+        with quiet_orbax():
+            ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(target, save_args, force=True)
+    except Exception as e:
+        if not space.is_out_of_space(e):
+            raise
+        shown = target[:-len(NEW_SUFFIX)] if target.endswith(NEW_SUFFIX) else target
+        raise space.write_error(what, shown, e, space.save_bytes(save_args)) from None

@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ import orbax.checkpoint as ocp
 
 from mirrax import errors
 from mirrax._src import atomic_dirs
+from mirrax._src.checkpointing import space, writer_lock
 from mirrax._src.checkpointing.checkpoint import Checkpoint, orbax_save_args
 from mirrax._src.checkpointing.directory import (
     METADATA_FILE, is_complete, refuse_non_directory, write_checkpoint,
@@ -161,6 +163,10 @@ class CheckpointManager:
         self.checkpoint_interval = checkpoint_interval
         self.async_save = bool(async_save)
         self._init_fn = init_fn
+        # The directory's writer lock (writer_lock.py), taken by the first save, held until
+        # close() or until this manager is dropped.
+        self._writer_lock: list | None = None
+        self._saving, self._saving_bytes = None, 0  # the save in flight: number, bytes
         keep_time_interval = (
             None if keep_checkpoint_every_n_hours is None
             else datetime.timedelta(hours=float(keep_checkpoint_every_n_hours))
@@ -181,12 +187,39 @@ class CheckpointManager:
             )
 
     def wait_until_finished(self) -> None:
-        """Blocks until an asynchronous save in flight is committed (returns at once if none)."""
-        with quiet_orbax():
-            self._manager.wait_until_finished()
+        """Blocks until an asynchronous save in flight is committed (returns at once if none).
+
+        Raises:
+          CheckpointWriteError: the save in flight ran out of space (disk, quota or file size
+            limit); the checkpoints committed before it are unchanged.
+        """
+        try:
+            with quiet_orbax():
+                self._manager.wait_until_finished()
+        except Exception as e:
+            _IN_FLIGHT.discard(self._manager)
+            self._raise_if_out_of_space(e)
+            raise
         _IN_FLIGHT.discard(self._manager)
-        if jax.process_index() == 0:
+        # Only the writer tidies: another process's manager over the same directory (a reader)
+        # must not delete what the writer's Orbax is moving there.
+        if jax.process_index() == 0 and self._writer_lock is not None:
             atomic_dirs.delete_if_exists(os.path.join(self._shared, _DELETED_SUBDIR))
+
+    def _raise_if_out_of_space(self, error: BaseException) -> None:
+        if space.is_out_of_space(error):
+            # The partial files are the next save's to remove (_tidy), once Orbax is done.
+            raise space.write_error("CheckpointManager.save", self._path(self._saving), error,
+                                    self._saving_bytes) from None
+
+    def close(self) -> None:
+        """Waits for a save in flight, then gives back the directory's writer lock, so another
+        process may save there (mirrax's; TF's manager has no close, Orbax's has). A later
+        `save` takes the lock again."""
+        self.wait_until_finished()
+        if self._writer_lock is not None:
+            writer_lock.release(self._writer_lock)
+            self._writer_lock = None
 
     def _path(self, number: int) -> str:
         return os.path.join(self._shared, str(number))
@@ -245,12 +278,26 @@ class CheckpointManager:
         waits for the previous save, then returns while this one is written. A number that
         exists is replaced atomically.
 
+        The first save takes the directory's writer lock (`<directory>.mirrax-writer`, held
+        until `close()` or until this manager is dropped; the chief's in a multi-worker job),
+        so a second process cannot save there meanwhile.
+
         Raises:
           InvalidArgumentTypeError / InvalidArgumentError: `checkpoint_number` is not an int
             >= 0 (e.g. -1, 2.5, '3').
+          LockedCheckpointError: another process holds the directory (the message names its
+            pid and host); nothing was written.
+          CheckpointWriteError: no space left (disk, quota or file size limit); the earlier
+            checkpoints are unchanged and `save_counter` is as before the call.
         """
         checkpoint_number = _check_count(
             checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
+        if self._writer_lock is None:
+            os.makedirs(self._shared, exist_ok=True)
+            self._writer_lock = writer_lock.take(
+                self._shared + writer_lock.SUFFIX, "CheckpointManager.save", self._shared)
+            # `release` empties the token, so after close() this finalizer has nothing to do.
+            weakref.finalize(self, writer_lock.release, self._writer_lock)
         self.wait_until_finished()
         self._tidy()
         last = self._manager.latest_step()
@@ -261,24 +308,36 @@ class CheckpointManager:
         ckpt.save_counter += 1
         number = ckpt.save_counter if checkpoint_number is None else checkpoint_number
         path = self._path(number)
+        save_args = orbax_save_args(ckpt)
+        self._saving, self._saving_bytes = number, space.save_bytes(save_args)
         if number in self._manager.all_steps():
             # Orbax refuses an existing step; replace it as Checkpoint.save does.
-            save_args = orbax_save_args(ckpt)
-            atomic_dirs.replace_atomically(
-                path, lambda target: write_checkpoint(target, save_args), is_complete)
+            try:
+                atomic_dirs.replace_atomically(
+                    path, lambda target: write_checkpoint(target, save_args,
+                                                          "CheckpointManager.save"), is_complete)
+            except BaseException:
+                ckpt.save_counter -= 1
+                raise
             with quiet_orbax():
                 self._manager.reload()
             self._stub()
             return path
-        with quiet_orbax():
-            self._manager.save(number, args=orbax_save_args(ckpt), force=True)
+        try:
+            with quiet_orbax():
+                self._manager.save(number, args=save_args, force=True)
+            if not self.async_save:
+                self.wait_until_finished()
+        except Exception as e:
+            ckpt.save_counter -= 1  # nothing was saved (as Checkpoint.save)
+            if not isinstance(e, errors.CheckpointWriteError):
+                self._raise_if_out_of_space(e)
+            raise
         self._stub()
         if self.async_save:
             # Orbax registers no exit hook; without one a save in flight at exit is lost.
             _register_exit_hook()
             _IN_FLIGHT.add(self._manager)
-        else:
-            self.wait_until_finished()
         return path
 
     def _stub(self) -> None:

@@ -28,9 +28,21 @@ _QUIET_ORBAX_MESSAGES = (
 )
 
 
+# Logged (with its traceback) by Orbax's writer threads for an error that is then raised to
+# the caller anyway: a save that ran out of space printed the same error two or three times,
+# about 115 lines (mirrax raises it once, as a CheckpointWriteError).
+_RERAISED_IN_CALLER = (
+    "_SignalingThread.run() raised an exception",
+    "Commit callback in background save thread",
+    "Save Finalize thread (%s) failed",
+)
+
+
 class _OrbaxNoiseFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_QUIET_ORBAX_MESSAGES)
+        message = str(record.msg)
+        return not (message.startswith(_QUIET_ORBAX_MESSAGES) or any(
+            words in message for words in _RERAISED_IN_CALLER))
 
 
 _NOISE_FILTER = _OrbaxNoiseFilter()

@@ -34,6 +34,11 @@ _SEED_STATE_NAME = "seed_generator_state"
 # never sees them: inside a step the module is a fresh copy, so traced losses stay there.
 _LAST_CALL_LOSSES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# Each KerasModule object's Keras variables' values as of its last exchange with them (the
+# arrays themselves: Keras's `assign` and `set_weights` replace a variable's array, so an array
+# that is no longer the variable's means the user wrote to the Keras model after wrapping).
+_KERAS_VALUES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
 
 def is_keras_model(obj) -> bool:
     """Whether `obj` is a Keras 3 model or layer, subclasses included (a Keras object cannot
@@ -158,6 +163,7 @@ class KerasModule(nnx.Module):
         # As Keras's trainer: `training` goes only to a call that takes it.
         self.takes_training = nnx.static("training" in inspect.signature(keras_model.call).parameters)
         self.deterministic = True
+        _KERAS_VALUES[self] = tuple(v.value for v in everything)
 
     def _split_now(self) -> tuple[tuple, tuple]:
         """(positions of the trainable variables, of the others), in Keras's orders, now."""
@@ -288,6 +294,29 @@ class KerasModule(nnx.Module):
         weights). Seed states get their advanced values."""
         for keras_variable, value in zip(self.keras_model.variables, self._values()):
             keras_variable.assign(np.asarray(value))
+        _KERAS_VALUES[self] = tuple(v.value for v in self.keras_model.variables)
+
+    def read_keras_writes(self) -> None:
+        """Takes the values written to the Keras model's own variables since wrapping (or since
+        the last `write_to_keras`): `keras_model.layers[0].kernel.assign(...)`,
+        `keras_model.set_weights(...)`, `keras_model.load_weights(...)`. `mirrax.Model` calls it
+        before each use (fit, evaluate, predict, get_weights, saves), so such writes are not
+        lost, as they are not in Keras (whose model IS its variables). Each changed value is
+        placed where the NNX variable's lives; a seed state restarts its draw count."""
+        seen = _KERAS_VALUES.get(self)
+        now = tuple(v.value for v in self.keras_model.variables)
+        if seen is None or len(now) != len(seen):
+            return  # a copy inside a step, or a model that grew (call_with_losses refuses it)
+        counts = iter(self.seed_counts)
+        for variable, seed, old, new in zip(self.variables, self.is_seed, seen, now):
+            count = next(counts) if seed else None
+            if new is old:
+                continue
+            current = variable.get_value()
+            variable.set_value(jax.device_put(jnp.asarray(new, current.dtype), current.sharding))
+            if count is not None:
+                count.set_value(jnp.zeros((), jnp.uint32))
+        _KERAS_VALUES[self] = now
 
 
 def before_compile(module, policy) -> None:
@@ -320,6 +349,13 @@ def before_fit(module) -> None:
     """`Model.fit`'s check of a Keras model (see `KerasModule.check_trainable_unchanged`)."""
     if isinstance(module, KerasModule):
         module.check_trainable_unchanged("fit")
+
+
+def read_keras_writes(module) -> None:
+    """Before a `Model` use: a Keras model's variables written directly since wrapping are
+    taken (`KerasModule.read_keras_writes`); nothing for other modules."""
+    if isinstance(module, KerasModule):
+        module.read_keras_writes()
 
 
 def after_weights_set(module) -> None:

@@ -134,6 +134,7 @@ def save_model(model, filepath, overwrite, compile_args, kwargs: dict) -> None:
         raise errors.ExistingPathError(
             f"Model.save: {path} exists{' and is a directory' if os.path.isdir(path) else ''}; "
             "pass overwrite=True to replace a file, or another path.")
+    module.read_keras_writes()  # a write to the Keras model since wrapping is kept
     module.write_to_keras()
     compile_keras_model(module.keras_model, compile_args, model.optimizer)
     failure = None

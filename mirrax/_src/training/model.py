@@ -94,6 +94,7 @@ class Model(model_glue.KerasGlue):
         """What `mirrax.Checkpoint` stores for this model (mirrax's checkpoint protocol): the
         module and, once compiled, the `nnx.Optimizer` (as f"{name}.module" and
         f"{name}.optimizer")."""
+        keras_models.read_keras_writes(self.module)
         children = {"module": self.module}
         if self.optimizer is not None:
             children["optimizer"] = self.optimizer.nnx_optimizer
@@ -197,6 +198,7 @@ class Model(model_glue.KerasGlue):
 
     def _check_scope(self, what: str):
         checks.check_model_scope(what, self.distribute_strategy)
+        keras_models.read_keras_writes(self.module)  # writes to model.keras_model count
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -207,6 +209,7 @@ class Model(model_glue.KerasGlue):
         `nnx.Dropout`): parameters and batch statistics, as Keras's `weights` leave out its
         seed generators' state. Checkpoints (`save_weights`, `mirrax.Checkpoint`) keep all.
         """
+        keras_models.read_keras_writes(self.module)
         return [np.asarray(v.get_value()) for _, v in weights_lib.module_weights(self.module)]
 
     def count_params(self) -> int:
@@ -236,6 +239,7 @@ class Model(model_glue.KerasGlue):
             or `filepath` is a regular file.
           InvalidArgumentTypeError: `filepath` is not a str or os.PathLike.
         """
+        keras_models.read_keras_writes(self.module)
         checkpoint.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath) -> None:
