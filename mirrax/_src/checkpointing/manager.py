@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import logging
 import os
 import threading
+import time
 import weakref
 
 import jax
@@ -46,6 +48,22 @@ _EXIT_HOOK: list = []
 def _wait_for_all_in_flight() -> None:
     while _IN_FLIGHT:
         _IN_FLIGHT.pop().wait_until_finished()
+
+
+def _delete_leftover(path: str, settle_s: float = 10.0) -> None:
+    """Deletes a failed or killed save's temporary directory. After a save that failed in this
+    process (e.g. out of space), Orbax's writer threads for its other items may still be
+    creating files there, so rmtree can meet a directory that refills (ENOTEMPTY) or an entry
+    already gone (ENOENT): retried until it settles, bounded by `settle_s` seconds."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            atomic_dirs.delete_if_exists(path)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.ENOENT) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _register_exit_hook() -> None:
@@ -259,7 +277,7 @@ class CheckpointManager:
             for name in os.listdir(self._shared):
                 full = os.path.join(self._shared, name)
                 if ocp.path.step.TMP_DIR_SUFFIX in name or name.endswith(atomic_dirs.DELETING_SUFFIX):
-                    atomic_dirs.delete(full)
+                    _delete_leftover(full)
                 elif name.isdigit() and os.path.isdir(full) and not is_complete(full):
                     aside = full + ".mirrax-incomplete"
                     atomic_dirs.delete_if_exists(aside)

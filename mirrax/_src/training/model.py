@@ -116,8 +116,7 @@ class Model(model_glue.KerasGlue):
           loss_weights: a float that scales the loss (single-output models; a list or dict of
             per-output weights is refused).
           metrics: list of `mirrax.metrics.Metric`s or names ("accuracy" resolves by the loss,
-            as Keras); updated WITHOUT sample weights (as Keras); a name already taken
-            is logged with `_1`, `_2`, ... (two `AUC()`: "auc", "auc_1"), as Keras 3.
+            as Keras); updated WITHOUT sample weights; a taken name gets `_1`, `_2`, ... (as Keras).
           weighted_metrics: list of metrics updated with the sample weights (and class
             weights), as Keras; logged under the metric's name, or "weighted_<name>" when
             `metrics` already holds that name.
@@ -403,8 +402,7 @@ class Model(model_glue.KerasGlue):
 
     @property
     def metrics_names(self) -> list:
-        """["loss", <metric log names>...] in the order of `evaluate`'s list, as tf.keras's (Keras
-        3 lists its trackers, ["loss", "compile_metrics"]); [] before `compile`."""
+        """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
         return [] if self._compiled is None else ["loss"] + list(self._compiled.metric_names)
 
     def make_train_function(self):
