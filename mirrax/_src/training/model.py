@@ -156,6 +156,8 @@ class Model(model_glue.KerasGlue):
         gradient_accumulation_steps = checks.check_count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
         self.distribute_strategy = checks.compile_strategy(self._scope_strategy)
+        if self._scope_strategy is not None:  # it may have moved off one that was shut down
+            self._scope_strategy = self.distribute_strategy
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
         checks.check_sharded_optimizer(self.distribute_strategy, steps_per_execution,
@@ -195,7 +197,9 @@ class Model(model_glue.KerasGlue):
         self._check_scope(what)
 
     def _check_scope(self, what: str):
-        checks.check_model_scope(what, self.distribute_strategy)
+        strategy = checks.check_model_scope(what, self.distribute_strategy)
+        if strategy is not self.distribute_strategy:  # moved off a strategy that was shut down
+            self.distribute_strategy = self._scope_strategy = strategy
 
     # -- weights ---------------------------------------------------------------------------------
 
