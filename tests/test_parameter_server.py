@@ -114,3 +114,29 @@ def test_a_partitioner_with_a_wrong_answer_is_named():
     with pytest.raises(errors.InvalidArgumentError, match=r"returned \[2, 2\] for objects\[0\]"
                        r"\.kernel of shape \(5, 2\)"):
         _layout(2, lambda shape, dtype, axis=0: [2] * len(shape))
+
+
+def test_a_function_capturing_a_keras_model_is_sent_as_keras_pickles_it():
+    # Keras pickles a model by writing it to an in-memory .keras file: the BytesIO met while
+    # pickling is no iterator of the coordinator (before: refused as one, "a BytesIO (an
+    # iterator or dataset of the coordinator) cannot be read on a worker").
+    pytest.importorskip("ray", reason="the coordinator pickles with Ray's cloudpickle")
+    keras = pytest.importorskip("keras")
+    from mirrax._src.parameter_server import serialization
+
+    keras_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="ones")])
+    x = np.array([[1.0, 2.0]], np.float32)
+
+    def dataset_fn():  # as create_per_worker_dataset pickles it: its refusals, no tokens
+        return [np.asarray(keras_model(x))]
+
+    def token_of(obj):
+        serialization.refuse(obj)
+        return None
+
+    copy = serialization.loads(serialization.dumps(dataset_fn, token_of))
+    assert copy()[0].tolist() == [[3.0]]  # 1 * 1 + 1 * 2
+    generator = (i for i in [1])
+    with pytest.raises(errors.InvalidArgumentTypeError, match="a generator .* cannot be read"):
+        serialization.dumps(lambda: next(generator), token_of)  # still refused

@@ -101,9 +101,10 @@ def unpack_error(data: bytes) -> BaseException:
 
 def refuse(obj) -> None:
     """Objects that cannot be read on a worker: say what to do instead."""
-    # In-memory files pickle by value (Keras pickles a model or optimizer into a BytesIO).
+    # In-memory files pickle by value (Keras pickles a model or optimizer into a BytesIO),
+    # and a class is pickled by reference (an iterator's class has a `__next__` too).
     if isinstance(obj, (DistributedInput, DistributedIterator, types.GeneratorType)) or (
-            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes, io.BytesIO,
+            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes, type, io.BytesIO,
                                                               io.StringIO))):
         raise errors.InvalidArgumentTypeError(
             f"ClusterCoordinator.schedule: a {type(obj).__name__} (an iterator or dataset of the "
