@@ -347,9 +347,12 @@ class Cluster:
         return self._stopped
 
     def _held(self) -> dict:
-        """The Ray resources this cluster's actors hold: {"CPU": ..., "GPU": ...}."""
-        workers = len(self.workers)
-        held = {"CPU": workers * self.resolver.num_cpus_per_worker + len(self.parameter_servers)}
+        """The Ray resources this cluster's live actors hold now ({"CPU": ..., "GPU": ...}):
+        an actor whose process is gone (a parameter server that died, a worker Ray is
+        restarting) holds none, or its release would be waited for twice."""
+        workers = sum(map(_process_exists, self.worker_pids))
+        held = {"CPU": workers * self.resolver.num_cpus_per_worker
+                + sum(map(_process_exists, self.ps_pids))}
         if self.resolver.num_gpus_per_worker:
             held["GPU"] = workers * self.resolver.num_gpus_per_worker
         return held
@@ -368,6 +371,7 @@ class Cluster:
         self._stopped = True
         ray = import_ray()
         wait_release = wait_release and self.resolver.address is None and ray.is_initialized()
+        held = self._held() if wait_release else {}
         free_before = ray.available_resources() if wait_release else {}
         for stop in self.before_stop:
             stop()
@@ -379,12 +383,12 @@ class Cluster:
         for wait in self.after_stop:
             wait()
         if wait_release:
-            self._wait_released(ray, free_before)
+            self._wait_released(ray, held, free_before)
 
-    def _wait_released(self, ray, free_before: dict) -> None:
+    def _wait_released(self, ray, held: dict, free_before: dict) -> None:
         total = ray.cluster_resources()
         wanted = {name: min(total.get(name, 0.0), free_before.get(name, 0.0) + amount)
-                  for name, amount in self._held().items()}
+                  for name, amount in held.items()}
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
         while True:
             free = ray.available_resources()  # a resource none of is free is left out
@@ -400,6 +404,6 @@ class Cluster:
             f"ParameterServerStrategy.shutdown: Ray has not freed the resources of the killed "
             f"actors within {RELEASE_TIMEOUT_S:.0f} s: free now "
             f"{ {name: free.get(name, 0.0) for name in wanted} }, expected {wanted} (this "
-            f"strategy held {self._held()}); still running: "
+            f"strategy held {held}); still running: "
             f"{', '.join(running) if running else 'none of its processes'}. Another program "
             "may be using the cluster: check `ray status` before making a new strategy.")
