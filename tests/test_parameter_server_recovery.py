@@ -131,7 +131,7 @@ def test_recovery_a_new_strategy_at_once_and_the_same_model_trains_on(ray_messag
 def test_a_new_local_cluster_prints_no_token_notice():
     # Ray prints its notice when it starts a local cluster with RAY_AUTH_MODE unset (the
     # module's cluster set it in this process), so a fresh process starts one.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     code = ("import mirrax; r = mirrax.RayClusterResolver(1, 1); r.connect(); "
             "print('started'); r.shutdown()")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
