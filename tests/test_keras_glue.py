@@ -3,6 +3,7 @@ reduction=None losses) and whole-model save of Keras models to .keras (round tri
 save killed part-way)."""
 
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -75,6 +76,27 @@ def test_losses_trainable_variables_and_a_keras_optimizer_in_a_custom_loop(repli
     assert int(optimizer.iterations) == 2
     # model.losses after the steps: on the current weights, 0.5 * 2 * 0.72² = 0.5184.
     assert float(model.losses[0]) == pytest.approx(0.5184, rel=1e-6)
+
+
+def test_a_pickled_keras_optimizer_is_built_again_and_steps_as_the_original():
+    # A ParameterServerStrategy sends the held objects' structure to its workers pickled:
+    # Keras pickles its optimizer from the config, unbuilt (Keras's stateless_apply refused
+    # it: "RMSprop must be built"); the copy builds itself for the recorded shapes.
+    strategy = mirrored(1)
+    with strategy.scope():
+        model = mirrax.Model(_regularized_dense())
+        optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1, momentum=0.9))
+    graphdef, state = nnx.split((model.module, optimizer))
+    module, copy = nnx.merge(pickle.loads(pickle.dumps(graphdef)), state)
+    assert not copy.keras_optimizer.built
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))])))
+    for use_update in (False, True):
+        strategy.run(_penalty_step, args=(module, copy, batch, use_update))
+    # As the original's two steps above: w = 0.9, then 0.72; two updates counted.
+    np.testing.assert_allclose(np.asarray(module.variables[0].get_value()),
+                               np.full((2, 1), 0.72), rtol=1e-6)
+    assert int(copy.iterations) == 2 and copy.keras_optimizer.built
 
 
 def test_a_keras_optimizers_learning_rate_is_read_and_set_in_its_state():

@@ -2,6 +2,9 @@
 arithmetic), how variables are cut and dealt to the parameter servers, and the update
 arithmetic. The arguments refused before any task starts are in tests/bad_inputs/."""
 
+import os
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +117,58 @@ def test_a_partitioner_with_a_wrong_answer_is_named():
     with pytest.raises(errors.InvalidArgumentError, match=r"returned \[2, 2\] for objects\[0\]"
                        r"\.kernel of shape \(5, 2\)"):
         _layout(2, lambda shape, dtype, axis=0: [2] * len(shape))
+
+
+def test_a_function_capturing_a_keras_model_is_sent_as_keras_pickles_it():
+    # Keras pickles a model by writing it to an in-memory .keras file: the BytesIO met while
+    # pickling is no iterator of the coordinator (before: refused as one, "a BytesIO (an
+    # iterator or dataset of the coordinator) cannot be read on a worker").
+    pytest.importorskip("ray", reason="the coordinator pickles with Ray's cloudpickle")
+    keras = pytest.importorskip("keras")
+    from mirrax._src.parameter_server import serialization
+
+    keras_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="ones")])
+    x = np.array([[1.0, 2.0]], np.float32)
+
+    def dataset_fn():  # as create_per_worker_dataset pickles it: its refusals, no tokens
+        return [np.asarray(keras_model(x))]
+
+    def token_of(obj):
+        serialization.refuse(obj)
+        return None
+
+    copy = serialization.loads(serialization.dumps(dataset_fn, token_of))
+    assert copy()[0].tolist() == [[3.0]]  # 1 * 1 + 1 * 2
+    generator = (i for i in [1])
+    with pytest.raises(errors.InvalidArgumentTypeError, match="a generator .* cannot be read"):
+        serialization.dumps(lambda: next(generator), token_of)  # still refused
+
+
+def test_shutdown_names_what_ray_has_not_freed(monkeypatch):
+    # shutdown()'s bounded wait for Ray to free the killed actors' CPUs, against a Ray that
+    # never does: after the timeout, UnresponsivePeerError names the processes still running
+    # (this test's own pid stands for a live actor; pid 0x7FFFFFFF runs nowhere).
+    from mirrax._src.parameter_server import cluster as cluster_lib
+
+    class NeverFrees:
+        @staticmethod
+        def cluster_resources():
+            return {"CPU": 4.0}
+
+        @staticmethod
+        def available_resources():
+            return {"CPU": 1.0}
+
+    stuck = object.__new__(cluster_lib.Cluster)
+    stuck.worker_pids, stuck.ps_pids = [os.getpid()], [0x7FFFFFFF]
+    monkeypatch.setattr(cluster_lib, "RELEASE_TIMEOUT_S", 0.2)
+    start = time.monotonic()
+    with pytest.raises(errors.UnresponsivePeerError) as info:
+        stuck._wait_released(NeverFrees, {"CPU": 2.0}, {"CPU": 1.0})
+    assert time.monotonic() - start < 5.0  # bounded, never a hang
+    message = str(info.value)
+    # Expected 1 free before + 2 held = 3 of the 4 CPUs; 1 free now.
+    assert "free now {'CPU': 1.0}, expected {'CPU': 3.0}" in message
+    assert f"still running: worker 0 (pid {os.getpid()})" in message
+    assert "parameter server" not in message and "ray status" in message

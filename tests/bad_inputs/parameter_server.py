@@ -4,6 +4,7 @@ partitioners, the resolvers, the cluster and the coordinator's strategy."""
 import json
 
 import numpy as np
+from flax import nnx
 
 import mirrax
 from mirrax import errors
@@ -62,4 +63,19 @@ CASES = [
          lambda env: mirrax.ClusterCoordinator(env.strategy),
          errors.InvalidArgumentTypeError, ("must be a mirrax.ParameterServerStrategy",
                                            "received MirroredStrategy", "strategy.run directly")),
+    # Issue 27 item 8: the two strategies read the same (as two ParameterServerStrategy of
+    # one layout do); the message tells them apart.
+    Case("compile under another strategy of the same repr",
+         lambda env: _compile_under_twin(env),
+         errors.MixedStrategyError, ("made under the scope of MirroredStrategy(",
+                                     "(at 0x", "another MirroredStrategy(",
+                                     "Compile it under the strategy")),
 ]
+
+
+def _compile_under_twin(env):
+    devices = [d.split("device:")[-1].lower() for d in env.strategy.extended.worker_devices]
+    with env.strategy.scope():
+        model = mirrax.Model(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+    with mirrax.MirroredStrategy(devices).scope():
+        model.compile("sgd", "mse")

@@ -15,7 +15,12 @@ loops with Keras models": `mirrax.KerasOptimizer(model, keras_optimizer)`, `tf.G
 dataset is a description each worker builds: mirrax's workers call the function). The
 `StringLookup` layers need TensorFlow (Keras 3 raises ImportError without it), which is not a
 JAX step: their lookups are NumPy dictionary lookups with the same ids (OOV 0, words 1..7;
-labels "yes" 0, "no" 1).
+labels "yes" 0, "no" 1). LOGITS: the model's last layer gives logits and the loss takes
+`from_logits=True`, which is what tf.keras computes for the notebook's sigmoid output and
+`BinaryCrossentropy()` (its sigmoid keeps its logits, `_keras_logits`, and the loss uses
+them); Keras 3 on JAX clips the probabilities instead, so a saturated output gets no gradient
+and the notebook's RMSprop(0.1) stalls at chance (measured: accuracy 0.46-0.52 after 4
+epochs, with or without mirrax); with the logits it reaches 1.0 from the second epoch.
 
 Sections (11 with code, 12 tests): instantiate a ParameterServerStrategy (the in-process
 cluster with it), input data, model construction and compiling, callbacks and training, set
@@ -158,7 +163,7 @@ def build_the_model(ns):
         emb_layer = keras.layers.Embedding(input_dim=len(feature_vocab) + 1, output_dim=16384)
         emb_output = keras.ops.mean(emb_layer(model_input), axis=1)
         dense_output = keras.layers.Dense(
-            units=1, activation="sigmoid",
+            units=1,  # the sigmoid goes into the loss: see LOGITS
             kernel_regularizer=keras.regularizers.L2(1e-4))(emb_output)
         ns.model = mirrax.Model(keras.Model({"features": model_input}, dense_output))
         # A Keras optimizer in a custom loop: the documented one-line translation.
@@ -181,7 +186,8 @@ def define_the_training_step(ns):
         def replica_fn(batch_data, labels):
             def loss_fn(model):  # tf.GradientTape -> value_and_grad
                 pred = model(batch_data, training=True)
-                per_example_loss = keras.losses.BinaryCrossentropy(reduction=None)(labels, pred)
+                per_example_loss = keras.losses.BinaryCrossentropy(
+                    from_logits=True, reduction=None)(labels, pred)
                 loss = mirrax.compute_average_loss(per_example_loss)
                 model_losses = model.losses
                 if model_losses:
@@ -193,7 +199,7 @@ def define_the_training_step(ns):
             # NNX state shaped like it, its leaves in trainable_variables' order.
             (loss, pred), gradients = mirrax.value_and_grad(loss_fn, has_aux=True)(model.module)
             optimizer.apply_gradients(zip(jax.tree.leaves(gradients), model.trainable_variables))
-            actual_pred = (pred > 0.5).astype("int64")
+            actual_pred = (pred > 0.0).astype("int64")  # sigmoid(pred) > 0.5
             accuracy.update_state(labels, actual_pred)
             return loss
 
@@ -209,9 +215,10 @@ def define_the_training_step(ns):
 def dispatch_training_steps_to_remote_workers(ns):
     strategy = ns.strategy
     ns.coordinator = coordinator = mirrax.ClusterCoordinator(strategy)
+    dataset_fn = ns.dataset_fn  # the notebook's global (the function pickles what it names)
 
     def per_worker_dataset_fn():
-        return strategy.distribute_datasets_from_function(ns.dataset_fn)
+        return strategy.distribute_datasets_from_function(dataset_fn)
 
     per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
     per_worker_iterator = iter(per_worker_dataset)
@@ -236,7 +243,7 @@ def inline_evaluation(ns):
     eval_accuracy = mirrax.metrics.Accuracy()
     for batch_data, labels in eval_dataset:
         pred = ns.model(batch_data, training=False)
-        actual_pred = (np.asarray(pred) > 0.5).astype(np.int64)
+        actual_pred = (np.asarray(pred) > 0.0).astype(np.int64)
         eval_accuracy.update_state(labels, actual_pred)
     return {"accuracy": float(eval_accuracy.result())}
 
@@ -250,15 +257,20 @@ def inline_evaluation_scheduled(ns):
     def eval_step(iterator):
         def replica_fn(batch_data, labels):
             pred = model(batch_data, training=False)
-            actual_pred = (pred > 0.5).astype("int64")
+            actual_pred = (pred > 0.0).astype("int64")
             eval_accuracy.update_state(labels, actual_pred)
         batch_data, labels = next(iterator)
         strategy.run(replica_fn, args=(batch_data, labels))
 
+    # The notebook's globals (the function pickles what it names).
+    feature_and_label_gen = ns.feature_and_label_gen
+    feature_preprocess_stage = ns.feature_preprocess_stage
+    label_preprocess_stage = ns.label_preprocess_stage
+
     def eval_dataset_fn():
-        rows = ns.feature_and_label_gen(num_examples=16)
-        features = ns.feature_preprocess_stage(rows["features"])
-        labels = ns.label_preprocess_stage(rows["label"])
+        rows = feature_and_label_gen(num_examples=16)
+        features = feature_preprocess_stage(rows["features"])
+        labels = label_preprocess_stage(rows["label"])
 
         def batches():  # .shuffle(16).repeat().batch(8)
             while True:
@@ -284,7 +296,7 @@ def sidecar_evaluation(ns):
              ns.label_preprocess_stage(rows["label"]).astype(np.float32))]
     with mirrax.OneDeviceStrategy("cpu:0").scope():
         eval_model = mirrax.Model(keras.Model.from_config(ns.model.keras_model.get_config()))
-        eval_model.compile(loss="binary_crossentropy", metrics=["accuracy"])
+        eval_model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True))
     evaluator = mirrax.SidecarEvaluator(eval_model, data=data, checkpoint_dir=checkpoint_dir,
                                         max_evaluations=1)
     evaluator.start()
@@ -374,40 +386,35 @@ def test_build_the_model(outcomes):
     assert sections.result(outcomes, "build_the_model") == {"shards": [[4, 16384], [4, 16384]]}
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: replica_fn captures the "
-                   "model, optimizer and metric; model.losses, model.trainable_variables, "
-                   "Keras RMSprop apply_gradients, Reduction NONE")
 def test_define_the_training_step(outcomes):
+    # replica_fn captures the model, the Keras optimizer and the metric; the section that
+    # schedules it runs it on the workers.
     sections.result(outcomes, "define_the_training_step")
     values = sections.result(outcomes, "dispatch_training_steps_to_remote_workers")
     assert np.isfinite(values["final_loss"])
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: the training step captures "
-                   "the model (the coordinator refuses a BytesIO it finds in the captured "
-                   "mirrax.Model of a Keras model as 'an iterator or dataset of the "
-                   "coordinator'); metric.reset_states")
 def test_dispatch_training_steps_to_remote_workers(outcomes):
     values = sections.result(outcomes, "dispatch_training_steps_to_remote_workers")
-    # The label is a function of the features ("avenger" among them): after 4 epochs of 5
-    # steps the accuracy is well above the majority class share (4 of 7 words drawn 3 at a
-    # time: P(no avenger) = C(6,3)/C(7,3) = 20/35 = 0.57).
-    assert values["accuracies"][-1] > 0.8
-    assert values["final_loss"] < 0.5
+    # The label is a function of the features ("avenger" among them), which the model learns
+    # exactly: measured [0.77, 1.0, 1.0, 1.0]. The majority class share is only 0.57 (no
+    # avenger among 3 of 7 words: C(6,3)/C(7,3) = 20/35), so the bound proves learning; the
+    # margin below 1.0 is for the asynchronous updates of 2 workers (order varies by run).
+    assert len(values["accuracies"]) == 4
+    assert values["accuracies"][-1] >= 0.95
+    assert values["final_loss"] < 0.5  # measured 0.17 (chance: ln 2 = 0.69 or more)
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 items 7 and 8: needs the trained model")
 def test_inline_evaluation(outcomes):
     sections.result(outcomes, "dispatch_training_steps_to_remote_workers")
-    assert sections.result(outcomes, "inline_evaluation")["accuracy"] > 0.8
+    # 16 examples: at most one wrong (measured 16 of 16).
+    assert sections.result(outcomes, "inline_evaluation")["accuracy"] >= 15 / 16
 
 
-@pytest.mark.xfail(strict=True, reason="open after the items landed: a step capturing a mirrax.Model of a Keras model is refused on the workers ('a BytesIO ... cannot be read on a worker') -- issue 26 item 7: eval replica_fn captures the model "
-                   "and metric (the coordinator refuses a BytesIO it finds in the captured "
-                   "mirrax.Model of a Keras model); needs the trained model (items 7, 8)")
 def test_inline_evaluation_scheduled(outcomes):
+    # eval_step captures the trained model and a metric made under strategy.scope().
     sections.result(outcomes, "dispatch_training_steps_to_remote_workers")
-    assert sections.result(outcomes, "inline_evaluation_scheduled")["accuracy"] > 0.8
+    assert sections.result(outcomes, "inline_evaluation_scheduled")["accuracy"] >= 15 / 16
 
 
 def test_sidecar_evaluation(outcomes):

@@ -10,6 +10,8 @@ their process dies.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import math
 import os
 import socket
@@ -24,6 +26,9 @@ from mirrax._src.parameter_server import actors
 
 # Seconds to wait for every actor of a new strategy to start (a worker imports JAX).
 START_TIMEOUT_S = 180.0
+# Seconds `strategy.shutdown()` waits for Ray to give the killed actors' resources back to a
+# local cluster (`ray.kill` returns at once; Ray frees them when the processes have ended).
+RELEASE_TIMEOUT_S = 30.0
 
 # Every started cluster, stopped before Ray shuts down (a thread that calls Ray after
 # `ray.shutdown()` makes Ray end the process with exit code 1).
@@ -69,6 +74,22 @@ def call_servers(servers: list, method: str, per_server_args: list, timeout_s: f
     except ray.exceptions.RayActorError as e:
         raise actors.LostParameterServer(
             f"a parameter server died during a {method}: {e}") from None
+
+
+class _TokenNotice(logging.Filter):
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled for this Ray")
+
+
+@contextlib.contextmanager
+def _without_token_notice():
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = _TokenNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def _count(owner: str, name: str, value, low: int) -> int:
@@ -137,10 +158,15 @@ class RayClusterResolver:
         self._started_here = False
 
     def connect(self):
-        """Starts or joins the Ray cluster (once); returns the `ray` module."""
+        """Starts or joins the Ray cluster (once); returns the `ray` module.
+
+        Ray's notice that a new local cluster uses token authentication (printed at every
+        start, with nothing to do about it) is left out; its warning that a cluster has no
+        authentication is not.
+        """
         ray = import_ray()
         if not ray.is_initialized():
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _without_token_notice():
                 # JAX warns at every fork; Ray forks only to exec its own programs at once.
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                                         category=RuntimeWarning)
@@ -212,6 +238,16 @@ def _placement(ray, host: str | None):
         f"ParameterServerStrategy: the task host {host!r} ({ip}) is not a node of the Ray "
         f"cluster, whose nodes are {[n.get('NodeManagerAddress') for n in nodes]}. Start a "
         "Ray node there (`ray start --address=...`) or fix the cluster's addresses.")
+
+
+def _process_exists(pid) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, TypeError):
+        return True  # another user's process, or no pid recorded: assume it runs
+    return True
 
 
 class Cluster:
@@ -294,18 +330,49 @@ class Cluster:
                 f"ParameterServerStrategy: {kind} task(s) {late} did not start within "
                 f"{START_TIMEOUT_S:.0f} s. Check the Ray cluster's resources (`ray status`) and "
                 "the tasks' logs (/tmp/ray/session_latest/logs).")
-        try:
-            return ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
-        except ray.exceptions.RayActorError as e:
+        answers, failed = [], None
+        for ref in refs:  # each one read (an error no one reads, Ray prints again)
+            try:
+                answers.append(ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
+            except ray.exceptions.RayActorError as e:
+                failed = failed or e
+        if failed is not None:
             raise errors.UnresponsivePeerError(
-                f"ParameterServerStrategy: a {kind} task failed to start: {e}") from None
+                f"ParameterServerStrategy: a {kind} task failed to start: {failed}")
+        return answers
 
-    def stop(self) -> None:
-        """Kills the actors and waits for the threads that use them (once)."""
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop()` ran (the actors are killed)."""
+        return self._stopped
+
+    def _held(self) -> dict:
+        """The Ray resources this cluster's live actors hold now ({"CPU": ..., "GPU": ...}):
+        an actor whose process is gone (a parameter server that died, a worker Ray is
+        restarting) holds none, or its release would be waited for twice."""
+        workers = sum(map(_process_exists, self.worker_pids))
+        held = {"CPU": workers * self.resolver.num_cpus_per_worker
+                + sum(map(_process_exists, self.ps_pids))}
+        if self.resolver.num_gpus_per_worker:
+            held["GPU"] = workers * self.resolver.num_gpus_per_worker
+        return held
+
+    def stop(self, wait_release: bool = False) -> None:
+        """Kills the actors and waits for the threads that use them (once); with
+        `wait_release`, on a local cluster, also until Ray has freed the actors' resources,
+        so that a strategy made right afterwards can start (`strategy.shutdown()`).
+
+        Raises:
+          UnresponsivePeerError: the resources are not free within RELEASE_TIMEOUT_S (the
+            message names the actors' processes still running).
+        """
         if self._stopped:
             return
         self._stopped = True
         ray = import_ray()
+        wait_release = wait_release and self.resolver.address is None and ray.is_initialized()
+        held = self._held() if wait_release else {}
+        free_before = ray.available_resources() if wait_release else {}
         for stop in self.before_stop:
             stop()
         for handle in self.workers + self.parameter_servers:
@@ -315,3 +382,28 @@ class Cluster:
                 pass
         for wait in self.after_stop:
             wait()
+        if wait_release:
+            self._wait_released(ray, held, free_before)
+
+    def _wait_released(self, ray, held: dict, free_before: dict) -> None:
+        total = ray.cluster_resources()
+        wanted = {name: min(total.get(name, 0.0), free_before.get(name, 0.0) + amount)
+                  for name, amount in held.items()}
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        while True:
+            free = ray.available_resources()  # a resource none of is free is left out
+            if all(free.get(name, 0.0) >= amount - 1e-9 for name, amount in wanted.items()):
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        running = [f"{kind} {i} (pid {pid})" for kind, pids in (
+            ("worker", self.worker_pids), ("parameter server", self.ps_pids))
+            for i, pid in enumerate(pids) if _process_exists(pid)]
+        raise errors.UnresponsivePeerError(
+            f"ParameterServerStrategy.shutdown: Ray has not freed the resources of the killed "
+            f"actors within {RELEASE_TIMEOUT_S:.0f} s: free now "
+            f"{ {name: free.get(name, 0.0) for name in wanted} }, expected {wanted} (this "
+            f"strategy held {held}); still running: "
+            f"{', '.join(running) if running else 'none of its processes'}. Another program "
+            "may be using the cluster: check `ray status` before making a new strategy.")

@@ -23,7 +23,6 @@ import jax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute.input import DistributedInput, DistributedIterator
 from mirrax._src.parameter_server import serialization
 from mirrax._src.parameter_server.closures import Closure, Queue, WorkerConstant
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
@@ -190,7 +189,7 @@ class ClusterCoordinator:
                         return ("object", base + i)
                 new_roots.append(obj)
                 return ("object", base + len(new_roots) - 1)
-            _refuse(obj)
+            serialization.refuse(obj)
             return None
 
         try:
@@ -199,7 +198,7 @@ class ClusterCoordinator:
             raise
         except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
             raise errors.InvalidArgumentTypeError(
-                f"ClusterCoordinator.schedule: {_culprit(fn, args, kwargs, token_of)} cannot "
+                f"ClusterCoordinator.schedule: {serialization.culprit(fn, args, kwargs, token_of)} cannot "
                 f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
                 "its arguments are pickled: pass arrays, numbers, NNX objects and "
                 "per-worker iterators, and create other objects inside the function."
@@ -288,7 +287,7 @@ class ClusterCoordinator:
         def token_of(obj):
             if obj is self.strategy:
                 return ("strategy",)
-            _refuse(obj)
+            serialization.refuse(obj)
             return None
 
         try:
@@ -304,15 +303,20 @@ class ClusterCoordinator:
         # Registered first: a worker that is restarting now gets it when it is back.
         self._datasets[dataset_id] = data
         live = [w for w in range(len(self._cluster.workers)) if w not in self._lost_workers]
+        failed = None
+        # Every answer is read, also after a failure: Ray prints the traceback of an error no
+        # one read ("Unhandled error"), once per other worker.
         for ref in [self._cluster.workers[w].create_dataset.remote(dataset_id, data) for w in live]:
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                del self._datasets[dataset_id]
-                cause = getattr(e, "cause", None)
-                raise (cause if isinstance(cause, Exception) else e.as_instanceof_cause()) from None
+                failed = failed or e
             except ray.exceptions.RayActorError:
                 pass  # dead or restarting: its dispatcher creates the datasets when it is back
+        if failed is not None:
+            del self._datasets[dataset_id]
+            cause = getattr(failed, "cause", None)
+            raise (cause if isinstance(cause, Exception) else failed.as_instanceof_cause()) from None
         return PerWorkerDataset(self, dataset_id)
 
     # -- the dispatcher threads -----------------------------------------------------------
@@ -469,30 +473,3 @@ def _check_mine(coordinator, owner, what: str) -> None:
         raise errors.MixedStrategyError(
             f"ClusterCoordinator.schedule: {what} of another coordinator was passed; create "
             "it with this coordinator's create_per_worker_dataset.")
-
-
-def _refuse(obj) -> None:
-    """Objects that cannot be read on a worker: say what to do instead."""
-    if isinstance(obj, (DistributedInput, DistributedIterator, types.GeneratorType)) or (
-            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes))):
-        raise errors.InvalidArgumentTypeError(
-            f"ClusterCoordinator.schedule: a {type(obj).__name__} (an iterator or dataset of the "
-            "coordinator) cannot be read on a worker. Create the dataset on every worker with "
-            "coordinator.create_per_worker_dataset(dataset_fn) and pass "
-            "iter(per_worker_dataset) to the scheduled function.")
-    if isinstance(obj, nnx.Variable):
-        raise errors.InvalidArgumentTypeError(
-            "ClusterCoordinator.schedule: a bare nnx.Variable cannot be held by the parameter "
-            "servers; pass (or capture) the module or optimizer that owns it.")
-
-
-def _culprit(fn, args: tuple, kwargs: dict, token_of) -> str:
-    """The first of fn, args[i], kwargs[k] that fails to pickle, as text."""
-    named = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-        (f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
-    for name, value in named:
-        try:
-            serialization.dumps(value, token_of)
-        except Exception:  # noqa: BLE001
-            return f"{name} (a {type(value).__name__})"
-    return "the function or its arguments"

@@ -8,7 +8,12 @@ import functools
 import io
 import pickle
 import traceback
+import types
 
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute.input import DistributedInput, DistributedIterator
 from mirrax._src.parameter_server.cluster import import_ray
 
 
@@ -92,3 +97,33 @@ def unpack_error(data: bytes) -> BaseException:
         error = RuntimeError(f"{summary} (raised on a worker by the scheduled function)")
     error.__cause__ = RemoteTraceback(f'\n"""\n{text}"""')
     return error
+
+
+def refuse(obj) -> None:
+    """Objects that cannot be read on a worker: say what to do instead."""
+    # In-memory files pickle by value (Keras pickles a model or optimizer into a BytesIO),
+    # and a class is pickled by reference (an iterator's class has a `__next__` too).
+    if isinstance(obj, (DistributedInput, DistributedIterator, types.GeneratorType)) or (
+            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes, type, io.BytesIO,
+                                                              io.StringIO))):
+        raise errors.InvalidArgumentTypeError(
+            f"ClusterCoordinator.schedule: a {type(obj).__name__} (an iterator or dataset of the "
+            "coordinator) cannot be read on a worker. Create the dataset on every worker with "
+            "coordinator.create_per_worker_dataset(dataset_fn) and pass "
+            "iter(per_worker_dataset) to the scheduled function.")
+    if isinstance(obj, nnx.Variable):
+        raise errors.InvalidArgumentTypeError(
+            "ClusterCoordinator.schedule: a bare nnx.Variable cannot be held by the parameter "
+            "servers; pass (or capture) the module or optimizer that owns it.")
+
+
+def culprit(fn, args: tuple, kwargs: dict, token_of) -> str:
+    """The first of fn, args[i], kwargs[k] that fails to pickle, as text."""
+    named = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + [
+        (f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    for name, value in named:
+        try:
+            dumps(value, token_of)
+        except Exception:  # noqa: BLE001
+            return f"{name} (a {type(value).__name__})"
+    return "the function or its arguments"

@@ -19,6 +19,12 @@ from mirrax._src.parameter_server.remote_values import RemoteValue
 from mirrax._src.parameter_server.store import VariableStore
 
 
+def is_shut_down(strategy) -> bool:
+    """True for a ParameterServerStrategy after `shutdown()`: its objects and the models
+    compiled under it are the coordinator's own again, free to move to another strategy."""
+    return isinstance(strategy, ParameterServerStrategy) and strategy.extended.cluster.stopped
+
+
 class ParameterServerExtended(StrategyExtended):
     """`strategy.extended` of a ParameterServerStrategy.
 
@@ -165,5 +171,12 @@ class ParameterServerStrategy(Strategy):
     def shutdown(self) -> None:
         """Kills the strategy's Ray actors and stops its coordinator's threads (mirrax's own;
         also done at exit, and by the resolver's `shutdown()`, which then stops a local Ray
-        cluster it started). Scheduling afterwards is an error."""
-        self._cluster.stop()
+        cluster it started). Scheduling afterwards is an error. On a local Ray cluster it
+        returns once Ray has freed the actors' CPUs (and GPUs), so a strategy made next can
+        start at once.
+
+        Raises:
+          UnresponsivePeerError: Ray has not freed them within 30 s (the message names the
+            processes still running).
+        """
+        self._cluster.stop(wait_release=True)

@@ -16,7 +16,7 @@ from mirrax import errors
 from mirrax._src.distribute import host_tensors
 from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
 from mirrax._src.distribute.strategy import get_strategy, has_strategy
-from mirrax._src.parameter_server.strategy import ParameterServerStrategy
+from mirrax._src.parameter_server.strategy import ParameterServerStrategy, is_shut_down
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib
@@ -429,33 +429,69 @@ def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bo
             "auto_scale_loss=False, or shard_optimizer_state=False.")
 
 
+def _two(first, second) -> tuple[str, str]:
+    """The reprs of two different strategies, told apart when they read the same."""
+    a, b = repr(first), repr(second)
+    if a == b:
+        a, b = f"{a} (at {id(first):#x})", f"another {b} (at {id(second):#x})"
+    return a, b
+
+
+def _moved_after_shutdown(what: str, old) -> errors.MixedStrategyError:
+    return errors.MixedStrategyError(
+        f"{what}: this Model's strategy, {old!r}, was shut down (strategy.shutdown()). The "
+        "model keeps its weights and may move to a new strategy: compile it under the new "
+        "strategy's scope (with new_strategy.scope(): model.compile(...)), then call "
+        f"{what.split(':')[0]} (docs/parameter_server.md, 'Failures').")
+
+
 def compile_strategy(scope_strategy):
     """The strategy of `Model.compile`: in scope now, else `scope_strategy` (the one in scope
-    when the Model was made), else the default.
+    when the Model was made), else the default. A model whose strategy was shut down (a
+    ParameterServerStrategy after `shutdown()`) moves to the strategy in scope.
 
     Raises:
-      MixedStrategyError: another strategy is in scope than the one the Model was made in.
+      MixedStrategyError: another strategy is in scope than the one the Model was made in,
+        or the Model's strategy was shut down and none is in scope.
     """
     if has_strategy():
         current = get_strategy()
-        if scope_strategy is not None and current is not scope_strategy:
+        if (scope_strategy is not None and current is not scope_strategy
+                and not is_shut_down(scope_strategy)):
+            made, now = _two(scope_strategy, current)
             raise errors.MixedStrategyError(
-                f"compile: this Model was made under the scope of {scope_strategy!r} "
-                f"but is compiled under the scope of {current!r}; a model belongs to one "
+                f"compile: this Model was made under the scope of {made} "
+                f"but is compiled under the scope of {now}; a model belongs to one "
                 "strategy (as in Keras). Compile it under the strategy it was made in, or "
                 "build a new module and Model under the new strategy's scope."
             )
         return current
+    if is_shut_down(scope_strategy):
+        raise _moved_after_shutdown("compile", scope_strategy)
     return scope_strategy or get_strategy()
 
 
-def check_model_scope(what: str, mine) -> None:
-    """Refuses a call under another strategy's scope than the model's `mine` (as TF's "Mixing
-    different tf.distribute.Strategy objects"); outside every scope the model's is used."""
-    if mine is not None and has_strategy() and get_strategy() is not mine:
+def check_model_scope(what: str, mine):
+    """The strategy a call of the model runs on: its own, `mine` (as TF's "Mixing different
+    tf.distribute.Strategy objects", another one in scope is refused; outside every scope the
+    model's is used). When `mine` was shut down, the ParameterServerStrategy in scope (the
+    recovery flow: a new strategy, the same model), which the model then belongs to.
+
+    Raises:
+      MixedStrategyError: another strategy is in scope; or `mine` was shut down and no other
+        ParameterServerStrategy is in scope (the message says to compile under the new one).
+    """
+    current = get_strategy() if has_strategy() else None
+    if is_shut_down(mine) and current is not mine:
+        if isinstance(current, ParameterServerStrategy) and not is_shut_down(current):
+            return current  # the compiled steps run on any parameter-server strategy
+        raise _moved_after_shutdown(what, mine)
+    if mine is not None and current is not None and current is not mine:
+        owner, now = _two(mine, current)
         raise errors.MixedStrategyError(
-            f"{what}: this Model belongs to {mine!r} but is called under the scope of "
-            f"{get_strategy()!r}; a model runs on the strategy it was compiled with. Call "
+            f"{what}: this Model belongs to {owner} but is called under the scope of "
+            f"{now}; a model runs on the strategy it was compiled with. Call "
             "it outside that scope (or under its own), or build a new module and Model "
             "under the new strategy's scope."
         )
+    return mine

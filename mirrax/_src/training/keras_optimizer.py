@@ -10,8 +10,11 @@ trainer runs it). Every Keras optimizer, schedule and option works as in Keras.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mirrax import errors
@@ -112,10 +115,26 @@ class KerasOptimizer(nnx.Pytree):
                 "schedule, which Keras evaluates at each update; it has no value to read or set.")
         return self.variables[self.learning_rate_index]
 
+    def _built_optimizer(self):
+        """The Keras optimizer, built. A copy made from its config (Keras pickles an optimizer
+        that way, e.g. when a ParameterServerStrategy sends this object's structure to its
+        workers) is not built: it is built here for variables of the recorded shapes, which
+        gives it the same variables (the state itself is this object's `variables`)."""
+        optimizer = self.keras_optimizer
+        if not optimizer.built:
+            keras = sys.modules["keras"]  # a Keras optimizer exists: Keras is imported
+
+            # Eagerly, also inside a traced step: the optimizer's own variables are made from
+            # concrete zeros, never from tracers.
+            with jax.ensure_compile_time_eval():
+                optimizer.build([keras.Variable(np.zeros(shape, dtype), name=f"variable_{i}")
+                                 for i, (shape, dtype) in enumerate(self.shapes)])
+        return optimizer
+
     def _apply(self, grads: list, params: list) -> None:
         values = [p.get_value() for p in params]
         with jax.numpy_rank_promotion("allow"):
-            new_values, new_state = self.keras_optimizer.stateless_apply(
+            new_values, new_state = self._built_optimizer().stateless_apply(
                 [v.get_value() for v in self.variables], grads, values)
         for param, value in zip(params, new_values):
             param.set_value(jnp.asarray(value, param.get_value().dtype))

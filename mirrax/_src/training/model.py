@@ -157,6 +157,8 @@ class Model(model_glue.KerasGlue):
         gradient_accumulation_steps = checks.check_count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
         self.distribute_strategy = checks.compile_strategy(self._scope_strategy)
+        if self._scope_strategy is not None:  # it may have moved off one that was shut down
+            self._scope_strategy = self.distribute_strategy
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
         checks.check_sharded_optimizer(self.distribute_strategy, steps_per_execution,
@@ -196,7 +198,9 @@ class Model(model_glue.KerasGlue):
         self._check_scope(what)
 
     def _check_scope(self, what: str):
-        checks.check_model_scope(what, self.distribute_strategy)
+        strategy = checks.check_model_scope(what, self.distribute_strategy)
+        if strategy is not self.distribute_strategy:  # moved off a strategy that was shut down
+            self.distribute_strategy = self._scope_strategy = strategy
         keras_models.read_keras_writes(self.module)  # writes to model.keras_model count
 
     # -- weights ---------------------------------------------------------------------------------
@@ -480,15 +484,10 @@ class Model(model_glue.KerasGlue):
                 show_trainable=False, layer_range=None):
         """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`).
 
-        Args (Keras 3's): line_length: the table's width in characters (default: the longest
-        path's); print_fn: called with each line (default `print`); show_trainable: a
-        "Trainable" column (`nnx.Param`s are); expand_nested: accepted (every variable of
-        every nested module is listed); positions, layer_range: not supported.
-
-        Raises:
-          InvalidArgumentTypeError: print_fn not callable, a flag not a bool, line_length not
-            an int. UnsupportedArgumentError: positions or layer_range given.
-        """
+        Keras 3's arguments: line_length (characters; default the longest path's), print_fn
+        (default `print`), show_trainable (`nnx.Param`s are), expand_nested (accepted: all are
+        listed). Raises InvalidArgumentTypeError for a bad type, UnsupportedArgumentError for
+        positions or layer_range (not supported)."""
         weights_lib.print_summary(self.module, line_length, positions, print_fn,
                                   expand_nested, show_trainable, layer_range)
 
