@@ -132,8 +132,9 @@ class LockedCheckpointError(MirraxError, RuntimeError):
 
 
 class CheckpointWriteError(MirraxError, OSError):
-    """A checkpoint could not be written for lack of space (the disk or a quota is full, or a
-    file size limit was hit); the checkpoint that was there before is unchanged."""
+    """A checkpoint could not be written: for lack of space (the disk or a quota is full, or a
+    file size limit was hit), or its path is not writable; the checkpoint that was there before
+    is unchanged."""
 
 
 class UnknownFilepathFieldError(MirraxError, KeyError):

@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -274,3 +275,17 @@ def test_a_second_multi_worker_strategy_trains_and_saves_and_the_chief_holds_the
     # The same program and data: the second strategy trains exactly as the first.
     assert chief["second"]["loss"] == chief["first"]["loss"]
     assert chief["second"]["weights"] == chief["first"]["weights"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc")
+def test_an_unwritable_path_is_named_not_its_owner_file():
+    # Nothing can be created in /proc, even as root: the first file a save creates is the
+    # owner file, whose raw FileNotFoundError named '/proc/ck.mirrax-writer'.
+    checkpoint = mirrax.Checkpoint(step=nnx.Variable(jnp.asarray(1)))
+    for save, shown in ((lambda: checkpoint.write("/proc/ck"), "Checkpoint.write: cannot write "
+                         "/proc/ck: No such file or directory"),
+                        (lambda: checkpoint.save("/proc/ck"), "Checkpoint.save: cannot write "
+                         "/proc/ck-<n>: No such file or directory")):
+        with pytest.raises(errors.CheckpointWriteError, match=re.escape(shown)):
+            save()
+    assert checkpoint.save_counter == 0  # the failed save took no number

@@ -79,7 +79,13 @@ def _acquire(lock_path: str, what: str, target: str) -> str | None:
         entry[1] += 1
         return lock_path
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # the user's path cannot be written: name it, not the owner file
+            raise errors.CheckpointWriteError(
+                f"{what}: cannot write {target}: {e.strerror} (creating {lock_path}, the owner "
+                "file beside it, failed). Save to a directory this process can write."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -132,19 +138,21 @@ def take(lock_path: str, what: str, target: str) -> list:
 
     Raises:
       LockedCheckpointError: another process holds it (on every process of the job).
+      CheckpointWriteError: the owner file cannot be created (the path is not writable).
     """
     refusal, error = None, None
     held = None
     if jax.process_index() == 0:
         try:
             held = _acquire(lock_path, what, target)
-        except errors.LockedCheckpointError as e:
-            refusal, error = str(e), e
+        except (errors.LockedCheckpointError, errors.CheckpointWriteError) as e:
+            refusal, error = (type(e).__name__, str(e)), e
     if jax.process_count() > 1:
         answers = multihost.exchange(f"checkpoint_lock/{next(_EXCHANGES)}", refusal)
         refusal = answers[0]
         if refusal is not None and error is None:
-            error = errors.LockedCheckpointError(f"{what}: the chief (worker 0) refused: {refusal}")
+            kind, message = refusal
+            error = getattr(errors, kind)(f"{what}: the chief (worker 0) refused: {message}")
     if error is not None:
         raise error
     return [held] if held else []
