@@ -11,28 +11,18 @@ import subprocess
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import mirrax
 from mirrax import errors
+from tests.test_parameter_server_ray import Line
 
 ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
 
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 CPUS = 3
-
-
-class Line(nnx.Module):
-    def __init__(self):
-        self.w = nnx.Param(jnp.zeros((1,)))
-        self.b = nnx.Param(jnp.zeros((1,)))
-
-    def __call__(self, x):
-        return x * self.w + self.b
 
 
 class _Records(logging.Handler):
