@@ -12,20 +12,9 @@ from flax import nnx
 import mirrax
 from mirrax import errors
 from tests.bad_inputs.case import Case
+from tests.test_scaling_report import train_step as _step
 
 _BATCH = (np.zeros((2, 3), np.float32), np.zeros(2, np.int32))
-
-
-def _step(model, optimizer, batch):
-    x, y = batch
-
-    def loss_fn(model):
-        losses = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-        return mirrax.compute_average_loss(losses)
-
-    loss, grads = mirrax.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
 
 
 @functools.cache
