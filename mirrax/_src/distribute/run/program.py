@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, exact_sums, invariant
+from mirrax._src.distribute import _compat, exact_sums, invariant, scan_carry
 from mirrax._src.distribute import sharded_optimizer
 from mirrax._src.distribute.run import captures, rebuild
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
@@ -156,19 +156,6 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
         )
     except jax.errors.UnexpectedTracerError as e:
         raise inside_transformation("a value of the step") from e
-    except TypeError as e:
-        if "carry input and carry output must have equal types" not in str(e):
-            raise
-        # A scan (an RNN layer) whose initial carry is the same on every replica (zeros)
-        # returns a per-replica one, which JAX's scan refuses inside shard_map.
-        raise errors.UnsupportedArgumentError(
-            f"strategy.run: {fn_name(spec.fn)} runs a lax.scan (e.g. a recurrent layer: Keras's "
-            "LSTM / GRU / SimpleRNN, flax.nnx.RNN) whose initial carry is the same on every "
-            "replica but whose new carry differs per replica, which JAX's scan refuses under "
-            "the replica mesh. Start the scan from a per-replica carry (computed from the "
-            "batch, e.g. zeros_like of a slice of it, or jax.lax.pcast(carry, "
-            "mirrax.REPLICA_AXIS, to='varying')), or unroll the loop (Keras: the layer's unroll=True)."
-        ) from e
     varying, same_state = found["varying"], found["same_state"]
     # The probe saw each replica's block of a sharded array: compare blocks with blocks.
     blocks = specs or (None,) * len(state_leaves)
@@ -256,7 +243,9 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     if spec.captured:  # the function reaching the merged objects instead of the caller's
         fn = rebuild.substitute(fn, spec.fn_node, tuple(nodes[i] for i in spec.captured))
     try:
-        with replica_context_scope(ctx):
+        # A scan whose carry starts replica-invariant but turns per-replica (an RNN) is
+        # made to start varying (scan_carry.py).
+        with replica_context_scope(ctx), scan_carry.varying_carries():
             if spec.fn_node is None:
                 outputs = fn(*args, **kwargs)
             elif spec.fn_node is spec.fn:

@@ -1,0 +1,131 @@
+"""Recurrent layers and `jax.lax.scan` under the strategy (mirrax/_src/distribute/scan_carry.py).
+
+A scan whose initial carry is the same on every replica (zeros) but whose new carry differs per
+replica (it adds the batch) runs unchanged: the runtime marks that carry per-replica. Results on
+1, 2 and 4 replicas agree; gradients through the carry stay the global sum.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from keras import layers
+
+import mirrax
+from tests.conftest import mirrored
+
+
+def _rows(strategy, x):
+    return next(iter(strategy.experimental_distribute_dataset([x])))
+
+
+@pytest.mark.parametrize("unroll", [1, True])
+def test_a_scan_from_zeros_over_the_batch_sums_each_replicas_rows(unroll):
+    strategy = mirrored(2)
+    x = np.arange(8, dtype=np.float32)  # replica 0 holds rows 0..3, replica 1 rows 4..7
+
+    def step(rows, w):
+        def final(w):
+            # carry' = w * carry + row, from 0: c4 = w^3 a + w^2 b + w c + d
+            carry, _ = jax.lax.scan(lambda c, r: (w * c + r, None), jnp.zeros(()), rows,
+                                    unroll=unroll)
+            return carry
+        return final(w), jax.grad(final)(w)
+
+    carry, grad = strategy.run(step, args=(_rows(strategy, x), jnp.float32(1.0)))
+    # At w = 1: 0+1+2+3 = 6 and 4+5+6+7 = 22.
+    assert [float(v) for v in carry.values] == [6.0, 22.0]
+    # dc4/dw at w = 1 is 3a + 2b + c: 0+2+2 = 4 and 12+10+6 = 28; w is the same on every
+    # replica, so its gradient is their sum, 32 (the carry's pcast transposes to a psum).
+    assert isinstance(grad, mirrax.Mirrored) and float(grad.values[0]) == 32.0
+
+
+def _series(n=16, steps=5):
+    t = np.linspace(0, 4 * np.pi, n * steps + 1, dtype=np.float32)
+    x = np.stack([np.sin(t[:-1]), np.cos(t[:-1])], -1).reshape(n, steps, 2)
+    return x, np.sin(t[steps::steps])[:, None].astype(np.float32)
+
+
+_KERAS_STACKS = {
+    "lstm": lambda: [layers.LSTM(4)],
+    "gru_simple_bidirectional": lambda: [
+        layers.GRU(4, return_sequences=True), layers.SimpleRNN(3, return_sequences=True),
+        layers.Bidirectional(layers.LSTM(3, return_sequences=True)), layers.Flatten()],
+}
+
+
+def _keras_fit(strategy, stack):
+    x, y = _series()
+    keras.utils.set_random_seed(0)
+    with strategy.scope(), jax.numpy_rank_promotion("allow"):
+        model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), *_KERAS_STACKS[stack](),
+                                               layers.Dense(1)]))
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("stack, replicas", [("lstm", (1, 2, 4)),
+                                             ("gru_simple_bidirectional", (1, 4))])
+def test_keras_recurrent_layers_fit_alike_on_1_2_and_4_replicas(stack, replicas):
+    one, *others = [_keras_fit(mirrored(r), stack) for r in replicas]
+    for weights in others:
+        assert len(weights) == len(one)
+        for a, b in zip(weights, one):
+            # 1e-6: the gradients' cross-replica sum adds the same terms in another order.
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+class _Forecaster(nnx.Module):
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.OptimizedLSTMCell(2, 4, rngs=rngs))
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.rnn(x)[:, -1])
+
+
+def _nnx_loop(strategy):
+    x, y = _series()
+    with strategy.scope():
+        model = _Forecaster(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def step(model, optimizer, batch):
+        xb, yb = batch
+        loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
+            jnp.mean((m(xb) - yb) ** 2, axis=-1), global_batch_size=8)
+        loss, grads = mirrax.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    for batch in strategy.experimental_distribute_dataset([(x[:8], y[:8]), (x[8:], y[8:])]):
+        strategy.run(step, args=(model, optimizer, batch))
+    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_an_nnx_rnn_trains_alike_on_1_2_and_4_replicas():
+    one, *others = [_nnx_loop(mirrored(r)) for r in (1, 2, 4)]
+    for params in others:
+        for a, b in zip(params, one):
+            np.testing.assert_allclose(a, b, atol=1e-6)  # 1e-6: float sums in another order
+
+
+def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replicas():
+    x, y = _series()
+    results = []
+    for strategy in (mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=4),
+                     mirrax.MirroredStrategy(jax.devices()[:4], replica_invariant=True,
+                                             micro_batches=4)):
+        keras.utils.set_random_seed(0)
+        with strategy.scope(), jax.numpy_rank_promotion("allow"):
+            model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), layers.LSTM(4),
+                                                   layers.Dense(1)]))
+            model.compile(optimizer="adam", loss="mse")
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
