@@ -43,6 +43,21 @@ def test_a_scan_from_zeros_over_the_batch_sums_each_replicas_rows(unroll):
     assert isinstance(grad, mirrax.Mirrored) and float(grad.values[0]) == 32.0
 
 
+def test_fori_loop_and_while_loop_from_zeros_over_the_batch_run_too():
+    strategy = mirrored(2)
+    x = np.arange(8, dtype=np.float32)  # replica 0 holds rows 0..3, replica 1 rows 4..7
+
+    def step(rows):
+        fori = jax.lax.fori_loop(0, 4, lambda i, c: c + rows[i], jnp.zeros(()))
+        total, _ = jax.lax.while_loop(lambda c: c[1] < 4, lambda c: (c[0] + rows[c[1]], c[1] + 1),
+                                      (jnp.zeros(()), 0))
+        return fori, total
+
+    fori, total = strategy.run(step, args=(_rows(strategy, x),))
+    # 0+1+2+3 = 6 and 4+5+6+7 = 22, both ways; the counter stays the same on every replica.
+    assert [float(v) for v in fori.values] == [float(v) for v in total.values] == [6.0, 22.0]
+
+
 def _series(n=16, steps=5):
     t = np.linspace(0, 4 * np.pi, n * steps + 1, dtype=np.float32)
     x = np.stack([np.sin(t[:-1]), np.cos(t[:-1])], -1).reshape(n, steps, 2)

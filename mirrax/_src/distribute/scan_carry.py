@@ -2,8 +2,9 @@
 every replica (zeros) but whose new carry differs per replica (it adds the batch).
 
 JAX's scan refuses such a carry inside `shard_map` ("carry input and carry output must have
-equal types"). While a replica function is traced, `varying_carries()` puts a wrapper in place of
-`jax.lax.scan` (which Keras's JAX backend and flax's `nnx.scan` / `nnx.RNN` call by attribute):
+equal types"), as do `fori_loop` and `while_loop`. While a replica function is traced,
+`varying_carries()` puts wrappers in place of `jax.lax.scan`, `fori_loop` and `while_loop`
+(Keras's JAX backend and flax's `nnx.scan` / `nnx.RNN` call `jax.lax.scan` by attribute):
 it runs the user's call as it is, and only on that exact error marks the initial carry's leaves
 that the body makes varying as varying too (`pcast` / `pvary`, no data movement; its transpose
 is a psum, so gradients through the carry stay the global sum), then calls scan again.
@@ -23,6 +24,8 @@ _CARRY_ERROR = "carry input and carry output must have equal types"
 _lock = threading.Lock()
 _depth = 0
 _original_scan = jax.lax.scan
+_original_fori_loop = jax.lax.fori_loop
+_original_while_loop = jax.lax.while_loop
 
 
 def _axes(x) -> frozenset:
@@ -39,16 +42,14 @@ def _vary(x, axes):
     return x
 
 
-def _varying_init(f, init, xs):
-    """`init` with each leaf made varying along the axes the body's new carry varies along,
-    repeated until the carry's types are stable (a leaf may vary only after another does)."""
+def _varying_init(step, init):
+    """`init` with each leaf made varying along the axes `step(carry)` (the body's new carry)
+    varies along, repeated until the carry's types are stable (a leaf may vary only after
+    another does); None where the body's carry does not match `init`'s structure."""
     leaves, treedef = jax.tree.flatten(init)
     for _ in range(len(leaves) + 1):
         carry = jax.tree.unflatten(treedef, leaves)
-        new = jax.eval_shape(
-            lambda c, xs: f(c, None if xs is None else jax.tree.map(lambda a: a[0], xs))[0],
-            carry, xs)
-        new_leaves = jax.tree.leaves(new)
+        new_leaves = jax.tree.leaves(jax.eval_shape(step, carry))
         if len(new_leaves) != len(leaves):
             return None
         grown = [_axes(n) - _axes(x) for x, n in zip(leaves, new_leaves)]
@@ -58,32 +59,56 @@ def _varying_init(f, init, xs):
     return None
 
 
-@functools.wraps(_original_scan)
-def _scan(f, init, xs=None, *args, **kwargs):
+def _retrying(call, init, step):
+    """`call(init)`, or on JAX's carry type error `call` of the carry made varying."""
     try:
-        return _original_scan(f, init, xs, *args, **kwargs)
+        return call(init)
     except TypeError as e:
         if _CARRY_ERROR not in str(e):
             raise
-        carry = _varying_init(f, init, xs)
+        carry = _varying_init(step, init)
         if carry is None:
             raise
-    return _original_scan(f, carry, xs, *args, **kwargs)
+    return call(carry)
+
+
+@functools.wraps(_original_scan)
+def _scan(f, init, xs=None, *args, **kwargs):
+    first = lambda xs: None if xs is None else jax.tree.map(lambda a: a[0], xs)  # noqa: E731
+    return _retrying(lambda c: _original_scan(f, c, xs, *args, **kwargs), init,
+                     lambda c: f(c, first(xs))[0])
+
+
+@functools.wraps(_original_fori_loop)
+def _fori_loop(lower, upper, body_fun, init_val, **kwargs):
+    return _retrying(lambda c: _original_fori_loop(lower, upper, body_fun, c, **kwargs),
+                     init_val, lambda c: body_fun(lower, c))
+
+
+@functools.wraps(_original_while_loop)
+def _while_loop(cond_fun, body_fun, init_val):
+    return _retrying(lambda c: _original_while_loop(cond_fun, body_fun, c), init_val, body_fun)
+
+
+_WRAPPED = {"scan": (_original_scan, _scan), "fori_loop": (_original_fori_loop, _fori_loop),
+            "while_loop": (_original_while_loop, _while_loop)}
 
 
 @contextlib.contextmanager
 def varying_carries():
-    """Within: `jax.lax.scan` accepts a replica-invariant initial carry whose new carry is
+    """Within: `jax.lax.scan` (and `fori_loop`, `while_loop`) accepts a replica-invariant initial carry whose new carry is
     per-replica (see the module's docstring). Restored on exit; nests."""
     global _depth
     with _lock:
         _depth += 1
         if _depth == 1:
-            jax.lax.scan = _scan
+            for name, (_, wrapper) in _WRAPPED.items():
+                setattr(jax.lax, name, wrapper)
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                jax.lax.scan = _original_scan
+                for name, (original, _) in _WRAPPED.items():
+                    setattr(jax.lax, name, original)
