@@ -43,7 +43,8 @@ def test_several_thresholds_log_one_scalar_per_threshold(make, tmp_path):
     model = _model(make())
     path = tmp_path / "log.csv"
     history = model.fit(X, Y, batch_size=4, epochs=1, verbose=0, validation_data=(X, Y),
-                        callbacks=[mirrax.callbacks.CSVLogger(str(path))])
+                        callbacks=[mirrax.callbacks.CSVLogger(str(path)),
+                                   mirrax.callbacks.EarlyStopping(monitor="val_precision_0.6")])
     assert set(history.history) - {"learning_rate"} == {
         "loss", *EXPECTED, "val_loss", *(f"val_{key}" for key in EXPECTED)}
     for key, value in EXPECTED.items():
@@ -56,6 +57,20 @@ def test_several_thresholds_log_one_scalar_per_threshold(make, tmp_path):
     assert {k: logs[k] for k in EXPECTED} == pytest.approx(EXPECTED)
     assert model.metrics_names == ["loss", "precision_0.3", "precision_0.6"]
     assert len(model.evaluate(X, Y, batch_size=4, verbose=0)) == 3  # loss, then one per threshold
+
+
+def test_the_progress_bar_shows_each_threshold(capsys):
+    _model(mirrax.metrics.Precision(thresholds=[0.3, 0.6])).fit(X, Y, batch_size=4, verbose=2)
+    out = capsys.readouterr().out
+    assert "precision_0.3: 0.6667" in out and "precision_0.6: 0.5000" in out
+
+
+def test_several_thresholds_under_a_mirrored_strategy():
+    with mirrax.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = _model(mirrax.metrics.Precision(thresholds=[0.3, 0.6]))
+    # Each replica counts 2 rows; the summed counts give the single-device values above.
+    logs = model.evaluate(X, Y, batch_size=4, verbose=0, return_dict=True)
+    assert {k: logs[k] for k in EXPECTED} == pytest.approx(EXPECTED)
 
 
 def test_one_threshold_in_a_list_keeps_the_plain_name():
