@@ -57,6 +57,13 @@ def _empty():
     yield
 
 
+class _PairMetric(mirrax.metrics.Mean):
+    """A user's metric whose result() is a vector of 2, which the logs cannot hold."""
+
+    def result(self):
+        return np.stack([super().result()] * 2)
+
+
 def _fixed_rate_fit(env, callback):
     _model(env, optimizer=optax.adam(1e-3)).fit(X, Y, verbose=0, callbacks=[callback])
 
@@ -408,6 +415,9 @@ CASES = [
          errors.InvalidArgumentError, ("class_id must be >= 0", "class_id=-1")),
     Case("Precision(thresholds='a')", lambda env: mirrax.metrics.Precision(thresholds="a"),
          errors.InvalidArgumentError, ("thresholds must be a float", "'a'")),
+    Case("compile(metrics=[a metric whose result() has shape (2,)])",
+         lambda env: _compile(env, optimizer="sgd", metrics=[_PairMetric(name="pair")]),
+         errors.InvalidArgumentError, ("'pair' (_PairMetric)", "shape (2,)", "Return a scalar")),
     Case("AUC(num_thresholds=1)", lambda env: mirrax.metrics.AUC(num_thresholds=1),
          errors.InvalidArgumentError, ("num_thresholds must be an integer > 1", "1")),
     Case("BinaryAccuracy(threshold='x')", lambda env: mirrax.metrics.BinaryAccuracy(threshold="x"),

@@ -112,6 +112,7 @@ class ModelInput:
         # or a jax error from inside the compiled step.
         self.num_classes = None
         self._signatures: set = set()
+        self.py_dataset = None  # a keras.utils.PyDataset given as x: read by index (_PyDatasetPass)
         if isinstance(x, input_lib.DatasetCreator):  # as Keras: distributed from the function
             x = strategy.distribute_datasets_from_function(x, options=x.input_options)
         if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
@@ -231,6 +232,8 @@ class ModelInput:
                                                                       self.num_classes)
         self.source = x
         self._stream = None
+        if dataset_batches.is_py_dataset(x):
+            self.py_dataset = x
 
     def close(self):
         """Ends the pass kept open across epochs (its prefetching, if any)."""
@@ -294,8 +297,9 @@ class ModelInput:
                 iterator = iter(self.strategy.experimental_distribute_dataset(
                     _ArrayBatches(self, order)))
         else:
+            source = self.source if self.py_dataset is None else _PyDatasetPass(self)
             iterator = iter(self.strategy.experimental_distribute_dataset(
-                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
+                _NormalizedBatches(source, self.inputs_only, self.class_weight,
                                    self.num_classes)))
         count = 0
         try:
@@ -417,3 +421,29 @@ class _NormalizedBatches:
                     raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") \
                         from None
             yield batch
+
+
+class _PyDatasetPass:
+    """One pass over a `keras.utils.PyDataset`, as Keras 3's PyDatasetAdapter: batches by index,
+    0 .. num_batches - 1, or a permutation of them when `fit(shuffle=True)` (drawn from the
+    compiled model's RNG, seeded at compile, where Keras draws from Python's `random`); the
+    dataset's `on_epoch_begin()` before and `on_epoch_end()` after. Batches are read in the
+    caller's thread: the PyDataset's `workers`, `use_multiprocessing` and `max_queue_size` are
+    accepted and not used. `num_batches` None is an endless dataset (needs steps_per_epoch)."""
+
+    def __init__(self, data: ModelInput):
+        self.data = data
+
+    def __iter__(self):
+        dataset, shuffle = self.data.py_dataset, self.data.shuffle and self.data.rng is not None
+        count = dataset.num_batches
+        if count is None:
+            order = itertools.count()
+        else:
+            order = self.data.rng.permutation(count) if shuffle else range(count)
+        dataset.on_epoch_begin()
+        try:
+            for index in order:
+                yield dataset[int(index)]
+        finally:
+            dataset.on_epoch_end()

@@ -134,6 +134,13 @@ def _as_tuple_hints(keys) -> tuple[str, str]:
     return f"({x}, b[{label!r}])", f"fit({arrays}, ds[{label!r}][:], batch_size=B)"
 
 
+def is_py_dataset(x) -> bool:
+    """Whether `x` is a `keras.utils.PyDataset` (`keras.utils.Sequence` is its alias), asked of
+    its classes' names so that Keras is not imported."""
+    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras.")
+               for c in type(x).__mro__)
+
+
 def not_x_y_error(batch, where: str = "each batch of a dataset") -> errors.InvalidBatchError:
     """The error for a fit/evaluate batch that is not (x, y) or (x, y, sample_weight).
 

@@ -17,6 +17,7 @@ from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import data_adapter
+from mirrax._src.training import metric_registry
 from mirrax._src.training import steps as steps_lib
 
 
@@ -324,12 +325,19 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
     if any(isinstance(c, callbacks_lib.LambdaCallback)
            or not type(c).__module__.startswith("mirrax.") for c in callbacks):
         return None
-    keys = ["loss"] + list(compiled.metric_names)
+    keys = metric_keys(model, compiled)
     if validation:
         keys += [f"val_{key}" for key in keys]
     if model.optimizer.has_learning_rate:
         keys.append("learning_rate")
     return keys
+
+
+def metric_keys(model, compiled) -> list:
+    """["loss", <metric log keys>...]: one per metric, one per threshold of a several-threshold
+    Precision / Recall (`metric_registry.log_names`)."""
+    return ["loss"] + [key for name, metric in zip(compiled.metric_names, model.metrics)
+                       for key in metric_registry.log_names(name, metric)]
 
 
 def evaluate_loop(model, compiled, data, steps, cbs, what):
@@ -394,10 +402,11 @@ def reset_metrics(model, compiled):
 
 
 def logs_of(model, compiled) -> dict:
-    """{"loss": ..., <metric>: ...} as Python floats (reading them waits for the last step)."""
+    """{"loss": ..., <metric>: ...} as Python floats (reading them waits for the last step); a
+    several-threshold Precision / Recall gives one entry per threshold (`metric_registry.log_names`)."""
     logs = {"loss": float(compiled.tracker.result())}
     for name, metric in zip(compiled.metric_names, model.metrics):
-        logs[name] = float(metric.result())
+        logs.update(metric_registry.log_values(name, metric))
     return logs
 
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 
-
+from mirrax import errors
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training.losses import InvalidIdentifierError
 
@@ -98,3 +99,60 @@ def _accuracy_for(loss, name: str) -> metrics_lib.Metric:
     if isinstance(loss, losses_lib.SparseCategoricalCrossentropy):
         return metrics_lib.SparseCategoricalAccuracy(name=name)
     return metrics_lib.MeanMetricWrapper(metrics_lib.accuracy_by_shape, name=name)
+
+
+def per_threshold(metric) -> bool:
+    """Whether `metric` is a Precision / Recall of several thresholds, whose `result()` is a
+    vector (as Keras 3's) that the logs hold as one scalar per threshold."""
+    return isinstance(metric, (confusion.Precision, confusion.Recall)) and len(metric.thresholds) > 1
+
+
+def log_names(name: str, metric) -> list:
+    """The log keys of one metric: `name`, or `<name>_<threshold>` per threshold of a
+    several-threshold Precision / Recall ("precision_0.3", "precision_0.6"; the threshold as
+    Python's repr of the float), where Keras 3 logs one vector under `name`."""
+    if not per_threshold(metric):
+        return [name]
+    return [f"{name}_{threshold!r}" for threshold in metric.thresholds]
+
+
+def log_values(name: str, metric) -> dict:
+    """{log key: Python float} of one metric (reading it waits for the last step).
+
+    Raises:
+      InvalidArgumentError: the result is not a scalar (and not a per-threshold vector).
+    """
+    value = np.asarray(metric.result())
+    names = log_names(name, metric)
+    if value.shape != ((len(names),) if per_threshold(metric) else ()):
+        raise _not_scalar(name, metric, value.shape)
+    return dict(zip(names, (float(v) for v in value.reshape(-1))))
+
+
+def checked_scalar(names: list, metrics) -> list:
+    """`names`, having refused at compile a metric whose `result()` (read from its initial state) is not a
+    scalar, so that no epoch trains before its value cannot be logged. A metric whose result
+    cannot be read before an update is checked when it is first logged.
+
+    Raises:
+      InvalidArgumentError: naming the metric and its result's shape.
+    """
+    for name, metric in zip(names, metrics):
+        if per_threshold(metric):
+            continue
+        try:
+            shape = np.shape(metric.result())
+        except Exception:  # noqa: BLE001 - read again (and refused) at the first log
+            continue
+        if shape != ():
+            raise _not_scalar(name, metric, shape)
+    return names
+
+
+def _not_scalar(name, metric, shape):
+    return errors.InvalidArgumentError(
+        f"Metric {name!r} ({type(metric).__name__}): result() has shape {tuple(shape)}, but the "
+        "logs (History, the progress bar, CSVLogger, TensorBoard, EarlyStopping) hold one "
+        "scalar per metric. Return a scalar from result() (for example its mean), or pass one "
+        "metric per value."
+    )

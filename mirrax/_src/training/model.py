@@ -178,8 +178,9 @@ class Model(model_glue.KerasGlue):
         self.metrics = plain + weighted
         weighted_flags = (False,) * len(plain) + (True,) * len(weighted)
         self.dtype_policy = mixed_precision.global_policy()
+        names = metric_registry.checked_scalar(checks.metric_names(plain, weighted), self.metrics)
         compiled = steps_lib.compiled_state(
-            self.loss, loss_scale, self.dtype_policy, checks.metric_names(plain, weighted),
+            self.loss, loss_scale, self.dtype_policy, names,
             weighted_flags, self.dtype_policy.uses_loss_scaling and auto_scale_loss,
             self.distribute_strategy.replica_invariant)
         # New step functions at every compile: they key strategy.run's program cache, so a
@@ -407,7 +408,7 @@ class Model(model_glue.KerasGlue):
     @property
     def metrics_names(self) -> list:
         """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
-        return [] if self._compiled is None else ["loss"] + list(self._compiled.metric_names)
+        return [] if self._compiled is None else loops.metric_keys(self, self._compiled)
 
     def make_train_function(self):
         """`train_function(batch)`: one step of `fit` on a distributed batch ((x, y) or (x, y,
