@@ -15,6 +15,7 @@ import pytest
 import mirrax.examples.custom_training_loop
 import mirrax.examples.keras_fit
 import mirrax.examples.keras_model
+import mirrax.examples.time_series_lstm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,8 @@ def test_the_lstm_example_forecasts_the_sine_over_two_devices(tmp_path):
 
 @pytest.mark.parametrize("module", [mirrax.examples.keras_fit,
                                     mirrax.examples.custom_training_loop,
-                                    mirrax.examples.keras_model])
+                                    mirrax.examples.keras_model,
+                                    mirrax.examples.time_series_lstm])
 def test_mirrax_train_runs_the_files_of_examples(module):
     # mirrax.examples is the examples/ folder, installed with the package (pyproject.toml):
     # the command cannot drift from the programs users read.
