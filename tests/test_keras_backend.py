@@ -15,8 +15,9 @@ from mirrax._src import keras_backend
 
 def test_import_mirrax_then_keras_without_keras_backend_gives_keras_on_jax(tmp_path):
     pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")
-    # Keras's own default, written as a fresh `import keras` writes it: "tensorflow", which is
-    # not installed here. Before: ModuleNotFoundError: No module named 'tensorflow'.
+    # Keras's own default, written as a fresh `import keras` writes it: "tensorflow" (installed
+    # by the test extra on x86_64 Python 3.11 only). Before, without TensorFlow:
+    # ModuleNotFoundError: No module named 'tensorflow'; with it, Keras on TensorFlow.
     (tmp_path / "keras.json").write_text('{"backend": "tensorflow"}')
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     env.update(KERAS_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
