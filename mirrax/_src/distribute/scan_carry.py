@@ -96,8 +96,8 @@ _WRAPPED = {"scan": (_original_scan, _scan), "fori_loop": (_original_fori_loop, 
 
 @contextlib.contextmanager
 def varying_carries():
-    """Within: `jax.lax.scan` (and `fori_loop`, `while_loop`) accepts a replica-invariant initial carry whose new carry is
-    per-replica (see the module's docstring). Restored on exit; nests."""
+    """Within: `jax.lax.scan` (and `fori_loop`, `while_loop`) accepts a replica-invariant initial
+    carry whose new carry is per-replica (see the module's docstring). Restored on exit; nests."""
     global _depth
     with _lock:
         _depth += 1
