@@ -168,3 +168,18 @@ def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alik
         np.testing.assert_allclose(a, b, atol=1e-6)
     np.testing.assert_allclose(p4, p1, atol=1e-6)
     np.testing.assert_allclose(loss4, loss1, atol=1e-6)
+
+
+def test_an_lstm_fits_k_steps_per_execution_as_one_at_a_time():
+    x, y = _series()
+    results = []
+    for k in (1, 2):
+        keras.utils.set_random_seed(0)
+        with mirrored(4).scope(), jax.numpy_rank_promotion("allow"):
+            model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), layers.LSTM(4),
+                                                   layers.Dense(1)]))
+            model.compile(optimizer="adam", loss="mse", steps_per_execution=k)
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)  # the same steps in the same order: k only groups them
