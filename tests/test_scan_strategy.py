@@ -72,15 +72,19 @@ _KERAS_STACKS = {
 }
 
 
-def _keras_fit(strategy, stack):
+def _keras_fitted(strategy, stack="lstm", batch_size=8, epochs=2, **compile_kwargs):
     x, y = _series()
     keras.utils.set_random_seed(0)
     with strategy.scope(), jax.numpy_rank_promotion("allow"):
         model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), *_KERAS_STACKS[stack](),
                                                layers.Dense(1)]))
-        model.compile(optimizer="adam", loss="mse")
-        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return model.get_weights()
+        model.compile(optimizer="adam", loss="mse", **compile_kwargs)
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _keras_fit(strategy, stack):
+    return _keras_fitted(strategy, stack).get_weights()
 
 
 @pytest.mark.parametrize("stack, replicas", [("lstm", (1, 2, 4)),
@@ -130,18 +134,9 @@ def test_an_nnx_rnn_trains_alike_on_1_2_and_4_replicas():
 
 
 def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replicas():
-    x, y = _series()
-    results = []
-    for strategy in (mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=4),
-                     mirrax.MirroredStrategy(jax.devices()[:4], replica_invariant=True,
-                                             micro_batches=4)):
-        keras.utils.set_random_seed(0)
-        with strategy.scope(), jax.numpy_rank_promotion("allow"):
-            model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), layers.LSTM(4),
-                                                   layers.Dense(1)]))
-            model.compile(optimizer="adam", loss="mse")
-            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        results.append(model.get_weights())
+    results = [_keras_fit(strategy, "lstm") for strategy in (
+        mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=4),
+        mirrax.MirroredStrategy(jax.devices()[:4], replica_invariant=True, micro_batches=4))]
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 
@@ -151,15 +146,11 @@ def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alik
     results = []
     for strategy in (mirrored(1), mirrax.MirroredStrategy(jax.devices()[:4],
                                                           shard_optimizer_state=True)):
-        keras.utils.set_random_seed(0)
-        with strategy.scope(), jax.numpy_rank_promotion("allow"):
-            model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), layers.LSTM(4),
-                                                   layers.Dense(1)]))
-            model.compile(optimizer="adam", loss="mse")
-            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        model = _keras_fitted(strategy)
+        with jax.numpy_rank_promotion("allow"):
             # 6 rows at a batch of 4: a padded, masked last batch on 4 replicas (1,1,0,0).
-            results.append((model.get_weights(), model.evaluate(x[:6], y[:6], batch_size=4,
-                                                                verbose=0),
+            results.append((model.get_weights(),
+                            model.evaluate(x[:6], y[:6], batch_size=4, verbose=0),
                             model.predict(x[:6], batch_size=4, verbose=0)))
     (w1, loss1, p1), (w4, loss4, p4) = results
     assert p4.shape == p1.shape == (6, 1)
@@ -171,15 +162,7 @@ def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alik
 
 
 def test_an_lstm_fits_k_steps_per_execution_as_one_at_a_time():
-    x, y = _series()
-    results = []
-    for k in (1, 2):
-        keras.utils.set_random_seed(0)
-        with mirrored(4).scope(), jax.numpy_rank_promotion("allow"):
-            model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), layers.LSTM(4),
-                                                   layers.Dense(1)]))
-            model.compile(optimizer="adam", loss="mse", steps_per_execution=k)
-            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-        results.append(model.get_weights())
+    results = [_keras_fitted(mirrored(4), batch_size=4, epochs=1,
+                             steps_per_execution=k).get_weights() for k in (1, 2)]
     for a, b in zip(*results):
         assert np.array_equal(a, b)  # the same steps in the same order: k only groups them
