@@ -398,3 +398,21 @@ def test_a_mid_epoch_backup_past_the_new_epochs_end_restarts_that_epoch(tmp_path
     # 4 steps before the interruption, then 1 + 1 after it.
     assert model.optimizer.iterations == 6
     assert len(history.history["loss"]) == 2 and all(v > 0 for v in history.history["loss"])
+
+
+def test_model_checkpoint_into_a_directory_that_cannot_be_made_is_refused_before_any_step(
+        tmp_path):
+    # "blocker" is a regular file, so the directory blocker/ckpt cannot be created: refused at
+    # the start of fit (not after an epoch of training), naming the path and the OS's reason.
+    (tmp_path / "blocker").write_text("x")
+    model = make_model()
+    path = str(tmp_path / "blocker" / "ckpt" / "weights.{epoch:02d}")
+    with pytest.raises(mirrax.errors.CheckpointWriteError,
+                       match=r"ModelCheckpoint: cannot write the saves of filepath=.*blocker/ckpt/"
+                             r"weights\.\{epoch:02d\}': the directory .*blocker/ckpt' cannot be "
+                             r"created or written \((NotADirectoryError|FileExistsError)"):
+        model.fit(X, Y, batch_size=1, epochs=2, verbose=0,
+                  callbacks=[ModelCheckpoint(path, save_weights_only=True)])
+    assert model.optimizer.iterations == 0
+    assert (tmp_path / "blocker").read_text() == "x"
+    assert os.listdir(tmp_path) == ["blocker"]  # no probe file left behind

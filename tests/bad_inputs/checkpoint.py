@@ -267,6 +267,12 @@ CASES = [
          lambda env: _model_checkpoint_save(env, "m", {"foo": 1.0}, monitor="foo",
                                             save_best_only=True),
          errors.InvalidArgumentError, ("monitor='foo' with mode='auto'", "Pass mode='max'")),
+    Case("ModelCheckpoint into a directory under a regular file",
+         lambda env: (_write(env.tmp_path / "file", b"x"),
+                      _model_checkpoint_save(env, "file/ckpt/m-{epoch}", {"loss": 1.0})),
+         errors.CheckpointWriteError,
+         ("ModelCheckpoint: cannot write the saves of filepath=", "cannot be created or written",
+          "Pass a filepath in a writable directory")),
     # -- BackupAndRestore -----------------------------------------------------------------------
     Case("BackupAndRestore(backup_dir='')",
          lambda env: BackupAndRestore(""), errors.InvalidArgumentError,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import warnings
 from typing import Optional
 
@@ -18,6 +19,28 @@ from mirrax._src.training.callbacks.backup_and_restore import (
 )
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
+
+
+def check_writable_directory(owner: str, filepath: str) -> None:
+    """Creates the directory of `filepath`'s fixed part (before any `{field}`) and writes a
+    probe file in it, so a path that cannot be written fails before the first step.
+
+    Raises:
+      CheckpointWriteError: naming the path, the directory and the OS's reason.
+    """
+    literal = filepath.split("{", 1)[0]
+    directory = os.path.dirname(os.path.abspath(literal)) or os.sep
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".mirrax-write-probe-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        raise errors.CheckpointWriteError(
+            f"{owner}: cannot write the saves of filepath={filepath!r}: the directory "
+            f"{directory!r} cannot be created or written ({type(error).__name__}: "
+            f"{error.strerror or error}). Pass a filepath in a writable directory."
+        ) from error
 
 
 class ModelCheckpoint(Callback):
@@ -133,7 +156,11 @@ class ModelCheckpoint(Callback):
           InvalidArgumentError: `save_best_only` with epoch saves and a `monitor` that fit will
             not log (e.g. the default "val_loss" without validation data): nothing would ever
             be saved (Keras warns at every epoch end instead).
+          CheckpointWriteError: the chief cannot create or write the directory the saves go
+            to, so the first save would fail after an epoch of training.
         """
+        if is_chief():
+            check_writable_directory("ModelCheckpoint", self.filepath)
         if self.save_best_only and self.save_freq == "epoch":
             _monitor.check_monitor_is_logged("ModelCheckpoint", self.monitor, self.params)
         if self.save_best_only and self.monitor_op is None:
