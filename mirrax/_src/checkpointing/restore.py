@@ -62,13 +62,17 @@ def _stored_layout(part, stored: dict) -> tuple:
     return old, lambda restored: renamed(restored, back)
 
 
-def _keras_hint(part) -> str:
-    if part.aliases is None:
+def _keras_hint(part, lines: list) -> str:
+    """Why a Keras model's variables may not be found, when some are not."""
+    if part.aliases is None or not any(line.endswith(("is missing from the checkpoint",
+                                                      "is in the checkpoint but not in the model"))
+                                       for line in lines):
         return ""
-    return (f" ({part.item} is a Keras model's: its variables are keyed by their Keras paths, "
-            "e.g. variables/dense/kernel; a checkpoint keyed by position, variables/0, ..., as "
-            "mirrax wrote them before, restores only into the model that wrote it, the same "
-            "layers in the same order: build that model, restore, then save again)")
+    return (f" ({part.item} holds a Keras model's variables, keyed by their Keras paths, e.g. "
+            "variables/dense/kernel; the same model built again in the process matches despite "
+            "Keras's renumbered layer names, and a checkpoint keyed by position, variables/0, "
+            "..., as mirrax wrote them before, restores only into the model that wrote it, the "
+            "same layers in the same order: build that model, restore, then save again)")
 
 
 def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool) -> dict:
@@ -82,7 +86,7 @@ def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool
         layouts[part.item] = _stored_layout(part, stored)
         lines = _mismatches(layouts[part.item][0], stored[part.item])
         problems += [f"{part.item}{line}" for line in lines]
-        hints += _keras_hint(part) if lines else ""
+        hints += _keras_hint(part, lines)
     if problems:
         raise errors.IncompatibleCheckpointError(
             f"{what}: the checkpoint at {path} does not fit the tracked objects; "
