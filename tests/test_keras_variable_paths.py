@@ -258,3 +258,25 @@ def test_renumbered_names_match_by_rank_not_by_text():
     assert checkpoint_aliases(keys, (False, False), stored[:1]) is None  # one variable short
     assert checkpoint_aliases(keys, (False, False), [("variables", "0"), ("variables", "1")])(
         keys and ("variables",) + keys[1]) == ("variables", "1")
+
+
+def test_layer_names_of_digits_or_dots_save_and_load(tmp_path):
+    keras_model = keras.Sequential([keras.Input((4,)), layers.Dense(4, name="0"),
+                                    layers.Dense(4, name="a.b")], name="s")
+    model = mirrax.Model(keras_model)
+    assert model.module.names == ("s/0/kernel", "s/0/bias", "s/a.b/kernel", "s/a.b/bias")
+    model.save_weights(str(tmp_path / "weights"))
+    again = mirrax.Model(keras.models.clone_model(keras_model))
+    again.load_weights(str(tmp_path / "weights"))
+    for ours, theirs in zip(again.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_an_nnx_module_with_a_sequence_still_restores_its_integer_keys(tmp_path):
+    # The restore maps Orbax's string keys back to the state's own: ints for nnx.List.
+    module = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 1, rngs=nnx.Rngs(1)))
+    mirrax.Checkpoint(net=module).write(str(tmp_path / "ckpt"))
+    other = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(2)), nnx.Linear(2, 1, rngs=nnx.Rngs(3)))
+    mirrax.Checkpoint(net=other).read(str(tmp_path / "ckpt")).assert_consumed()
+    np.testing.assert_array_equal(other.layers[1].kernel.get_value(),
+                                  module.layers[1].kernel.get_value())

@@ -39,6 +39,16 @@ def _str_keys(tree):
     return tree
 
 
+def _keys_like(tree, template):
+    """Orbax's string keys back as the state's own: ints where NNX indexes a sequence, strings
+    elsewhere (a Keras layer named "0" stays "0")."""
+    if not isinstance(tree, dict) or not isinstance(template, dict):
+        return tree
+    own = {str(key): key for key in template}
+    return {own.get(key, key): _keys_like(value, template.get(own.get(key, key)))
+            for key, value in tree.items()}
+
+
 def flat_dict(tree, prefix: tuple = ()) -> dict:
     """{path: leaf} of nested dicts (string keys); anything else, an empty dict too, is a leaf."""
     if not isinstance(tree, dict) or not tree:
@@ -74,7 +84,7 @@ def nnx_part(item: str, obj) -> Part:
     """An NNX object (module, optimizer, metric) stored as its pure-dict state."""
     def set_(restored):
         state = nnx.state(obj)
-        nnx.replace_by_pure_dict(state, nnx.restore_int_paths(restored))
+        nnx.replace_by_pure_dict(state, _keys_like(restored, nnx.to_pure_dict(state)))
         nnx.update(obj, state)
 
     def get():
