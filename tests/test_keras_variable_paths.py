@@ -280,3 +280,18 @@ def test_an_nnx_module_with_a_sequence_still_restores_its_integer_keys(tmp_path)
     mirrax.Checkpoint(net=other).read(str(tmp_path / "ckpt")).assert_consumed()
     np.testing.assert_array_equal(other.layers[1].kernel.get_value(),
                                   module.layers[1].kernel.get_value())
+
+
+def test_backup_and_restore_resumes_from_a_backup_keyed_by_position(tmp_path):
+    model = _compiled(_keras_net())
+    old, optimizer = _old_checkpoint(tmp_path, model)
+    backup = mirrax.Checkpoint(model=_OldModel(old, optimizer), epoch=1, step=0)
+    mirrax.CheckpointManager(backup, str(tmp_path / "backup"), max_to_keep=2).save()
+    seen = {}
+    record = mirrax.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: seen.setdefault(epoch, model.get_weights()))
+    model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+              callbacks=[mirrax.callbacks.BackupAndRestore(str(tmp_path / "backup")), record])
+    assert list(seen) == [1]  # the backup's epoch 1 resumes; epoch 0 is not run again
+    # get_weights() leaves out the seed state (variable 6): variables 0-5, 7, 8 hold i + 1.
+    assert [float(np.asarray(w).flat[0]) for w in seen[1]] == [1, 2, 3, 4, 5, 6, 8, 9]
