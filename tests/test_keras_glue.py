@@ -94,7 +94,7 @@ def test_a_pickled_keras_optimizer_is_built_again_and_steps_as_the_original():
     for use_update in (False, True):
         strategy.run(_penalty_step, args=(module, copy, batch, use_update))
     # As the original's two steps above: w = 0.9, then 0.72; two updates counted.
-    np.testing.assert_allclose(np.asarray(module.variables[0].get_value()),
+    np.testing.assert_allclose(np.asarray(module.variable_list[0].get_value()),
                                np.full((2, 1), 0.72), rtol=1e-6)
     assert int(copy.iterations) == 2 and copy.keras_optimizer.built
 

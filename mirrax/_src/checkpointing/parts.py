@@ -4,7 +4,9 @@ part's tree as Orbax writes and reads it.
 An NNX object is stored as its pure-dict state (integer keys as strings, as Orbax requires), a
 plain value as {"value": ...}, an object of mirrax's checkpoint protocol as what it names; a
 typed PRNG key array as its uint32 key data, re-wrapped on restore with the key implementation
-the target holds.
+the target holds. A part can also say where a checkpoint keyed otherwise holds its leaves
+(`aliases`: a Keras model's variables keyed by position, as mirrax once wrote them, or by the
+same model's earlier auto-numbered Keras names).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from mirrax._src.parameter_server import store as parameter_servers
 class Part:
     """One Orbax item: how to read a tracked object's state and how to write it back."""
 
-    def __init__(self, item: str, get, set_, check=None):
+    def __init__(self, item: str, get, set_, check=None, aliases=None):
         self.item = item
         self.get = get  # () -> pytree of arrays (the current state, on its current placement)
         self.set = set_  # (restored pytree) -> None
         self.check = check  # () -> None; raises ValueError if the object cannot take a restore
+        # ({item: stored tree}) -> None, or a function from a leaf's path (tuple of str keys)
+        # to the path that checkpoint holds it under (None: the same path)
+        self.aliases = aliases
 
 
 def _str_keys(tree):
@@ -34,18 +39,59 @@ def _str_keys(tree):
     return tree
 
 
+def _keys_like(tree, template):
+    """Orbax's string keys back as the state's own: ints where NNX indexes a sequence, strings
+    elsewhere (a Keras layer named "0" stays "0")."""
+    if not isinstance(tree, dict) or not isinstance(template, dict):
+        return tree
+    own = {str(key): key for key in template}
+    return {own.get(key, key): _keys_like(value, template.get(own.get(key, key)))
+            for key, value in tree.items()}
+
+
+def flat_dict(tree, prefix: tuple = ()) -> dict:
+    """{path: leaf} of nested dicts (string keys); anything else, an empty dict too, is a leaf."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    return {path: leaf for key, value in tree.items()
+            for path, leaf in flat_dict(value, prefix + (key,)).items()}
+
+
+def renamed(tree, rename: dict):
+    """`tree` (nested dicts) with each leaf moved from its path p to rename.get(p, p)."""
+    out: dict = {}
+    for path, leaf in flat_dict(tree).items():
+        path = rename.get(path, path)
+        if not path:
+            return leaf
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def module_aliases(module, item: str):
+    """A Part's `aliases` from a module's `checkpoint_aliases` (a Keras model's), given the
+    stored module state of `item`; None for a module without it."""
+    find = getattr(module, "checkpoint_aliases", None)
+    if not callable(find):
+        return None
+    return lambda stored: find(list(flat_dict(stored[item]))) if item in stored else None
+
+
 def nnx_part(item: str, obj) -> Part:
     """An NNX object (module, optimizer, metric) stored as its pure-dict state."""
     def set_(restored):
         state = nnx.state(obj)
-        nnx.replace_by_pure_dict(state, nnx.restore_int_paths(restored))
+        nnx.replace_by_pure_dict(state, _keys_like(restored, nnx.to_pure_dict(state)))
         nnx.update(obj, state)
 
     def get():
         parameter_servers.refresh_if_held(obj)  # a ParameterServerStrategy's values are remote
         return _str_keys(nnx.to_pure_dict(nnx.state(obj)))
 
-    return Part(item, get, set_)
+    return Part(item, get, set_, aliases=module_aliases(obj, item))
 
 
 def _value_part(item: str, objects: dict, name: str) -> Part:
@@ -83,8 +129,13 @@ def tracked_parts(objects: dict, name: str, obj) -> list:
     """
     children = getattr(obj, "checkpoint_children", None)
     if callable(children):
-        return [part for key, child in children().items()
-                for part in tracked_parts(objects, f"{name}.{key}", child)]
+        parts = [part for key, child in children().items()
+                 for part in tracked_parts(objects, f"{name}.{key}", child)]
+        # A Keras model's variables key the optimizer's state too: both follow the module's.
+        aliases = module_aliases(getattr(obj, "module", None), f"{name}.module")
+        for part in parts:
+            part.aliases = part.aliases or aliases
+        return parts
     if isinstance(obj, nnx.Variable):
         return [Part(name, lambda: {"value": obj.get_value()},
                      lambda restored: obj.set_value(restored["value"]))]

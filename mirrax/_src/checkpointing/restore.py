@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from mirrax import errors
 from mirrax._src.checkpointing.directory import SAVE_COUNTER, checkpointer
 from mirrax._src.checkpointing.orbax_quiet import ignore_closed_loop_callbacks, quiet_orbax
-from mirrax._src.checkpointing.parts import abstract, as_arrays, unstorable
+from mirrax._src.checkpointing.parts import abstract, as_arrays, flat_dict, renamed, unstorable
 
 
 def _mismatches(current: dict, stored: dict) -> list:
@@ -42,27 +42,63 @@ def _mismatches(current: dict, stored: dict) -> list:
     return out
 
 
+def _stored_layout(part, stored: dict) -> tuple:
+    """(the part's state laid out as the checkpoint `stored` ({item: tree}) holds it, the
+    function that lays a restored tree out as the part's): the part's own paths, or, when only
+    they do not fit, the paths its `aliases` name (a Keras model's variables keyed by position,
+    or by the same model's earlier Keras names)."""
+    current = as_arrays(part.get())
+    alias = None
+    if part.aliases is not None and _mismatches(current, stored[part.item]):
+        alias = part.aliases(stored)
+    if alias is None:
+        return current, lambda restored: restored
+    rename = {path: alias(path) for path in flat_dict(current)}
+    rename = {new: old for new, old in rename.items() if old is not None}
+    old = renamed(current, rename)
+    if _mismatches(old, stored[part.item]):
+        return current, lambda restored: restored
+    back = {old_path: new for new, old_path in rename.items()}
+    return old, lambda restored: renamed(restored, back)
+
+
+def _keras_hint(part, lines: list) -> str:
+    """Why a Keras model's variables may not be found, when some are not."""
+    if part.aliases is None or not any(line.endswith(("is missing from the checkpoint",
+                                                      "is in the checkpoint but not in the model"))
+                                       for line in lines):
+        return ""
+    return (f" ({part.item} holds a Keras model's variables, keyed by their Keras paths, e.g. "
+            "variables/dense/kernel; the same model built again in the process matches despite "
+            "Keras's renumbered layer names, and a checkpoint keyed by position, variables/0, "
+            "..., as mirrax wrote them before, restores only into the model that wrote it, the "
+            "same layers in the same order: build that model, restore, then save again)")
+
+
 def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool) -> dict:
     """Reads the stored items of `parts` into them (all or nothing); returns what was read.
 
     Raises IncompatibleCheckpointError before changing anything if a part does not fit, and
     InvalidCheckpointError if an array file cannot be read.
     """
-    problems = []
+    problems, hints, layouts = [], "", {}
     for part in parts:
-        for line in _mismatches(as_arrays(part.get()), stored[part.item]):
-            problems.append(f"{part.item}{line}")
+        layouts[part.item] = _stored_layout(part, stored)
+        lines = _mismatches(layouts[part.item][0], stored[part.item])
+        problems += [f"{part.item}{line}" for line in lines]
+        hints += _keras_hint(part, lines)
     if problems:
         raise errors.IncompatibleCheckpointError(
             f"{what}: the checkpoint at {path} does not fit the tracked objects; "
             + "; ".join(problems[:20])
             + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
-            + ". Restore a checkpoint saved from objects with the same structure and dtypes."
+            + ". Restore a checkpoint saved from objects with the same structure and dtypes"
+            + hints + "."
         )
     for part in parts:
         if part.check is not None:
             part.check()
-    targets = {part.item: ocp.args.StandardRestore(abstract(as_arrays(part.get()))) for part in parts}
+    targets = {part.item: ocp.args.StandardRestore(abstract(layouts[part.item][0])) for part in parts}
     if counter:
         targets[SAVE_COUNTER] = ocp.args.StandardRestore({"value": np.asarray(0, np.int64)})
     if not targets:
@@ -80,7 +116,7 @@ def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool
     # Parts with a check first: their set can still fail (an iterator fast-forwarding past the
     # end of its dataset), and must fail before any other object is changed.
     for part in sorted(parts, key=lambda part: part.check is None):
-        part.set(unstorable(restored[part.item], part.get()))
+        part.set(unstorable(layouts[part.item][1](restored[part.item]), part.get()))
     return restored
 
 

@@ -8,7 +8,8 @@ replicas), float non-trainable variables (BatchNormalization's moving statistics
 becomes a PRNG key plus a draw count, so every replica draws its own dropout mask and every
 step a new one. Keras's own losses (`add_loss`, kernel/activity regularizers) come back from
 `call_with_losses`, which the training step adds once to the global loss; a custom loop reads
-them as Keras's list, `module.losses`, beside `module.trainable_variables`.
+them as Keras's list, `module.losses`, beside `module.trainable_variables`. The variables are
+keyed by their Keras paths (`keras_names`), so the optimizer's state and checkpoints are too.
 
 Keras is imported only when a Keras model is given; it is the optional extra `mirrax[keras]`.
 """
@@ -26,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.training import keras_names
 
 _SEED_STATE_NAME = "seed_generator_state"
 
@@ -88,6 +90,18 @@ def _warn_if_own_steps(keras_model) -> None:
             "instead (docs/training.md, 'Keras 3 models').", UserWarning, stacklevel=4)
 
 
+def _put(tree: dict, keys: tuple, value) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def _get(tree: dict, keys: tuple):
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
 class KerasSeedKey(nnx.RngKey):
     """The PRNG key of a Keras `SeedGenerator` (its state at wrapping, uint32 of shape (2,)).
 
@@ -120,12 +134,15 @@ class KerasModule(nnx.Module):
 
     Attributes:
       keras_model: the Keras model (its own variables are written by `write_to_keras`).
-      variables: one NNX variable per Keras variable, in `keras_model.variables` order, so
-        `mirrax.Model.get_weights()` lists them as `keras_model.get_weights()` does (seed
-        states, as Keras's, left out): trainable ones as `nnx.Param`, float non-trainable
-        ones as `nnx.BatchStat`, other non-trainable ones as `nnx.Variable`, seed states as
-        `KerasSeedKey` (with their draw counts in `seed_counts`).
-      paths: the Keras variables' paths (e.g. "sequential/dense/kernel"), in the same order.
+      variables: one NNX variable per Keras variable, in nested dicts keyed by the segments
+        of its Keras path (`variables["sequential"]["dense"]["kernel"]`, made unique by
+        `keras_names.state_keys`): trainable ones as `nnx.Param`, float non-trainable ones as
+        `nnx.BatchStat`, other non-trainable ones as `nnx.Variable`, seed states as
+        `KerasSeedKey` (with their draw counts in `seed_counts`, keyed the same way).
+        `variable_list` lists them in `keras_model.variables` order, `weights()` in
+        `keras_model.get_weights()` order.
+      paths: the Keras variables' paths (e.g. "sequential/dense/kernel"), in
+        `keras_model.variables` order; `names` the same made unique ("/".join of the keys).
       deterministic: False under `module.train()` (Keras's `training=True`: dropout on, batch
         statistics from the batch), True under `module.eval()` (the default, as Keras's
         `training=None` outside fit).
@@ -142,6 +159,10 @@ class KerasModule(nnx.Module):
         everything = list(keras_model.variables)
         position = {id(v): i for i, v in enumerate(everything)}
         self.paths = nnx.static(tuple(v.path for v in everything))
+        keys = keras_names.state_keys(self.paths)
+        self.keys = nnx.static(keys)
+        self.names = nnx.static(tuple("/".join(key) for key in keys))
+        self.weight_index = nnx.static(tuple(position[id(v)] for v in keras_model.weights))
         self.trainable_index = nnx.static(tuple(position[id(v)] for v in keras_model.trainable_variables))
         self.non_trainable_index = nnx.static(
             tuple(position[id(v)] for v in keras_model.non_trainable_variables))
@@ -150,20 +171,49 @@ class KerasModule(nnx.Module):
                       for i, v in enumerate(everything))
         self.is_seed = nnx.static(seeds)
         # Copies: Keras's own fit / predict donate the buffers of its variables.
-        self.variables = nnx.List([
-            nnx.Param(_copy(v)) if i in trainable
-            else KerasSeedKey(_copy(v)) if seeds[i]
-            else _non_trainable_variable(_copy(v))
-            for i, v in enumerate(everything)])
-        # The count advances by what Keras adds per draw, the same on every replica; JAX still
-        # types it as varying (it is read off the replica's folded key), hence replica 0's.
-        self.seed_counts = nnx.List([
-            KerasSeedCount(jnp.zeros((), jnp.uint32), aggregation="only_first_replica")
-            for seed in seeds if seed])
+        variables, counts = {}, {}
+        for i, v in enumerate(everything):
+            _put(variables, keys[i], nnx.Param(_copy(v)) if i in trainable
+                 else KerasSeedKey(_copy(v)) if seeds[i] else _non_trainable_variable(_copy(v)))
+            # The count advances by what Keras adds per draw, the same on every replica; JAX
+            # still types it as varying (it is read off the replica's folded key), hence
+            # replica 0's.
+            if seeds[i]:
+                _put(counts, keys[i], KerasSeedCount(jnp.zeros((), jnp.uint32),
+                                                     aggregation="only_first_replica"))
+        self.variables = nnx.data(variables)
+        self.seed_counts = nnx.data(counts)
         # As Keras's trainer: `training` goes only to a call that takes it.
         self.takes_training = nnx.static("training" in inspect.signature(keras_model.call).parameters)
         self.deterministic = True
         _KERAS_VALUES[self] = tuple(v.value for v in everything)
+
+    @property
+    def variable_list(self) -> list:
+        """The NNX variables in `keras_model.variables` order (seed states included)."""
+        return [_get(self.variables, key) for key in self.keys]
+
+    def _counts(self) -> list:
+        """The seed states' draw counts, in `keras_model.variables` order."""
+        return [_get(self.seed_counts, key) for key, seed in zip(self.keys, self.is_seed) if seed]
+
+    def weights(self) -> list:
+        """(name, NNX variable) of each of `keras_model.weights`, in its order (that of
+        `keras_model.get_weights()`: seed states left out); the name is the Keras path
+        ("dense/kernel"), made unique as the state's keys are (`keras_names.state_keys`)."""
+        return [(self.names[i], _get(self.variables, self.keys[i])) for i in self.weight_index]
+
+    def state_path(self, index: int) -> tuple:
+        """The NNX state path of the Keras variable at `index` in `keras_model.variables`:
+        ("variables", *its path's segments), e.g. ("variables", "dense", "kernel")."""
+        return ("variables",) + self.keys[index]
+
+    def checkpoint_aliases(self, stored_paths):
+        """How a checkpoint not keyed by this module's paths holds each variable (keyed by
+        position, or by the same model's earlier Keras names): a function from a state path to
+        the stored one, or None (`keras_names.checkpoint_aliases`; `stored_paths`: the paths of
+        the stored module state)."""
+        return keras_names.checkpoint_aliases(self.keys, self.is_seed, stored_paths)
 
     def _split_now(self) -> tuple[tuple, tuple]:
         """(positions of the trainable variables, of the others), in Keras's orders, now."""
@@ -195,19 +245,19 @@ class KerasModule(nnx.Module):
             return
         self.trainable_index = nnx.static(trainable)
         self.non_trainable_index = nnx.static(non_trainable)
-        for i, variable in enumerate(self.variables):
+        for i, variable in enumerate(self.variable_list):
             if self.is_seed[i]:
                 continue
             value = variable.get_value()
             if i in trainable and not isinstance(variable, nnx.Param):
-                self.variables[i] = nnx.Param(value)
+                _put(self.variables, self.keys[i], nnx.Param(value))
             elif i not in trainable and isinstance(variable, nnx.Param):
-                self.variables[i] = _non_trainable_variable(value)
+                _put(self.variables, self.keys[i], _non_trainable_variable(value))
 
     def _values(self) -> list:
         """Every variable's value as Keras sees it (a seed state advanced by its count)."""
-        values, counts = [], iter(self.seed_counts)
-        for variable, seed in zip(self.variables, self.is_seed):
+        values, counts = [], iter(self._counts())
+        for variable, seed in zip(self.variable_list, self.is_seed):
             value = variable.get_value()
             if seed:
                 # Keras advances a seed state by adding to its second word.
@@ -222,10 +272,10 @@ class KerasModule(nnx.Module):
 
         The non-trainable variables (moving statistics, seed states) are updated in place.
         """
-        if len(self.keras_model.variables) != len(self.variables):
+        if len(self.keras_model.variables) != len(self.keys):
             raise errors.InvalidArgumentError(
                 f"mirrax.Model: the Keras model {self.keras_model.name!r} had "
-                f"{len(self.variables)} variables when it was wrapped and has "
+                f"{len(self.keys)} variables when it was wrapped and has "
                 f"{len(self.keras_model.variables)} now: a layer made its variables later, at "
                 "its first call. Call the model once on a batch (keras_model(x[:1])) before "
                 "mirrax.Model(keras_model)."
@@ -244,12 +294,12 @@ class KerasModule(nnx.Module):
                 [values[i] for i in trainable], given, *args,
                 return_losses=True, **kwargs)
         seed_positions = [i for i, seed in enumerate(self.is_seed) if seed]
-        counts = dict(zip(seed_positions, self.seed_counts))
+        counts = dict(zip(seed_positions, self._counts()))
         for i, old, new in zip(non_trainable, given, new_values):
             if i in counts:
                 counts[i].set_value(counts[i].get_value() + (jnp.asarray(new)[1] - old[1]))
             else:
-                variable = self.variables[i]
+                variable = _get(self.variables, self.keys[i])
                 variable.set_value(jnp.asarray(new, variable.get_value().dtype))
         # Keras lists the weight regularizers' losses last (`Layer.losses`).
         _LAST_CALL_LOSSES[self] = list(losses[:len(losses) - len(self._regularized())])
@@ -282,7 +332,7 @@ class KerasModule(nnx.Module):
         """The `nnx.Param`s of the Keras model's trainable variables, in
         `keras_model.trainable_variables`' order (as of the last compile or wrapping); what
         `nnx.grad` differentiates and `mirrax.KerasOptimizer.apply_gradients` takes."""
-        return [self.variables[i] for i in self.trainable_index]
+        return [_get(self.variables, self.keys[i]) for i in self.trainable_index]
 
     def __call__(self, *args, **kwargs):
         """The Keras model's outputs on `args` (its own losses dropped; see `call_with_losses`)."""
@@ -307,8 +357,8 @@ class KerasModule(nnx.Module):
         now = tuple(v.value for v in self.keras_model.variables)
         if seen is None or len(now) != len(seen):
             return  # a copy inside a step, or a model that grew (call_with_losses refuses it)
-        counts = iter(self.seed_counts)
-        for variable, seed, old, new in zip(self.variables, self.is_seed, seen, now):
+        counts = iter(self._counts())
+        for variable, seed, old, new in zip(self.variable_list, self.is_seed, seen, now):
             count = next(counts) if seed else None
             if new is old:
                 continue

@@ -178,12 +178,12 @@ class KerasOptimizer(nnx.Pytree):
         """
         module = _keras_module(model, "KerasOptimizer.update")
         flat = {path: _value(leaf) for path, leaf in nnx.to_flat_state(grads)}
-        missing = [i for i in self.trainable_index if ("variables", i) not in flat]
+        missing = [i for i in self.trainable_index if module.state_path(i) not in flat]
         if missing or module.trainable_index != self.trainable_index:
             raise errors.InvalidArgumentError(
                 f"KerasOptimizer.update: the gradients hold no entry for the trainable "
                 f"variables {missing} (or the model's trainable variables changed since the "
                 "optimizer was made); differentiate the module itself: "
                 "grads = nnx.grad(loss_fn)(model).")
-        self._apply([flat[("variables", i)] for i in self.trainable_index],
+        self._apply([flat[module.state_path(i)] for i in self.trainable_index],
                     module.trainable_variables)

@@ -483,12 +483,10 @@ class Model(model_glue.KerasGlue):
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None):
-        """Prints the module's variables: path, type, shape and count (as `keras.Model.summary`).
-
-        Keras 3's arguments: line_length (characters; default the longest path's), print_fn
-        (default `print`), show_trainable (`nnx.Param`s are), expand_nested (accepted: all are
-        listed). Raises InvalidArgumentTypeError for a bad type, UnsupportedArgumentError for
-        positions or layer_range (not supported)."""
+        """A Keras model: `keras_model.summary(...)` (Keras's table, all its arguments). An NNX
+        module: its variables' path, type, shape and count, with line_length, print_fn,
+        show_trainable (`nnx.Param`s are), expand_nested (accepted: all are listed); positions
+        and layer_range raise UnsupportedArgumentError, a bad type InvalidArgumentTypeError."""
         weights_lib.print_summary(self.module, line_length, positions, print_fn,
                                   expand_nested, show_trainable, layer_range)
 

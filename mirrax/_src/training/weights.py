@@ -1,5 +1,5 @@
 """The module's weights for `Model`: the Keras-ordered list `get_weights` / `set_weights` use,
-and the table `summary` prints."""
+with the names TensorBoard's histograms take, and what `summary` prints."""
 
 from __future__ import annotations
 
@@ -10,11 +10,27 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.training import arguments as checks
+from mirrax._src.training import keras_models
 
 
 def module_weights(module) -> list:
-    """(path, variable) of every variable but PRNG state, in `nnx.state`'s order."""
-    return list(nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState))))
+    """(name, variable) of every weight: for a Keras model, each of `keras_model.weights` named
+    by its Keras path ("dense/kernel"), in `keras_model.get_weights()` order; for an NNX
+    module, every variable but PRNG state named by its state path ("linear.kernel"), in
+    `nnx.state`'s order."""
+    if isinstance(module, keras_models.KerasModule):
+        return module.weights()
+    return [(".".join(map(str, path)), variable) for path, variable
+            in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState)))]
+
+
+def histogram_tags(module) -> list:
+    """TensorBoard's tag for each weight's histogram, in `get_weights()` order: as Keras's own
+    callback tags them for a Keras model (its path + "/histogram": "dense/kernel/histogram"),
+    "weight_<i>/histogram" for an NNX module."""
+    if isinstance(module, keras_models.KerasModule):
+        return [f"{name.replace(':', '_')}/histogram" for name, _ in module.weights()]
+    return [f"weight_{i}/histogram" for i in range(len(module_weights(module)))]
 
 
 def set_weights(module, weights) -> None:
@@ -31,7 +47,7 @@ def set_weights(module, weights) -> None:
             f"set_weights: the model has {len(variables)} variables but {len(weights)} "
             "arrays were given; pass a list from model.get_weights()."
         )
-    paths = [".".join(map(str, path)) for path, _ in named]
+    paths = [name for name, _ in named]
     for index, (variable, value) in enumerate(zip(variables, weights)):
         old = variable.get_value()
         if tuple(np.shape(value)) != tuple(old.shape):
@@ -51,6 +67,13 @@ def print_summary(module, line_length, positions, print_fn, expand_nested, show_
             f"summary: print_fn must be a function of one str (e.g. print); received "
             f"{type(print_fn).__name__} {print_fn!r}."
         )
+    keras_model = module.keras_model if isinstance(module, keras_models.KerasModule) else None
+    if callable(getattr(keras_model, "summary", None)):
+        # Keras's own table (layers, output shapes, parameter counts) with Keras's arguments.
+        keras_model.summary(line_length=line_length, positions=positions, print_fn=print_fn,
+                            expand_nested=expand_nested, show_trainable=show_trainable,
+                            layer_range=layer_range)
+        return
     for name, value in (("positions", positions), ("layer_range", layer_range)):
         if value is not None:
             raise errors.UnsupportedArgumentError(
@@ -63,11 +86,13 @@ def print_summary(module, line_length, positions, print_fn, expand_nested, show_
                                allow_none=True)
     print_fn = print_fn or print
     rows, total = [], 0
-    for path, variable in nnx.to_flat_state(nnx.state(module)):
+    named = (module_weights(module) if keras_model is not None else
+             [(".".join(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(module))])
+    for name, variable in named:
         value = variable.get_value()
         size = int(np.prod(np.shape(value)))
         total += size
-        rows.append((".".join(map(str, path)), type(variable).__name__, str(np.shape(value)), size,
+        rows.append((name, type(variable).__name__, str(np.shape(value)), size,
                      "yes" if isinstance(variable, nnx.Param) else "no"))
     # The fixed columns take 40 characters (11 + 17 + 10 + separators), 10 more with
     # show_trainable.

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.training import weights as weights_lib
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
@@ -74,7 +75,9 @@ class TensorBoard(Callback):
       training steps, at step = the global step count (1-based, across epochs); with
       `write_steps_per_second`, `batch_steps_per_second`.
     - `histogram_freq=N`: every N epochs, a histogram of each array of `model.get_weights()`,
-      tagged `weight_<i>/histogram` (i its index in `get_weights()` order).
+      tagged as Keras's callback tags it for a Keras model, `<Keras path>/histogram` (e.g.
+      `dense/kernel/histogram`), and `weight_<i>/histogram` for an NNX module (i its index in
+      `get_weights()` order).
     - `profile_batch=k` or `(start, stop)`: a JAX profiler trace (`jax.profiler`) of those
       global training steps (1-based), saved under `log_dir/train` for TensorBoard's profile
       plugin.
@@ -236,8 +239,12 @@ class TensorBoard(Callback):
                     writer.add_scalar("epoch_" + name, float(value), epoch)
         if self.histogram_freq and epoch % self.histogram_freq == 0:
             writer = self._writer("train")
-            for index, weight in enumerate(self.model.get_weights()):
-                writer.add_histogram(f"weight_{index}/histogram", np.asarray(weight), epoch)
+            weights = self.model.get_weights()
+            module = getattr(self.model, "module", None)
+            tags = (weights_lib.histogram_tags(module) if module is not None
+                    else [f"weight_{i}/histogram" for i in range(len(weights))])
+            for tag, weight in zip(tags, weights):
+                writer.add_histogram(tag, np.asarray(weight), epoch)
         for writer in self._writers.values():
             writer.flush()
 
