@@ -19,8 +19,9 @@ from mirrax._src.training import arguments as checks
 
 
 def _array_items(x) -> bool:
-    """Whether `x` is a non-empty list / tuple whose items are all arrays of rank >= 1."""
-    return isinstance(x, (list, tuple)) and bool(x) and all(
+    """Whether `x` is a non-empty list / tuple (not a namedtuple: a pytree with named fields)
+    whose items are all arrays of rank >= 1."""
+    return isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and bool(x) and all(
         batching.is_array(item) and not isinstance(item, (list, tuple))
         and len(getattr(item, "shape", ())) >= 1 for item in x)
 
