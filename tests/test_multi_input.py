@@ -81,6 +81,7 @@ def test_a_two_input_keras_model_fits_as_keras_fits_it(replicas, as_dict):
     # (a list of 2 batches would not fit it), as in Keras.
     np.testing.assert_allclose(model.predict([XA, XB], verbose=0), reference["predict"],
                                atol=1e-5)
+    np.testing.assert_allclose(model.predict_on_batch(x), reference["predict"], atol=1e-5)
 
 
 class Pair(nnx.Module):
@@ -128,6 +129,16 @@ def test_labels_as_a_list_or_dict_reach_the_loss_as_that_structure(replicas):
     np.testing.assert_array_equal(p2, X2)
 
 
+def test_torch_tensors_in_the_lists_count_as_arrays():
+    torch = pytest.importorskip("torch")
+    model = _pair_model(2)
+    as_torch = [torch.from_numpy(a) for a in (X1, X2, Y1, Y2)]
+    assert model.evaluate(as_torch[:2], as_torch[2:], batch_size=2,
+                          verbose=0) == pytest.approx(12.0)
+    # One step on the whole batch at learning rate 0: the loss of the 5 examples, 12.
+    assert model.train_on_batch(tuple(as_torch[:2]), as_torch[2:]) == pytest.approx(12.0)
+
+
 def test_validation_split_and_validation_data_carry_lists():
     model = _pair_model(2)  # learning rate 0: the loss is the data's, by hand
     # validation_split=0.4 of 5 keeps int(5 * 0.6) = 3 for training: x1 = 1, 2, 3 give
@@ -172,6 +183,18 @@ def test_five_examples_at_batch_2_over_2_replicas_keep_every_structure_aligned()
         np.testing.assert_array_equal(bw[0].stacked[:, 0], [r + 0.5 for r in want])
         np.testing.assert_array_equal(bw[1].stacked[:, 0], [r + 0.25 for r in want])
         np.testing.assert_array_equal(np.asarray(bw[1].mask)[:, 0], [True, step < 2])
+    # A dataset's (x, y, sample_weight) batches of a list, a dict and a tuple: the same.
+    dataset = [([a[:2] for a in x], {k: v[:2] for k, v in y.items()}, tuple(w[:2] for w in weights)),
+               ([a[2:] for a in x], {k: v[2:] for k, v in y.items()}, tuple(w[2:] for w in weights))]
+    data = data_adapter.ModelInput(model, strategy, dataset, None, None, None, False, "fit")
+    (bx, by, bw), (cx, cy, cw) = data.batches(prefetch=False)
+    assert isinstance(bx, list) and isinstance(by, dict) and isinstance(bw, tuple)
+    # The second batch, examples 2, 3, 4: ceil(3 / 2) = 2 rows to replica 0, 1 to replica 1,
+    # padded with a copy of the batch's first example (2), masked out.
+    np.testing.assert_array_equal(cw[1].stacked, [[2.25, 3.25], [4.25, 2.25]])
+    np.testing.assert_array_equal(np.asarray(cw[1].mask), [[True, True], [True, False]])
+    np.testing.assert_array_equal(cy["one"].stacked[:, :, 0], [[200, 300], [400, 200]])
+    np.testing.assert_array_equal(cx[1].stacked[:, :, 0], [[20, 30], [40, 20]])
     # Shuffled, every leaf of an example moves together.
     data = data_adapter.ModelInput(model, strategy, x, y, weights, 2, True, "fit",
                                    rng=np.random.default_rng(3))
