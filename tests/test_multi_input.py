@@ -129,6 +129,25 @@ def test_labels_as_a_list_or_dict_reach_the_loss_as_that_structure(replicas):
     np.testing.assert_array_equal(p2, X2)
 
 
+def test_lists_under_replica_invariant_mode_and_several_steps_per_execution():
+    # Micro-batches of 2 rows over 2 replicas (batch 4: [1..4], [5] padded); and 2 steps per
+    # call: the same 12 by hand, as the padding rows are masked in both.
+    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True,
+                                       micro_batches=2)
+    loss = lambda y, p: jnp.mean((y[0] - p[0]) ** 2, -1) + jnp.mean((y[1] - p[1]) ** 2, -1)  # noqa: E731
+    with strategy.scope():
+        invariant = mirrax.Model(Pair())
+        invariant.compile(optax.sgd(0.0), loss)
+    assert invariant.evaluate([X1, X2], [Y1, Y2], batch_size=4, verbose=0) == pytest.approx(12.0)
+    np.testing.assert_array_equal(invariant.predict([X1, X2], batch_size=4, verbose=0)[0], X1)
+    with mirrored(2).scope():
+        grouped = mirrax.Model(Pair())
+        grouped.compile(optax.sgd(0.0), loss, steps_per_execution=2)
+    assert grouped.evaluate([X1, X2], [Y1, Y2], batch_size=2, verbose=0) == pytest.approx(12.0)
+    history = grouped.fit([X1, X2], (Y1, Y2), batch_size=2, epochs=2, verbose=0).history
+    assert history["loss"] == [pytest.approx(12.0)] * 2
+
+
 def test_torch_tensors_in_the_lists_count_as_arrays():
     torch = pytest.importorskip("torch")
     model = _pair_model(2)
