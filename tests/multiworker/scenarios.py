@@ -267,10 +267,6 @@ def sharded(out_dir, index):
     return {
         "history": history.history,
         "weights": [np.asarray(w).tolist() for w in model.get_weights()],
-        "joined_history": joined_history.history,
-        "joined_weights": _weights(joined.module.inner),
-        "joined_predictions": np.asarray(joined.predict(
-            [b[:13] for b in blocks], batch_size=8, verbose=0)).tolist(),
         "custom_losses": losses,
         "custom_weights": [np.asarray(a).tolist() for a in jax.tree.leaves(nnx.state(module))],
         "mu_spec": list(mu.sharding.spec),
@@ -340,10 +336,6 @@ def invariant(out_dir, index):
         "history": history.history,
         "weights": crcs(model.module),
         "predictions": zlib.crc32(np.asarray(predictions).tobytes()),
-        "joined_history": joined_history.history,
-        "joined_weights": _weights(joined.module.inner),
-        "joined_predictions": np.asarray(joined.predict(
-            [b[:13] for b in blocks], batch_size=8, verbose=0)).tolist(),
         "custom_losses": losses,
         "custom_weights": crcs(module),
     }
