@@ -78,6 +78,14 @@ def test_fit_on_two_workers_equals_one_process_with_as_many_devices(fit_runs):
         # predict gathers every worker's replicas: all 13 rows, in order, on every worker.
         assert np.shape(worker["predictions"]) == (13, 2)
         np.testing.assert_allclose(worker["predictions"], single["predictions"], atol=1e-6)
+        # x as a list of two column blocks (several inputs) trains as the one array does (the
+        # same rows on each worker; 1e-6: XLA may fuse the join into the matmul differently).
+        for key in ("loss", "val_loss"):
+            np.testing.assert_allclose(worker["joined_history"][key], worker["history"][key],
+                                       atol=1e-6, err_msg=key)
+        for mine, reference in zip(worker["joined_weights"], worker["weights"]):
+            np.testing.assert_allclose(mine, reference, atol=1e-6)
+        np.testing.assert_allclose(worker["joined_predictions"], worker["predictions"], atol=1e-6)
 
 
 def test_custom_training_loop_on_two_workers_equals_one_process(fit_runs):

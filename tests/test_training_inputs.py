@@ -506,16 +506,15 @@ def test_text_labels_and_text_in_batches_are_refused_as_text():
     assert model.optimizer.iterations == 0
 
 
-def test_a_list_of_input_arrays_gets_the_dict_hint_first():
+def test_a_list_of_input_arrays_given_with_y_or_batch_size_is_the_models_inputs():
+    # tests/test_multi_input.py has models of two inputs; this one-input MLP is given the list
+    # of its two "inputs" as its x, and says which shapes it received (a list, not a batch).
     xa, xb = np.zeros((8, 4), np.float32), np.zeros((8, 3), np.float32)
     model = mlp_model(mirrored(2))
-    for kwargs in ({"batch_size": 4}, {}):  # before: "Remove batch_size" came first
-        with pytest.raises(errors.InvalidArgumentError, match=re.escape(
-                "fit: x is a list of 2 arrays ((8, 4), (8, 3)) given with y; Keras's list of "
-                "input arrays (one per input) is not supported") + ".*" + re.escape(
-                "pass x as a dict of arrays, e.g. {'input_0': x[0], 'input_1': x[1]}")):
+    for kwargs in ({"batch_size": 4}, {}):
+        with pytest.raises(errors.IncompatibleInputError, match=re.escape(
+                "fit: the model cannot take x of shape [(8, 4), (8, 3)]: ")):
             model.fit([xa, xb], np.zeros(8, np.int32), verbose=0, **kwargs)
-    with pytest.raises(errors.InvalidArgumentError,
-                       match=re.escape("predict: x is a tuple of 2 arrays ((8, 4), (8, 3)) "
-                                       "given with batch_size")):
+    with pytest.raises(errors.IncompatibleInputError,
+                       match=re.escape("predict: the model cannot take x of shape ((8, 4), (8, 3))")):
         model.predict((xa, xb), batch_size=4, verbose=0)

@@ -133,6 +133,21 @@ def _mlp(w1, w2):
     return MLP()
 
 
+def _Joined(inner):
+    """`inner` called on its inputs given as a list, joined along the last axis."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Joined(nnx.Module):
+        def __init__(self):
+            self.inner = inner
+
+        def __call__(self, x):
+            return self.inner(jnp.concatenate(list(x), axis=-1))
+
+    return Joined()
+
+
 def _weights(module) -> list:
     return [np.asarray(module.l1.kernel[...]).tolist(), np.asarray(module.l2.kernel[...]).tolist()]
 
@@ -156,6 +171,14 @@ def fit(out_dir, index):
                         validation_data=(x[:10], y[:10]))
     evaluation = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     predictions = model.predict(x[:13], batch_size=8, verbose=0)
+    # The same MLP given x as a list of two column blocks (several inputs) that it joins.
+    with strategy.scope():
+        joined = mirrax.Model(_Joined(_mlp(w1, w2)))
+        joined.compile(optax.adam(0.05),
+                       mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    blocks = [x[:, :1], x[:, 1:]]
+    joined_history = joined.fit(blocks, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
+                                validation_data=([b[:10] for b in blocks], y[:10]))
 
     with strategy.scope():
         module = _mlp(w1, w2)
@@ -185,6 +208,10 @@ def fit(out_dir, index):
         "weights": _weights(model.module),
         "evaluate": evaluation,
         "predictions": np.asarray(predictions).tolist(),
+        "joined_history": joined_history.history,
+        "joined_weights": _weights(joined.module.inner),
+        "joined_predictions": np.asarray(joined.predict(
+            [b[:13] for b in blocks], batch_size=8, verbose=0)).tolist(),
         "custom_losses": losses,
         "custom_weights": _weights(module),
     }

@@ -27,7 +27,7 @@ from mirrax._src.exporting.artifact import (
     FORMAT, FORMAT_VERSION, METADATA_FILE, PROGRAM_FILE, SINGLE_INPUT_VERSION, WEIGHTS_FILE,
     checked_export_path, is_complete_artifact, refuse_foreign_directory,
 )
-from mirrax._src.training import mixed_precision
+from mirrax._src.training import input_structure, mixed_precision
 from mirrax._src.training.model import Model
 from mirrax._src.training.steps import forward as _forward
 
@@ -89,7 +89,11 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
         specs = tuple(specs)  # the program's one argument after the weights: the inputs
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
     requested = _checked_platforms(platforms) if platforms is not None else _default_platforms()
-    _check_traces(forward, weight_specs, specs, input_signature, positional)
+    inputs = input_structure.keras_input_count(model_or_fn)
+    several = (f"; a Keras model with {inputs} inputs takes them as ONE list: write "
+               f"input_signature=[[spec_1, ..., spec_{inputs}]] (or a dict keyed by input name)"
+               if positional and inputs and inputs > 1 and len(input_signature) == inputs else "")
+    _check_traces(forward, weight_specs, specs, input_signature, positional, several)
     try:
         exported = jax.export.export(jax.jit(forward), platforms=requested)(weight_specs, specs)
         fallback = None
@@ -183,15 +187,17 @@ class _Positional(nnx.Module):
         return self.inner(*args)
 
 
-def _check_traces(forward, weight_specs, specs, input_signature, positional: bool) -> None:
-    """Traces the forward pass once with the signature; a failure is the signature's."""
+def _check_traces(forward, weight_specs, specs, input_signature, positional: bool,
+                  several: str = "") -> None:
+    """Traces the forward pass once with the signature; a failure is the signature's (`several`:
+    how a multi-input Keras model's signature is written, when it was given spread out)."""
     try:
         jax.eval_shape(forward, weight_specs, specs)
     except Exception as error:  # noqa: BLE001 - whatever the model raises, reported the same way
         line = str(error).strip().splitlines()[0][:400] if str(error).strip() else ""
         takes = (f"{len(input_signature)} positional input(s) (a list signature is one entry "
                  "per positional argument, as tf.function's; for one input x write [spec] "
-                 "or spec)" if positional else "one input x")
+                 f"or spec){several}" if positional else "one input x")
         hint = ("; the model reads the batch size in Python code, so give the signature a "
                 "fixed batch size" if "symbolic" in line.lower()
                 or "inconclusive" in type(error).__name__.lower() else "")

@@ -20,12 +20,14 @@ from mirrax._src.distribute.input import DistributedDataset, DistributedDatasets
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import dataset_batches
+from mirrax._src.training import input_structure
 from mirrax._src.training import losses as losses_lib
 
 
 def as_arrays(value):
     """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), or a
-    dict of them, as NumPy, so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
+    dict or list / tuple of them, as NumPy, so fit(x_tensor, y_tensor) means what
+    fit(x_array, y_array) does."""
     def convert(leaf):
         return checks.to_numpy(leaf) if hasattr(leaf, "shape") else leaf
 
@@ -33,16 +35,22 @@ def as_arrays(value):
     # type, for the error that names it.
     if isinstance(value, dict) and all(batching.is_array(leaf) for leaf in value.values()):
         return {key: convert(leaf) for key, leaf in value.items()}
+    if isinstance(value, (list, tuple)):
+        return input_structure.as_arrays(value)
     return convert(value)
 
 
 def is_arrays(x) -> bool:
-    """True for in-memory examples: an array, or a dict of arrays (a multi-input model's x).
-
-    Tuples and lists are datasets (sequences of batches), as everywhere in mirrax.
+    """True for what may be in-memory examples: an array, a dict of arrays (a multi-input
+    model's x), or a list / tuple of arrays of one length (several inputs, when
+    `input_structure.reads_as_inputs` says so: `ModelInput` decides; otherwise a list or tuple
+    is a dataset, a sequence of batches).
     """
     if isinstance(x, (np.ndarray, jax.Array)):
         return True
+    if isinstance(x, (list, tuple)):
+        return input_structure.is_array_list(x) and all(
+            isinstance(item, (np.ndarray, jax.Array)) for item in x)
     return isinstance(x, dict) and bool(x) and all(
         isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(x)
     )
@@ -74,15 +82,29 @@ def split_validation(x, y, sample_weight, fraction):
         take(x, tail), take(y, tail), take(sample_weight, tail))
 
 
+def _validation_x(data) -> bool:
+    """Whether `data[0]` is validation_data's x: an array or a dict of arrays; a list / tuple of
+    arrays only in a tuple (x_val, y_val[, w]) whose y has as many examples (a list of batches
+    [(x, y), (x, y)] stays a dataset)."""
+    x = as_arrays(data[0])
+    if not is_arrays(x):
+        return False
+    if not isinstance(x, (list, tuple)):
+        return True
+    y = as_arrays(data[1]) if len(data) > 1 else None
+    leaves = jax.tree.leaves(y) if isinstance(data, tuple) and y is not None else []
+    return bool(leaves) and np.ndim(leaves[0]) >= 1 and len(leaves[0]) == num_examples(x)
+
+
 def unpack_validation(data):
     """`validation_data` as (x, y, sample_weight); a dataset as (data, None, None).
 
     Raises:
       InvalidArgumentError: arrays given as a tuple of another length than 2 or 3.
     """
-    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and is_arrays(as_arrays(data[0])):
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and _validation_x(data):
         return data[0], data[1], data[2] if len(data) == 3 else None
-    if isinstance(data, (tuple, list)) and data and is_arrays(as_arrays(data[0])):
+    if isinstance(data, (tuple, list)) and data and _validation_x(data):
         raise errors.InvalidArgumentError(
             f"fit: validation_data as arrays must be (x_val, y_val) or (x_val, y_val, "
             f"sample_weight); received a {type(data).__name__} of {len(data)}."
@@ -134,26 +156,23 @@ class ModelInput:
         # a string array as a shape the model cannot take.
         dataset_batches.check_not_text(what, "x", x)
         dataset_batches.check_not_text(what, "y", y)
-        self.arrays = is_arrays(x)
+        self.arrays = is_arrays(x) and (not isinstance(x, (list, tuple)) or
+                                        input_structure.reads_as_inputs(x, y, batch_size, model))
         if not self.arrays:
             self._init_dataset(x, y, sample_weight, batch_size, what)
             return
         n = num_examples(x)
-        if isinstance(y, (list, tuple)):
-            y = np.asarray(y)  # labels as a Python list, as Keras accepts them
+        # Labels as a Python list, as Keras accepts them; a list of arrays: one per output.
+        y = input_structure.labels(y, n)
         if y is None and not inputs_only:
             raise errors.InvalidArgumentError(
                 f"{what}: y is required with array inputs (the labels).")
-        for name, other in (("y", y), ("sample_weight", sample_weight)):
-            if other is None:
-                continue
-            leaf = jax.tree.leaves(other)[0] if is_arrays(other) else np.asarray(other)
-            length = len(leaf) if np.ndim(leaf) else 0
-            if length != n:
-                raise errors.InvalidArgumentError(
-                    f"{what}: x has {n} examples but {name} has {length}; they must have the "
-                    "same length along axis 0."
-                )
+        lengths = {"x": x} if isinstance(x, (list, tuple)) else {}
+        if y is not None:
+            lengths["y"] = y if isinstance(y, (list, tuple, dict)) else np.asarray(y)
+        if sample_weight is not None:
+            lengths["sample_weight"] = input_structure.weights_tree(sample_weight)
+        input_structure.check_lengths(what, n, **lengths)
         if n == 0:
             raise errors.EmptyDatasetError(
                 f"{what}: x has 0 examples (shape {jax.tree.leaves(x)[0].shape}); there is "
@@ -162,7 +181,7 @@ class ModelInput:
         self.batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
         self.x, self.y = x, y
         if sample_weight is not None:
-            sample_weight = checks.check_sample_weight(what, sample_weight, n)
+            sample_weight = input_structure.sample_weights(what, sample_weight, n, y, model)
         elif class_weight is not None:
             sample_weight = dataset_batches.class_weights_of(y, class_weight)
         self.sample_weight = sample_weight
@@ -217,15 +236,23 @@ class ModelInput:
                 "or evaluate. As Keras: a generator must yield at least one batch."
             )
         dataset_batches.check_batched(what, x, first)
-        batch = dataset_batches.normalize_batch(first, self.inputs_only, self.class_weight)
-        dataset_batches.check_not_text(what, "the first batch", batch)
-        y_pred = checks.check_fits_model(self.model, self.checked, batch[0],
-                                         None if self.inputs_only else batch[1], what,
-                                         self.strategy)
+        try:
+            batch = dataset_batches.normalize_batch(first, self.inputs_only, self.class_weight)
+            dataset_batches.check_not_text(what, "the first batch", batch)
+            y_pred = checks.check_fits_model(self.model, self.checked, batch[0],
+                                             None if self.inputs_only else batch[1], what,
+                                             self.strategy)
+        except (errors.IncompatibleInputError, errors.InvalidBatchError) as error:
+            hint = input_structure.ambiguity_hint(what, x)
+            if not hint:
+                raise
+            detail = str(error).removeprefix(f"{what}: ")
+            raise type(error)(f"{hint}The first batch does not fit: {detail}") from error
         if not self.inputs_only:
             rows = len(checks.host_array(jax.tree.leaves(batch[0])[0]))
             if len(batch) == 3:
-                checks.check_sample_weight(f"{what} (the first batch)", batch[2], rows)
+                input_structure.sample_weights(f"{what} (the first batch)", batch[2], rows,
+                                               batch[1], self.model)
             if isinstance(self.model.loss, losses_lib.SparseCategoricalCrossentropy):
                 self.num_classes = y_pred.shape[-1]
                 losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),
@@ -346,9 +373,16 @@ class ModelInput:
                                         leaf.dtype)
 
         parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
-        checks.check_fits_model(self.model, self.checked, parts[0],
-                                None if self.inputs_only else parts[1],
-                                f"{self._what} (batch {index + 1})", self.strategy)
+        what = f"{self._what} (batch {index + 1})"
+        try:
+            checks.check_fits_model(self.model, self.checked, parts[0],
+                                    None if self.inputs_only else parts[1], what, self.strategy)
+        except errors.IncompatibleInputError as error:
+            hint = input_structure.ambiguity_hint(self._what, getattr(self, "source", None))
+            if not hint:
+                raise
+            raise errors.IncompatibleInputError(f"{hint}Batch {index + 1} does not fit: "
+                                                f"{str(error).removeprefix(what + ': ')}") from error
         self._signatures.add(signature)
 
     def _stream_batches(self, steps):
@@ -398,7 +432,10 @@ class _ArrayBatches:
                 yield (x,)
                 continue
             y = jax.tree.map(lambda a: np.asarray(a)[index], d.y)
-            yield (x, y) if d.sample_weight is None else (x, y, d.sample_weight[index])
+            if d.sample_weight is None:
+                yield (x, y)
+            else:
+                yield (x, y, jax.tree.map(lambda a: a[index], d.sample_weight))
 
 
 class _NormalizedBatches:

@@ -13,10 +13,22 @@ from mirrax import errors
 from mirrax._src.distribute import batching
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.training import arguments as checks
+from mirrax._src.training import input_structure
 
 
 def class_weights_of(y, table) -> np.ndarray:
-    """Per-example weights of labels `y` (ints, or one-hot / probabilities: argmax), as Keras."""
+    """Per-example weights of labels `y` (ints, or one-hot / probabilities: argmax), as Keras.
+
+    Raises:
+      InvalidArgumentError: `y` holds several outputs' labels (Keras 3 refuses that too).
+    """
+    if isinstance(y, dict) or isinstance(y, (list, tuple)) and y and all(
+            batching.is_array(item) and np.ndim(item) >= 1 for item in y):
+        raise errors.InvalidArgumentError(
+            f"fit: class_weight is only supported for a model with one output; y is a "
+            f"{type(y).__name__} of {len(y)} label arrays. Pass per-output sample_weight "
+            "instead (e.g. the class weights looked up for each output's labels)."
+        )
     y = np.asarray(y)
     if y.ndim > 1:
         y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
@@ -85,31 +97,22 @@ def check_not_text(what: str, name: str, value) -> None:
 
 
 def check_not_input_list(what: str, x, y, batch_size) -> None:
-    """Refuses a list / tuple of arrays given with labels or a batch size: Keras's list of a
-    multi-input model's input arrays (or arrays as Python lists), which mirrax reads as a
-    sequence of batches. Checked before the batch size, so the first error names the fix.
+    """Refuses a list / tuple x given with labels or a batch size that is not the model's
+    several inputs (`input_structure.reads_as_inputs`): examples as Python numbers, or arrays
+    of different lengths. Checked before the batch size, so the first error names the fix.
 
     Raises:
-      InvalidArgumentError: as above, naming the dict of arrays to pass instead.
+      InvalidArgumentError: as above, naming the arrays to pass instead.
     """
     if not isinstance(x, (list, tuple)) or not x or (y is None and batch_size is None):
         return
     if checks.python_numbers(x):
         raise errors.InvalidArgumentError(
             f"{what}: x holds Python numbers (e.g. from X.tolist()): pass the examples as "
-            "arrays, np.asarray(x) and np.asarray(y) (a list x is a sequence of batches)."
+            "arrays, np.asarray(x) and np.asarray(y) (a list x of arrays is the model's inputs "
+            "or a sequence of batches)."
         )
-    if not all(batching.is_array(item) and len(getattr(item, "shape", ())) for item in x):
-        return
-    shapes = ", ".join(str(tuple(item.shape)) for item in x[:4]) + (", ..." if len(x) > 4 else "")
-    keys = ", ".join(f"'input_{i}': x[{i}]" for i in range(min(len(x), 2)))
-    raise errors.InvalidArgumentError(
-        f"{what}: x is a {type(x).__name__} of {len(x)} arrays ({shapes}) given with "
-        f"{'y' if y is not None else 'batch_size'}; Keras's list of input arrays (one per "
-        "input) is not supported: a list or tuple x is a sequence of batches in mirrax (a "
-        "DataLoader yields lists). For a model with several inputs pass x as a dict of arrays, "
-        f"e.g. {{{keys}{', ...' if len(x) > 2 else ''}}} with the keys the module reads."
-    )
+    input_structure.check_input_lengths(what, x, y, batch_size)
 
 
 # Keys that name the labels in a dict batch (Hugging Face's "label", ...), for the hint that
@@ -219,4 +222,7 @@ def normalize_batch(batch, inputs_only: bool, class_weight=None):
         return (x, y, class_weights_of(checks.host_array(y), class_weight))
     if len(batch) == 2:
         return (x, y)
-    return (x, y, np.asarray(checks.host_array(batch[2]), np.float32))
+    weights = batch[2]
+    if not isinstance(weights, (list, tuple, dict)) or not input_structure.is_weights_tree(weights):
+        return (x, y, np.asarray(checks.host_array(weights), np.float32))
+    return (x, y, jax.tree.map(lambda w: np.asarray(checks.host_array(w), np.float32), weights))
