@@ -58,3 +58,80 @@ def test_nnx_batch_norm_on_the_padded_last_batch_steps_as_on_the_smaller_batch()
     # float32 against float32 on one device: the same sums in a masked form (1e-6).
     for got, want in zip(_leaves(model.module), _leaves(by_hand)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _hand_steps(module, x, y, batches, lr=0.1):
+    """SGD on mean squared error, one step per (start, stop) batch of real rows."""
+    optimizer = nnx.Optimizer(module, optax.sgd(lr), wrt=nnx.Param)
+    module.train()
+    for start, stop in batches:
+        grads = nnx.grad(lambda m: jnp.mean((m(x[start:stop]) - y[start:stop]) ** 2))(module)
+        optimizer.update(module, grads)
+    return module
+
+
+def test_synchronized_batch_norm_on_4_replicas_with_an_empty_one_fits_as_one_device():
+    # 13 examples at batch 8 over 4 replicas: the last batch of 5 splits 2, 2, 1, 0 (padded to
+    # 2 rows each); replica 3 holds only padding. Count-weighted statistics over the replicas
+    # are those of the whole batch, so the fit is one device's on batches of 8 and 5.
+    x, y = _data(13, seed=4)
+    module = _nnx_model(axis_name=mirrax.REPLICA_AXIS)
+    by_hand = _hand_steps(_nnx_model(), x, y, ((0, 8), (8, 13)))
+    with mirrored(4).scope():
+        model = mirrax.Model(module)
+        model.compile(optax.sgd(0.1), "mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # Sums over 4 replicas are added in another order than on one device (1e-5).
+    for got, want in zip(_leaves(model.module), _leaves(by_hand)):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _step_outputs(strategy, module, batches):
+    """Runs a BatchNorm training step (gradients of a masked loss) on each distributed batch;
+    returns the last step's outputs and gradients, gathered."""
+    def step(module, x):
+        mask = mirrax.get_replica_context().batch_mask
+
+        def loss_fn(module):
+            y = module(x)
+            return jnp.sum(jnp.where(mask[:, None], y ** 3, 0.0)), y
+
+        (_, y), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module)
+        return y, grads.scale[...]
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        y, grads = strategy.run(step, args=(module, batch))
+    return (np.concatenate([np.asarray(v) for v in strategy.experimental_local_results(y)]),
+            np.asarray(strategy.experimental_local_results(grads)[0]))
+
+
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_batch_norm_statistics_of_a_partial_batch_with_an_all_padding_replica(synchronized):
+    strategy = mirrored(4)
+    x = _data(13, seed=4)[0]
+    first, last = x[:8], x[8:]  # the last batch of 5 splits 2, 2, 1, 0 over the 4 replicas
+    # momentum 0: the moving statistics are the last batch's statistics.
+    norm = nnx.BatchNorm(3, momentum=0.0, axis_name=mirrax.REPLICA_AXIS if synchronized else None,
+                         rngs=nnx.Rngs(0))
+    with strategy.scope():
+        module = nnx.clone(norm)
+    y, grads = _step_outputs(strategy, module, [first, last])
+    assert y.shape == (5, 3) and np.isfinite(y).all() and np.isfinite(grads).all()
+    mean, var = np.asarray(module.mean[...]), np.asarray(module.var[...])
+    if synchronized:
+        # The whole real batch's statistics, and its rows normalized by them (scale 1, bias 0).
+        want_mean, want_var = last.mean(0), last.var(0)
+        np.testing.assert_allclose(y, (last - want_mean) / np.sqrt(want_var + 1e-5), rtol=1e-5,
+                                   atol=1e-5)
+    else:
+        # Each replica's own real rows ([0:2], [2:4], [4:5]); replica 3 has none and keeps the
+        # statistics it held, the first step's average over the replicas (shards of 2 rows),
+        # and the replicas' values are averaged.
+        before = [first[i:i + 2] for i in (0, 2, 4, 6)]
+        shards = [last[0:2], last[2:4], last[4:5]]
+        want_mean = (sum(s.mean(0) for s in shards) + sum(s.mean(0) for s in before) / 4) / 4
+        want_var = (sum(s.var(0) for s in shards) + sum(s.var(0) for s in before) / 4) / 4
+    # float32 sums of at most 8 rows against float64 NumPy (1e-5).
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-6)
