@@ -135,3 +135,62 @@ def test_batch_norm_statistics_of_a_partial_batch_with_an_all_padding_replica(sy
     # float32 sums of at most 8 rows against float64 NumPy (1e-5).
     np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-6)
+
+
+def _keras_pair(build, lr=0.05):
+    """A Keras model wrapped in mirrax and its clone with the same weights, compiled by Keras."""
+    model = build()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    twin.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    return model, twin
+
+
+def _keras_fit(model, x, y, batch_size):
+    # Keras's layers broadcast by rank, which this suite's rank promotion setting refuses.
+    with jax.numpy_rank_promotion("allow"):
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+
+
+def _keras_bn():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), layers.Dense(8, use_bias=False),
+                             layers.BatchNormalization(), layers.Dense(1)])
+
+
+def test_keras_batch_normalization_fits_as_keras_with_a_partial_last_batch():
+    # 500 examples at batch 64: 7 batches of 64 and one of 52 (padded to 64 rows).
+    x, y = _data(500, seed=4)
+    model, twin = _keras_pair(_keras_bn)
+    with mirrored(1).scope():
+        wrapped = mirrax.Model(model)
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    wrapped.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    _keras_fit(twin, x, y, batch_size=64)
+    # Weights, gamma, beta, moving mean and variance; float32 sums of 64 rows in a masked
+    # form against Keras's on the smaller batch (1e-5).
+    for got, want in zip(wrapped.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_keras_activity_regularizer_counts_only_the_real_rows(replicas):
+    # 10 examples at batch 4: the last batch has 2 real rows padded to 4 (1 + 1 over 2
+    # replicas). Keras divides the penalty by the rows it sees, 2 on its own fit.
+    x, y = _data(10, seed=4)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((3,)), layers.Dense(
+            4, activity_regularizer=keras.regularizers.L2(0.1)), layers.Dense(1)])
+
+    model, twin = _keras_pair(build)
+    with mirrored(replicas).scope():
+        wrapped = mirrax.Model(model)
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    wrapped.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    _keras_fit(twin, x, y, batch_size=4)
+    # One device: the same float32 arithmetic (1e-6); 2 replicas add their halves (1e-5).
+    tolerance = 1e-6 if replicas == 1 else 1e-5
+    for got, want in zip(wrapped.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)

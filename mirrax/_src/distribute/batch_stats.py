@@ -9,8 +9,8 @@ traced, `masked_batch_layers()` puts wrappers in place of `nnx.BatchNorm.__call_
 when the layer's input has the batch's rows first and the caller gave no mask of its own:
 
 - compute the batch statistics over the real rows only. Synchronized statistics
-  (`nnx.BatchNorm(axis_name=mirrax.REPLICA_AXIS)`, Keras `synchronized=True`) are
-  count-weighted: the sums and the real-row counts are added over the replicas, so replicas with
+  (`nnx.BatchNorm(axis_name=mirrax.REPLICA_AXIS)`; Keras 3 refuses `synchronized=True` on
+  JAX) are count-weighted: the sums and the real-row counts are added over the replicas, so replicas with
   different numbers of real rows (or none) give the statistics of the whole real batch;
 - leave the moving statistics of a replica whose rows are all padding unchanged (unsynchronized
   statistics of no rows are undefined; its old value then enters mirrax's MEAN of the replicas'
@@ -36,7 +36,6 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import normalization as flax_normalization
 
-from mirrax import errors
 from mirrax._src.distribute.axis import REPLICA_AXIS
 from mirrax._src.distribute.replica_context import current_replica_context
 
@@ -162,59 +161,39 @@ def _nnx_call(self, x, use_running_average=None, *, mask=None):
 
 
 def _keras_moments(original, self, inputs, mask):
-    """Keras's `_moments` over the real rows (and the Keras mask, if any), count-weighted over
-    the replicas when the layer is synchronized."""
-    active = _active.rows
-    if active is None:
+    """Keras's `_moments` over the real rows (and the Keras mask, if any): Keras's own result
+    on a full batch (selected, so the same bits as without masking)."""
+    rows = _active.rows
+    if rows is None:
         return original(self, inputs, mask)
-    rows, sync = active
     _active.used = True
     ndim = inputs.ndim
+    keep = _expand(rows, ndim)
+    if mask is not None:  # Keras's own masked moments, of the combined mask
+        return original(self, inputs, jnp.logical_and(jnp.asarray(mask, bool), keep[..., 0]))
     axes = tuple(i for i in range(ndim) if i != self.axis % ndim)
-    keep = None if rows is None else _expand(rows, ndim)
-    if mask is not None:
-        given = jnp.expand_dims(jnp.asarray(mask, bool), -1)
-        keep = given if keep is None else jnp.logical_and(given, keep)
-    if not sync:
-        if mask is not None:  # Keras's own masked moments, of the combined mask
-            return original(self, inputs, keep[..., 0])
-        count = jnp.maximum(_count(keep, inputs.shape, axes, inputs.dtype, True), 1)
-        mean = _masked_sum(inputs, keep, axes, True) / count
-        var = _masked_sum(jnp.square(inputs - mean), keep, axes, True) / count
-        # Keras's own result on a full batch (selected: the same bits as without masking).
-        full = jnp.all(rows)
-        return tuple(jnp.where(full, u, jnp.squeeze(m, axes))
-                     for u, m in zip(original(self, inputs, None), (mean, var)))
-    if keep is None:
-        keep = jnp.ones((1,) * ndim, bool)
-    psum = functools.partial(jax.lax.psum, axis_name=REPLICA_AXIS)
-    count = jnp.maximum(psum(_count(keep, inputs.shape, axes, inputs.dtype, True)), 1)
-    mean = psum(_masked_sum(inputs, keep, axes, True)) / count
-    var = psum(_masked_sum(jnp.square(inputs - mean), keep, axes, True)) / count
-    return jnp.squeeze(mean, axes), jnp.squeeze(var, axes)
+    count = jnp.maximum(_count(keep, inputs.shape, axes, inputs.dtype, True), 1)
+    mean = _masked_sum(inputs, keep, axes, True) / count
+    var = _masked_sum(jnp.square(inputs - mean), keep, axes, True) / count
+    full = jnp.all(rows)
+    return tuple(jnp.where(full, u, jnp.squeeze(m, axes))
+                 for u, m in zip(original(self, inputs, None), (mean, var)))
 
 
 def _keras_call(original, self, inputs, training=None, mask=None):
-    ctx = current_replica_context()
-    sync = bool(self.synchronized) and ctx is not None and ctx.traced
+    # Keras 3 refuses synchronized=True on the JAX backend (at construction).
     rows = _rows_of(inputs)
-    if (rows is None and not sync) or not jnp.ndim(inputs) or self.axis % jnp.ndim(inputs) == 0:
+    if rows is None or self.axis % jnp.ndim(inputs) == 0:
         return original(self, inputs, training, mask)
-    if sync and ctx.strategy.replica_invariant:
-        raise errors.UnsupportedArgumentError(
-            f"Keras BatchNormalization {self.name!r} has synchronized=True, which "
-            "replica_invariant=True does not support (its statistics would span micro-batches "
-            "of other replicas, so the result would depend on the replica count). Use "
-            "synchronized=False, or a strategy with replica_invariant=False.")
     old = self.moving_mean.value, self.moving_variance.value
     saved = _active.rows, _active.used
-    _active.rows, _active.used = (rows, sync), False
+    _active.rows, _active.used = rows, False
     try:
         outputs = original(self, inputs, training, mask)
         used = _active.used
     finally:
         _active.rows, _active.used = saved
-    if used and not sync and rows is not None:
+    if used:
         real = jnp.any(rows)
         self.moving_mean.assign(jnp.where(real, self.moving_mean.value, old[0]))
         self.moving_variance.assign(jnp.where(real, self.moving_variance.value, old[1]))
