@@ -10,17 +10,19 @@ when the layer's input has the batch's rows first and the caller gave no mask of
 
 - compute the batch statistics over the real rows only. Synchronized statistics
   (`nnx.BatchNorm(axis_name=mirrax.REPLICA_AXIS)`; Keras 3 refuses `synchronized=True` on
-  JAX) are count-weighted: the sums and the real-row counts are added over the replicas, so replicas with
-  different numbers of real rows (or none) give the statistics of the whole real batch;
+  JAX) are count-weighted: the sums and the real-row counts are added over the replicas, so
+  replicas with different numbers of real rows (or none) give the whole real batch's;
 - leave the moving statistics of a replica whose rows are all padding unchanged (unsynchronized
   statistics of no rows are undefined; its old value then enters mirrax's MEAN of the replicas'
   BatchStats instead of zeros);
 - regularize a layer's output with its padding rows zeroed and divided by the real examples'
   count (Keras divides by the rows it sees), so the summed loss is Keras's on the smaller batch.
 
-On a full batch the masked arithmetic is, operation for operation, the unmasked one (every row
-is selected and the counts equal the static sizes), so the same bits come out; the cost is a
-select per reduction. See docs/design.md, "Padded batches and batch-wide layers".
+Full and partial batches run one program (the mask is a traced input), so the masked
+statistics are computed beside the layer's own and a `where` on "every row is real" picks the
+layer's own on a full batch: the same values (XLA may round the last bit differently, fusing
+around the extra reductions), at the cost of those reductions. See docs/design.md, "Padded
+batches and batch-wide layers".
 """
 
 from __future__ import annotations
@@ -223,9 +225,10 @@ class _MaskedActivity:
         if count is None:
             count = jax.lax.psum(rows.sum(dtype=jnp.int32), REPLICA_AXIS)
         dtype = jnp.result_type(loss)
-        per_share = jnp.asarray(count, dtype) / shares
-        # On a full batch per_share == rows, so the factor is exactly 1.
-        return loss * (jnp.asarray(rows.shape[0], dtype) / jnp.maximum(per_share, 1))
+        # On a full batch count == rows * shares, so the factor is exactly 1.
+        factor = jnp.asarray(rows.shape[0] * shares, dtype) / jnp.maximum(
+            jnp.asarray(count, dtype), 1)
+        return loss * factor
 
 
 def _activity_property():
