@@ -97,8 +97,8 @@ def _count(keep, shape, axes, dtype, keepdims=False):
 def _stats(x, axes, dtype, axis_name=None, axis_index_groups=None, use_mean=True,
            use_fast_variance=True, mask=None):
     """flax's `_compute_stats` over the real rows of the BatchNorm call now traced: flax's own
-    result on a full batch (selected, so the same bits as without masking), the masked one
-    on a padded batch."""
+    result on a full batch (selected: the same values as without masking), the masked one on
+    a padded batch."""
     rows = _active.rows
     unmasked = _original_compute_stats(x, axes, dtype, axis_name, axis_index_groups, use_mean,
                                        use_fast_variance, mask)

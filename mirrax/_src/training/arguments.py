@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import batch_stats, host_tensors, scan_carry
+from mirrax._src.distribute import host_tensors, scan_carry
 from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
 from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy, is_shut_down
@@ -319,8 +319,7 @@ def _abstract_forward(module, x1, policy, strategy):
     found = {}
 
     def one_replica(state, x):
-        with replica_context_scope(ReplicaContext(strategy)), scan_carry.varying_carries(), \
-                batch_stats.masked_batch_layers():
+        with replica_context_scope(ReplicaContext(strategy)), scan_carry.varying_carries():
             y = steps_lib.forward(nnx.merge(graphdef, state), x, policy)
         found["y_pred"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
         return ()
