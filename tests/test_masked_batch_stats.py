@@ -247,3 +247,24 @@ def test_replica_invariant_batch_norm_on_a_partial_batch_gives_the_same_bits_on_
     for one, two in zip(*results):
         assert np.isfinite(one).all()
         np.testing.assert_array_equal(one, two)
+
+
+def test_batch_norm_of_sequences_with_the_two_pass_variance_uses_the_real_rows():
+    # Inputs (rows, 2 steps, 3 features), use_fast_variance=False (mean of squared deviations):
+    # 5 examples over 2 replicas (3 + 2 real rows, padded to 3), statistics over rows and steps.
+    strategy = mirrored(2)
+    x = np.random.RandomState(4).randn(5, 2, 3).astype(np.float32)
+    with strategy.scope():
+        norm = nnx.BatchNorm(3, momentum=0.0, use_fast_variance=False,
+                             axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0))
+
+    def step(norm, x):
+        return norm(x)
+
+    with warnings.catch_warnings():  # the step itself reads no mask (it sums nothing)
+        warnings.simplefilter("ignore", mirrax.PaddedBatchWarning)
+        for batch in strategy.experimental_distribute_dataset([x]):
+            strategy.run(step, args=(norm, batch))
+    # float32 sums of 10 values against float64 NumPy (1e-5).
+    np.testing.assert_allclose(np.asarray(norm.mean[...]), x.mean((0, 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(norm.var[...]), x.var((0, 1)), rtol=1e-5, atol=1e-6)
