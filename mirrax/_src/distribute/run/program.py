@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
 from mirrax._src.distribute import _compat, exact_sums, invariant, scan_carry
-from mirrax._src.distribute import sharded_optimizer
+from mirrax._src.distribute import batch_stats, sharded_optimizer
 from mirrax._src.distribute.run import captures, rebuild
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
@@ -245,7 +245,8 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     try:
         # A scan whose carry starts replica-invariant but turns per-replica (an RNN) is
         # made to start varying (scan_carry.py).
-        with replica_context_scope(ctx), scan_carry.varying_carries():
+        with replica_context_scope(ctx), scan_carry.varying_carries(), \
+                batch_stats.masked_batch_layers():
             if spec.fn_node is None:
                 outputs = fn(*args, **kwargs)
             elif spec.fn_node is spec.fn:
