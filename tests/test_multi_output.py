@@ -310,3 +310,35 @@ def test_the_preflight_names_the_output():
     with pytest.raises(errors.IncompatibleInputError, match=r"the model's output is a tuple of 2, "
                        r"but the model has 3 outputs \['output_1', 'output_2', 'output_3'\]"):
         three.evaluate([(PAIR_X, PAIR_Y + (PAIR_Y[0],))], verbose=0)
+
+
+def test_a_saved_two_output_model_loads_compiled_with_its_losses(tmp_path):
+    model = mirrax.Model(_copy())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), **_compile_args())
+    path = str(tmp_path / "two.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "compile arguments are not saved"
+        model.save(path)
+    restored = mirrax.models.load_model(path)
+    assert restored.metrics_names == KEYS
+    assert restored.evaluate(X, Y, batch_size=8, verbose=0) == pytest.approx(
+        model.evaluate(X, Y, batch_size=8, verbose=0), rel=1e-6)
+
+
+def test_a_dict_output_is_named_and_logged_in_keras_order():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    made = keras.Model(inputs, {"z": layers.Dense(1, name="first")(inputs),
+                                "b": layers.Dense(1, name="second")(inputs)})
+    args = dict(loss={"z": "mse", "b": "mae"}, metrics={"z": ["mae"]})
+    y = {"z": Y_REG, "b": -Y_REG}
+    model = mirrax.Model(made)
+    model.compile(optimizer="sgd", **args)
+    made.compile(optimizer="sgd", **args)
+    with jax.numpy_rank_promotion("allow"):  # Keras's own Dense broadcasts its bias by rank
+        expected = made.evaluate(X, y, batch_size=8, verbose=0, return_dict=True)
+    logs = model.evaluate(X, y, batch_size=8, verbose=0, return_dict=True)
+    assert list(logs) == model.metrics_names == ["loss", "b_loss", "z_loss", "z_mae"]
+    assert sorted(logs) == sorted(expected)
+    for key in logs:
+        assert logs[key] == pytest.approx(expected[key], rel=1e-5)

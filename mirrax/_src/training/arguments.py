@@ -1,7 +1,7 @@
 """The checks of `Model`'s arguments before any step: counts, flags, fractions, metric log
-names, class and sample weights (`compile`'s arguments: outputs.py), and one abstract run of the module and loss on the first
-example (`check_fits_model`), so a bad call is a named mirrax error, not a failure inside the
-compiled step."""
+names, class and sample weights (`compile`'s arguments: outputs.py), and one abstract run of
+the module and loss on the first example (`check_fits_model`), so a bad call is a named
+mirrax error, not a failure inside the compiled step."""
 
 from __future__ import annotations
 

@@ -351,8 +351,9 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
 def metric_keys(model, compiled) -> list:
     """["loss", <output>_loss... (several outputs), <metric log keys>...]: one per metric, one
     per threshold of a several-threshold Precision / Recall (`metric_registry.log_names`)."""
-    return ["loss"] + _output_loss_names(compiled) + [key for name, metric in zip(compiled.metric_names, model.metrics)
-                       for key in metric_registry.log_names(name, metric)]
+    return ["loss"] + _output_loss_names(compiled) + [
+        key for name, metric in zip(compiled.metric_names, model.metrics)
+        for key in metric_registry.log_names(name, metric)]
 
 
 def evaluate_loop(model, compiled, data, steps, cbs, what):

@@ -86,7 +86,8 @@ def module_output_names(module):
         return None, False
     if isinstance(structure, dict):
         keys = list(structure)
-        return (keys if set(keys) != set(names) else names) if len(keys) > 1 else None, True
+        # Keras's order (CompileMetrics.build): output_names when they are the keys, else sorted.
+        return (names if set(keys) == set(names) else sorted(keys)) if len(keys) > 1 else None, True
     return (names if isinstance(structure, (list, tuple)) and len(names) > 1 else None), False
 
 
