@@ -94,10 +94,13 @@ def test_two_outputs_fit_the_same_on_2_and_4_replicas(one_replica, replicas):
         np.testing.assert_allclose(history[key], one_replica[1][key], atol=1e-6)
 
 
-def test_evaluate_lists_the_total_then_each_output_loss_then_the_metrics(one_replica):
+def test_evaluate_lists_the_total_then_each_output_loss_then_the_metrics(one_replica, capsys):
     model, _ = one_replica
     logs = model.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True)
     assert list(logs) == KEYS
+    model.evaluate(X, Y, batch_size=8, verbose=2)  # the progress bar's line shows every key
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert [part.split(":")[0] for part in line.split(" - ")[2:]] == KEYS
     assert model.evaluate(X, Y, batch_size=8, verbose=0) == pytest.approx(list(logs.values()))
     # The total is the weighted sum of the (unweighted) per-output losses.
     assert logs["loss"] == pytest.approx(0.5 * logs["reg_loss"] + logs["cls_loss"], rel=1e-6)
@@ -145,6 +148,25 @@ def test_one_step_of_a_tuple_output_module_by_hand():
     np.testing.assert_allclose(w, [[0.75]], rtol=1e-6)
     # d ce / d logits = softmax - onehot: [-0.5, 0.5] (label 0), [0.5, -0.5] (label 1);
     # dv = mean(x * that) = (1 * [-0.5, 0.5] + 2 * [0.5, -0.5]) / 2 = [0.25, -0.25].
+    np.testing.assert_allclose(v, [[-0.025, 0.025]], rtol=1e-6)
+
+
+def test_per_output_sample_weights_weight_each_outputs_gradient_on_2_replicas():
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = _pair()
+    train = model.make_train_function()
+    weights = {"output_1": np.array([1.0, 0.0], np.float32), "output_2": np.ones(2, np.float32)}
+    for batch in strategy.experimental_distribute_dataset([(PAIR_X, PAIR_Y, weights)]):
+        train(batch)  # one row per replica
+    logs = model.get_metrics_result()
+    # output_1: (1 * 1 + 0 * 4) / 2 = 0.5; loss = 0.5 * 0.5 + ln 2.
+    assert logs["output_1_loss"] == pytest.approx(0.5)
+    assert logs["loss"] == pytest.approx(0.25 + math.log(2))
+    v, w = model.get_weights()
+    # d/dw 0.5 * (1 * (1 w)^2 + 0) / 2 = 0.5 * 2 w / 2 = 0.5: w = 1 - 0.1 * 0.5 = 0.95; v as
+    # in the unweighted step (output_2's weights are 1).
+    np.testing.assert_allclose(w, [[0.95]], rtol=1e-6)
     np.testing.assert_allclose(v, [[-0.025, 0.025]], rtol=1e-6)
 
 
@@ -213,20 +235,23 @@ class Named(nnx.Module):
         return {"out_b": self.b(x), "out_a": self.a(x)}
 
 
-def test_early_stopping_monitors_one_outputs_validation_loss():
+def test_early_stopping_monitors_one_outputs_validation_loss(tmp_path):
     model = mirrax.Model(Named())
     model.compile(optimizer=optax.sgd(0.01), loss={"out_a": "mse", "out_b": "mse"})
     x, y = np.ones((8, 2), np.float32), {"out_a": np.zeros((8, 1)), "out_b": np.ones((8, 1))}
     # min_delta=100: no epoch improves on the first, so patience=1 stops after epoch 2; a
     # monitor missing from the logs would only warn and train all 10 epochs.
     stop = mirrax.callbacks.EarlyStopping(monitor="val_out_b_loss", min_delta=100, patience=1)
+    csv = mirrax.callbacks.CSVLogger(str(tmp_path / "log.csv"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         history = model.fit(x, y, batch_size=4, epochs=10, validation_data=(x, y), verbose=0,
-                            callbacks=[stop]).history
-    assert sorted(history) == ["loss", "out_a_loss", "out_b_loss", "val_loss", "val_out_a_loss",
-                               "val_out_b_loss"]
+                            callbacks=[stop, csv]).history
+    keys = ["loss", "out_a_loss", "out_b_loss", "val_loss", "val_out_a_loss", "val_out_b_loss"]
+    assert sorted(history) == keys
     assert len(history["loss"]) == 2
+    lines = (tmp_path / "log.csv").read_text().splitlines()
+    assert lines[0] == ",".join(["epoch"] + keys) and len(lines) == 3  # the header, 2 epochs
 
 
 def test_replica_invariant_mode_gives_the_same_bits_on_1_and_4_replicas():

@@ -289,7 +289,7 @@ class Model(model_glue.KerasGlue):
           class_weight: {class index: weight}; each training example's loss (and the weighted
             metrics) is weighted by the weight of its label (integer labels, or the argmax of
             one-hot labels), 1.0 for classes not listed, as Keras. Not with `sample_weight`.
-          sample_weight: per-example weights of shape (N,) for array inputs.
+          sample_weight: per-example weights of shape (N,) (several outputs: one per output).
           initial_epoch: the epoch index to start at (to resume a run); below `epochs`.
           steps_per_epoch: batches per epoch (default: one pass over the data). As Keras, the
             next epoch continues the pass where this one stopped; a pass that ends before
@@ -307,7 +307,7 @@ class Model(model_glue.KerasGlue):
             validation_split with a non-array input, labels out of range).
           IncompatibleInputError: the inputs' shapes do not fit the model or the loss.
           EmptyDatasetError: the training (or validation) input yields no batch.
-          UnsupportedArgumentError: class_weight with a distributed dataset.
+          UnsupportedArgumentError: class_weight with a distributed dataset or several outputs.
 
         Under a ParameterServerStrategy each step runs on a free worker: x is arrays or a
         dataset function, steps_per_epoch is required (docs/parameter_server.md, "fit").

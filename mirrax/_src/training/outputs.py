@@ -74,30 +74,30 @@ def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerl
 
 
 def module_output_names(module):
-    """(names, dict output?) of a Keras functional model's outputs when it has several (its
-    `output_names`; a dict output's keys in Keras's order), else (None, False)."""
+    """The names of a Keras functional model's outputs when it has several (its
+    `output_names`; a dict output's keys in Keras's order), else None."""
     if not isinstance(module, keras_models.KerasModule):
-        return None, False
+        return None
     keras_model = module.keras_model
     try:
         structure = keras_model.output
         names = list(keras_model.output_names)
     except (AttributeError, ValueError):  # a subclassed model: no symbolic outputs
-        return None, False
+        return None
     if isinstance(structure, dict):
         keys = list(structure)
         # Keras's order (CompileMetrics.build): output_names when they are the keys, else sorted.
-        return (names if set(keys) == set(names) else sorted(keys)) if len(keys) > 1 else None, True
-    return (names if isinstance(structure, (list, tuple)) and len(names) > 1 else None), False
+        return (names if set(keys) == set(names) else sorted(keys)) if len(keys) > 1 else None
+    return names if isinstance(structure, (list, tuple)) and len(names) > 1 else None
 
 
 class Outputs:
-    """The outputs of a several-output `compile`: their names (in output order), whether the
-    model's output is a dict (else a list / tuple), each one's loss (None: not trained) and
-    weight. `split` picks each output's value of y, y_pred or sample_weight."""
+    """The outputs of a several-output `compile`: their names (in output order), each one's
+    loss (None: not trained) and weight. `split` picks each output's value of y, y_pred or
+    sample_weight (a dict by name or a list / tuple in order, whatever the model returns)."""
 
-    def __init__(self, names, dict_output: bool, losses, weights):
-        self.names, self.dict_output = tuple(names), dict_output
+    def __init__(self, names, losses, weights):
+        self.names = tuple(names)
         self.losses, self.weights = tuple(losses), tuple(weights)
         self.trained = tuple(i for i, l in enumerate(self.losses) if l is not None)
 
@@ -178,17 +178,18 @@ class MultiOutputLoss(losses_lib.Loss):
 
 
 def _names_from_loss(loss) -> tuple:
-    """(names, dict output?) of an NNX module (or subclassed Keras model) from its losses: a
-    list of n names "output_1".."output_n" (tf.keras 2's naming); a dict names them by its
-    keys ("output_<i>" keys: a tuple output, in that order; else a dict output, keys sorted)."""
+    """The output names of an NNX module (or subclassed Keras model) from its losses: a list
+    of n names "output_1".."output_n" (tf.keras 2's naming); a dict names them by its keys
+    ("output_<i>" keys: in that order, for a tuple output; else sorted, as Keras orders a
+    dict output's keys)."""
     if isinstance(loss, dict):
         keys = list(loss)
         numbered = [_NUMBERED.fullmatch(str(k)) for k in keys]
         if all(numbered) and sorted(int(m.group(1)) for m in numbered) == list(
                 range(1, len(keys) + 1)):
-            return tuple(f"output_{i}" for i in range(1, len(keys) + 1)), False
-        return tuple(sorted(keys, key=str)), True
-    return tuple(f"output_{i}" for i in range(1, len(loss) + 1)), False
+            return tuple(f"output_{i}" for i in range(1, len(keys) + 1))
+        return tuple(sorted(keys, key=str))
+    return tuple(f"output_{i}" for i in range(1, len(loss) + 1))
 
 
 def _per_output(what: str, value, names, default):
@@ -226,9 +227,9 @@ def resolve(module, loss, loss_weights):
       InvalidArgumentError: a dict key that names no output, a list of the wrong length, a
         float loss_weights for several outputs. InvalidIdentifierError: an unknown loss name.
     """
-    names, dict_output = module_output_names(module)
+    names = module_output_names(module)
     if names is None and isinstance(loss, (list, tuple, dict)) and len(loss) > 1:
-        names, dict_output = _names_from_loss(loss)
+        names = _names_from_loss(loss)
     if names is None:
         if isinstance(loss, (list, tuple, dict)):  # one output given as a list / dict of one
             loss = list(loss.values() if isinstance(loss, dict) else loss)[0]
@@ -241,7 +242,7 @@ def resolve(module, loss, loss_weights):
     per_loss = [losses_lib.get(l) for l in _per_output("loss", loss, names, None)]
     weights = [1.0] * len(names) if loss_weights is None else [
         float(w) for w in _per_output("loss_weights", loss_weights, names, 1.0)]
-    outputs = Outputs(names, dict_output, per_loss, weights)
+    outputs = Outputs(names, per_loss, weights)
     return MultiOutputLoss(outputs), 1.0, outputs
 
 
