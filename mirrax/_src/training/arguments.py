@@ -1,7 +1,7 @@
-"""The checks of `Model`'s arguments before any step: counts, flags, fractions, `compile`'s
-arguments, class and sample weights, and one abstract run of the module and loss on the first
-example (`check_fits_model`), so a bad call is a named mirrax error, not a failure inside the
-compiled step."""
+"""The checks of `Model`'s arguments before any step: counts, flags, fractions, metric log
+names, class and sample weights (`compile`'s arguments: outputs.py), and one abstract run of
+the module and loss on the first example (`check_fits_model`), so a bad call is a named
+mirrax error, not a failure inside the compiled step."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from mirrax._src.distribute import host_tensors, scan_carry
 from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
 from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy, is_shut_down
-from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib
 
@@ -114,77 +113,6 @@ def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
             "pass shuffle=True (every epoch reshuffles the arrays) or False."
         )
     return epochs, initial_epoch, check_verbose("fit", verbose), check_bool("fit", "shuffle", shuffle)
-
-
-def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile,
-                        auto_scale_loss):
-    """Refuses `compile` arguments mirrax does not support or that have the wrong type (as
-    listed in docs/training.md).
-
-    Raises:
-      InvalidArgumentError / InvalidArgumentTypeError / UnsupportedArgumentError.
-    """
-    if loss is None:
-        raise errors.InvalidArgumentError(
-            "compile: loss is required (a Keras model's add_loss losses are added to it, but "
-            "they cannot replace it), e.g. "
-            "loss='sparse_categorical_crossentropy'."
-        )
-    if getattr(loss, "reduction", "sum_over_batch_size") != "sum_over_batch_size" and \
-            isinstance(loss, losses_lib.Loss):
-        raise errors.UnsupportedArgumentError(
-            f"compile: the loss {loss.name!r} has reduction={loss.reduction!r}; compile reduces "
-            "every loss as 'sum_over_batch_size' (the global mean). Pass the loss built with "
-            "the default reduction (reduction=None is for custom loops, with "
-            "mirrax.compute_average_loss)."
-        )
-    if isinstance(loss, (dict, list, tuple)):
-        raise errors.UnsupportedArgumentError(
-            f"compile: a {type(loss).__name__} of losses (one per output) is not supported; "
-            f"received loss={loss!r}. Pass one loss whose function combines the outputs, e.g. "
-            "loss=lambda y, y_pred: ..."
-        )
-    if loss_weights is not None:
-        if isinstance(loss_weights, (dict, list, tuple)):
-            raise errors.UnsupportedArgumentError(
-                f"compile: per-output loss_weights ({loss_weights!r}) are not supported (mirrax "
-                "models have one loss); pass one float that scales the loss, or weight the "
-                "outputs inside the loss function."
-            )
-        if isinstance(loss_weights, bool) or not isinstance(loss_weights, (int, float, np.number)):
-            raise errors.InvalidArgumentTypeError(
-                f"compile: loss_weights must be a float; received {type(loss_weights).__name__} "
-                f"{loss_weights!r}."
-            )
-        if not math.isfinite(float(loss_weights)):
-            raise errors.InvalidArgumentError(
-                f"compile: loss_weights must be finite; received {loss_weights!r}."
-            )
-    for name, value in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
-        if value is not None and not isinstance(value, (list, tuple)):
-            raise errors.InvalidArgumentTypeError(
-                f"compile: {name} must be a list; received {type(value).__name__} {value!r}. "
-                f"Pass e.g. {name}=[{value!r}]."
-                if isinstance(value, str) or callable(value) else
-                f"compile: {name} must be a list of metrics; received {type(value).__name__} "
-                f"{value!r}. A dict of per-output metrics is not supported (one output)."
-            )
-    if check_bool("compile", "run_eagerly", run_eagerly):
-        raise errors.UnsupportedArgumentError(
-            "compile: run_eagerly=True is not supported: every step is one compiled program "
-            "over the replicas. To debug a step, run it under `with jax.disable_jit():` or "
-            "call the module eagerly on a batch."
-        )
-    if jit_compile is False:
-        raise errors.UnsupportedArgumentError(
-            "compile: jit_compile=False is not supported: steps are always compiled by XLA "
-            "(pass 'auto' or True)."
-        )
-    if jit_compile not in ("auto", True):
-        raise errors.InvalidArgumentError(
-            f"compile: jit_compile must be 'auto' or True; received {jit_compile!r}."
-        )
-    check_bool("compile", "auto_scale_loss", auto_scale_loss)
 
 
 def metric_names(plain, weighted) -> list:
@@ -368,13 +296,32 @@ def check_fits_model(model, checked: dict, x, y, what: str, strategy):
     if y is None or model.loss is None:
         checked[key] = y_pred
         return y_pred
+    split = getattr(model.loss, "split_for_check", None)  # a several-output loss
     try:
-        per_example = jax.eval_shape(model.loss.per_example, y1, y_pred)
+        parts = split(y1, y_pred, y) if split else [("", model.loss, y1, y_pred, y)]
+    except errors.IncompatibleInputError as error:
+        raise errors.IncompatibleInputError(f"{what}: {error}") from None
+    for output, loss, y1, y_pred_part, y in parts:
+        _check_loss(what + output, loss, y1, y_pred_part, y, bool(output))
+    checked[key] = y_pred
+    return y_pred
+
+
+def _check_loss(what, loss, y1, y_pred, y, several: bool) -> None:
+    """`loss.per_example` run abstractly on one example (`what` names the output if
+    `several`; then a loss's ValueError is an IncompatibleInputError naming it)."""
+    try:
+        per_example = jax.eval_shape(loss.per_example, y1, y_pred)
+    except errors.IncompatibleInputError as error:
+        if several:  # name the output
+            raise errors.IncompatibleInputError(f"{what}: {_first_line(error)}.") from None
+        raise
     except errors.MirraxError:
         raise
     except ValueError as error:
-        if "does not fit" in str(error) or "expected" in str(error):
-            raise errors.IncompatibleInputError(f"{what}: {error}") from error
+        if several or "does not fit" in str(error) or "expected" in str(error):
+            detail = f"{_first_line(error)}." if several else str(error)
+            raise errors.IncompatibleInputError(f"{what}: {detail}") from error
         raise
     except Exception as error:
         detail = _first_line(error)
@@ -389,8 +336,6 @@ def check_fits_model(model, checked: dict, x, y, what: str, strategy):
             f"1 it gave shape {tuple(per_example.shape)} (y {_shapes(y)}, output "
             f"{_shapes(y_pred)}). Return one loss per example from the loss function."
         )
-    checked[key] = y_pred
-    return y_pred
 
 
 def check_not_parameter_server(strategy, what: str) -> None:

@@ -22,6 +22,7 @@ from mirrax._src.training import arguments as checks
 from mirrax._src.training import dataset_batches
 from mirrax._src.training import input_structure
 from mirrax._src.training import losses as losses_lib
+from mirrax._src.training import outputs as outputs_lib
 
 
 def as_arrays(value):
@@ -189,8 +190,7 @@ class ModelInput:
         self.steps = math.ceil(n / self.batch_size)
         self.dataset = None
         y_pred = checks.check_fits_model(model, self.checked, x, y, what, strategy)
-        if y is not None and isinstance(model.loss, losses_lib.SparseCategoricalCrossentropy):
-            losses_lib.SparseCategoricalCrossentropy.check_labels(np.asarray(y), y_pred.shape[-1])
+        outputs_lib.check_labels(model.loss, y, y_pred)  # per output for several
 
     def _init_dataset(self, x, y, sample_weight, batch_size, what):
         dataset_batches.check_source(what, x)

@@ -276,14 +276,22 @@ def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
 
 
 def from_keras(loss, optimizer, metrics, weighted_metrics):
-    """`compile`'s loss, optimizer and metric lists with every Keras object translated."""
+    """`compile`'s loss, optimizer and metric lists with every Keras object translated (in a
+    list or dict of per-output losses or metrics too)."""
     def translate(items):
-        if items is None or isinstance(items, (str, dict)) or not hasattr(items, "__iter__"):
-            return items
-        return [metric_from_keras(m) if is_keras_metric(m) else m for m in items]
+        if isinstance(items, dict):
+            return {k: translate(v) for k, v in items.items()}
+        if isinstance(items, (list, tuple)):
+            return [translate(m) for m in items]
+        return metric_from_keras(items) if is_keras_metric(items) else items
 
-    if is_keras_loss(loss):
-        loss = loss_from_keras(loss)
+    def translate_loss(loss):
+        if isinstance(loss, dict):
+            return {k: translate_loss(v) for k, v in loss.items()}
+        if isinstance(loss, (list, tuple)):
+            return [translate_loss(v) for v in loss]
+        return loss_from_keras(loss) if is_keras_loss(loss) else loss
+
     if is_keras_optimizer(optimizer):
         optimizer = optimizer_from_keras(optimizer)
-    return loss, optimizer, translate(metrics), translate(weighted_metrics)
+    return translate_loss(loss), optimizer, translate(metrics), translate(weighted_metrics)

@@ -59,8 +59,8 @@ def _serializable(value) -> bool:
     """Whether Keras's compile config can hold `value` (a compile argument)."""
     if value is None or isinstance(value, (str, int, float)):
         return True
-    if isinstance(value, (list, tuple)):
-        return all(_serializable(v) for v in value)
+    if isinstance(value, (list, tuple, dict)):  # dicts: per-output losses / metrics
+        return all(_serializable(v) for v in (value.values() if isinstance(value, dict) else value))
     return (keras_objects.is_keras_loss(value) or keras_objects.is_keras_optimizer(value)
             or keras_objects.is_keras_metric(value))
 

@@ -70,7 +70,7 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
                                     allow_none=True)
     validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
     validation_split = checks.check_fraction("fit", "validation_split", validation_split)
-    class_weight = checks.check_class_weight(class_weight, sample_weight)
+    class_weight = _class_weight(compiled, "fit", class_weight, sample_weight)
     x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
     strategy = model.distribute_strategy
     if validation_split and validation_data is None:
@@ -292,9 +292,24 @@ def train_objects(model, compiled) -> tuple:
             compiled.dynamic_scale)
 
 
+def _class_weight(compiled, what: str, class_weight, sample_weight):
+    """`check_class_weight`'s table; refused for several outputs (as Keras 3).
+
+    Raises:
+      UnsupportedArgumentError: class_weight with several outputs.
+    """
+    if class_weight is not None and compiled.outputs is not None:
+        raise errors.UnsupportedArgumentError(
+            f"{what}: class_weight is not supported for a model of several outputs "
+            f"{list(compiled.outputs.names)} (Keras 3 refuses it too: which output's labels "
+            "would pick the weight?). Pass sample_weight instead: one array per output (a list "
+            "or a dict by output name), e.g. the class weights of that output's labels.")
+    return checks.check_class_weight(class_weight, sample_weight)
+
+
 def train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_dict):
     """`Model.train_on_batch` (its arguments, docs and errors there)."""
-    class_weight = checks.check_class_weight(class_weight, sample_weight)
+    class_weight = _class_weight(compiled, "train_on_batch", class_weight, sample_weight)
     data = one_batch(model, compiled, "train_on_batch", x, y, sample_weight, class_weight)
     return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
     reset_metrics(model, compiled)
@@ -334,10 +349,11 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
 
 
 def metric_keys(model, compiled) -> list:
-    """["loss", <metric log keys>...]: one per metric, one per threshold of a several-threshold
-    Precision / Recall (`metric_registry.log_names`)."""
-    return ["loss"] + [key for name, metric in zip(compiled.metric_names, model.metrics)
-                       for key in metric_registry.log_names(name, metric)]
+    """["loss", <output>_loss... (several outputs), <metric log keys>...]: one per metric, one
+    per threshold of a several-threshold Precision / Recall (`metric_registry.log_names`)."""
+    return ["loss"] + _output_loss_names(compiled) + [
+        key for name, metric in zip(compiled.metric_names, model.metrics)
+        for key in metric_registry.log_names(name, metric)]
 
 
 def evaluate_loop(model, compiled, data, steps, cbs, what):
@@ -405,9 +421,16 @@ def logs_of(model, compiled) -> dict:
     """{"loss": ..., <metric>: ...} as Python floats (reading them waits for the last step); a
     several-threshold Precision / Recall gives one entry per threshold (`metric_registry.log_names`)."""
     logs = {"loss": float(compiled.tracker.result())}
+    names = _output_loss_names(compiled)
+    if names:
+        logs.update(zip(names, (float(v) for v in np.asarray(compiled.tracker.output_results()))))
     for name, metric in zip(compiled.metric_names, model.metrics):
         logs.update(metric_registry.log_values(name, metric))
     return logs
+
+
+def _output_loss_names(compiled) -> list:
+    return [] if compiled.outputs is None else compiled.outputs.loss_log_names
 
 
 def one_batch_size(what: str, x) -> int:

@@ -21,13 +21,13 @@ from mirrax import errors
 from mirrax._src.checkpointing import checkpoint
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
-from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import keras_models, keras_objects
 from mirrax._src.training import loops, mixed_precision, model_glue
 from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import optimizer as optimizers
+from mirrax._src.training import outputs as outputs_lib
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training import weights as weights_lib
 
@@ -112,11 +112,13 @@ class Model(model_glue.KerasGlue):
           optimizer: an optax `GradientTransformation`, or "adam", "sgd", "rmsprop", "adamw"
             (Keras's default hyperparameters; the learning rate in `inject_hyperparams` state).
           loss: a `mirrax.losses.Loss`, a loss name ("sparse_categorical_crossentropy", "mse",
-            ...), or a callable (y_true, y_pred) -> per-example loss (batch,). Required.
-          loss_weights: a float that scales the loss (single-output models; a list or dict of
-            per-output weights is refused).
+            ...), or a callable (y_true, y_pred) -> per-example loss (batch,). Required. For
+            several outputs, as Keras 3: one loss for all, a list (output order; None skips
+            one) or a dict by output name (docs/training.md, "Several outputs").
+          loss_weights: a float that scales the loss; several outputs: a list or dict.
           metrics: list of `mirrax.metrics.Metric`s or names ("accuracy" resolves by the loss,
-            as Keras); updated WITHOUT sample weights; a taken name gets `_1`, `_2`, ... (as Keras).
+            as Keras); updated WITHOUT sample weights; a taken name gets `_1`, `_2`, ... (as
+            Keras). Several outputs: one entry per output (a list or a dict by output name).
           weighted_metrics: list of metrics updated with the sample weights (and class
             weights), as Keras; logged under the metric's name, or "weighted_<name>" when
             `metrics` already holds that name.
@@ -140,9 +142,8 @@ class Model(model_glue.KerasGlue):
           InvalidIdentifierError: unknown optimizer, loss or metric name.
           InvalidArgumentTypeError / InvalidArgumentError: an argument of the wrong type or
             out of range.
-          UnsupportedArgumentError: run_eagerly=True, jit_compile=False, per-output loss
-            weights; under `shard_optimizer_state=True`, steps_per_execution > 1 or dynamic
-            loss scaling.
+          UnsupportedArgumentError: run_eagerly=True, jit_compile=False; under
+            `shard_optimizer_state=True`, steps_per_execution > 1 or dynamic loss scaling.
           MixedStrategyError: compiled under another strategy's scope than the one the model
             was made in.
         """
@@ -151,8 +152,9 @@ class Model(model_glue.KerasGlue):
                                metrics=metrics, weighted_metrics=weighted_metrics)
         loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
             loss, optimizer, metrics, weighted_metrics)
-        checks.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
-                            jit_compile, auto_scale_loss)
+        outputs_lib.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
+                                       jit_compile, auto_scale_loss)
+        loss, loss_scale, outputs = outputs_lib.resolve(self.module, loss, loss_weights)
         steps_per_execution = checks.check_count("compile", "steps_per_execution", steps_per_execution)
         gradient_accumulation_steps = checks.check_count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
@@ -171,18 +173,15 @@ class Model(model_glue.KerasGlue):
             # optax's accumulator: the mean of k micro-batch gradients, applied every k-th step.
             tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
         self.optimizer = optimizers.make_handle(self.module, tx, self.distribute_strategy)
-        self.loss = losses_lib.get(loss)
-        loss_scale = 1.0 if loss_weights is None else float(loss_weights)
-        plain = [metric_registry.get(m, loss=self.loss) for m in (metrics or [])]
-        weighted = [metric_registry.get(m, loss=self.loss) for m in (weighted_metrics or [])]
-        self.metrics = plain + weighted
-        weighted_flags = (False,) * len(plain) + (True,) * len(weighted)
+        self.loss = loss
+        self.metrics, names, weighted_flags, where = outputs_lib.build_metrics(
+            loss, outputs, metrics, weighted_metrics)
         self.dtype_policy = mixed_precision.global_policy()
-        names = metric_registry.checked_scalar(checks.metric_names(plain, weighted), self.metrics)
         compiled = steps_lib.compiled_state(
-            self.loss, loss_scale, self.dtype_policy, names,
-            weighted_flags, self.dtype_policy.uses_loss_scaling and auto_scale_loss,
-            self.distribute_strategy.replica_invariant)
+            self.loss, loss_scale, self.dtype_policy,
+            metric_registry.checked_scalar(names, self.metrics), weighted_flags,
+            self.dtype_policy.uses_loss_scaling and auto_scale_loss,
+            self.distribute_strategy.replica_invariant, outputs, where)
         # New step functions at every compile: they key strategy.run's program cache, so a
         # recompiled model (another loss, policy or metrics) never reuses an old program.
         compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
@@ -290,7 +289,7 @@ class Model(model_glue.KerasGlue):
           class_weight: {class index: weight}; each training example's loss (and the weighted
             metrics) is weighted by the weight of its label (integer labels, or the argmax of
             one-hot labels), 1.0 for classes not listed, as Keras. Not with `sample_weight`.
-          sample_weight: per-example weights of shape (N,) for array inputs.
+          sample_weight: per-example weights of shape (N,) (several outputs: one per output).
           initial_epoch: the epoch index to start at (to resume a run); below `epochs`.
           steps_per_epoch: batches per epoch (default: one pass over the data). As Keras, the
             next epoch continues the pass where this one stopped; a pass that ends before
@@ -308,7 +307,7 @@ class Model(model_glue.KerasGlue):
             validation_split with a non-array input, labels out of range).
           IncompatibleInputError: the inputs' shapes do not fit the model or the loss.
           EmptyDatasetError: the training (or validation) input yields no batch.
-          UnsupportedArgumentError: class_weight with a distributed dataset.
+          UnsupportedArgumentError: class_weight with a distributed dataset or several outputs.
 
         Under a ParameterServerStrategy each step runs on a free worker: x is arrays or a
         dataset function, steps_per_epoch is required (docs/parameter_server.md, "fit").

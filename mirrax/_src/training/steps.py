@@ -25,21 +25,30 @@ from mirrax._src.training import keras_models, mixed_precision
 class LossTracker(nnx.Pytree):
     """[sum of the real examples' weighted losses, their count], SUM-aggregated over replicas.
 
-    One variable, so the write-back adds both over the replicas in one all-reduce.
+    One variable, so the write-back adds both over the replicas in one all-reduce. With
+    `outputs` > 0 it also holds each output's (unweighted) loss sum, Keras's "<output>_loss".
     """
 
-    def __init__(self):
-        self.sums = nnx.metrics.MetricState(jnp.zeros((2,), jnp.float32))
+    def __init__(self, outputs: int = 0):
+        self.sums = nnx.metrics.MetricState(jnp.zeros((2 + outputs,), jnp.float32))
 
     def update(self, total, count):
-        self.sums[...] += jnp.stack([total, count]).astype(jnp.float32)
+        self.sums[...] = self.sums[...].at[:2].add(jnp.stack([total, count]).astype(jnp.float32))
+
+    def update_outputs(self, sums):
+        """Adds each output's loss sum over this step's real examples."""
+        self.sums[...] = self.sums[...].at[2:].add(sums)
 
     def reset(self):
-        self.sums[...] = jnp.zeros((2,), jnp.float32)
+        self.sums[...] = jnp.zeros_like(self.sums[...])
 
     def result(self):
-        total, count = self.sums[...]
+        total, count = self.sums[...][:2]
         return total / jnp.maximum(count, 1.0)
+
+    def output_results(self):
+        """Each output's mean loss (as Keras's per-output `Mean` trackers)."""
+        return self.sums[...][2:] / jnp.maximum(self.sums[...][1], 1.0)
 
 
 def _masked_sum(per_example, sample_weight):
@@ -107,25 +116,48 @@ def _unpack(batch):
 _UPDATED = nnx.Any(nnx.Param, nnx.OptState)
 
 
-def _update_metrics(metrics, weighted, y, y_pred, sample_weight):
-    # As Keras: `metrics` ignore the sample weights, `weighted_metrics` use them.
+def _update_metrics(metrics, weighted, y, y_pred, sample_weight, outputs=None, where=()):
+    # As Keras: `metrics` ignore the sample weights, `weighted_metrics` use them; with several
+    # outputs each metric sees its output's y, y_pred and sample weight (`where`: its index).
+    if outputs is not None:
+        ys, preds = outputs.split(y, "y"), outputs.split(y_pred, "the model's output")
+        weights = outputs.split(sample_weight, "sample_weight", shared=True)
+        for metric, uses_weights, i in zip(metrics, weighted, where):
+            metric.update_state(ys[i], preds[i], weights[i] if uses_weights else None)
+        return
     for metric, uses_weights in zip(metrics, weighted):
         metric.update_state(y, y_pred, sample_weight if uses_weights else None)
 
 
-def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+def _losses(loss_obj, loss_weight, outputs, y, y_pred, sample_weight):
+    """(per-example loss, the sample weight still to apply, each output's loss or None)."""
+    if outputs is None:
+        return loss_obj.per_example(y, y_pred) * loss_weight, sample_weight, None
+    per_output = outputs.per_output(y, y_pred, sample_weight)
+    return outputs.total(per_output), None, per_output
+
+
+def _track(tracker, per_example, sample_weight, own, per_output):
+    tracker.update(*_tracked(per_example, sample_weight, own))
+    if per_output is not None and len(per_output) > 1:
+        tracker.update_outputs(jnp.stack([_masked_sum(v, None)[0] for v in per_output]))
+
+
+def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False,
+                    outputs=None, where=()):
     """The training step; with `micro_batches` (replica-invariant mode) the loss, metrics and
-    loss tracker run once per micro-batch and are summed in the fixed tree."""
+    loss tracker run once per micro-batch and are summed in the fixed tree. `outputs` (an
+    `outputs.Outputs`) for several outputs; `where`: each metric's output index."""
     def train_step(module, optimizer, metrics, tracker, loss_scale, batch):
         x, y, sample_weight = _unpack(batch)
         scale = 1.0 if loss_scale is None else loss_scale.scale[...]
 
         if micro_batches:
-            score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+            score = _make_scorer(loss_obj, loss_weight, policy, weighted, outputs, where)
 
             def micro_loss(nodes, x, y, sample_weight):
-                per_example, own = score(nodes, x, y, sample_weight)
-                share = compute_average_loss(per_example, sample_weight) + _own_loss_share(own)
+                per_example, left, own = score(nodes, x, y, sample_weight)
+                share = compute_average_loss(per_example, left) + _own_loss_share(own)
                 return share * scale
 
             _, _, grads = invariant.micro_batch_call(
@@ -136,16 +168,17 @@ def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batche
 
         def loss_fn(module):
             y_pred, own = forward_with_losses(module, x, policy)
-            per_example = loss_obj.per_example(y, y_pred) * loss_weight
-            share = compute_average_loss(per_example, sample_weight) + _own_loss_share(own)
-            return share * scale, (y_pred, per_example, own)
+            per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred,
+                                                    sample_weight)
+            share = compute_average_loss(per_example, left) + _own_loss_share(own)
+            return share * scale, (y_pred, per_example, left, own, per_output)
 
         # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
-        (_, (y_pred, per_example, own)), grads = gradients.packed_value_and_grad(
-            loss_fn, module, has_aux=True)
+        (_, (y_pred, per_example, left, own, per_output)), grads = \
+            gradients.packed_value_and_grad(loss_fn, module, has_aux=True)
         _apply_gradients(module, optimizer, grads, loss_scale, scale)
-        tracker.update(*_tracked(per_example, sample_weight, own))
-        _update_metrics(metrics, weighted, y, y_pred, sample_weight)
+        _track(tracker, per_example, left, own, per_output)
+        _update_metrics(metrics, weighted, y, y_pred, sample_weight, outputs, where)
 
     return train_step
 
@@ -167,26 +200,28 @@ def _apply_gradients(module, optimizer, grads, loss_scale, scale):
     loss_scale.adjust(finite)
 
 
-def _make_scorer(loss_obj, loss_weight: float, policy, weighted):
+def _make_scorer(loss_obj, loss_weight: float, policy, weighted, outputs=None, where=()):
     """`score((module, metrics, tracker), x, y, sample_weight)`: the forward pass, the
-    per-example losses and the module's own loss (returned), and the loss tracker and
-    metrics updated with them."""
+    per-example losses, the sample weight still to apply to them and the module's own loss
+    (returned), and the loss tracker and metrics updated with them."""
     def score(nodes, x, y, sample_weight):
         module, metrics, tracker = nodes
         y_pred, own = forward_with_losses(module, x, policy)
-        per_example = loss_obj.per_example(y, y_pred) * loss_weight
-        tracker.update(*_tracked(per_example, sample_weight, own))
-        _update_metrics(metrics, weighted, y, y_pred, sample_weight)
-        return per_example, own
+        per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred,
+                                                sample_weight)
+        _track(tracker, per_example, left, own, per_output)
+        _update_metrics(metrics, weighted, y, y_pred, sample_weight, outputs, where)
+        return per_example, left, own
 
     return score
 
 
-def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False):
+def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False,
+                   outputs=None, where=()):
     """`test_step(module, metrics, tracker, batch)`: the loss tracker and metrics updated on
     this replica's shard (per micro-batch in replica-invariant mode).
     """
-    score = _make_scorer(loss_obj, loss_weight, policy, weighted)
+    score = _make_scorer(loss_obj, loss_weight, policy, weighted, outputs, where)
 
     def update(nodes, x, y, sample_weight):
         score(nodes, x, y, sample_weight)
@@ -293,6 +328,7 @@ class CompiledState:
       loss_scale: the float `loss_weights` scales the loss by.
       weighted: per metric, whether it is updated with the sample weights.
       metric_names: the log names of the metrics, in order.
+      outputs: the `outputs.Outputs` of a several-output compile, else None.
       tracker: the `LossTracker` of the logged loss.
       dynamic_scale: the `LossScale` of mixed_float16 training, else None.
       rng: the NumPy generator that shuffles array inputs (seeded at compile).
@@ -317,22 +353,25 @@ class CompiledState:
     test_fn: Callable = None
     predict_fn: Callable = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
+    outputs: Any = None
 
 
 def compiled_state(loss, loss_scale: float, policy, metric_names, weighted, dynamic: bool,
-                   micro: bool) -> CompiledState:
+                   micro: bool, outputs=None, where=()) -> CompiledState:
     """`Model.compile`'s `CompiledState` (without the bound step functions): the default
     steps for `loss` (scaled by `loss_scale`) under `policy`, the metrics' names and weight
-    flags, dynamic loss scaling if `dynamic`, micro-batched steps if `micro`."""
+    flags, dynamic loss scaling if `dynamic`, micro-batched steps if `micro`; `outputs` and
+    `where` (each metric's output) for several outputs."""
     return CompiledState(
         loss_scale=loss_scale,
         weighted=weighted,
         metric_names=metric_names,
-        tracker=LossTracker(),
+        outputs=outputs,
+        tracker=LossTracker(len(outputs.loss_log_names) if outputs is not None else 0),
         dynamic_scale=mixed_precision.LossScale() if dynamic else None,
         rng=np.random.default_rng(0),
-        train_impl=make_train_step(loss, loss_scale, policy, weighted, micro),
-        test_impl=make_test_step(loss, loss_scale, policy, weighted, micro),
+        train_impl=make_train_step(loss, loss_scale, policy, weighted, micro, outputs, where),
+        test_impl=make_test_step(loss, loss_scale, policy, weighted, micro, outputs, where),
         predict_impl=make_predict_step(policy, micro),
     )
 
