@@ -299,6 +299,10 @@ def _keras_compile(**overrides):
      "per output, in this order (None skips an output), or a dict keyed by these names."),
     ({"loss_weights": [0.5, 1.0, 2.0]},
      "compile: loss_weights is a list of 3, but the model has 2 output(s) ['reg', 'cls']."),
+    ({"loss_weights": {"reg": 0.5}},
+     "compile: loss_weights is a dict with the keys ['reg'], but the model's outputs are ['reg', "
+     "'cls'] (['cls'] have none). Key loss_weights by these output names (1.0 for an output "
+     "whose loss is not scaled)."),
     ({"loss_weights": 0.5},
      "compile: loss_weights=0.5 is one float, but the model has 2 outputs ['reg', 'cls']."),
     ({"metrics": [["accuracy"]]},

@@ -518,3 +518,14 @@ def test_a_list_of_input_arrays_given_with_y_or_batch_size_is_the_models_inputs(
     with pytest.raises(errors.IncompatibleInputError,
                        match=re.escape("predict: the model cannot take x of shape ((8, 4), (8, 3))")):
         model.predict((xa, xb), batch_size=4, verbose=0)
+
+
+def test_a_pandas_data_frame_and_series_are_arrays_as_in_keras():
+    # Keras 3 takes a DataFrame / Series as its values (array_data_adapter); mirrax too, so
+    # the run is the one of the NumPy arrays, bit for bit (once read "already batched").
+    pandas = pytest.importorskip("pandas")
+    x, y = mlp_data()[2:]
+    frame, series = pandas.DataFrame(x), pandas.Series(y)
+    runs = [mlp_model(mirrored(2)).fit(a, b, batch_size=4, epochs=2, shuffle=False,
+                                       verbose=0).history for a, b in ((x, y), (frame, series))]
+    assert runs[0] == runs[1]

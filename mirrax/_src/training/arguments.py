@@ -176,21 +176,23 @@ def check_class_weight(class_weight, sample_weight):
     return table
 
 
-def check_sample_weight(what: str, sample_weight, n: int):
-    """`sample_weight` as float32 of shape (n,), one weight per example.
+def check_sample_weight(what: str, sample_weight, n: int, name: str = "sample_weight"):
+    """`sample_weight` as float32 of shape (n,), one weight per example; `name` names it in
+    the errors (`sample_weight[1]`: one output's weights).
 
     Raises:
       InvalidArgumentError: another shape, or a weight that is NaN or infinite.
     """
-    sample_weight = np.asarray(sample_weight, np.float32)
+    sample_weight = np.asarray(to_numpy(sample_weight), np.float32)
     if sample_weight.shape != (n,):
+        each = "" if name == "sample_weight" else " for each output"
         raise errors.InvalidArgumentError(
-            f"{what}: sample_weight must hold one weight per example, shape ({n},); received "
-            f"shape {sample_weight.shape}. Pass a 1-D array of length {n}."
+            f"{what}: {name} must hold one weight per example, shape ({n},); received "
+            f"shape {sample_weight.shape}. Pass a 1-D array of length {n}{each}."
         )
     if not np.isfinite(sample_weight).all():
         raise errors.InvalidArgumentError(
-            f"{what}: sample_weight holds NaN or infinite values (first at index "
+            f"{what}: {name} holds NaN or infinite values (first at index "
             f"{int(np.argmin(np.isfinite(sample_weight)))}), which would make the loss NaN."
         )
     return sample_weight

@@ -26,10 +26,12 @@ from mirrax._src.training import outputs as outputs_lib
 
 
 def as_arrays(value):
-    """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), or a
-    dict or list / tuple of them, as NumPy, so fit(x_tensor, y_tensor) means what
-    fit(x_array, y_array) does."""
+    """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), a
+    pandas DataFrame or Series (`.to_numpy()`), or a dict or list / tuple of them, as NumPy,
+    so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
     def convert(leaf):
+        if type(leaf).__module__.split(".")[0] == "pandas" and hasattr(leaf, "to_numpy"):
+            return leaf.to_numpy()  # a DataFrame or Series: its values, as Keras 3 takes them
         return checks.to_numpy(leaf) if hasattr(leaf, "shape") else leaf
 
     # Only a dict of tensors: another dict (a Hugging Face DatasetDict of splits) keeps its

@@ -195,15 +195,4 @@ def is_weights_tree(value) -> bool:
 
 
 def _one_weight(what: str, name: str, value, n: int) -> np.ndarray:
-    weight = np.asarray(checks.to_numpy(value), np.float32)
-    if weight.shape != (n,):
-        raise errors.InvalidArgumentError(
-            f"{what}: {name} must hold one weight per example, shape ({n},); received "
-            f"shape {weight.shape}. Pass a 1-D array of length {n} for each output."
-        )
-    if not np.isfinite(weight).all():
-        raise errors.InvalidArgumentError(
-            f"{what}: {name} holds NaN or infinite values (first at index "
-            f"{int(np.argmin(np.isfinite(weight)))}), which would make the loss NaN."
-        )
-    return weight
+    return checks.check_sample_weight(what, value, n, name=name)

@@ -96,8 +96,9 @@ class Outputs:
     loss (None: not trained) and weight. `split` picks each output's value of y, y_pred or
     sample_weight (a dict by name or a list / tuple in order, whatever the model returns)."""
 
-    def __init__(self, names, losses, weights):
+    def __init__(self, names, losses, weights, dict_output: bool = False):
         self.names = tuple(names)
+        self.dict_output = dict_output  # named by a loss dict's keys: the module returns a dict
         self.losses, self.weights = tuple(losses), tuple(weights)
         self.trained = tuple(i for i, l in enumerate(self.losses) if l is not None)
 
@@ -126,6 +127,12 @@ class Outputs:
                     + f". Give one entry per output, keyed by these names.")
             return [value.get(n) for n in names]
         if isinstance(value, (list, tuple)):
+            if self.dict_output and what == "the model's output":
+                raise errors.IncompatibleInputError(
+                    f"the model's output is a {type(value).__name__} of {len(value)}, but "
+                    f"compile's losses are keyed by {names}, which name the keys of a dict "
+                    "output. For a tuple output pass a list of losses in output order, or key "
+                    f"them 'output_1' ... 'output_{len(value)}'.")
             if len(value) != len(names):
                 raise errors.IncompatibleInputError(
                     f"{what} is a {type(value).__name__} of {len(value)}, but the model has "
@@ -197,12 +204,15 @@ def _per_output(what: str, value, names, default):
     if isinstance(value, dict):
         unknown = [k for k in value if k not in names]
         missing = [n for n in names if n not in value]
-        if unknown or (missing and what == "loss"):
+        if unknown or missing:
+            # As Keras, which refuses loss_weights that do not match the losses.
+            fix = (" (None skips an output)" if what == "loss" else
+                   " (1.0 for an output whose loss is not scaled)")
             raise errors.InvalidArgumentError(
                 f"compile: {what} is a dict with the keys {list(value)}, but the model's outputs "
                 f"are {list(names)}" + (f" ({unknown} name no output)" if unknown else "")
-                + (f" ({missing} have none)" if missing and what == "loss" else "")
-                + f". Key {what} by these output names (None skips an output)." )
+                + (f" ({missing} have none)" if missing else "")
+                + f". Key {what} by these output names{fix}.")
         return [value.get(n, default) for n in names]
     if isinstance(value, (list, tuple)):
         if len(value) != len(names):
@@ -228,8 +238,11 @@ def resolve(module, loss, loss_weights):
         float loss_weights for several outputs. InvalidIdentifierError: an unknown loss name.
     """
     names = module_output_names(module)
+    dict_output = False
     if names is None and isinstance(loss, (list, tuple, dict)) and len(loss) > 1:
         names = _names_from_loss(loss)
+        dict_output = isinstance(loss, dict) and names != tuple(
+            f"output_{i}" for i in range(1, len(names) + 1))
     if names is None:
         if isinstance(loss, (list, tuple, dict)):  # one output given as a list / dict of one
             loss = list(loss.values() if isinstance(loss, dict) else loss)[0]
@@ -242,7 +255,7 @@ def resolve(module, loss, loss_weights):
     per_loss = [losses_lib.get(l) for l in _per_output("loss", loss, names, None)]
     weights = [1.0] * len(names) if loss_weights is None else [
         float(w) for w in _per_output("loss_weights", loss_weights, names, 1.0)]
-    outputs = Outputs(names, per_loss, weights)
+    outputs = Outputs(names, per_loss, weights, dict_output)
     return MultiOutputLoss(outputs), 1.0, outputs
 
 
