@@ -295,3 +295,28 @@ def test_backup_and_restore_resumes_from_a_backup_keyed_by_position(tmp_path):
     assert list(seen) == [1]  # the backup's epoch 1 resumes; epoch 0 is not run again
     # get_weights() leaves out the seed state (variable 6): variables 0-5, 7, 8 hold i + 1.
     assert [float(np.asarray(w).flat[0]) for w in seen[1]] == [1, 2, 3, 4, 5, 6, 8, 9]
+
+
+def test_trainable_variables_follow_the_gradients_leaves_and_the_optimizer_maps_them_back():
+    # Layers named "dense_2" and "dense_10": the state sorts the paths as text ("dense_10" <
+    # "dense_2", "bias" < "kernel"), so the gradients' leaves are in that order, and so are
+    # model.trainable_variables; KerasOptimizer puts each pair back in Keras's order.
+    keras_model = keras.Sequential([keras.Input((3,)), layers.Dense(2, name="dense_2"),
+                                    layers.Dense(4, name="dense_10")], name="s")
+    model = mirrax.Model(keras_model)
+    optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.5))
+    before = [np.asarray(w) for w in model.get_weights()]  # Keras order: d2 k, b; d10 k, b
+
+    def loss_fn(module):
+        return sum(jnp.sum(jnp.arange(v.size, dtype=jnp.float32).reshape(v.shape) * v[...])
+                   for v in module.keras_trainable_variables)
+
+    gradients = mirrax.value_and_grad(loss_fn)(model.module)[1]
+    assert [v.shape for v in model.trainable_variables] == [(4,), (2, 4), (2,), (3, 2)]
+    pairs = list(zip(jax.tree.leaves(gradients), model.trainable_variables))
+    assert all(g.shape == v.shape for g, v in pairs)
+    optimizer.apply_gradients(pairs)
+    # d(loss)/dw = arange(size) in w's shape, so SGD(0.5) moves each weight by -0.5 * its index.
+    for old, new in zip(before, model.get_weights(), strict=True):
+        step = 0.5 * np.arange(old.size, dtype=np.float32).reshape(old.shape)
+        np.testing.assert_allclose(new, old - step, rtol=1e-6)

@@ -329,10 +329,27 @@ class KerasModule(nnx.Module):
 
     @property
     def trainable_variables(self) -> list:
-        """The `nnx.Param`s of the Keras model's trainable variables, in
-        `keras_model.trainable_variables`' order (as of the last compile or wrapping); what
-        `nnx.grad` differentiates and `mirrax.KerasOptimizer.apply_gradients` takes."""
+        """The `nnx.Param`s of the Keras model's trainable variables (as of the last compile or
+        wrapping), in the order of the leaves of `nnx.state(module, nnx.Param)`: the state is
+        keyed by Keras path, so sorted by path, not in `keras_model.trainable_variables`'
+        order. It is the order of the gradients `nnx.grad` / `mirrax.value_and_grad` return,
+        so `zip(jax.tree.leaves(grads), model.trainable_variables)` pairs each gradient with
+        its variable, for `mirrax.KerasOptimizer.apply_gradients`."""
+        keras_order = self.keras_trainable_variables
+        return [keras_order[k] for k in self.gradient_order()]
+
+    @property
+    def keras_trainable_variables(self) -> list:
+        """The trainable `nnx.Param`s in `keras_model.trainable_variables`' order."""
         return [_get(self.variables, self.keys[i]) for i in self.trainable_index]
+
+    def gradient_order(self) -> list:
+        """For each leaf of the trainable state, in leaf order, its position in
+        `keras_model.trainable_variables` (what `trainable_variables` lists)."""
+        leaf = {tuple(path): n for n, (path, _) in enumerate(
+            nnx.to_flat_state(nnx.state(self, nnx.Param)))}
+        return sorted(range(len(self.trainable_index)),
+                      key=lambda k: leaf[self.state_path(self.trainable_index[k])])
 
     def __call__(self, *args, **kwargs):
         """The Keras model's outputs on `args` (its own losses dropped; see `call_with_losses`)."""

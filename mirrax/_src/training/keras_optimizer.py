@@ -79,6 +79,9 @@ class KerasOptimizer(nnx.Pytree):
         self.keras_optimizer = nnx.static(optimizer)
         self.shapes = nnx.static(tuple((tuple(v.shape), str(v.dtype)) for v in trainable))
         self.trainable_index = nnx.static(module.trainable_index)
+        # The pairs of apply_gradients come in module.trainable_variables' (state leaf) order;
+        # the Keras optimizer's slots are in Keras's.
+        self.gradient_order = nnx.static(tuple(module.gradient_order()))
         self.variables = nnx.List([nnx.OptState(jnp.array(v.value, copy=True))
                                    for v in optimizer.variables])
         ids = [id(v) for v in optimizer.variables]
@@ -160,14 +163,16 @@ class KerasOptimizer(nnx.Pytree):
                 f"model's {len(self.shapes)} trainable variables; pass zip(grads, "
                 "model.trainable_variables) with one gradient per variable, in that order.")
         grads = [jnp.asarray(_value(g)) for g, _ in pairs]
-        for i, (grad, (_, variable), (shape, _)) in enumerate(zip(grads, pairs, self.shapes)):
+        shapes = [self.shapes[k] for k in self.gradient_order]
+        for i, (grad, (_, variable), (shape, _)) in enumerate(zip(grads, pairs, shapes)):
             if tuple(grad.shape) != shape or tuple(jnp.shape(_value(variable))) != shape:
                 raise errors.InvalidArgumentError(
                     f"apply_gradients: pair {i} has a gradient of shape {tuple(grad.shape)} for "
                     f"a variable of shape {tuple(jnp.shape(_value(variable)))}, where trainable "
                     f"variable {i} has shape {shape}; pass the pairs in "
                     "model.trainable_variables' order.")
-        self._apply(grads, [v for _, v in pairs])
+        keras_order = sorted(range(len(pairs)), key=lambda i: self.gradient_order[i])
+        self._apply([grads[i] for i in keras_order], [pairs[i][1] for i in keras_order])
 
     def update(self, model, grads) -> None:
         """Applies one update from `nnx.grad`'s gradients of `model`, as `nnx.Optimizer.update`.
@@ -186,4 +191,4 @@ class KerasOptimizer(nnx.Pytree):
                 "optimizer was made); differentiate the module itself: "
                 "grads = nnx.grad(loss_fn)(model).")
         self._apply([flat[module.state_path(i)] for i in self.trainable_index],
-                    module.trainable_variables)
+                    module.keras_trainable_variables)

@@ -62,8 +62,9 @@ class KerasGlue:
 
     @property
     def trainable_variables(self) -> list:
-        """The `nnx.Param`s the optimizer updates, as `keras.Model.trainable_variables`: a Keras
-        model's in Keras's order, an NNX module's in `nnx.state` order."""
+        """The `nnx.Param`s the optimizer updates, as `keras.Model.trainable_variables`, in the
+        order of the module's state leaves (a Keras model's state is keyed by Keras path, so
+        sorted by path): the order of `value_and_grad`'s gradient leaves."""
         if isinstance(self.module, keras_models.KerasModule):
             return self.module.trainable_variables
         return [v for _, v in nnx.to_flat_state(nnx.state(self.module, nnx.Param))]
