@@ -210,8 +210,8 @@ def _activity_model():
     (_nnx_model, 4), (_activity_model, 1), (_activity_model, 2),
 ])
 def test_full_batches_train_as_without_masking(make, replicas, monkeypatch):
-    # 32 examples at batch 16: no partial batch (4 rows per replica on 4). The masked
-    # statistics are computed beside the unmasked ones and not selected.
+    # 32 examples at batch 16: no partial batch (4 rows per replica on 4). A full batch takes
+    # the cond's branch of the layer's own statistics; the masked ones are not computed.
     x, y = _data(32, seed=4)
     results = []
     for masking in (False, True):
@@ -224,9 +224,9 @@ def test_full_batches_train_as_without_masking(make, replicas, monkeypatch):
             model.compile(optax.sgd(0.1), "mse")
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         results.append(model.get_weights())
-    # Not the same bits: the program holds the masked reductions beside the unmasked ones, and
-    # XLA fuses (and contracts into FMAs) the unmasked arithmetic differently around them.
-    # Measured on CPU after 2 epochs: the same bits on 1 replica, at most 1.2e-7 apart on 2, 4.
+    # Not always the same bits: the program holds the cond beside the unmasked arithmetic, and
+    # XLA fuses (and contracts into FMAs) that arithmetic differently around it. Measured on
+    # CPU after 2 epochs: mostly the same bits, at most 1.2e-7 apart.
     for without, with_masking in zip(*results):
         np.testing.assert_allclose(with_masking, without, rtol=1e-6, atol=1e-7)
 

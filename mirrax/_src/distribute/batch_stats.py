@@ -18,11 +18,11 @@ when the layer's input has the batch's rows first and the caller gave no mask of
 - regularize a layer's output with its padding rows zeroed and divided by the real examples'
   count (Keras divides by the rows it sees), so the summed loss is Keras's on the smaller batch.
 
-Full and partial batches run one program (the mask is a traced input), so the masked
-statistics are computed beside the layer's own and a `where` on "every row is real" picks the
-layer's own on a full batch: the same values (XLA may round the last bit differently, fusing
-around the extra reductions), at the cost of those reductions. See docs/design.md, "Padded
-batches and batch-wide layers".
+Full and partial batches run one program (the mask is a traced input), so a `lax.cond` on
+"every row is real" takes the layer's own statistics on a full batch and computes the masked
+ones only on a padded batch: the same values (XLA may round the last bit differently, fusing
+around the cond), at the cost of the cond (measured by benchmarks/batch_norm_mask.py). See
+docs/design.md, "Padded batches and batch-wide layers".
 """
 
 from __future__ import annotations
@@ -125,16 +125,21 @@ def _stats(x, axes, dtype, axis_name=None, axis_index_groups=None, use_mean=True
             sums = list(jax.lax.psum(jnp.stack(sums), axis_name))
         return [s / safe for s in sums]
 
-    if not use_mean:
-        var = mean(_abs_sq(x))[0]
-        masked = jnp.zeros_like(var), var
-    elif use_fast_variance:
-        mu, mu2 = mean(x, _abs_sq(x))
-        masked = mu, jnp.maximum(0.0, mu2 - _abs_sq(mu))
-    else:
+    def masked():
+        if not use_mean:
+            var = mean(_abs_sq(x))[0]
+            return jnp.zeros_like(var), var
+        if use_fast_variance:
+            mu, mu2 = mean(x, _abs_sq(x))
+            return mu, jnp.maximum(0.0, mu2 - _abs_sq(mu))
         mu = mean(x)[0]
-        masked = mu, mean(_abs_sq(x - jnp.expand_dims(mu, axes)))[0]
-    return tuple(jnp.where(full, u, m) for u, m in zip(unmasked, masked))
+        return mu, mean(_abs_sq(x - jnp.expand_dims(mu, axes)))[0]
+
+    unmasked = tuple(jnp.asarray(u, dtype) for u in unmasked)
+    # A cond, not a where: a full batch runs only the layer's own reductions. `full` is the
+    # same on every replica when synchronized (from the psum of the counts), so all replicas
+    # take one branch and its psum.
+    return jax.lax.cond(full, lambda: unmasked, lambda: tuple(masked()))
 
 
 @functools.wraps(_original_nnx_call)
@@ -174,12 +179,16 @@ def _keras_moments(original, self, inputs, mask):
     if mask is not None:  # Keras's own masked moments, of the combined mask
         return original(self, inputs, jnp.logical_and(jnp.asarray(mask, bool), keep[..., 0]))
     axes = tuple(i for i in range(ndim) if i != self.axis % ndim)
-    count = jnp.maximum(_count(keep, inputs.shape, axes, inputs.dtype, True), 1)
-    mean = _masked_sum(inputs, keep, axes, True) / count
-    var = _masked_sum(jnp.square(inputs - mean), keep, axes, True) / count
-    full = jnp.all(rows)
-    return tuple(jnp.where(full, u, jnp.squeeze(m, axes))
-                 for u, m in zip(original(self, inputs, None), (mean, var)))
+
+    def masked():
+        count = jnp.maximum(_count(keep, inputs.shape, axes, inputs.dtype, True), 1)
+        mean = _masked_sum(inputs, keep, axes, True) / count
+        var = _masked_sum(jnp.square(inputs - mean), keep, axes, True) / count
+        return tuple(jnp.asarray(jnp.squeeze(m, axes), u.dtype) for m, u in zip((mean, var), own))
+
+    own = tuple(original(self, inputs, None))
+    # A cond, not a where: a full batch runs only Keras's own reductions.
+    return jax.lax.cond(jnp.all(rows), lambda: own, masked)
 
 
 def _keras_call(original, self, inputs, training=None, mask=None):
