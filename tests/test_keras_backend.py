@@ -23,7 +23,7 @@ def test_import_mirrax_then_keras_without_keras_backend_gives_keras_on_jax(tmp_p
     env.update(KERAS_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
     code = ("import mirrax; import keras; print(keras.backend.backend()); "
             "model = mirrax.Model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])); "
-            "print(type(model).__name__, model.module.trainable_variables[0].shape)")
+            "print(type(model).__name__, model.module.keras_trainable_variables[0].shape)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
