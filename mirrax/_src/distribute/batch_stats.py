@@ -27,7 +27,6 @@ docs/design.md, "Padded batches and batch-wide layers".
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import threading
@@ -38,11 +37,10 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import normalization as flax_normalization
 
+from mirrax._src.distribute import trace_patches
 from mirrax._src.distribute.axis import REPLICA_AXIS
 from mirrax._src.distribute.replica_context import current_replica_context
 
-_lock = threading.Lock()
-_depth = 0
 _original_nnx_call = nnx.BatchNorm.__call__
 _original_compute_stats = flax_normalization._compute_stats
 
@@ -279,34 +277,19 @@ class _Method:
         return self.function if obj is None else functools.partial(self.function, obj)
 
 
-_installed: list = []
+def _patches() -> list:
+    patches = [(nnx.BatchNorm, "__call__", _nnx_call),
+               (flax_normalization, "_compute_stats", _stats)]
+    for owner, name, wrapper in _keras_patches():
+        patches.append((owner, name, wrapper if isinstance(wrapper, property)
+                        else _Method(wrapper)))
+    return patches
 
 
-@contextlib.contextmanager
+_PATCHES = trace_patches.TracePatches(_patches)
+
+
 def masked_batch_layers():
     """Within: BatchNorm layers and Keras activity regularizers see only the real rows of the
     replica's batch (see the module's docstring). Restored on exit; nests."""
-    global _depth
-    with _lock:
-        _depth += 1
-        if _depth == 1:
-            patches = [(nnx.BatchNorm, "__call__", _nnx_call),
-                       (flax_normalization, "_compute_stats", _stats)]
-            for owner, name, wrapper in _keras_patches():
-                patches.append((owner, name, wrapper if isinstance(wrapper, property)
-                                else _Method(wrapper)))
-            for owner, name, wrapper in patches:
-                _installed.append((owner, name, owner.__dict__.get(name), wrapper))
-                setattr(owner, name, wrapper)
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for owner, name, original, _ in reversed(_installed):
-                    if original is None:
-                        delattr(owner, name)
-                    else:
-                        setattr(owner, name, original)
-                _installed.clear()
+    return _PATCHES.active()

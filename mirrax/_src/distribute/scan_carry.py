@@ -12,17 +12,14 @@ is a psum, so gradients through the carry stay the global sum), then calls scan 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import jax
 
+from mirrax._src.distribute import trace_patches
 from mirrax._src.distribute import _compat
 
 _CARRY_ERROR = "carry input and carry output must have equal types"
-_lock = threading.Lock()
-_depth = 0
 _original_scan = jax.lax.scan
 _original_fori_loop = jax.lax.fori_loop
 _original_while_loop = jax.lax.while_loop
@@ -94,21 +91,11 @@ _WRAPPED = {"scan": (_original_scan, _scan), "fori_loop": (_original_fori_loop, 
             "while_loop": (_original_while_loop, _while_loop)}
 
 
-@contextlib.contextmanager
+_PATCHES = trace_patches.TracePatches(
+    lambda: [(jax.lax, name, wrapper) for name, (_, wrapper) in _WRAPPED.items()])
+
+
 def varying_carries():
     """Within: `jax.lax.scan` (and `fori_loop`, `while_loop`) accepts a replica-invariant initial
     carry whose new carry is per-replica (see the module's docstring). Restored on exit; nests."""
-    global _depth
-    with _lock:
-        _depth += 1
-        if _depth == 1:
-            for name, (_, wrapper) in _WRAPPED.items():
-                setattr(jax.lax, name, wrapper)
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for name, (original, _) in _WRAPPED.items():
-                    setattr(jax.lax, name, original)
+    return _PATCHES.active()
