@@ -27,10 +27,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def available() -> dict:
     """{name: path} of the benchmark scripts, by name."""
-    return {
-        p.stem: p for p in sorted(HERE.glob("*.py"))
-        if not p.stem.startswith("_")
-    }
+    return {p.stem: p for p in sorted(HERE.glob("*.py")) if not p.stem.startswith("_")}
 
 
 def _summary(path: pathlib.Path) -> str:
@@ -47,8 +44,12 @@ def main(argv=None) -> int:
     commands.add_parser("list", help="list the benchmarks")
     run = commands.add_parser("run", help="run benchmarks (all by default)")
     run.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
-    run.add_argument("--out", default=str(HERE / "results"), metavar="DIR",
-                     help="directory for the JSON results (default benchmarks/results)")
+    run.add_argument(
+        "--out",
+        default=str(HERE / "results"),
+        metavar="DIR",
+        help="directory for the JSON results (default benchmarks/results)",
+    )
     args = parser.parse_args(argv)
     scripts = available()
     if args.command == "list":
@@ -66,8 +67,10 @@ def main(argv=None) -> int:
     failed = []
     for name in args.names or list(scripts):
         print(f"\n=== {name} ({time.strftime('%Y-%m-%d %H:%M:%S')}) ===", flush=True)
-        code = subprocess.call(env.module_command(f"benchmarks.{name}", "--json", out / f"{name}.json"),
-                               env=env.child_environment())
+        code = subprocess.call(
+            env.module_command(f"benchmarks.{name}", "--json", out / f"{name}.json"),
+            env=env.child_environment(),
+        )
         if code:
             print(f"=== {name}: exit status {code}", flush=True)
             failed.append(name)

@@ -67,8 +67,7 @@ def _measure(args, devices: int) -> dict:
     def make():
         with strategy.scope():
             model = mirrax.Model(BatchNormCNN(nnx.Rngs(0)))
-            model.compile(optax.sgd(0.1),
-                          mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(optax.sgd(0.1), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
     def window_of(model):
@@ -76,10 +75,11 @@ def _measure(args, devices: int) -> dict:
             stamps = []
             clock = mirrax.callbacks.LambdaCallback(
                 on_epoch_begin=lambda epoch, logs: stamps.append(time.perf_counter()),
-                on_epoch_end=lambda epoch, logs: (float(logs["loss"]),
-                                                  stamps.append(time.perf_counter())))
+                on_epoch_end=lambda epoch, logs: (float(logs["loss"]), stamps.append(time.perf_counter())),
+            )
             model.fit(x, y, batch_size=gb, epochs=1, verbose=0, shuffle=False, callbacks=[clock])
             return stamps[1] - stamps[0]
+
         return window
 
     windows = {"masked": window_of(make()), "plain": window_of(make())}
@@ -92,26 +92,45 @@ def _measure(args, devices: int) -> dict:
         batch_stats.masked_batch_layers = shipped
     seconds = timing.interleave(windows, args.repeats, order="rotate")
     samples = {key: [t / args.steps for t in seconds[key]] for key in VARIANTS}
-    row = {"devices": devices, "global_batch": gb, "steps_per_window": args.steps,
-           "repeats": args.repeats, "ms_per_step": timing.medians(samples, 1e3),
-           "ratio": timing.paired_ratio(samples, "masked", "plain"), "samples_s": samples}
-    env.log(f"  [{devices} {args.platform}] " + ", ".join(
-        f"{k} {ms:.3f}" for k, ms in row["ms_per_step"].items())
-        + f" ms/step; masked/plain {row['ratio']:.3f}x")
+    row = {
+        "devices": devices,
+        "global_batch": gb,
+        "steps_per_window": args.steps,
+        "repeats": args.repeats,
+        "ms_per_step": timing.medians(samples, 1e3),
+        "ratio": timing.paired_ratio(samples, "masked", "plain"),
+        "samples_s": samples,
+    }
+    env.log(
+        f"  [{devices} {args.platform}] "
+        + ", ".join(f"{k} {ms:.3f}" for k, ms in row["ms_per_step"].items())
+        + f" ms/step; masked/plain {row['ratio']:.3f}x"
+    )
     return {"environment": env.environment(local), "rows": [row]}
 
 
 def _markdown(results: list) -> str:
     header = ["replicas", "global batch", "masked ms/step", "plain ms/step", "masked / plain"]
-    table = [[r["devices"], r["global_batch"],
-              *(f"{r['ms_per_step'][key]:.3f}" for key in VARIANTS), f"{r['ratio']:.3f}"]
-             for result in results for r in result["rows"]]
+    table = [
+        [
+            r["devices"],
+            r["global_batch"],
+            *(f"{r['ms_per_step'][key]:.3f}" for key in VARIANTS),
+            f"{r['ratio']:.3f}",
+        ]
+        for result in results
+        for r in result["rows"]
+    ]
     first = results[0]["rows"][0]
-    return "\n".join(env.markdown_table(header, table) + [
-        "",
-        f"{env.environment_note(results[0]['environment'])} {first['steps_per_window']} steps "
-        f"per window; median of {first['repeats']} rotated rounds; the ratio is the median of "
-        "same-round ratios."])
+    return "\n".join(
+        env.markdown_table(header, table)
+        + [
+            "",
+            f"{env.environment_note(results[0]['environment'])} {first['steps_per_window']} steps "
+            f"per window; median of {first['repeats']} rotated rounds; the ratio is the median of "
+            "same-round ratios.",
+        ]
+    )
 
 
 def main(argv=None) -> int:

@@ -38,6 +38,7 @@ def _state(model_name: str):
 
         module = CNN((8, 8, 1), rngs=nnx.Rngs(jax.process_index()))
     else:
+
         class MLP(nnx.Module):
             def __init__(self, rngs):
                 self.l1 = nnx.Linear(784, 2048, rngs=rngs)
@@ -83,23 +84,26 @@ def _worker(repeats: int) -> dict:
         replicated = [replica_devices.replicated] * len(leaves)
         row = {"arrays": len(leaves), "MB": sum(x.nbytes for x in leaves) / 1e6}
         row["mirrax_ms"] = _timed(
-            lambda: broadcast.from_worker_zero(strategy, leaves, replicated)[0], repeats)
+            lambda: broadcast.from_worker_zero(strategy, leaves, replicated)[0], repeats
+        )
         plain = [x for x in leaves if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
-        row["one_to_all_ms"] = _timed(lambda: multihost_utils.broadcast_one_to_all(plain),
-                                      repeats)
+        row["one_to_all_ms"] = _timed(lambda: multihost_utils.broadcast_one_to_all(plain), repeats)
         host = multihost_utils.broadcast_one_to_all(plain)
 
         def place(values):
-            return [jax.make_array_from_single_device_arrays(
-                v.shape, replica_devices.replicated,
-                [jax.device_put(np.asarray(v), d) for d in replica_devices.local_devices])
-                for v in values]
+            return [
+                jax.make_array_from_single_device_arrays(
+                    v.shape,
+                    replica_devices.replicated,
+                    [jax.device_put(np.asarray(v), d) for d in replica_devices.local_devices],
+                )
+                for v in values
+            ]
 
         row["one_to_all_place_ms"] = _timed(lambda: place(host), repeats)
 
         def read(module, optimizer):
-            return sum(jax.numpy.sum(p[...]) for p in jax.tree.leaves(nnx.state(module,
-                                                                                 nnx.Param)))
+            return sum(jax.numpy.sum(p[...]) for p in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
         module, optimizer = _state(name)
         start = time.perf_counter()
@@ -127,27 +131,48 @@ def main(argv=None) -> None:
     cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]}
     procs = []
     for index in range(2):
-        worker_env = dict(os.environ, JAX_PLATFORMS="cpu",
-                          XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                          TF_CONFIG=json.dumps({"cluster": cluster,
-                                                "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.broadcast", "--worker", str(index),
-             "--repeats", str(args.repeats)], env=worker_env, stdout=subprocess.PIPE,
-            stderr=sys.stderr if index == 0 else subprocess.DEVNULL, text=True))
+        worker_env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.broadcast",
+                    "--worker",
+                    str(index),
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                env=worker_env,
+                stdout=subprocess.PIPE,
+                stderr=sys.stderr if index == 0 else subprocess.DEVNULL,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    rows = [json.loads(next(line for line in out.splitlines() if line.startswith("@@result"))
-                       .split(" ", 1)[1]) for out in outs]
+    rows = [
+        json.loads(next(line for line in out.splitlines() if line.startswith("@@result")).split(" ", 1)[1])
+        for out in outs
+    ]
     print(f"load average {os.getloadavg()[0]:.1f}")
-    print("| model | arrays | MB | mirrax (one packed all-reduce, placed) ms | "
-          "broadcast_one_to_all ms | + placing its result ms | first strategy.run ms | "
-          "second ms |")
+    print(
+        "| model | arrays | MB | mirrax (one packed all-reduce, placed) ms | "
+        "broadcast_one_to_all ms | + placing its result ms | first strategy.run ms | "
+        "second ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in rows[0]:
         worst = {k: max(r[name][k] for r in rows) for k in rows[0][name]}
-        print(f"| {name} | {worst['arrays']} | {worst['MB']:.2f} | {worst['mirrax_ms']:.1f} | "
-              f"{worst['one_to_all_ms']:.1f} | {worst['one_to_all_place_ms']:.1f} | "
-              f"{worst['first_run_ms']:.0f} | {worst['second_run_ms']:.1f} |")
+        print(
+            f"| {name} | {worst['arrays']} | {worst['MB']:.2f} | {worst['mirrax_ms']:.1f} | "
+            f"{worst['one_to_all_ms']:.1f} | {worst['one_to_all_place_ms']:.1f} | "
+            f"{worst['first_run_ms']:.0f} | {worst['second_run_ms']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

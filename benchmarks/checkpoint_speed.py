@@ -30,8 +30,9 @@ MODULE = "benchmarks.checkpoint_speed"
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(path) for name in names)
+    return sum(
+        os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names
+    )
 
 
 def _measure(args, devices: int) -> dict:
@@ -57,8 +58,7 @@ def _measure(args, devices: int) -> dict:
                 start = time.perf_counter()
                 path = mirrax.CheckpointManager(ckpt, f"{folder}/sync", max_to_keep=1).save()
                 sync_s = time.perf_counter() - start
-                manager = mirrax.CheckpointManager(ckpt, f"{folder}/async", max_to_keep=1,
-                                                   async_save=True)
+                manager = mirrax.CheckpointManager(ckpt, f"{folder}/async", max_to_keep=1, async_save=True)
                 start = time.perf_counter()
                 manager.save()
                 blocked_s = time.perf_counter() - start
@@ -67,16 +67,21 @@ def _measure(args, devices: int) -> dict:
                 start = time.perf_counter()
                 ckpt.restore(path).assert_consumed()
                 jax.block_until_ready(nnx.state((model, optimizer)))
-                samples.append({"sync": sync_s, "blocked": blocked_s, "total": total_s,
-                                "restore": time.perf_counter() - start,
-                                "bytes": _dir_bytes(path)})
+                samples.append(
+                    {
+                        "sync": sync_s,
+                        "blocked": blocked_s,
+                        "total": total_s,
+                        "restore": time.perf_counter() - start,
+                        "bytes": _dir_bytes(path),
+                    }
+                )
         return {key: statistics.median(s[key] for s in samples[1:]) for key in samples[0]}
 
     width, layers = args.mlp_width, args.mlp_layers
     workloads = {  # name -> (model builder, input shape)
         "CNN": (models.CNN, (28, 28, 1)),
-        f"MLP {layers}x{width}²": (lambda rngs: models.DenseStack([width] * (layers + 1), rngs),
-                                   (width,)),
+        f"MLP {layers}x{width}²": (lambda rngs: models.DenseStack([width] * (layers + 1), rngs), (width,)),
     }
     rows = []
     for name, (builder, x_shape) in workloads.items():
@@ -84,13 +89,18 @@ def _measure(args, devices: int) -> dict:
             model = builder(nnx.Rngs(0))
             optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
             adam_step(model, optimizer, models.random_batch(x_shape, 8)[0])
-        row = {"workload": name, "replicas": devices, "repeats": args.repeats,
-               "parameters": int(sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-               "state_bytes": int(sum(a.nbytes for a in jax.tree.leaves(
-                   nnx.state((model, optimizer))))),
-               **timed_checkpoints(model, optimizer)}
-        env.log(f"  [{devices} {args.platform}] {name}: sync save {row['sync']:.3f} s, async "
-                f"blocks {row['blocked']:.3f} s, restore {row['restore']:.3f} s")
+        row = {
+            "workload": name,
+            "replicas": devices,
+            "repeats": args.repeats,
+            "parameters": int(sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+            "state_bytes": int(sum(a.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer))))),
+            **timed_checkpoints(model, optimizer),
+        }
+        env.log(
+            f"  [{devices} {args.platform}] {name}: sync save {row['sync']:.3f} s, async "
+            f"blocks {row['blocked']:.3f} s, restore {row['restore']:.3f} s"
+        )
         rows.append(row)
         del model, optimizer  # the MLP's state is ~1.1 GiB: free it before the next build
     return {"environment": env.environment(local), "rows": rows}
@@ -98,16 +108,42 @@ def _measure(args, devices: int) -> dict:
 
 def _markdown(results: list) -> str:
     mib = 2**20
-    header = ["workload", "replicas", "parameters", "state MiB (params + Adam)", "sync save s",
-              "bytes on disk (MiB)", "sync save MiB/s", "async save blocks s",
-              "async save until finished s", "restore s"]
-    table = [[r["workload"], r["replicas"], f"{r['parameters']:,}", f"{r['state_bytes'] / mib:.1f}",
-              f"{r['sync']:.3f}", f"{r['bytes'] / mib:.1f}", f"{r['bytes'] / mib / r['sync']:.0f}",
-              f"{r['blocked']:.3f}", f"{r['total']:.3f}", f"{r['restore']:.3f}"]
-             for result in results for r in result["rows"]]
-    return "\n".join(env.markdown_table(header, table) + [
-        "", f"{env.environment_note(results[0]['environment'])} Median of "
-        f"{results[0]['rows'][0]['repeats']} after one warm-up; restore reads from the page cache."])
+    header = [
+        "workload",
+        "replicas",
+        "parameters",
+        "state MiB (params + Adam)",
+        "sync save s",
+        "bytes on disk (MiB)",
+        "sync save MiB/s",
+        "async save blocks s",
+        "async save until finished s",
+        "restore s",
+    ]
+    table = [
+        [
+            r["workload"],
+            r["replicas"],
+            f"{r['parameters']:,}",
+            f"{r['state_bytes'] / mib:.1f}",
+            f"{r['sync']:.3f}",
+            f"{r['bytes'] / mib:.1f}",
+            f"{r['bytes'] / mib / r['sync']:.0f}",
+            f"{r['blocked']:.3f}",
+            f"{r['total']:.3f}",
+            f"{r['restore']:.3f}",
+        ]
+        for result in results
+        for r in result["rows"]
+    ]
+    return "\n".join(
+        env.markdown_table(header, table)
+        + [
+            "",
+            f"{env.environment_note(results[0]['environment'])} Median of "
+            f"{results[0]['rows'][0]['repeats']} after one warm-up; restore reads from the page cache.",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -121,8 +157,7 @@ def main(argv=None) -> int:
     env.parse_device_counts(parser, args)
     if min(args.repeats, args.mlp_width, args.mlp_layers) < 1:
         parser.error("--repeats, --mlp-width and --mlp-layers must be >= 1")
-    child_argv = env.forward_arguments(args, ("platform", "repeats", "mlp_width", "mlp_layers",
-                                              "dir"))
+    child_argv = env.forward_arguments(args, ("platform", "repeats", "mlp_width", "mlp_layers", "dir"))
     return env.run_benchmark(args, _measure, _markdown, child_argv, MODULE)
 
 

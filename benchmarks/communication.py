@@ -69,37 +69,46 @@ def _measure(args, devices: int) -> dict:
         minimum = 4 * step["parameters"]
         allreduce_bytes = sum(hlo.nbytes(a) for arrays in reduced for a in arrays)
         row = {
-            "workload": name, "devices": devices, "per_replica_batch": args.per_replica_batch,
-            "parameters": step["parameters"], "parameter_arrays": len(step["param_shapes"]),
-            "minimum_bytes": minimum, "allreduce_bytes": allreduce_bytes,
+            "workload": name,
+            "devices": devices,
+            "per_replica_batch": args.per_replica_batch,
+            "parameters": step["parameters"],
+            "parameter_arrays": len(step["param_shapes"]),
+            "minimum_bytes": minimum,
+            "allreduce_bytes": allreduce_bytes,
             "ratio": allreduce_bytes / minimum,
             "allreduce_ops_before": sum(op.startswith("all-reduce") for op, _ in before),
             "allreduce_ops_after": len(reduced),
             "allreduce_arrays_after": sum(map(len, reduced)),
             "other_collectives_after": sorted(collections.Counter(op for op, _ in others).items()),
             "other_collective_bytes": sum(hlo.nbytes(a) for _, arrays in others for a in arrays),
-            "largest_allreduce_bytes": max(
-                (sum(map(hlo.nbytes, arrays)) for arrays in reduced), default=0),
+            "largest_allreduce_bytes": max((sum(map(hlo.nbytes, arrays)) for arrays in reduced), default=0),
             **classify(after, step["param_shapes"]),
             "seconds": time.perf_counter() - start,
         }
-        env.log(f"  [{devices} {args.platform}] {name}: {row['allreduce_ops_before']} all-reduces "
-                f"before, {row['allreduce_ops_after']} after, {allreduce_bytes:,} B "
-                f"(x{row['ratio']:.4f} the minimum), {row['seconds']:.1f} s")
+        env.log(
+            f"  [{devices} {args.platform}] {name}: {row['allreduce_ops_before']} all-reduces "
+            f"before, {row['allreduce_ops_after']} after, {allreduce_bytes:,} B "
+            f"(x{row['ratio']:.4f} the minimum), {row['seconds']:.1f} s"
+        )
         if devices > 1 and not args.skip_sharded:
             row["ring_bytes"] = hlo.ring_bytes(after, devices)
             unsharded = sum(row["ring_bytes"].values())
             for packed, key in ((True, "sharded"), (False, "sharded_nnx")):
-                ops = hlo.collectives(hlo.compile_train_step(
-                    local, name, args.per_replica_batch, packed, shard_optimizer_state=True)[
-                        "compiled"].as_text())
+                ops = hlo.collectives(
+                    hlo.compile_train_step(
+                        local, name, args.per_replica_batch, packed, shard_optimizer_state=True
+                    )["compiled"].as_text()
+                )
                 row[f"{key}_ring_bytes"] = hlo.ring_bytes(ops, devices)
                 row[f"{key}_ops"] = sorted(collections.Counter(op for op, _ in ops).items())
                 row[f"{key}_ring_ratio"] = sum(row[f"{key}_ring_bytes"].values()) / unsharded
-            env.log(f"  [{devices} {args.platform}] {name}, shard_optimizer_state=True: "
-                    f"{dict(row['sharded_ops'])}, ring bytes x{row['sharded_ring_ratio']:.4f} "
-                    f"the unsharded step's (x{row['sharded_nnx_ring_ratio']:.4f} with "
-                    "nnx.value_and_grad)")
+            env.log(
+                f"  [{devices} {args.platform}] {name}, shard_optimizer_state=True: "
+                f"{dict(row['sharded_ops'])}, ring bytes x{row['sharded_ring_ratio']:.4f} "
+                f"the unsharded step's (x{row['sharded_nnx_ring_ratio']:.4f} with "
+                "nnx.value_and_grad)"
+            )
         rows.append(row)
     return {"environment": env.environment(local), "rows": rows}
 
@@ -110,57 +119,109 @@ def _mib(n: int) -> str:
 
 def _markdown(results: list) -> str:
     order = [row["workload"] for row in results[0]["rows"]]
-    rows = sorted((row for result in results for row in result["rows"]),
-                  key=lambda r: (order.index(r["workload"]), r["devices"]))
-    header = ["workload", "replicas", "parameters", "minimum (4 x params) MiB", "all-reduce MiB",
-              "ratio", "all-reduce ops before combiner", "after", "arrays after",
-              "non-gradient all-reduced", "other collectives"]
-    table = [[r["workload"], r["devices"], f"{r['parameters']:,}", _mib(r["minimum_bytes"]),
-              _mib(r["allreduce_bytes"]), f"{r['ratio']:.4f}", r["allreduce_ops_before"],
-              r["allreduce_ops_after"], r["allreduce_arrays_after"],
-              ", ".join(r["scalars"] + r["other"]) or "none",
-              ", ".join(f"{n} {op}" for op, n in r["other_collectives_after"]) or "none"]
-             for r in rows]
+    rows = sorted(
+        (row for result in results for row in result["rows"]),
+        key=lambda r: (order.index(r["workload"]), r["devices"]),
+    )
+    header = [
+        "workload",
+        "replicas",
+        "parameters",
+        "minimum (4 x params) MiB",
+        "all-reduce MiB",
+        "ratio",
+        "all-reduce ops before combiner",
+        "after",
+        "arrays after",
+        "non-gradient all-reduced",
+        "other collectives",
+    ]
+    table = [
+        [
+            r["workload"],
+            r["devices"],
+            f"{r['parameters']:,}",
+            _mib(r["minimum_bytes"]),
+            _mib(r["allreduce_bytes"]),
+            f"{r['ratio']:.4f}",
+            r["allreduce_ops_before"],
+            r["allreduce_ops_after"],
+            r["allreduce_arrays_after"],
+            ", ".join(r["scalars"] + r["other"]) or "none",
+            ", ".join(f"{n} {op}" for op, n in r["other_collectives_after"]) or "none",
+        ]
+        for r in rows
+    ]
     machine = results[0]["environment"]
     lines = env.markdown_table(header, table, ["l"] + ["r"] * 8 + ["l", "l"]) + [
         "",
         f"{machine['date'][:10]}; {env.environment_note(machine)} Static analysis (compile "
         f"only): per-replica batch {rows[0]['per_replica_batch']}, Adam; bytes are the result "
         "shapes of the collectives in the optimized HLO (`compiled.as_text()`); ops before: "
-        "`lowered.as_text(dialect='hlo')`."]
+        "`lowered.as_text(dialect='hlo')`.",
+    ]
     sharded = [r for r in rows if "sharded_ring_bytes" in r]
     if sharded:
         mib = lambda r, k: _mib(r["sharded_ring_bytes"][k])  # noqa: E731
-        lines += ["", "With `shard_optimizer_state=True` (ZeRO-1): MiB each device sends per "
-                  "step in a ring implementation (an all-reduce of S: 2(R-1)/R S; a "
-                  "reduce-scatter of S in, an all-gather of S out: (R-1)/R S each):", ""]
+        lines += [
+            "",
+            "With `shard_optimizer_state=True` (ZeRO-1): MiB each device sends per "
+            "step in a ring implementation (an all-reduce of S: 2(R-1)/R S; a "
+            "reduce-scatter of S in, an all-gather of S out: (R-1)/R S each):",
+            "",
+        ]
         lines += env.markdown_table(
-            ["workload", "replicas", "unsharded: all-reduce", "sharded: reduce-scatter",
-             "all-gather", "all-reduce", "sharded / unsharded", "collectives",
-             "with nnx.value_and_grad: sharded / unsharded"],
-            [[r["workload"], r["devices"], _mib(sum(r["ring_bytes"].values())),
-              mib(r, "reduce-scatter"), mib(r, "all-gather"), mib(r, "all-reduce"),
-              f"{r['sharded_ring_ratio']:.4f}",
-              ", ".join(f"{n} {op}" for op, n in r["sharded_ops"]),
-              f"{r['sharded_nnx_ring_ratio']:.4f}"] for r in sharded],
-            ["l"] + ["r"] * 6 + ["l", "r"])
-        lines += ["", "Sharded gradients come from `mirrax.value_and_grad` (reduce-scattered); "
-                  "`nnx.value_and_grad`'s arrive all-reduced by JAX, so its sharded step adds "
-                  "the parameters' all-gather to a full all-reduce."]
+            [
+                "workload",
+                "replicas",
+                "unsharded: all-reduce",
+                "sharded: reduce-scatter",
+                "all-gather",
+                "all-reduce",
+                "sharded / unsharded",
+                "collectives",
+                "with nnx.value_and_grad: sharded / unsharded",
+            ],
+            [
+                [
+                    r["workload"],
+                    r["devices"],
+                    _mib(sum(r["ring_bytes"].values())),
+                    mib(r, "reduce-scatter"),
+                    mib(r, "all-gather"),
+                    mib(r, "all-reduce"),
+                    f"{r['sharded_ring_ratio']:.4f}",
+                    ", ".join(f"{n} {op}" for op, n in r["sharded_ops"]),
+                    f"{r['sharded_nnx_ring_ratio']:.4f}",
+                ]
+                for r in sharded
+            ],
+            ["l"] + ["r"] * 6 + ["l", "r"],
+        )
+        lines += [
+            "",
+            "Sharded gradients come from `mirrax.value_and_grad` (reduce-scattered); "
+            "`nnx.value_and_grad`'s arrive all-reduced by JAX, so its sharded step adds "
+            "the parameters' all-gather to a full all-reduce.",
+        ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     env.add_device_arguments(parser, default="2,4,8")
-    parser.add_argument("--per-replica-batch", type=int, default=hlo.PER_REPLICA_BATCH,
-                        help=f"examples per replica (default {hlo.PER_REPLICA_BATCH})")
-    parser.add_argument("--skip-sharded", action="store_true",
-                        help="leave out the shard_optimizer_state=True programs")
+    parser.add_argument(
+        "--per-replica-batch",
+        type=int,
+        default=hlo.PER_REPLICA_BATCH,
+        help=f"examples per replica (default {hlo.PER_REPLICA_BATCH})",
+    )
+    parser.add_argument(
+        "--skip-sharded", action="store_true", help="leave out the shard_optimizer_state=True programs"
+    )
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
-    child_argv = env.forward_arguments(args, ("platform", "per_replica_batch"),
-                                       ("skip_sharded",))
+    child_argv = env.forward_arguments(args, ("platform", "per_replica_batch"), ("skip_sharded",))
     return env.run_benchmark(args, _measure, _markdown, child_argv, MODULE)
 
 

@@ -55,14 +55,22 @@ SIZED = {
     "window-seconds": (float, 0.5, 0.0, "target length of a window (0: one step)"),
     "variant-seconds": (float, 20.0, float("inf"), "a variant's windows stop after this many s"),
     "deadline": (float, 200.0, float("inf"), "no model is built after this many s from the start"),
-    "torch-timeout": (float, 330.0, 1800.0, "PyTorch must be ready this many s after the start "
-                      "(after JAX is ready, with --torch-after-jax), else its rows are skipped"),
+    "torch-timeout": (
+        float,
+        330.0,
+        1800.0,
+        "PyTorch must be ready this many s after the start "
+        "(after JAX is ready, with --torch-after-jax), else its rows are skipped",
+    ),
 }
 FLAGS = {  # on/off options
     "smoke": "CPU check: batch 2, 64x64 images, sequence 32, 1 step per window",
-    "skip-resnet": "no ResNet-50", "skip-transformer": "no transformer",
-    "skip-torch": "no PyTorch rows", "skip-fit": "no Model.fit rows",
-    "skip-mirrax": "no strategy.run rows", "fit-resnet": "also Model.fit on ResNet-50",
+    "skip-resnet": "no ResNet-50",
+    "skip-transformer": "no transformer",
+    "skip-torch": "no PyTorch rows",
+    "skip-fit": "no Model.fit rows",
+    "skip-mirrax": "no strategy.run rows",
+    "fit-resnet": "also Model.fit on ResNet-50",
     "no-torch-compile": "PyTorch eager",
     "torch-after-jax": "PyTorch compiles only once JAX has (no overlap of their autotuning)",
     "torch-worker": argparse.SUPPRESS,  # this process is the PyTorch process
@@ -77,11 +85,19 @@ def _parse_args(argv=None) -> argparse.Namespace:
         limit = "no limit" if smoke == float("inf") else f"{smoke:g}"
         parser.add_argument("--" + flag, type=kind, help=f"{what} (default {full:g}; smoke {limit})")
     parser.add_argument("--torch-python", default=sys.executable, help="PyTorch's interpreter")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                        help="bf16: mixed_bfloat16 / autocast(bfloat16); fp32: neither")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="bf16: mixed_bfloat16 / autocast(bfloat16); fp32: neither",
+    )
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (5)")
-    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
-                        help="dense bf16 peak of the device, TFLOP/s (default 790, H200)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=PEAK_TFLOPS,
+        help="dense bf16 peak of the device, TFLOP/s (default 790, H200)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     for flag, (_, full, smoke, _) in SIZED.items():
@@ -94,10 +110,20 @@ def _parse_args(argv=None) -> argparse.Namespace:
 def shapes(args) -> dict:
     """{model: {"batch", "x_shape", "classes", "unit", "per_example"}}; per_example: tokens."""
     return {
-        "resnet50": {"batch": args.resnet_batch, "x_shape": (args.image_size, args.image_size, 3),
-                     "classes": RESNET_CLASSES, "unit": "img/s", "per_example": 1},
-        "transformer": {"batch": args.transformer_batch, "x_shape": (args.sequence,),
-                        "classes": CLASSES, "unit": "tok/s", "per_example": args.sequence},
+        "resnet50": {
+            "batch": args.resnet_batch,
+            "x_shape": (args.image_size, args.image_size, 3),
+            "classes": RESNET_CLASSES,
+            "unit": "img/s",
+            "per_example": 1,
+        },
+        "transformer": {
+            "batch": args.transformer_batch,
+            "x_shape": (args.sequence,),
+            "classes": CLASSES,
+            "unit": "tok/s",
+            "per_example": args.sequence,
+        },
     }
 
 
@@ -107,13 +133,17 @@ def make_data(model: str, spec: dict):
 
     rng = np.random.default_rng(0)
     shape = (spec["batch"],) + tuple(spec["x_shape"])
-    x = (rng.standard_normal(shape).astype(np.float32) if model == "resnet50"
-         else rng.integers(0, VOCABULARY, size=shape).astype(np.int32))
+    x = (
+        rng.standard_normal(shape).astype(np.float32)
+        if model == "resnet50"
+        else rng.integers(0, VOCABULARY, size=shape).astype(np.int32)
+    )
     return x, rng.integers(0, spec["classes"], size=(spec["batch"],)).astype(np.int32)
 
 
 def resnet50_forward_macs(image_size: int) -> int:
     """Multiply-adds of one ResNet-50 forward pass on one image (convolutions and the dense head)."""
+
     def out(n, k, s, p):
         return (n + 2 * p - k) // s + 1
 
@@ -125,11 +155,11 @@ def resnet50_forward_macs(image_size: int) -> int:
         for block in range(blocks):
             stride = 2 if block == 0 and index > 0 else 1
             after = out(side, 3, stride, 1)
-            macs += side * side * channels * width               # 1x1 reduce
-            macs += after * after * 9 * width * width            # 3x3 (stride here, v1.5)
-            macs += after * after * width * 4 * width            # 1x1 expand
+            macs += side * side * channels * width  # 1x1 reduce
+            macs += after * after * 9 * width * width  # 3x3 (stride here, v1.5)
+            macs += after * after * width * 4 * width  # 1x1 expand
             if block == 0:
-                macs += after * after * channels * 4 * width     # projection shortcut
+                macs += after * after * channels * 4 * width  # projection shortcut
             side, channels = after, 4 * width
     return macs + channels * RESNET_CLASSES
 
@@ -147,12 +177,14 @@ def model_flops_per_step(model: str, spec: dict) -> float:
 
 def _timed(step, block, loss_of):
     """`run(n)`: `n` calls of `step()`, then `block(last output)`; -> (seconds, last loss)."""
+
     def run(n):
         start = time.perf_counter()
         for _ in range(n):
             out = step()
         block(out)
         return time.perf_counter() - start, loss_of(out)
+
     return run
 
 
@@ -161,14 +193,19 @@ def _warm_up(run, start: float) -> dict:
     WARMUP_STEPS - 1 more; step_s (WARMUP_STEPS more) sets the steps per window."""
     first_loss = run(1)[1]
     run(WARMUP_STEPS - 1)
-    return {"compile_s": time.perf_counter() - start, "first_loss": first_loss,
-            "step_s": run(WARMUP_STEPS)[0] / WARMUP_STEPS}
+    return {
+        "compile_s": time.perf_counter() - start,
+        "first_loss": first_loss,
+        "step_s": run(WARMUP_STEPS)[0] / WARMUP_STEPS,
+    }
 
 
 def _log_warm_up(model: str, variant: str, info: dict) -> None:
-    env.log(f"  {TITLES[model]} / {variant}: compile + {WARMUP_STEPS} steps "
-            f"{info['compile_s']:.1f} s, first loss {info['first_loss']:.6f}, "
-            f"~{info['step_s'] * 1e3:.1f} ms/step")
+    env.log(
+        f"  {TITLES[model]} / {variant}: compile + {WARMUP_STEPS} steps "
+        f"{info['compile_s']:.1f} s, first loss {info['first_loss']:.6f}, "
+        f"~{info['step_s'] * 1e3:.1f} ms/step"
+    )
 
 
 def build_nnx(model: str, spec: dict, rngs):
@@ -178,9 +215,18 @@ def build_nnx(model: str, spec: dict, rngs):
     if model == "resnet50":
         return models.ResNet50(rngs, classes=RESNET_CLASSES)
     # exact_gelu=False: tanh GELU (nnx.gelu's default), as the PyTorch encoder's activation.
-    return models.Transformer(rngs, layers=LAYERS, d_model=D_MODEL, heads=HEADS, mlp=MLP_WIDTH,
-                              sequence=spec["x_shape"][0], vocabulary=VOCABULARY,
-                              classes=CLASSES, epsilon=LN_EPSILON, exact_gelu=False)
+    return models.Transformer(
+        rngs,
+        layers=LAYERS,
+        d_model=D_MODEL,
+        heads=HEADS,
+        mlp=MLP_WIDTH,
+        sequence=spec["x_shape"][0],
+        vocabulary=VOCABULARY,
+        classes=CLASSES,
+        epsilon=LN_EPSILON,
+        exact_gelu=False,
+    )
 
 
 def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
@@ -208,6 +254,7 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
 
     def update(module, optimizer, xb, yb, reduce):
         """One train step; the forward pass in `compute_dtype` as mirrax.Model applies a policy."""
+
         def loss_fn(module):
             inputs = xb
             if compute_dtype != "float32":
@@ -230,18 +277,24 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
         iterator.close()
 
         def train_step(module, optimizer, batch):  # strategy.run runs the step as written
-            return update(module, optimizer, *batch, lambda l: mirrax.compute_average_loss(
-                l, global_batch_size=spec["batch"]))
+            return update(
+                module,
+                optimizer,
+                *batch,
+                lambda l: mirrax.compute_average_loss(l, global_batch_size=spec["batch"]),
+            )
 
         runs["mirrax"] = _timed(
             lambda: strategy.run(train_step, args=(module, optimizer, batch)),
             lambda out: jax.block_until_ready((out, nnx.state((module, optimizer)))),
-            lambda out: float(strategy.reduce("sum", out)))
+            lambda out: float(strategy.reduce("sum", out)),
+        )
     if not args.skip_fit and (model == "transformer" or args.fit_resnet):
         with mirrax.MirroredStrategy([device]).scope():
             keras_model = mirrax.Model(build_nnx(model, spec, nnx.Rngs(0)))
-            keras_model.compile(optimizer=new_optimizer(),
-                                loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+            keras_model.compile(
+                optimizer=new_optimizer(), loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
 
         class EpochClock(mirrax.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
@@ -253,9 +306,15 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
 
         def fit(steps):  # one epoch of `steps` steps, its input pipeline included
             clock = EpochClock()
-            keras_model.fit(np.concatenate([x] * steps), np.concatenate([y] * steps),
-                            batch_size=spec["batch"], epochs=1, verbose=0, shuffle=False,
-                            callbacks=[clock])
+            keras_model.fit(
+                np.concatenate([x] * steps),
+                np.concatenate([y] * steps),
+                batch_size=spec["batch"],
+                epochs=1,
+                verbose=0,
+                shuffle=False,
+                callbacks=[clock],
+            )
             return clock.seconds, clock.loss
 
         runs["fit"] = fit
@@ -272,8 +331,7 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
     holder = {"state": jax.device_put(state, device)}
     x_dev, y_dev = jax.device_put(x, device), jax.device_put(y, device)
     try:  # a check beside the analytic FLOPs; MFU does not use it
-        xla_flops = float(jax.jit(jit_step).lower(holder["state"], x_dev, y_dev)
-                          .cost_analysis()["flops"])
+        xla_flops = float(jax.jit(jit_step).lower(holder["state"], x_dev, y_dev).cost_analysis()["flops"])
     except Exception as error:  # noqa: BLE001
         env.log(f"  XLA cost analysis unavailable: {type(error).__name__}: {error}")
         xla_flops = float("nan")
@@ -307,13 +365,13 @@ def _run_jax(args, results: dict, start: float, device, torch_worker) -> None:
         try:
             built[model] = _jax_variants(model, specs[model], args, device, policy.compute_dtype)
         except Exception as error:  # noqa: BLE001 - one model failing (out of memory, say)
-            traceback.print_exc()   # must not cost the other model's rows
-            results["notes"].append(f"{TITLES[model]}: JAX variants failed "
-                                    f"({type(error).__name__}: {str(error)[:300]}).")
+            traceback.print_exc()  # must not cost the other model's rows
+            results["notes"].append(
+                f"{TITLES[model]}: JAX variants failed ({type(error).__name__}: {str(error)[:300]})."
+            )
     torch_ready = torch_worker.wait_ready(args, start, results) if torch_worker else {}
     for model, (variants, info) in built.items():
-        _measure(args, results, model, specs[model], variants, info, torch_ready.get(model),
-                 torch_worker)
+        _measure(args, results, model, specs[model], variants, info, torch_ready.get(model), torch_worker)
 
 
 def _measure(args, results, model, spec, variants, info, torch_info, torch_worker) -> None:
@@ -328,8 +386,12 @@ def _measure(args, results, model, spec, variants, info, torch_info, torch_worke
         if f"torch rows skipped ({reason})." not in results["notes"]:
             results["notes"].append(f"torch rows skipped ({reason}).")
     # Steps per window: about --window-seconds at the warm-up's pace, 2 to 500 (0 s: one step).
-    steps = {name: 1 if args.window_seconds <= 0 else int(min(500, max(2, round(
-        args.window_seconds / max(v["step_s"], 1e-6))))) for name, v in variants.items()}
+    steps = {
+        name: 1
+        if args.window_seconds <= 0
+        else int(min(500, max(2, round(args.window_seconds / max(v["step_s"], 1e-6)))))
+        for name, v in variants.items()
+    }
     spent = dict.fromkeys(variants, 0.0)
 
     def window(name):  # seconds, or NaN once past --variant-seconds or when the window failed
@@ -337,34 +399,48 @@ def _measure(args, results, model, spec, variants, info, torch_info, torch_worke
         spent[name] += done[0] if done else 0.0
         return done[0] if done else float("nan")
 
-    samples = timing.interleave({name: functools.partial(window, name) for name in variants},
-                                args.windows)
+    samples = timing.interleave({name: functools.partial(window, name) for name in variants}, args.windows)
     flops = model_flops_per_step(model, spec)
     rows = []
     for name, seconds in samples.items():
         per = [s / steps[name] for s in seconds if s == s]
         median = statistics.median(per) if per else float("nan")
-        rows.append({
-            "model": model, "variant": name, "batch": spec["batch"],
-            "x_shape": list(spec["x_shape"]), "steps_per_window": steps[name],
-            "windows": len(per), "window_ms": [p * 1e3 for p in per], "ms_per_step": median * 1e3,
-            "throughput": spec["batch"] * spec["per_example"] / median, "unit": spec["unit"],
-            "model_flops_per_step": flops, "tflops": flops / median / 1e12,
-            "mfu": flops / median / (args.peak_tflops * 1e12),
-            "compile_s": variants[name]["compile_s"], "first_loss": variants[name]["first_loss"],
-            "xla_flops_per_step": info["xla_flops"], "parameters": info["parameters"],
-            "torch_parameters": (torch_info or {}).get("parameters")})
+        rows.append(
+            {
+                "model": model,
+                "variant": name,
+                "batch": spec["batch"],
+                "x_shape": list(spec["x_shape"]),
+                "steps_per_window": steps[name],
+                "windows": len(per),
+                "window_ms": [p * 1e3 for p in per],
+                "ms_per_step": median * 1e3,
+                "throughput": spec["batch"] * spec["per_example"] / median,
+                "unit": spec["unit"],
+                "model_flops_per_step": flops,
+                "tflops": flops / median / 1e12,
+                "mfu": flops / median / (args.peak_tflops * 1e12),
+                "compile_s": variants[name]["compile_s"],
+                "first_loss": variants[name]["first_loss"],
+                "xla_flops_per_step": info["xla_flops"],
+                "parameters": info["parameters"],
+                "torch_parameters": (torch_info or {}).get("parameters"),
+            }
+        )
     jit_ms = next(r["ms_per_step"] for r in rows if r["variant"] == "jax.jit")
     results["rows"] += [dict(row, vs_jit=row["ms_per_step"] / jit_ms) for row in rows]
-    line = (f"{TITLES[model]}: model FLOPs {flops / spec['batch'] / 1e9:.2f} GFLOP per example per "
-            f"step (analytic); XLA's count of the jax.jit train step "
-            f"{info['xla_flops'] / spec['batch'] / 1e9:.2f} GFLOP; {info['parameters']:,} "
-            "parameters (Flax)")
+    line = (
+        f"{TITLES[model]}: model FLOPs {flops / spec['batch'] / 1e9:.2f} GFLOP per example per "
+        f"step (analytic); XLA's count of the jax.jit train step "
+        f"{info['xla_flops'] / spec['batch'] / 1e9:.2f} GFLOP; {info['parameters']:,} "
+        "parameters (Flax)"
+    )
     if torch_info and "parameters" in torch_info:
         line += f", {torch_info['parameters']:,} (PyTorch, {torch_info['impl']})"
     # Every JAX variant starts from the same weights: the same first loss means the same step.
-    losses = ", ".join(f"{name} {v['first_loss']:.6f}" for name, v in variants.items()
-                       if v["first_loss"] is not None)
+    losses = ", ".join(
+        f"{name} {v['first_loss']:.6f}" for name, v in variants.items() if v["first_loss"] is not None
+    )
     caveat = " (torch: its own random initialization)" if "torch" in variants else ""
     results["notes"].append(f"{line}. First-step losses: {losses}{caveat}.")
 
@@ -380,9 +456,17 @@ def torch_model(model: str, spec: dict):
 
     if model == "transformer":
         return peer_models.torch_model(
-            "transformer", layers=LAYERS, d_model=D_MODEL, heads=HEADS, mlp=MLP_WIDTH,
-            sequence=spec["x_shape"][0], vocabulary=VOCABULARY, classes=CLASSES,
-            epsilon=LN_EPSILON, exact_gelu=False), "torch.nn"
+            "transformer",
+            layers=LAYERS,
+            d_model=D_MODEL,
+            heads=HEADS,
+            mlp=MLP_WIDTH,
+            sequence=spec["x_shape"][0],
+            vocabulary=VOCABULARY,
+            classes=CLASSES,
+            epsilon=LN_EPSILON,
+            exact_gelu=False,
+        ), "torch.nn"
 
     try:
         import torchvision
@@ -403,8 +487,7 @@ def torch_model(model: str, spec: dict):
             self.conv3, self.bn3 = nn.Conv2d(width, 4 * width, 1, bias=False), bn(4 * width)
             self.project = None
             if stride != 1 or cin != 4 * width:
-                self.project = nn.Sequential(
-                    nn.Conv2d(cin, 4 * width, 1, stride, bias=False), bn(4 * width))
+                self.project = nn.Sequential(nn.Conv2d(cin, 4 * width, 1, stride, bias=False), bn(4 * width))
 
         def forward(self, x):
             h = F.relu(self.bn1(self.conv1(x)))
@@ -412,8 +495,10 @@ def torch_model(model: str, spec: dict):
             h = self.bn3(self.conv3(h))
             return F.relu(h + (x if self.project is None else self.project(x)))
 
-    layers, cin = [nn.Conv2d(3, 64, 7, 2, padding=3, bias=False), bn(64), nn.ReLU(),
-                   nn.MaxPool2d(3, 2, padding=1)], 64
+    layers, cin = (
+        [nn.Conv2d(3, 64, 7, 2, padding=3, bias=False), bn(64), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1)],
+        64,
+    )
     for index, (count, width) in enumerate(RESNET_STAGES):
         for block in range(count):
             layers.append(Bottleneck(cin, width, 2 if block == 0 and index > 0 else 1))
@@ -438,18 +523,20 @@ def _torch_build(args):
             os._exit(0)
     device = torch.device("cuda" if cuda else "cpu")
     torch.backends.cudnn.benchmark = True
-    ready = {"versions": {"torch": torch.__version__},
-             "device": torch.cuda.get_device_name(0) if cuda else env.processor_name()}
+    ready = {
+        "versions": {"torch": torch.__version__},
+        "device": torch.cuda.get_device_name(0) if cuda else env.processor_name(),
+    }
 
     def timed(forward, optimizer, x, y):
         def step():
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16,
-                                enabled=args.precision == "bf16"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = torch.nn.functional.cross_entropy(forward(x), y)
             loss.backward()
             optimizer.step()
             return loss.detach()
+
         return _timed(step, lambda out: torch.cuda.synchronize() if cuda else None, float)
 
     runs, specs = {}, shapes(args)
@@ -478,9 +565,13 @@ def _torch_build(args):
                 run = timed(module, optimizer, x, y)
                 warm = _warm_up(run, start)
             runs[model] = run
-            ready[model] = dict(warm, impl=impl, note=note,
-                                parameters=sum(p.numel() for p in module.parameters()),
-                                compiled=not note and not args.no_torch_compile)
+            ready[model] = dict(
+                warm,
+                impl=impl,
+                note=note,
+                parameters=sum(p.numel() for p in module.parameters()),
+                compiled=not note and not args.no_torch_compile,
+            )
         except Exception as error:  # noqa: BLE001 - report it, keep the other model
             traceback.print_exc()
             ready[model] = {"error": f"{type(error).__name__}: {error}"[:300]}
@@ -502,7 +593,10 @@ class TorchWorker:
             self.worker = workers.Worker(
                 env.module_command(MODULE, *argv, "--torch-worker", python=args.torch_python),
                 env=env.child_environment({"XLA_PYTHON_CLIENT_PREALLOCATE": None}),
-                log=None, label="torch", replies=self.replies)
+                log=None,
+                label="torch",
+                replies=self.replies,
+            )
         except OSError as error:
             self.error = f"cannot start {args.torch_python}: {error}"
 
@@ -513,7 +607,7 @@ class TorchWorker:
         try:
             if command is not None:
                 self.worker.send(command)
-            reply, = workers.receive([self.worker], self.replies, timeout)
+            (reply,) = workers.receive([self.worker], self.replies, timeout)
             self.error = reply.get("fatal")
         except (OSError, workers.WorkerFailedError) as error:
             env.log(f"  the PyTorch process failed: {error}")
@@ -536,8 +630,10 @@ class TorchWorker:
             if "impl" in info:
                 how = "torch.compile" if info["compiled"] else "eager"
                 _log_warm_up(model, f"torch ({info['impl']}, {how})", info)
-                results["notes"].append(f"{TITLES[model]}: torch ran the {info['impl']} model, "
-                                        f"{info['note'] or how}, on {ready['device']}.")
+                results["notes"].append(
+                    f"{TITLES[model]}: torch ran the {info['impl']} model, "
+                    f"{info['note'] or how}, on {ready['device']}."
+                )
         return ready
 
     def window(self, model: str, steps: int):
@@ -556,28 +652,51 @@ def markdown(results: dict, args) -> str:
     rows = []
     for row in results["rows"]:
         shape = "x".join(str(d) for d in row["x_shape"])
-        title = (f"{TITLES[row['model']]} {shape}" if row["model"] == "resnet50"
-                 else f"{TITLES[row['model']]}, seq {shape}")
+        title = (
+            f"{TITLES[row['model']]} {shape}"
+            if row["model"] == "resnet50"
+            else f"{TITLES[row['model']]}, seq {shape}"
+        )
         if not row["windows"]:
             rows.append([title, row["variant"], row["batch"]] + ["-"] * 5 + [0, "-"])
             continue
         value, unit = row["throughput"], row["unit"]
-        rows.append([
-            title, row["variant"], row["batch"], f"{row['ms_per_step']:.2f}",
-            f"{value / 1e6:.2f}M {unit}" if value >= 1e6 else f"{value:,.0f} {unit}",
-            f"{row['tflops']:.1f}", f"{row['mfu'] * 100:.1f}%", f"{row['vs_jit']:.3f}",
-            f"{row['windows']} x {row['steps_per_window']}", f"{row['compile_s']:.0f} s"])
-    header = ["model", "variant", "batch", "ms/step", "throughput", "model TFLOP/s", "MFU",
-              "vs jax.jit", "windows", "compile + 3 steps"]
+        rows.append(
+            [
+                title,
+                row["variant"],
+                row["batch"],
+                f"{row['ms_per_step']:.2f}",
+                f"{value / 1e6:.2f}M {unit}" if value >= 1e6 else f"{value:,.0f} {unit}",
+                f"{row['tflops']:.1f}",
+                f"{row['mfu'] * 100:.1f}%",
+                f"{row['vs_jit']:.3f}",
+                f"{row['windows']} x {row['steps_per_window']}",
+                f"{row['compile_s']:.0f} s",
+            ]
+        )
+    header = [
+        "model",
+        "variant",
+        "batch",
+        "ms/step",
+        "throughput",
+        "model TFLOP/s",
+        "MFU",
+        "vs jax.jit",
+        "windows",
+        "compile + 3 steps",
+    ]
     torch_version = results["versions"].get("torch")
     lines = env.markdown_table(header, rows, ["l", "l"] + ["r"] * 8) + [
-        "", f"{env.environment_note(results['environment'])} Precision {args.precision}; "
+        "",
+        f"{env.environment_note(results['environment'])} Precision {args.precision}; "
         f"MFU against {args.peak_tflops:.0f} TFLOP/s"
-        + (f"; torch {torch_version}." if torch_version else ".")]
+        + (f"; torch {torch_version}." if torch_version else "."),
+    ]
     lines += [f"- {note}" for note in results["notes"]]
     if args.smoke:
-        lines.append("- --smoke: tiny shapes on whatever device there is; these numbers measure "
-                     "nothing.")
+        lines.append("- --smoke: tiny shapes on whatever device there is; these numbers measure nothing.")
     return "\n".join(lines)
 
 
@@ -595,15 +714,21 @@ def main(argv=None) -> int:
     device = jax.local_devices()[0]
     machine = env.environment([device])
     results = {
-        "command": " ".join(["python -m", MODULE, *argv]), "date": machine["date"],
-        "smoke": args.smoke, "environment": machine,
+        "command": " ".join(["python -m", MODULE, *argv]),
+        "date": machine["date"],
+        "smoke": args.smoke,
+        "environment": machine,
         "device": f"{device.platform}: {device.device_kind}",
         "versions": {name: machine[name] for name in ("python", "jax", "flax", "optax")},
-        "rows": [], "notes": []}
+        "rows": [],
+        "notes": [],
+    }
     if jax.default_backend() != "gpu" and not args.smoke:
-        message = (f"gpu_models: skipped: JAX's backend is {jax.default_backend()!r}, not 'gpu'. "
-                   "Run `bash benchmarks/gpu.sh` on a GPU machine, or pass --smoke for a quick "
-                   "CPU check of the script.")
+        message = (
+            f"gpu_models: skipped: JAX's backend is {jax.default_backend()!r}, not 'gpu'. "
+            "Run `bash benchmarks/gpu.sh` on a GPU machine, or pass --smoke for a quick "
+            "CPU check of the script."
+        )
         print(message)
         env.write_json(args.json, dict(results, skipped=message))
         return 0

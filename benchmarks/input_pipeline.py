@@ -56,8 +56,10 @@ def _sources(args):
     from benchmarks._harness import models
 
     (x, y), _ = mirrax.data.load_digits()
-    digits = [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH])
-              for i in range(0, len(x) - GLOBAL_BATCH + 1, GLOBAL_BATCH)]
+    digits = [
+        (x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH])
+        for i in range(0, len(x) - GLOBAL_BATCH + 1, GLOBAL_BATCH)
+    ]
     cifar = [models.random_batch(CIFAR_SHAPE, GLOBAL_BATCH, seed) for seed in range(CIFAR_BATCHES)]
     cifar_uint8 = [((b[0] * 64 + 128).clip(0, 255).astype(np.uint8), b[1]) for b in cifar]
 
@@ -65,8 +67,12 @@ def _sources(args):
         return lambda n: (batches[i % len(batches)] for i in range(n))
 
     def grain_digits(n):  # a per-example pipeline: the source stacks every batch in Python
-        ds = (grain.MapDataset.range(len(x)).map(lambda i: (x[i], y[i])).repeat()
-              .batch(GLOBAL_BATCH, drop_remainder=True))
+        ds = (
+            grain.MapDataset.range(len(x))
+            .map(lambda i: (x[i], y[i]))
+            .repeat()
+            .batch(GLOBAL_BATCH, drop_remainder=True)
+        )
         read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
         return itertools.islice(ds.to_iter_dataset(read), n)
 
@@ -89,8 +95,10 @@ def _measure(args, devices: int) -> dict:
 
     local = env.local_devices(args.platform, devices, MODULE)
     strategy = mirrax.MirroredStrategy(local)
-    options = {"prefetch": mirrax.InputOptions(),
-               "direct": mirrax.InputOptions(experimental_fetch_to_device=False)}
+    options = {
+        "prefetch": mirrax.InputOptions(),
+        "direct": mirrax.InputOptions(experimental_fetch_to_device=False),
+    }
     train_step = models.strategy_run_step(GLOBAL_BATCH)
 
     @functools.cache  # one (model, optimizer) per image shape, shared by its sources
@@ -105,16 +113,18 @@ def _measure(args, devices: int) -> dict:
 
     def train_loop(state, next_batch, steps):  # seconds until the state is ready
         start = time.perf_counter()
-        timing.run_steps(lambda: strategy.run(train_step, args=state + (next_batch(),)),
-                         lambda out: jax.block_until_ready((out, nnx.state(state))),
-                         steps, args.max_in_flight)
+        timing.run_steps(
+            lambda: strategy.run(train_step, args=state + (next_batch(),)),
+            lambda out: jax.block_until_ready((out, nnx.state(state))),
+            steps,
+            args.max_in_flight,
+        )
         return time.perf_counter() - start
 
     def together(state, make_source, key, steps):
         """The row's together, wait, first-batch (and ready) values of one window of the loop."""
         start = time.perf_counter()
-        iterator = iter(strategy.experimental_distribute_dataset(make_source(steps + 1),
-                                                                 options[key]))
+        iterator = iter(strategy.experimental_distribute_dataset(make_source(steps + 1), options[key]))
         first = next(iterator)
         first_latency = time.perf_counter() - start
         jax.block_until_ready((strategy.run(train_step, args=state + (first,)), nnx.state(state)))
@@ -130,29 +140,45 @@ def _measure(args, devices: int) -> dict:
         elapsed = train_loop(state, next_batch, steps)
         iterator.close()
         wait = sum(waited)
-        values = {f"together_{key}_ms": elapsed / steps * 1e3, f"wait_{key}_us": wait / steps * 1e6,
-                  f"wait_{key}_share": wait / elapsed, f"first_batch_{key}_ms": first_latency * 1e3}
+        values = {
+            f"together_{key}_ms": elapsed / steps * 1e3,
+            f"wait_{key}_us": wait / steps * 1e6,
+            f"wait_{key}_share": wait / elapsed,
+            f"first_batch_{key}_ms": first_latency * 1e3,
+        }
         return dict(values, ready_at_next_share=sum(ready) / steps) if key == "prefetch" else values
 
     rows, n, median = [], args.pipeline_batches, statistics.median
     for name, (make_source, shape, steps) in _sources(args).items():
         # Each variant takes `warm`: a short untimed run (compilation, first placement).
-        variants = {f"pipeline_{key}": lambda warm, key=key: pipeline(
-            make_source, options[key], WARM_BATCHES if warm else n) for key in options}
+        variants = {
+            f"pipeline_{key}": lambda warm, key=key: pipeline(
+                make_source, options[key], WARM_BATCHES if warm else n
+            )
+            for key in options
+        }
         if steps:
             state = state_for(tuple(shape))
             one = next(iter(strategy.experimental_distribute_dataset(next(iter(make_source(1))))))
             variants["alone"] = lambda warm: train_loop(state, lambda: one, 2 if warm else steps)
             for key in options:
-                variants[f"together_{key}"] = (lambda warm, key=key: together(
-                    state, make_source, key, 2 if warm else steps))
+                variants[f"together_{key}"] = lambda warm, key=key: together(
+                    state, make_source, key, 2 if warm else steps
+                )
         for variant in variants.values():
             variant(True)
-        results = timing.interleave({key: lambda v=v: v(False) for key, v in variants.items()},
-                                    args.windows, order="flip")
-        row = {"data": name, "devices": devices, "global_batch": GLOBAL_BATCH,
-               "windows": args.windows, "pipeline_batches": n, "steps_per_window": steps,
-               "max_in_flight": args.max_in_flight}
+        results = timing.interleave(
+            {key: lambda v=v: v(False) for key, v in variants.items()}, args.windows, order="flip"
+        )
+        row = {
+            "data": name,
+            "devices": devices,
+            "global_batch": GLOBAL_BATCH,
+            "windows": args.windows,
+            "pipeline_batches": n,
+            "steps_per_window": steps,
+            "max_in_flight": args.max_in_flight,
+        }
         for key in options:
             row[f"pipeline_{key}_batches_per_s"] = n / median(results[f"pipeline_{key}"])
             row[f"pipeline_{key}_windows_s"] = results[f"pipeline_{key}"]
@@ -166,24 +192,32 @@ def _measure(args, devices: int) -> dict:
                 per_step = row[f"together_{key}_windows_ms"] = [r[f"together_{key}_ms"] for r in runs]
                 # Same-window ratio, then the median: drift between windows cancels.
                 row[f"together_{key}_over_alone"] = median(p / a for p, a in zip(per_step, alone))
-            row["capacity_over_consumption"] = (
-                row["pipeline_prefetch_batches_per_s"] * row["alone_ms"] / 1e3)
+            row["capacity_over_consumption"] = row["pipeline_prefetch_batches_per_s"] * row["alone_ms"] / 1e3
         rows.append(row)
-        env.log(f"  [{devices} {args.platform}] {name}: " + "; ".join(
-            f"{header} {fmt.format(row[key])}" for header, key, fmt in COLUMNS if key in row))
+        env.log(
+            f"  [{devices} {args.platform}] {name}: "
+            + "; ".join(f"{header} {fmt.format(row[key])}" for header, key, fmt in COLUMNS if key in row)
+        )
     return {"environment": env.environment(local), "rows": rows}
 
 
 def _markdown(results: list) -> str:
-    table = [[r["data"], r["devices"],
-              *(fmt.format(r[key]) if key in r else "—" for _, key, fmt in COLUMNS)]
-             for result in results for r in result["rows"]]
+    table = [
+        [r["data"], r["devices"], *(fmt.format(r[key]) if key in r else "—" for _, key, fmt in COLUMNS)]
+        for result in results
+        for r in result["rows"]
+    ]
     first = results[0]["rows"][0]
-    return "\n".join(env.markdown_table(["data", "replicas"] + [c[0] for c in COLUMNS], table) + [
-        "", f"{env.environment_note(results[0]['environment'])} Global batch {GLOBAL_BATCH}; "
-        f"medians of {first['windows']} interleaved windows after a warm-up; pipeline windows "
-        f"of {first['pipeline_batches']} batches; at most {first['max_in_flight']} steps in "
-        "flight (0: every step waited for before the next batch is asked for)."])
+    return "\n".join(
+        env.markdown_table(["data", "replicas"] + [c[0] for c in COLUMNS], table)
+        + [
+            "",
+            f"{env.environment_note(results[0]['environment'])} Global batch {GLOBAL_BATCH}; "
+            f"medians of {first['windows']} interleaved windows after a warm-up; pipeline windows "
+            f"of {first['pipeline_batches']} batches; at most {first['max_in_flight']} steps in "
+            "flight (0: every step waited for before the next batch is asked for).",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -193,16 +227,21 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline-batches", type=int, default=100, help="per pipeline window")
     parser.add_argument("--digits-steps", type=int, default=20, help="per window, digits")
     parser.add_argument("--cifar-steps", type=int, default=4, help="per window, CIFAR-shaped")
-    parser.add_argument("--max-in-flight", type=int, default=2,
-                        help="steps dispatched ahead of the last finished one (0: synchronous)")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=2,
+        help="steps dispatched ahead of the last finished one (0: synchronous)",
+    )
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
     if min(args.windows, args.pipeline_batches, args.digits_steps, args.cifar_steps) < 1:
         parser.error("--windows, --pipeline-batches, --digits-steps and --cifar-steps must be >= 1")
     if args.max_in_flight < 0:
         parser.error(f"--max-in-flight must be >= 0; got {args.max_in_flight}")
-    child_argv = env.forward_arguments(args, ("platform", "windows", "pipeline_batches",
-                                              "digits_steps", "cifar_steps", "max_in_flight"))
+    child_argv = env.forward_arguments(
+        args, ("platform", "windows", "pipeline_batches", "digits_steps", "cifar_steps", "max_in_flight")
+    )
     return env.run_benchmark(args, _measure, _markdown, child_argv, MODULE)
 
 

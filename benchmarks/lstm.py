@@ -68,8 +68,8 @@ def _measure(args, devices: int) -> dict:
         stamps = []
         clock = mirrax.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: stamps.append(time.perf_counter()),
-            on_epoch_end=lambda epoch, logs: (float(logs["loss"]),
-                                              stamps.append(time.perf_counter())))
+            on_epoch_end=lambda epoch, logs: (float(logs["loss"]), stamps.append(time.perf_counter())),
+        )
         model.fit(x, y, batch_size=gb, epochs=1, verbose=0, shuffle=False, callbacks=[clock])
         return stamps[1] - stamps[0]
 
@@ -92,7 +92,7 @@ def _measure(args, devices: int) -> dict:
         return optax.apply_updates(trainable, updates), frozen, opt_state, loss
 
     step_fn = jax.jit(step, donate_argnums=(0, 1, 2))
-    slices = [(x[i * gb:(i + 1) * gb], y[i * gb:(i + 1) * gb]) for i in range(args.steps)]
+    slices = [(x[i * gb : (i + 1) * gb], y[i * gb : (i + 1) * gb]) for i in range(args.steps)]
     placed = [tuple(jax.device_put(a, sharded) for a in pair) for pair in slices]
 
     def hand_window(batches, put):
@@ -110,38 +110,67 @@ def _measure(args, devices: int) -> dict:
             timing.run_steps(one, jax.block_until_ready, args.steps, 2)
             jax.block_until_ready(state)
             return time.perf_counter() - start
+
         return window
 
-    windows = {"fit": fit_window, "hand": hand_window(slices, True),
-               "hand_placed": hand_window(placed, False)}
+    windows = {
+        "fit": fit_window,
+        "hand": hand_window(slices, True),
+        "hand_placed": hand_window(placed, False),
+    }
     for window in windows.values():  # compilation
         window()
     seconds = timing.interleave(windows, args.repeats, order="rotate")
     samples = {key: [t / args.steps for t in seconds[key]] for key in VARIANTS}
-    row = {"devices": devices, "global_batch": gb, "steps_per_window": args.steps,
-           "repeats": args.repeats, "ms_per_step": timing.medians(samples, 1e3),
-           "ratio_hand": timing.paired_ratio(samples, "fit", "hand"),
-           "ratio_placed": timing.paired_ratio(samples, "fit", "hand_placed"),
-           "samples_s": samples}
-    env.log(f"  [{devices} {args.platform}] " + ", ".join(
-        f"{k} {ms:.3f}" for k, ms in row["ms_per_step"].items())
-        + f" ms/step; fit/hand {row['ratio_hand']:.3f}x, fit/placed {row['ratio_placed']:.3f}x")
+    row = {
+        "devices": devices,
+        "global_batch": gb,
+        "steps_per_window": args.steps,
+        "repeats": args.repeats,
+        "ms_per_step": timing.medians(samples, 1e3),
+        "ratio_hand": timing.paired_ratio(samples, "fit", "hand"),
+        "ratio_placed": timing.paired_ratio(samples, "fit", "hand_placed"),
+        "samples_s": samples,
+    }
+    env.log(
+        f"  [{devices} {args.platform}] "
+        + ", ".join(f"{k} {ms:.3f}" for k, ms in row["ms_per_step"].items())
+        + f" ms/step; fit/hand {row['ratio_hand']:.3f}x, fit/placed {row['ratio_placed']:.3f}x"
+    )
     return {"environment": env.environment(local), "rows": [row]}
 
 
 def _markdown(results: list) -> str:
-    header = ["replicas", "global batch", "fit ms/step", "hand ms/step", "hand_placed ms/step",
-              "fit / hand", "fit / hand_placed"]
-    table = [[r["devices"], r["global_batch"],
-              *(f"{r['ms_per_step'][key]:.3f}" for key in VARIANTS),
-              f"{r['ratio_hand']:.3f}", f"{r['ratio_placed']:.3f}"]
-             for result in results for r in result["rows"]]
+    header = [
+        "replicas",
+        "global batch",
+        "fit ms/step",
+        "hand ms/step",
+        "hand_placed ms/step",
+        "fit / hand",
+        "fit / hand_placed",
+    ]
+    table = [
+        [
+            r["devices"],
+            r["global_batch"],
+            *(f"{r['ms_per_step'][key]:.3f}" for key in VARIANTS),
+            f"{r['ratio_hand']:.3f}",
+            f"{r['ratio_placed']:.3f}",
+        ]
+        for result in results
+        for r in result["rows"]
+    ]
     first = results[0]["rows"][0]
-    return "\n".join(env.markdown_table(header, table) + [
-        "",
-        f"{env.environment_note(results[0]['environment'])} {first['steps_per_window']} steps "
-        f"per window; median of {first['repeats']} rotated rounds; ratios are medians of "
-        f"same-round ratios. Target: fit / hand <= {TARGET}."])
+    return "\n".join(
+        env.markdown_table(header, table)
+        + [
+            "",
+            f"{env.environment_note(results[0]['environment'])} {first['steps_per_window']} steps "
+            f"per window; median of {first['repeats']} rotated rounds; ratios are medians of "
+            f"same-round ratios. Target: fit / hand <= {TARGET}.",
+        ]
+    )
 
 
 def main(argv=None) -> int:

@@ -44,8 +44,7 @@ from benchmarks._harness import env
 
 MODULE = "benchmarks.parameter_server"
 # option name -> (label, model builder in _harness/models.py, input features, batch)
-WORKLOADS = {"mlp": ("MLP 784-256-256-10", "MLP256", 784, 128),
-             "small": ("MLP 32-64-10", "MLP", 32, 8)}
+WORKLOADS = {"mlp": ("MLP 784-256-256-10", "MLP256", 784, 128), "small": ("MLP 32-64-10", "MLP", 32, 8)}
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
@@ -57,8 +56,13 @@ def train_step(model, optimizer, batch):
 
     x, y = batch
     global_batch = x.shape[0] * mirrax.get_replica_context().num_replicas_in_sync
-    return models.update(model, optimizer, x, y, lambda per_example: mirrax.compute_average_loss(
-        per_example, global_batch_size=global_batch))
+    return models.update(
+        model,
+        optimizer,
+        x,
+        y,
+        lambda per_example: mirrax.compute_average_loss(per_example, global_batch_size=global_batch),
+    )
 
 
 def _train_step(args, batch: int):
@@ -83,9 +87,13 @@ def _counts(parser, flag: str, value: str) -> list:
 
 
 def _staleness(values: list) -> dict:
-    return {"mean": statistics.fmean(values), "median": statistics.median(values),
-            "max": max(values), "zero_fraction": sum(v == 0 for v in values) / len(values),
-            "count": len(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "zero_fraction": sum(v == 0 for v in values) / len(values),
+        "count": len(values),
+    }
 
 
 def _timed(coordinator, fn, args, steps: int) -> tuple:
@@ -116,16 +124,20 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
 
     label, builder, features, batch = WORKLOADS[key]
     started = time.perf_counter()
-    strategy = mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(workers, ps, worker_env=ONE_DEVICE))
+    strategy = mirrax.ParameterServerStrategy(mirrax.RayClusterResolver(workers, ps, worker_env=ONE_DEVICE))
     start_s = time.perf_counter() - started
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
         model, optimizer = _model(builder)
         step_fn = _train_step(args, batch)
 
-        iterator = iter(coordinator.create_per_worker_dataset(lambda ctx: itertools.repeat(
-            models.random_batch((features,), batch, seed=ctx.input_pipeline_id))))
+        iterator = iter(
+            coordinator.create_per_worker_dataset(
+                lambda ctx: itertools.repeat(
+                    models.random_batch((features,), batch, seed=ctx.input_pipeline_id)
+                )
+            )
+        )
 
         def step(iterator):
             loss = strategy.run(step_fn, args=(model, optimizer, next(iterator)))
@@ -134,17 +146,29 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
         warmup_s, _, _ = _timed(coordinator, step, (iterator,), args.warmup * workers)
         seconds, last, staleness = _timed(coordinator, step, (iterator,), args.steps)
         noop_s, _, _ = _timed(coordinator, lambda: None, (), args.steps)
-        row = {"workload": label, "batch": batch, "strategy": "parameter server",
-               "workers": workers, "ps": ps, "steps": args.steps,
-               "steps_per_s": args.steps / seconds, "ms_per_step": 1e3 * seconds / args.steps,
-               "noop_per_s": args.steps / noop_s, "staleness": _staleness(staleness),
-               "start_s": start_s, "warmup_s": warmup_s, "last_loss": float(last.fetch())}
+        row = {
+            "workload": label,
+            "batch": batch,
+            "strategy": "parameter server",
+            "workers": workers,
+            "ps": ps,
+            "steps": args.steps,
+            "steps_per_s": args.steps / seconds,
+            "ms_per_step": 1e3 * seconds / args.steps,
+            "noop_per_s": args.steps / noop_s,
+            "staleness": _staleness(staleness),
+            "start_s": start_s,
+            "warmup_s": warmup_s,
+            "last_loss": float(last.fetch()),
+        }
     finally:
         strategy.shutdown()
     s = row["staleness"]
-    env.log(f"  {label}, {workers} worker(s), {ps} ps: {row['steps_per_s']:.1f} steps/s, "
-            f"no-op {row['noop_per_s']:.1f}/s, staleness mean {s['mean']:.2f} max {s['max']} "
-            f"(start {start_s:.1f} s, warm-up {warmup_s:.1f} s)")
+    env.log(
+        f"  {label}, {workers} worker(s), {ps} ps: {row['steps_per_s']:.1f} steps/s, "
+        f"no-op {row['noop_per_s']:.1f}/s, staleness mean {s['mean']:.2f} max {s['max']} "
+        f"(start {start_s:.1f} s, warm-up {warmup_s:.1f} s)"
+    )
     return row
 
 
@@ -174,10 +198,18 @@ def _mirrored(key: str, args) -> dict:
     seconds = time.perf_counter() - start
     iterator.close()
     env.log(f"  {label}, mirrored cpu:0: {args.steps / seconds:.1f} steps/s")
-    return {"workload": label, "batch": batch, "strategy": "mirrored", "workers": None,
-            "ps": None, "steps": args.steps, "steps_per_s": args.steps / seconds,
-            "ms_per_step": 1e3 * seconds / args.steps, "last_loss": loss,
-            "held_bytes": sum(a.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer))))}
+    return {
+        "workload": label,
+        "batch": batch,
+        "strategy": "mirrored",
+        "workers": None,
+        "ps": None,
+        "steps": args.steps,
+        "steps_per_s": args.steps / seconds,
+        "ms_per_step": 1e3 * seconds / args.steps,
+        "last_loss": loss,
+        "held_bytes": sum(a.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer)))),
+    }
 
 
 def _measure(args) -> dict:
@@ -202,35 +234,78 @@ def _measure(args) -> dict:
                     rows.append(row)
     finally:
         cluster.shutdown()
-    return {"environment": env.environment(jax.local_devices()[:1]), "rows": rows,
-            "steps": args.steps, "warmup_per_worker": args.warmup, "closure": args.closure}
+    return {
+        "environment": env.environment(jax.local_devices()[:1]),
+        "rows": rows,
+        "steps": args.steps,
+        "warmup_per_worker": args.warmup,
+        "closure": args.closure,
+    }
 
 
 def _markdown(result: dict) -> str:
     def cells(r):
         if r["strategy"] == "mirrored":
-            return [r["workload"], r["batch"], "MirroredStrategy(['cpu:0'])",
-                    f"{r['steps_per_s']:.1f}", f"{r['ms_per_step']:.2f}", "1.00", "", "", "", "",
-                    ""]
+            return [
+                r["workload"],
+                r["batch"],
+                "MirroredStrategy(['cpu:0'])",
+                f"{r['steps_per_s']:.1f}",
+                f"{r['ms_per_step']:.2f}",
+                "1.00",
+                "",
+                "",
+                "",
+                "",
+                "",
+            ]
         s = r["staleness"]
-        return [r["workload"], r["batch"], f"PS {r['workers']} worker(s), {r['ps']} ps",
-                f"{r['steps_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
-                f"{r['ratio_to_mirrored']:.2f}", f"{r['noop_per_s']:.1f}", f"{s['mean']:.2f}",
-                f"{s['median']:g}", s["max"], f"{s['zero_fraction']:.2f}"]
+        return [
+            r["workload"],
+            r["batch"],
+            f"PS {r['workers']} worker(s), {r['ps']} ps",
+            f"{r['steps_per_s']:.1f}",
+            f"{r['ms_per_step']:.2f}",
+            f"{r['ratio_to_mirrored']:.2f}",
+            f"{r['noop_per_s']:.1f}",
+            f"{s['mean']:.2f}",
+            f"{s['median']:g}",
+            s["max"],
+            f"{s['zero_fraction']:.2f}",
+        ]
 
     lines = env.markdown_table(
-        ["workload", "batch", "strategy", "steps/s", "ms/step", "PS / mirrored",
-         "no-op fn/s", "staleness mean", "median", "max", "fraction 0"],
-        [cells(r) for r in result["rows"]], ["l", "r", "l"] + ["r"] * 8)
-    held = ", ".join(f"{r['workload']} {r['held_bytes'] / 2**20:.2f} MiB"
-                     for r in result["rows"] if r["strategy"] == "mirrored")
+        [
+            "workload",
+            "batch",
+            "strategy",
+            "steps/s",
+            "ms/step",
+            "PS / mirrored",
+            "no-op fn/s",
+            "staleness mean",
+            "median",
+            "max",
+            "fraction 0",
+        ],
+        [cells(r) for r in result["rows"]],
+        ["l", "r", "l"] + ["r"] * 8,
+    )
+    held = ", ".join(
+        f"{r['workload']} {r['held_bytes'] / 2**20:.2f} MiB"
+        for r in result["rows"]
+        if r["strategy"] == "mirrored"
+    )
     how = "a closure (--closure)" if result["closure"] else "a module-level function"
-    lines += ["", f"{env.environment_note(result['environment'])} {result['steps']} timed "
-              f"steps per row after {result['warmup_per_worker']} warm-up steps per worker; "
-              "workers (one CPU device each), parameter servers and the coordinator share the "
-              f"host's cores. strategy.run is given {how}. Held state (model and Adam), pulled "
-              f"and pushed (as differences) by every function: {held}. Staleness: pushes by "
-              "other workers between a function's pull and its push."]
+    lines += [
+        "",
+        f"{env.environment_note(result['environment'])} {result['steps']} timed "
+        f"steps per row after {result['warmup_per_worker']} warm-up steps per worker; "
+        "workers (one CPU device each), parameter servers and the coordinator share the "
+        f"host's cores. strategy.run is given {how}. Held state (model and Adam), pulled "
+        f"and pushed (as differences) by every function: {held}. Staleness: pushes by "
+        "other workers between a function's pull and its push.",
+    ]
     return "\n".join(lines)
 
 
@@ -240,10 +315,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ps", default="1,2", help="parameter-server counts (default 1,2)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per row (200)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per worker (5)")
-    parser.add_argument("--workloads", default="mlp,small",
-                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default both)")
-    parser.add_argument("--closure", action="store_true",
-                        help="give strategy.run a closure (pickled by value) instead")
+    parser.add_argument(
+        "--workloads",
+        default="mlp,small",
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default both)",
+    )
+    parser.add_argument(
+        "--closure", action="store_true", help="give strategy.run a closure (pickled by value) instead"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     args.worker_counts = _counts(parser, "--workers", args.workers)

@@ -76,8 +76,9 @@ def _measure(args, devices: int) -> dict:
 
         with mirrax.MirroredStrategy(local, **options).scope():
             fit_model = mirrax.Model(module_cls(nnx.Rngs(0)))
-            fit_model.compile(optimizer=optax.adam(1e-3),
-                              loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+            fit_model.compile(
+                optimizer=optax.adam(1e-3), loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
         xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
 
         def fit():
@@ -85,9 +86,12 @@ def _measure(args, devices: int) -> dict:
             clock = mirrax.callbacks.LambdaCallback(
                 on_epoch_begin=lambda epoch, logs: stamps.append(time.perf_counter()),
                 on_epoch_end=lambda epoch, logs: stamps.append(
-                    ready_at(None, fit_model.module, fit_model.optimizer.nnx_optimizer)))
-            fit_model.fit(xs, ys, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False,
-                          callbacks=[clock])
+                    ready_at(None, fit_model.module, fit_model.optimizer.nnx_optimizer)
+                ),
+            )
+            fit_model.fit(
+                xs, ys, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[clock]
+            )
             return stamps[1] - stamps[0]
 
         def run_window():  # timed from outside (it returns None), the final wait included
@@ -102,66 +106,108 @@ def _measure(args, devices: int) -> dict:
         module_cls, data = models.WORKLOADS[name]
         x, y = data(GLOBAL_BATCH)
         built = {mode: make_variants(module_cls, x, y, steps, mode == "invariant") for mode in MODES}
-        windows = {f"{kind}_{mode}": built[mode][i] for i, kind in enumerate(("run", "fit"))
-                   for mode in MODES}
+        windows = {
+            f"{kind}_{mode}": built[mode][i] for i, kind in enumerate(("run", "fit")) for mode in MODES
+        }
         for window in windows.values():  # compilation
             window()
         seconds = timing.interleave(windows, args.repeats, order="rotate")
         samples = {key: [t / steps for t in seconds[key]] for key in VARIANTS}
         reports = {mode: built[mode][2]() for mode in MODES}
-        row = {"workload": name, "devices": devices, "global_batch": GLOBAL_BATCH,
-               "micro_batches": MICRO_BATCHES, "steps_per_window": steps, "repeats": args.repeats,
-               "ms_per_step": timing.medians(samples, 1e3),
-               "run_ratio": timing.paired_ratio(samples, "run_invariant", "run_default"),
-               "fit_ratio": timing.paired_ratio(samples, "fit_invariant", "fit_default"),
-               "collectives": {mode: found for mode, (found, _) in reports.items()},
-               "next_loss": {mode: loss for mode, (_, loss) in reports.items()},
-               "samples_s": samples}
-        env.log(f"  [{devices} {args.platform}] {name}: " + ", ".join(
-            f"{k} {ms:.2f}" for k, ms in row["ms_per_step"].items())
-            + f" ms/step; run {row['run_ratio']:.3f}x, fit {row['fit_ratio']:.3f}x")
+        row = {
+            "workload": name,
+            "devices": devices,
+            "global_batch": GLOBAL_BATCH,
+            "micro_batches": MICRO_BATCHES,
+            "steps_per_window": steps,
+            "repeats": args.repeats,
+            "ms_per_step": timing.medians(samples, 1e3),
+            "run_ratio": timing.paired_ratio(samples, "run_invariant", "run_default"),
+            "fit_ratio": timing.paired_ratio(samples, "fit_invariant", "fit_default"),
+            "collectives": {mode: found for mode, (found, _) in reports.items()},
+            "next_loss": {mode: loss for mode, (_, loss) in reports.items()},
+            "samples_s": samples,
+        }
+        env.log(
+            f"  [{devices} {args.platform}] {name}: "
+            + ", ".join(f"{k} {ms:.2f}" for k, ms in row["ms_per_step"].items())
+            + f" ms/step; run {row['run_ratio']:.3f}x, fit {row['fit_ratio']:.3f}x"
+        )
         rows.append(row)
     return {"environment": env.environment(local), "rows": rows}
 
 
 def _markdown(results: list) -> str:
     def describe(collectives: dict) -> str:
-        return ", ".join(f"{count} {op} ({nbytes / 1024:.0f} KiB)"
-                         for op, (count, nbytes) in sorted(collectives.items())) or "none"
+        return (
+            ", ".join(
+                f"{count} {op} ({nbytes / 1024:.0f} KiB)"
+                for op, (count, nbytes) in sorted(collectives.items())
+            )
+            or "none"
+        )
 
-    header = ["workload", "replicas", "run ms/step default", "run ms/step invariant",
-              "run invariant / default", "fit ms/step default", "fit ms/step invariant",
-              "fit invariant / default", "collectives default", "collectives invariant"]
-    table = [[r["workload"], r["devices"],
-              *(f"{r['ms_per_step'][key]:.2f}" for key in VARIANTS[:2]), f"{r['run_ratio']:.3f}",
-              *(f"{r['ms_per_step'][key]:.2f}" for key in VARIANTS[2:]), f"{r['fit_ratio']:.3f}",
-              describe(r["collectives"]["default"]), describe(r["collectives"]["invariant"])]
-             for result in results for r in result["rows"]]
-    return "\n".join(env.markdown_table(header, table, ["l"] + ["r"] * 7 + ["l", "l"]) + [
-        "",
-        f"{env.environment_note(results[0]['environment'])} Global batch {GLOBAL_BATCH}, "
-        f"micro_batches {MICRO_BATCHES}; median of {results[0]['rows'][0]['repeats']} rotated "
-        "rounds; ratios are medians of same-round ratios. Collective bytes: operand bytes per "
-        "replica of the compiled strategy.run program. Target (CNN, 4 replicas): <= 1.3."])
+    header = [
+        "workload",
+        "replicas",
+        "run ms/step default",
+        "run ms/step invariant",
+        "run invariant / default",
+        "fit ms/step default",
+        "fit ms/step invariant",
+        "fit invariant / default",
+        "collectives default",
+        "collectives invariant",
+    ]
+    table = [
+        [
+            r["workload"],
+            r["devices"],
+            *(f"{r['ms_per_step'][key]:.2f}" for key in VARIANTS[:2]),
+            f"{r['run_ratio']:.3f}",
+            *(f"{r['ms_per_step'][key]:.2f}" for key in VARIANTS[2:]),
+            f"{r['fit_ratio']:.3f}",
+            describe(r["collectives"]["default"]),
+            describe(r["collectives"]["invariant"]),
+        ]
+        for result in results
+        for r in result["rows"]
+    ]
+    return "\n".join(
+        env.markdown_table(header, table, ["l"] + ["r"] * 7 + ["l", "l"])
+        + [
+            "",
+            f"{env.environment_note(results[0]['environment'])} Global batch {GLOBAL_BATCH}, "
+            f"micro_batches {MICRO_BATCHES}; median of {results[0]['rows'][0]['repeats']} rotated "
+            "rounds; ratios are medians of same-round ratios. Collective bytes: operand bytes per "
+            "replica of the compiled strategy.run program. Target (CNN, 4 replicas): <= 1.3.",
+        ]
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     env.add_device_arguments(parser, default="1,4")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--steps-scale", type=float, default=1.0,
-                        help="multiply every workload's steps per window by this")
+    parser.add_argument(
+        "--steps-scale", type=float, default=1.0, help="multiply every workload's steps per window by this"
+    )
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
     if any(MICRO_BATCHES % n for n in args.device_counts):
-        parser.error(f"--devices {args.devices}: every count must divide micro_batches="
-                     f"{MICRO_BATCHES}; use 1, 2, 4 or 8")
+        parser.error(
+            f"--devices {args.devices}: every count must divide micro_batches="
+            f"{MICRO_BATCHES}; use 1, 2, 4 or 8"
+        )
     args.names = env.names_option(parser, "--workloads", args.workloads, list(WORKLOADS))
     if not args.names or args.repeats < 1 or args.steps_scale <= 0:
-        parser.error(f"--workloads must name one of {', '.join(WORKLOADS)}, --repeats be >= 1 and "
-                     f"--steps-scale > 0; got {args.workloads!r}, {args.repeats}, {args.steps_scale}")
+        parser.error(
+            f"--workloads must name one of {', '.join(WORKLOADS)}, --repeats be >= 1 and "
+            f"--steps-scale > 0; got {args.workloads!r}, {args.repeats}, {args.steps_scale}"
+        )
     child_argv = env.forward_arguments(args, ("platform", "workloads", "repeats", "steps_scale"))
     return env.run_benchmark(args, _measure, _markdown, child_argv, MODULE)
 

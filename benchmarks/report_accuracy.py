@@ -51,8 +51,9 @@ ARRAYS = 10  # the tutorial CNN's parameter arrays
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=5, help="timed windows per case (5)")
-    parser.add_argument("--window-s", type=float, default=0.3,
-                        help="seconds a timed window lasts, about (0.3)")
+    parser.add_argument(
+        "--window-s", type=float, default=0.3, help="seconds a timed window lasts, about (0.3)"
+    )
     parser.add_argument("--skip-devices", action="store_true", help="leave out part 1")
     parser.add_argument("--skip-workers", action="store_true", help="leave out part 2")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
@@ -73,9 +74,11 @@ def _cnn_model(x, strategy):
 
     with strategy.scope():
         model = mirrax.Model(TutorialCNN(x.shape[1:], rngs=nnx.Rngs(0)))
-        model.compile(optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-                      loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+            loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     return model
 
 
@@ -84,8 +87,9 @@ def _distributed(strategy, per_replica: tuple):
     import numpy as np
 
     replicas = strategy.num_replicas_in_sync
-    iterator = iter(strategy.experimental_distribute_dataset(
-        [tuple(np.concatenate([a] * replicas) for a in per_replica)]))
+    iterator = iter(
+        strategy.experimental_distribute_dataset([tuple(np.concatenate([a] * replicas) for a in per_replica)])
+    )
     try:
         return next(iterator)
     finally:
@@ -118,6 +122,7 @@ def packed_step(model, optimizer, batch):
 
 # -- part 1: fake CPU devices ------------------------------------------------------------------
 
+
 def _devices_part(args) -> dict:
     env.configure_jax_environment("cpu", max(DEVICES))
     import jax
@@ -134,11 +139,17 @@ def _devices_part(args) -> dict:
         for used in [devices] + ([devices[:2]] if extrapolate else []):
             start = time.perf_counter()
             report = mirrax.experimental.scaling_report(
-                _cnn_model(x, mirrax.MirroredStrategy(devices[:1])), batch,
-                max_replicas=max(DEVICES), link="local", devices=used)
-            env.log(f"  [{label}] report on {len(used)} devices: "
-                    f"{time.perf_counter() - start:.0f} s, T1 {report.one_device_ms:.2f} ms, "
-                    f"{report.cores_busy:.2f} cores busy")
+                _cnn_model(x, mirrax.MirroredStrategy(devices[:1])),
+                batch,
+                max_replicas=max(DEVICES),
+                link="local",
+                devices=used,
+            )
+            env.log(
+                f"  [{label}] report on {len(used)} devices: "
+                f"{time.perf_counter() - start:.0f} s, T1 {report.one_device_ms:.2f} ms, "
+                f"{report.cores_busy:.2f} cores busy"
+            )
             predicted[f"{len(used)} devices"] = report.to_dict()
         cases = {}
         for n in DEVICES:
@@ -149,7 +160,7 @@ def _devices_part(args) -> dict:
             def block(_, model=model):
                 jax.block_until_ready(nnx.state((model.module, model.optimizer.nnx_optimizer)))
 
-            step = (lambda train=train, b=dist_batch: train(b))
+            step = lambda train=train, b=dist_batch: train(b)
             block(step())  # compiles
             cases[n] = (step, block, _steps_for(step, block, args.window_s))
         busy = {n: [] for n in DEVICES}
@@ -161,13 +172,17 @@ def _devices_part(args) -> dict:
 
         windows = timing.interleave({n: (lambda n=n: window(n)) for n in DEVICES}, args.windows)
         results[label] = {
-            "per_replica_batch": per_replica, "predicted": predicted,
+            "per_replica_batch": per_replica,
+            "predicted": predicted,
             "measured_ms": {n: [t / cases[n][2] * 1e3 for t in windows[n]] for n in DEVICES},
-            "cores_busy": busy, "steps_per_window": {n: cases[n][2] for n in DEVICES}}
+            "cores_busy": busy,
+            "steps_per_window": {n: cases[n][2] for n in DEVICES},
+        }
     return {"cases": results, "environment": env.environment(devices)}
 
 
 # -- part 2: two one-core workers --------------------------------------------------------------
+
 
 def _worker(role: str) -> tuple:
     """A worker's state: "1 worker" (MirroredStrategy on the first of its 2 fake devices; it
@@ -176,8 +191,9 @@ def _worker(role: str) -> tuple:
     import mirrax
 
     # The strategy first: it initializes jax.distributed, which must precede any JAX call.
-    strategy = (mirrax.MultiWorkerMirroredStrategy() if role == "2 workers"
-                else mirrax.MirroredStrategy(["cpu:0"]))
+    strategy = (
+        mirrax.MultiWorkerMirroredStrategy() if role == "2 workers" else mirrax.MirroredStrategy(["cpu:0"])
+    )
     import jax
     import numpy as np
     import optax
@@ -207,18 +223,30 @@ def _worker(role: str) -> tuple:
     gradient_bytes = sum(p.nbytes for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if role == "2 workers":
         mesh = strategy.mesh
-        psum = jax.jit(jax.shard_map(lambda vs: [jax.lax.psum(v[0], "replica") for v in vs],
-                                     mesh=mesh, in_specs=P("replica"), out_specs=P()))
+        psum = jax.jit(
+            jax.shard_map(
+                lambda vs: [jax.lax.psum(v[0], "replica") for v in vs],
+                mesh=mesh,
+                in_specs=P("replica"),
+                out_specs=P(),
+            )
+        )
 
         def arrays(size, count):  # `count` arrays of `size` bytes, one row per worker
-            return [jax.make_array_from_single_device_arrays(
-                (2, size // 4), NamedSharding(mesh, P("replica")),
-                [jax.device_put(np.ones((1, size // 4), np.float32), jax.local_devices()[0])])
-                for _ in range(count)]
+            return [
+                jax.make_array_from_single_device_arrays(
+                    (2, size // 4),
+                    NamedSharding(mesh, P("replica")),
+                    [jax.device_put(np.ones((1, size // 4), np.float32), jax.local_devices()[0])],
+                )
+                for _ in range(count)
+            ]
 
-        for key, size, count in (("1 x 4 KiB", SMALL_BYTES, 1),
-                                 ("1 x gradient", gradient_bytes, 1),
-                                 (f"{ARRAYS} x 4 KiB", SMALL_BYTES, ARRAYS)):
+        for key, size, count in (
+            ("1 x 4 KiB", SMALL_BYTES, 1),
+            ("1 x gradient", gradient_bytes, 1),
+            (f"{ARRAYS} x 4 KiB", SMALL_BYTES, ARRAYS),
+        ):
             vs = arrays(size, count)
             jax.block_until_ready(psum(vs))
             tasks[f"all-reduce {key}"] = (lambda vs=vs: psum(vs), jax.block_until_ready)
@@ -232,8 +260,12 @@ def _handle(state, command):
 
         fn, objects = state["objects"][command["task"]]
         report = mirrax.experimental.scaling_report(
-            fn, state["per_replica"], objects, max_replicas=2,
-            link=mirrax.experimental.LinkModel(**command["link"]))
+            fn,
+            state["per_replica"],
+            objects,
+            max_replicas=2,
+            link=mirrax.experimental.LinkModel(**command["link"]),
+        )
         return {"report": report.to_dict(), "table": str(report)}
     step, block = state["tasks"][command["task"]]
     return workers.timed(lambda: timing.run_steps(step, block, command["steps"], 2))
@@ -243,52 +275,79 @@ def _links(ms: dict, gradient_bytes: int) -> dict:
     """The two links of the bare all-reduces' medians (ms): at 2 replicas a ring all-reduce of
     one array of S bytes takes base + 2 latency + S / bandwidth (base 0 here); ten arrays in
     one instruction, run one at a time, 10 (2 latency + S / bandwidth)."""
-    small, large, many = (statistics.median(ms[f"2 workers | all-reduce {key}"]) / 1e3
-                          for key in ("1 x 4 KiB", "1 x gradient", f"{ARRAYS} x 4 KiB"))
+    small, large, many = (
+        statistics.median(ms[f"2 workers | all-reduce {key}"]) / 1e3
+        for key in ("1 x 4 KiB", "1 x gradient", f"{ARRAYS} x 4 KiB")
+    )
     bandwidth = (gradient_bytes - SMALL_BYTES) / max(large - small, 1e-9)
     latency = max(0.0, small - SMALL_BYTES / bandwidth) / 2
     per_array = max(0.0, many / ARRAYS - SMALL_BYTES / bandwidth) / 2
     source = "bare all-reduces between the two workers (loopback Gloo, one core each)"
-    return {"packed": dict(name="loopback (measured)", bandwidth_gbps=bandwidth / 1e9,
-                           latency_us=latency * 1e6, source=source),
-            "10 arrays": dict(name="loopback, per array (measured)",
-                              bandwidth_gbps=bandwidth / 1e9, latency_us=per_array * 1e6,
-                              source=source, per_operand=True)}
+    return {
+        "packed": dict(
+            name="loopback (measured)",
+            bandwidth_gbps=bandwidth / 1e9,
+            latency_us=latency * 1e6,
+            source=source,
+        ),
+        "10 arrays": dict(
+            name="loopback, per array (measured)",
+            bandwidth_gbps=bandwidth / 1e9,
+            latency_us=per_array * 1e6,
+            source=source,
+            per_operand=True,
+        ),
+    }
 
 
 def _workers_part(args) -> dict:
     ports = [workers.free_port() for _ in range(2)]
     with workers.Pool("report-accuracy") as pool:
+
         def start(role, core, environment):
-            return pool.start(env.module_command(__spec__.name, "--worker", role, core),
-                              f"{role} {core}", environment)
+            return pool.start(
+                env.module_command(__spec__.name, "--worker", role, core), f"{role} {core}", environment
+            )
 
         one = start("1 worker", 0, workers.environment(devices=2))
-        groups = {"1 worker": [one], "2 workers": [
-            start("2 workers", i, workers.environment(TF_CONFIG=workers.tf_config(ports, i)))
-            for i in range(2)]}
+        groups = {
+            "1 worker": [one],
+            "2 workers": [
+                start("2 workers", i, workers.environment(TF_CONFIG=workers.tf_config(ports, i)))
+                for i in range(2)
+            ],
+        }
         ready = pool.ready()
         gradient_bytes = ready[one]["gradient_bytes"]
-        calibration = [("2 workers", t) for t in ready[groups["2 workers"][0]]["tasks"]
-                       if t.startswith("all-reduce")]
+        calibration = [
+            ("2 workers", t) for t in ready[groups["2 workers"][0]]["tasks"] if t.startswith("all-reduce")
+        ]
         link_ms = pool.windows(groups, calibration, 10, args.windows, 3)["ms"]
         link = _links(link_ms, gradient_bytes)
         for name, numbers in link.items():
-            env.log(f"  link for {name}: {numbers['bandwidth_gbps']:.3f} GB/s, "
-                    f"{numbers['latency_us']:.0f} µs per step")
-        reports = {name: pool.ask([one], {"op": "report", "task": name, "link": link[name]},
-                                  timeout=600)[0] for name in link}
-        steps = max(2, round(args.window_s * 1e3 / (8 * reports["packed"]["report"][
-            "one_device_ms"])))
-        samples = pool.windows(groups, [(g, t) for t in link for g in groups], steps,
-                               args.windows, 3)
-    return {"link": link, "all_reduce_ms": link_ms,
-            "reports": {name: r["report"] for name, r in reports.items()},
-            "tables": {name: r["table"] for name, r in reports.items()},
-            "measured_ms": samples["ms"], "cpu_ms": samples["cpu_ms"], "steps_per_window": steps}
+            env.log(
+                f"  link for {name}: {numbers['bandwidth_gbps']:.3f} GB/s, "
+                f"{numbers['latency_us']:.0f} µs per step"
+            )
+        reports = {
+            name: pool.ask([one], {"op": "report", "task": name, "link": link[name]}, timeout=600)[0]
+            for name in link
+        }
+        steps = max(2, round(args.window_s * 1e3 / (8 * reports["packed"]["report"]["one_device_ms"])))
+        samples = pool.windows(groups, [(g, t) for t in link for g in groups], steps, args.windows, 3)
+    return {
+        "link": link,
+        "all_reduce_ms": link_ms,
+        "reports": {name: r["report"] for name, r in reports.items()},
+        "tables": {name: r["table"] for name, r in reports.items()},
+        "measured_ms": samples["ms"],
+        "cpu_ms": samples["cpu_ms"],
+        "steps_per_window": steps,
+    }
 
 
 # -- tables ---------------------------------------------------------------------------------
+
 
 def _error(predicted: float, measured: float) -> str:
     return f"{predicted / measured - 1:+.1%}"
@@ -305,11 +364,23 @@ def _device_rows(case: dict) -> list:
             # The model with the interleaved windows' T1: compute shared as the report's.
             compute = max(measured[1], n * measured[1] * u1 / cores) if cores else measured[1]
             model = compute + row["communication_ms"]
-            rows.append([label, n, row["source"], f"{row['compute_ms']:.2f}",
-                         f"{row['communication_ms']:.2f}", f"{row['step_ms']:.2f}",
-                         f"{m:.2f}", _error(row["step_ms"], m), f"{model:.2f}",
-                         _error(model, m), f"{row['speedup']:.2f}",
-                         f"{n * measured[1] / m:.2f}", f"{busy[n]:.2f}"])
+            rows.append(
+                [
+                    label,
+                    n,
+                    row["source"],
+                    f"{row['compute_ms']:.2f}",
+                    f"{row['communication_ms']:.2f}",
+                    f"{row['step_ms']:.2f}",
+                    f"{m:.2f}",
+                    _error(row["step_ms"], m),
+                    f"{model:.2f}",
+                    _error(model, m),
+                    f"{row['speedup']:.2f}",
+                    f"{n * measured[1] / m:.2f}",
+                    f"{busy[n]:.2f}",
+                ]
+            )
     return rows
 
 
@@ -318,19 +389,37 @@ def _tables(result: dict) -> str:
     devices = result.get("devices")
     for label, case in (devices or {}).get("cases", {}).items():
         first = next(iter(case["predicted"].values()))
-        lines += [f"Part 1: fake CPU devices, the tutorial CNN's fit step, {label}, link "
-                  "'local', shared cores", ""]
+        lines += [
+            f"Part 1: fake CPU devices, the tutorial CNN's fit step, {label}, link 'local', shared cores",
+            "",
+        ]
         lines += env.markdown_table(
-            ["report run on", "replicas", "program", "predicted compute ms",
-             "predicted comm ms", "predicted step ms", "measured step ms", "error",
-             "model with measured T1, ms", "its error", "predicted speedup",
-             "measured speedup", "measured cores busy"],
-            _device_rows(case), ["l", "r", "l"] + ["r"] * 10)
-        fits = ", ".join(f"{n}: {b:.2f} GB/s, {lat:.0f} µs"
-                         for n, b, lat in first["link"]["calibrated"])
-        lines += ["", f"Link 'local' measured ({fits} per ring step); the report's T1 "
-                  f"{first['one_device_ms']:.2f} ms with {first['cores_busy']:.2f} cores busy, "
-                  f"{first['shared_cores']} cores shared.", ""]
+            [
+                "report run on",
+                "replicas",
+                "program",
+                "predicted compute ms",
+                "predicted comm ms",
+                "predicted step ms",
+                "measured step ms",
+                "error",
+                "model with measured T1, ms",
+                "its error",
+                "predicted speedup",
+                "measured speedup",
+                "measured cores busy",
+            ],
+            _device_rows(case),
+            ["l", "r", "l"] + ["r"] * 10,
+        )
+        fits = ", ".join(f"{n}: {b:.2f} GB/s, {lat:.0f} µs" for n, b, lat in first["link"]["calibrated"])
+        lines += [
+            "",
+            f"Link 'local' measured ({fits} per ring step); the report's T1 "
+            f"{first['one_device_ms']:.2f} ms with {first['cores_busy']:.2f} cores busy, "
+            f"{first['shared_cores']} cores shared.",
+            "",
+        ]
     two = result.get("workers")
     if two:
         rows = []
@@ -338,28 +427,51 @@ def _tables(result: dict) -> str:
             one_ms = statistics.median(two["measured_ms"][f"1 worker | {name}"])
             two_ms = statistics.median(two["measured_ms"][f"2 workers | {name}"])
             row = report["rows"][1]
-            ops = ", ".join(f"{op['instructions']} {kind}"
-                            for kind, op in row["collectives"].items())
-            rows += [[name, "1 worker (the report's T1)", f"{report['one_device_ms']:.2f}",
-                      f"{one_ms:.2f}", _error(report["one_device_ms"], one_ms), ""],
-                     [name, "2 workers", f"{row['step_ms']:.2f}", f"{two_ms:.2f}",
-                      _error(row["step_ms"], two_ms),
-                      f"{ops}, {row['communication_ms']:.2f} ms"],
-                     [name, "2 workers: speedup", f"{row['speedup']:.2f}",
-                      f"{2 * one_ms / two_ms:.2f}", _error(row["speedup"], 2 * one_ms / two_ms),
-                      ""]]
-        lines += [f"Part 2: 2 workers, one core each, Gloo on loopback, per-worker batch "
-                  f"{PER_WORKER_BATCH}", ""]
+            ops = ", ".join(f"{op['instructions']} {kind}" for kind, op in row["collectives"].items())
+            rows += [
+                [
+                    name,
+                    "1 worker (the report's T1)",
+                    f"{report['one_device_ms']:.2f}",
+                    f"{one_ms:.2f}",
+                    _error(report["one_device_ms"], one_ms),
+                    "",
+                ],
+                [
+                    name,
+                    "2 workers",
+                    f"{row['step_ms']:.2f}",
+                    f"{two_ms:.2f}",
+                    _error(row["step_ms"], two_ms),
+                    f"{ops}, {row['communication_ms']:.2f} ms",
+                ],
+                [
+                    name,
+                    "2 workers: speedup",
+                    f"{row['speedup']:.2f}",
+                    f"{2 * one_ms / two_ms:.2f}",
+                    _error(row["speedup"], 2 * one_ms / two_ms),
+                    "",
+                ],
+            ]
+        lines += [
+            f"Part 2: 2 workers, one core each, Gloo on loopback, per-worker batch {PER_WORKER_BATCH}",
+            "",
+        ]
         lines += env.markdown_table(
             ["step", "case", "predicted", "measured", "error", "predicted communication"],
-            rows, ["l", "l", "r", "r", "r", "l"])
-        bare = ", ".join(f"{key.split('| all-reduce ')[1]} {statistics.median(v):.2f}"
-                         for key, v in two["all_reduce_ms"].items())
-        fitted = "; ".join(f"{name} {link['bandwidth_gbps']:.3f} GB/s, "
-                           f"{link['latency_us']:.0f} µs per step"
-                           for name, link in two["link"].items())
-        lines += ["", f"Links measured between the workers (bare all-reduces, median ms: "
-                  f"{bare}): {fitted}."]
+            rows,
+            ["l", "l", "r", "r", "r", "l"],
+        )
+        bare = ", ".join(
+            f"{key.split('| all-reduce ')[1]} {statistics.median(v):.2f}"
+            for key, v in two["all_reduce_ms"].items()
+        )
+        fitted = "; ".join(
+            f"{name} {link['bandwidth_gbps']:.3f} GB/s, {link['latency_us']:.0f} µs per step"
+            for name, link in two["link"].items()
+        )
+        lines += ["", f"Links measured between the workers (bare all-reduces, median ms: {bare}): {fitted}."]
     return "\n".join(lines)
 
 
@@ -378,8 +490,7 @@ def main(argv=None) -> None:
         env.log("part 1: 8 fake CPU devices in this process ...")
         result["devices"] = _devices_part(args)
     print(_tables(result))
-    workers.finish(began, f"{args.windows} windows of about {args.window_s} s per case",
-                   args.json, result)
+    workers.finish(began, f"{args.windows} windows of about {args.window_s} s per case", args.json, result)
 
 
 if __name__ == "__main__":

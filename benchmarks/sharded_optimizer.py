@@ -50,7 +50,8 @@ def _measure(args, devices: int) -> dict:
         windows, losses = {}, {}
         for sharded in (False, True):
             strategy, model, optimizer, batch = models.mirrax_state(
-                local, builder, x, y, shard_optimizer_state=sharded)
+                local, builder, x, y, shard_optimizer_state=sharded
+            )
 
             def run(strategy=strategy, model=model, optimizer=optimizer, batch=batch):
                 return strategy.run(step, args=(model, optimizer, batch))
@@ -65,13 +66,20 @@ def _measure(args, devices: int) -> dict:
             windows["sharded" if sharded else "unsharded"] = window
             losses[sharded] = float(strategy.reduce("sum", run()))
         samples = timing.interleave(windows, args.windows, order="flip")
-        row = {"workload": name, "devices": devices, "steps": STEPS[name], "windows": args.windows,
-               "ms": timing.medians(samples, 1e3 / STEPS[name]),
-               "ratio": timing.paired_ratio(samples, "sharded", "unsharded"),
-               "next_loss": losses}
-        env.log(f"  [{devices}] {name}: {row['ms']['unsharded']:.2f} / "
-                f"{row['ms']['sharded']:.2f} ms/step, ratio {row['ratio']:.3f}, next losses "
-                f"{losses[False]:.6f} / {losses[True]:.6f}")
+        row = {
+            "workload": name,
+            "devices": devices,
+            "steps": STEPS[name],
+            "windows": args.windows,
+            "ms": timing.medians(samples, 1e3 / STEPS[name]),
+            "ratio": timing.paired_ratio(samples, "sharded", "unsharded"),
+            "next_loss": losses,
+        }
+        env.log(
+            f"  [{devices}] {name}: {row['ms']['unsharded']:.2f} / "
+            f"{row['ms']['sharded']:.2f} ms/step, ratio {row['ratio']:.3f}, next losses "
+            f"{losses[False]:.6f} / {losses[True]:.6f}"
+        )
         rows.append(row)
     result = {"environment": env.environment(local), "rows": rows}
     if args.big:
@@ -90,8 +98,12 @@ def _big(args, local) -> dict:
     width, layers, devices = args.big_width, args.big_layers, len(local)
     x, y = models.random_batch((width,), 8 * devices, classes=width)
     step = models.strategy_run_step(8 * devices, packed=True)
-    report = {"width": width, "layers": layers, "devices": devices,
-              "parameters": layers * (width * width + width)}
+    report = {
+        "width": width,
+        "layers": layers,
+        "devices": devices,
+        "parameters": layers * (width * width + width),
+    }
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     report["machine_bytes"] = memory
     for sharded in (True, False):
@@ -100,22 +112,39 @@ def _big(args, local) -> dict:
         # grows by one layer's worth per layer) and scale by the layer count.
         count = layers if sharded else 1
         strategy, model, optimizer, batch = models.mirrax_state(
-            local, lambda rngs: models.DenseStack((width,) * (count + 1), rngs), x, y,
-            shard_optimizer_state=sharded)
-        analysis = strategy.experimental_lower(step, args=(model, optimizer, batch)).compile(
-        ).memory_analysis()
-        peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes) * layers // count
+            local,
+            lambda rngs: models.DenseStack((width,) * (count + 1), rngs),
+            x,
+            y,
+            shard_optimizer_state=sharded,
+        )
+        analysis = (
+            strategy.experimental_lower(step, args=(model, optimizer, batch)).compile().memory_analysis()
+        )
+        peak = (
+            (
+                analysis.argument_size_in_bytes
+                + analysis.output_size_in_bytes
+                - analysis.alias_size_in_bytes
+                + analysis.temp_size_in_bytes
+            )
+            * layers
+            // count
+        )
         key = "sharded" if sharded else "unsharded"
         report[f"{key}_device_peak_bytes"] = peak
         report[f"{key}_process_estimate_bytes"] = peak * devices
-        env.log(f"  big MLP {layers}x{width} ({report['parameters']:,} parameters), {key}: "
-                f"{peak / 2**30:.2f} GiB per device, {peak * devices / 2**30:.1f} GiB for the "
-                f"process; the machine has {memory / 2**30:.1f} GiB")
+        env.log(
+            f"  big MLP {layers}x{width} ({report['parameters']:,} parameters), {key}: "
+            f"{peak / 2**30:.2f} GiB per device, {peak * devices / 2**30:.1f} GiB for the "
+            f"process; the machine has {memory / 2**30:.1f} GiB"
+        )
         if sharded and peak * devices < 0.8 * memory:
             start = time.perf_counter()
-            losses = [float(strategy.reduce("sum", strategy.run(
-                step, args=(model, optimizer, batch)))) for _ in range(args.big_steps)]
+            losses = [
+                float(strategy.reduce("sum", strategy.run(step, args=(model, optimizer, batch))))
+                for _ in range(args.big_steps)
+            ]
             report["sharded_losses"] = losses
             report["sharded_seconds_per_step"] = (time.perf_counter() - start) / args.big_steps
             mu = jax.tree.leaves(nnx.state(optimizer.opt_state))[1]
@@ -129,30 +158,65 @@ def _big(args, local) -> dict:
 def _markdown(results: list) -> str:
     rows = [r for result in results for r in result["rows"]]
     lines = env.markdown_table(
-        ["workload", "replicas", "steps/window", "unsharded ms/step", "sharded ms/step",
-         "sharded / unsharded"],
-        [[r["workload"], r["devices"], r["steps"], f"{r['ms']['unsharded']:.2f}",
-          f"{r['ms']['sharded']:.2f}", f"{r['ratio']:.3f}"] for r in rows])
-    lines += ["", f"{env.environment_note(results[0]['environment'])} Per-replica batch "
-              f"{hlo.PER_REPLICA_BATCH}, Adam, gradients from mirrax.value_and_grad; medians "
-              f"of {rows[0]['windows']} interleaved windows per variant."]
+        [
+            "workload",
+            "replicas",
+            "steps/window",
+            "unsharded ms/step",
+            "sharded ms/step",
+            "sharded / unsharded",
+        ],
+        [
+            [
+                r["workload"],
+                r["devices"],
+                r["steps"],
+                f"{r['ms']['unsharded']:.2f}",
+                f"{r['ms']['sharded']:.2f}",
+                f"{r['ratio']:.3f}",
+            ]
+            for r in rows
+        ],
+    )
+    lines += [
+        "",
+        f"{env.environment_note(results[0]['environment'])} Per-replica batch "
+        f"{hlo.PER_REPLICA_BATCH}, Adam, gradients from mirrax.value_and_grad; medians "
+        f"of {rows[0]['windows']} interleaved windows per variant.",
+    ]
     big = [result["big"] for result in results if "big" in result]
     for b in big:
         gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
         ran = "sharded_losses" in b
-        lines += ["", f"A model that fits only sharded: MLP {b['layers']} x {b['width']}^2 "
-                  f"({b['parameters']:,} parameters, float32, Adam) on {b['devices']} fake CPU "
-                  f"devices sharing {gib(b['machine_bytes'])} GiB:", ""]
+        lines += [
+            "",
+            f"A model that fits only sharded: MLP {b['layers']} x {b['width']}^2 "
+            f"({b['parameters']:,} parameters, float32, Adam) on {b['devices']} fake CPU "
+            f"devices sharing {gib(b['machine_bytes'])} GiB:",
+            "",
+        ]
         lines += env.markdown_table(
             ["", "per-device peak GiB (XLA)", "process estimate GiB", "ran"],
-            [["unsharded", gib(b["unsharded_device_peak_bytes"]),
-              gib(b["unsharded_process_estimate_bytes"]), "no (compiled only)"],
-             ["sharded", gib(b["sharded_device_peak_bytes"]),
-              gib(b["sharded_process_estimate_bytes"]),
-              f"{len(b['sharded_losses'])} steps, {b['sharded_seconds_per_step']:.1f} s/step, "
-              f"losses {', '.join(f'{v:.4f}' for v in b['sharded_losses'])}; process peak "
-              f"RSS {gib(b['peak_rss_bytes'])} GiB" if ran else "no: estimate above 80%"]],
-            ["l", "r", "r", "l"])
+            [
+                [
+                    "unsharded",
+                    gib(b["unsharded_device_peak_bytes"]),
+                    gib(b["unsharded_process_estimate_bytes"]),
+                    "no (compiled only)",
+                ],
+                [
+                    "sharded",
+                    gib(b["sharded_device_peak_bytes"]),
+                    gib(b["sharded_process_estimate_bytes"]),
+                    f"{len(b['sharded_losses'])} steps, {b['sharded_seconds_per_step']:.1f} s/step, "
+                    f"losses {', '.join(f'{v:.4f}' for v in b['sharded_losses'])}; process peak "
+                    f"RSS {gib(b['peak_rss_bytes'])} GiB"
+                    if ran
+                    else "no: estimate above 80%",
+                ],
+            ],
+            ["l", "r", "r", "l"],
+        )
     return "\n".join(lines)
 
 
@@ -167,7 +231,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     env.parse_device_counts(parser, args)
     child_argv = env.forward_arguments(
-        args, ("platform", "windows", "big_width", "big_layers", "big_steps"), ("big",))
+        args, ("platform", "windows", "big_width", "big_layers", "big_steps"), ("big",)
+    )
     return env.run_benchmark(args, _measure, _markdown, child_argv, MODULE)
 
 

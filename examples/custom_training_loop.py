@@ -90,14 +90,21 @@ def global_batches(images, labels, global_batch_size: int, order=None) -> list:
     n = len(images)
     order = np.arange(n) if order is None else order
     return [
-        (images[order[start : start + global_batch_size]],
-         labels[order[start : start + global_batch_size]])
+        (images[order[start : start + global_batch_size]], labels[order[start : start + global_batch_size]])
         for start in range(0, n, global_batch_size)
     ]
 
 
-def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_replica: int = 16,
-          learning_rate: float = 1e-3, seed: int = 0):
+def train(
+    strategy,
+    train_data,
+    test_data,
+    *,
+    epochs: int = 10,
+    batch_size_per_replica: int = 16,
+    learning_rate: float = 1e-3,
+    seed: int = 0,
+):
     """Trains the CNN with a custom loop on every replica of `strategy`, testing every epoch.
 
     Each epoch reshuffles the training set with a NumPy RNG seeded by `seed` (so the order does
@@ -143,22 +150,28 @@ def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_r
     test_batches = global_batches(x_test, y_test, global_batch_size)
     test_dataset = strategy.experimental_distribute_dataset(test_batches)
     rng = np.random.default_rng(seed)
-    history = {key: [] for key in ("loss", "accuracy", "test_loss", "test_accuracy",
-                                   "images_per_second")}
+    history = {key: [] for key in ("loss", "accuracy", "test_loss", "test_accuracy", "images_per_second")}
     for epoch in range(epochs):
         batches = global_batches(x_train, y_train, global_batch_size, rng.permutation(len(x_train)))
         start = time.perf_counter()
         loss, accuracy = _epoch(
-            strategy, train_step, (model, optimizer),
-            strategy.experimental_distribute_dataset(batches), [len(b[1]) for b in batches],
+            strategy,
+            train_step,
+            (model, optimizer),
+            strategy.experimental_distribute_dataset(batches),
+            [len(b[1]) for b in batches],
         )
         seconds = time.perf_counter() - start
         test_loss, test_accuracy = _epoch(
             strategy, test_step, (model,), test_dataset, [len(b[1]) for b in test_batches]
         )
-        for key, value in (("loss", loss), ("accuracy", accuracy), ("test_loss", test_loss),
-                           ("test_accuracy", test_accuracy),
-                           ("images_per_second", len(x_train) / seconds)):
+        for key, value in (
+            ("loss", loss),
+            ("accuracy", accuracy),
+            ("test_loss", test_loss),
+            ("test_accuracy", test_accuracy),
+            ("images_per_second", len(x_train) / seconds),
+        ):
             history[key].append(value)
         print(
             f"Epoch {epoch + 1}/{epochs} - loss: {loss:.4f} - accuracy: {accuracy:.4f} - "

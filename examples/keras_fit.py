@@ -65,8 +65,17 @@ class TutorialCNN(nnx.Module):
         return self.dense2(nnx.relu(self.dense1(x)))
 
 
-def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_replica: int = 16,
-          learning_rate: float = 1e-3, seed: int = 0, tensorboard_dir=None):
+def train(
+    strategy,
+    train_data,
+    test_data,
+    *,
+    epochs: int = 10,
+    batch_size_per_replica: int = 16,
+    learning_rate: float = 1e-3,
+    seed: int = 0,
+    tensorboard_dir=None,
+):
     """Trains the CNN with `Model.fit` on every replica of `strategy`, then evaluates it.
 
     The last `VALIDATION_SPLIT` (10%) of the training examples are held out for validation, as
@@ -107,8 +116,14 @@ def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_r
     ]
     if tensorboard_dir is not None:
         callbacks.append(mirrax.callbacks.TensorBoard(tensorboard_dir))
-    history = model.fit(x_train, y_train, batch_size=global_batch_size, epochs=epochs,
-                        validation_split=VALIDATION_SPLIT, callbacks=callbacks)
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=global_batch_size,
+        epochs=epochs,
+        validation_split=VALIDATION_SPLIT,
+        callbacks=callbacks,
+    )
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=global_batch_size)
     print(f"Test accuracy: {test_accuracy:.4f}", flush=True)
     return model, history.history, test_accuracy
@@ -118,8 +133,9 @@ def main(argv=None) -> None:
     """Trains on the digits over every device; `argv` as `sys.argv[1:]` (None reads it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10, help="default 10")
-    parser.add_argument("--mixed-precision", default="float32",
-                        choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    parser.add_argument(
+        "--mixed-precision", default="float32", choices=("float32", "mixed_bfloat16", "mixed_float16")
+    )
     args = parser.parse_args(argv)
 
     mirrax.mixed_precision.set_global_policy(args.mixed_precision)

@@ -35,21 +35,24 @@ VALIDATION_SPLIT = 0.1
 def build_model(image_shape, num_classes: int = 10) -> keras.Model:
     """The tutorial's CNN in Keras layers: logits of shape (batch, num_classes) for images of
     shape (batch, *image_shape); height and width multiples of 4 (two 2x2 max-pools)."""
-    return keras.Sequential([
-        keras.Input(shape=image_shape),
-        layers.Conv2D(32, 3, padding="same", activation="relu"),
-        layers.MaxPooling2D(),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.MaxPooling2D(),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.Flatten(),
-        layers.Dense(64, activation="relu"),
-        layers.Dense(num_classes),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=image_shape),
+            layers.Conv2D(32, 3, padding="same", activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Conv2D(64, 3, padding="same", activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Conv2D(64, 3, padding="same", activation="relu"),
+            layers.Flatten(),
+            layers.Dense(64, activation="relu"),
+            layers.Dense(num_classes),
+        ]
+    )
 
 
-def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_replica: int = 16,
-          seed: int = 0):
+def train(
+    strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_replica: int = 16, seed: int = 0
+):
     """Trains the Keras CNN with `Model.fit` on every replica of `strategy`, then evaluates it.
 
     Args:
@@ -69,13 +72,22 @@ def train(strategy, train_data, test_data, *, epochs: int = 10, batch_size_per_r
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = mirrax.Model(build_model(x_train.shape[1:]))
-        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=keras.optimizers.Adam(learning_rate=1e-3),
-                      metrics=["accuracy"])
-    history = model.fit(x_train, y_train, batch_size=global_batch_size, epochs=epochs,
-                        validation_split=VALIDATION_SPLIT,
-                        callbacks=[callbacks.EarlyStopping(patience=3, restore_best_weights=True),
-                                   callbacks.ReduceLROnPlateau(factor=0.5, patience=2)])
+        model.compile(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.Adam(learning_rate=1e-3),
+            metrics=["accuracy"],
+        )
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=global_batch_size,
+        epochs=epochs,
+        validation_split=VALIDATION_SPLIT,
+        callbacks=[
+            callbacks.EarlyStopping(patience=3, restore_best_weights=True),
+            callbacks.ReduceLROnPlateau(factor=0.5, patience=2),
+        ],
+    )
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=global_batch_size)
     print(f"Test accuracy: {test_accuracy:.4f}", flush=True)
     return model, history.history, test_accuracy

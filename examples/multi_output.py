@@ -48,12 +48,15 @@ def build_model() -> keras.Model:
     signal = keras.Input(shape=(16,), name="signal")
     meta = keras.Input(shape=(4,), name="meta")
     trunk = layers.Dense(32, activation="relu")(layers.Concatenate()([signal, meta]))
-    return keras.Model(inputs=[signal, meta], outputs=[
-        layers.Dense(1, name="value")(trunk), layers.Dense(3, name="kind")(trunk)])
+    return keras.Model(
+        inputs=[signal, meta],
+        outputs=[layers.Dense(1, name="value")(trunk), layers.Dense(3, name="kind")(trunk)],
+    )
 
 
-def train(strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_replica: int = 32,
-          seed: int = 0):
+def train(
+    strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_replica: int = 32, seed: int = 0
+):
     """Trains the model with `Model.fit` on every replica of `strategy`, then evaluates it.
 
     Returns (model, history, results): the trained `mirrax.Model`, its per-epoch logs, and
@@ -66,14 +69,13 @@ def train(strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_re
         model = mirrax.Model(build_model())
         model.compile(
             optimizer=keras.optimizers.Adam(learning_rate=1e-2),
-            loss={"value": "mse",
-                  "kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+            loss={"value": "mse", "kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
             loss_weights={"value": 1.0, "kind": 0.5},
-            metrics={"value": ["mae"], "kind": ["accuracy"]})
+            metrics={"value": ["mae"], "kind": ["accuracy"]},
+        )
     history = model.fit(x_train, y_train, batch_size=global_batch_size, epochs=epochs)
     results = model.evaluate(x_test, y_test, batch_size=global_batch_size, return_dict=True)
-    print("Test " + ", ".join(f"{name}: {value:.4f}" for name, value in results.items()),
-          flush=True)
+    print("Test " + ", ".join(f"{name}: {value:.4f}" for name, value in results.items()), flush=True)
     return model, history.history, results
 
 
@@ -86,8 +88,12 @@ def main(argv=None) -> None:
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
     x, y = synthetic(2400)
     head = lambda tree, s: {k: v[s] for k, v in tree.items()}  # noqa: E731
-    train(strategy, (head(x, slice(0, 2000)), head(y, slice(0, 2000))),
-          (head(x, slice(2000, None)), head(y, slice(2000, None))), epochs=args.epochs)
+    train(
+        strategy,
+        (head(x, slice(0, 2000)), head(y, slice(0, 2000))),
+        (head(x, slice(2000, None)), head(y, slice(2000, None))),
+        epochs=args.epochs,
+    )
 
 
 if __name__ == "__main__":

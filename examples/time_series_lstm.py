@@ -35,12 +35,13 @@ def sine_windows(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     t = np.arange(n + WINDOW, dtype=np.float32)
     series = np.sin(2 * np.pi * t / 50) + rng.normal(0, 0.05, t.shape).astype(np.float32)
-    x = np.stack([series[i:i + WINDOW] for i in range(n)])[..., None]
-    return x.astype(np.float32), series[WINDOW:WINDOW + n, None].astype(np.float32)
+    x = np.stack([series[i : i + WINDOW] for i in range(n)])[..., None]
+    return x.astype(np.float32), series[WINDOW : WINDOW + n, None].astype(np.float32)
 
 
-def train(strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_replica: int = 16,
-          seed: int = 0):
+def train(
+    strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_replica: int = 16, seed: int = 0
+):
     """Trains the LSTM with `Model.fit` on every replica of `strategy`, then evaluates it.
 
     Returns (model, history, test_mse): the trained `mirrax.Model`, its per-epoch logs, and the
@@ -50,8 +51,9 @@ def train(strategy, train_data, test_data, *, epochs: int = 5, batch_size_per_re
     global_batch_size = batch_size_per_replica * strategy.num_replicas_in_sync
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = mirrax.Model(keras.Sequential([
-            keras.Input(shape=x_train.shape[1:]), layers.LSTM(16), layers.Dense(1)]))
+        model = mirrax.Model(
+            keras.Sequential([keras.Input(shape=x_train.shape[1:]), layers.LSTM(16), layers.Dense(1)])
+        )
         model.compile(loss="mse", optimizer=keras.optimizers.Adam(learning_rate=1e-2))
     history = model.fit(x_train, y_train, batch_size=global_batch_size, epochs=epochs)
     test_mse = model.evaluate(x_test, y_test, batch_size=global_batch_size)

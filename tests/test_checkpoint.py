@@ -141,9 +141,11 @@ def test_missing_and_empty_directories(tmp_path):
     with pytest.raises(mirrax.errors.MissingCheckpointError, match="no checkpoint directory"):
         ckpt.restore(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(mirrax.errors.InvalidCheckpointError,
-                       match="not a complete mirrax checkpoint: it has no _CHECKPOINT_METADATA "
-                             r"\(found an empty directory\)"):
+    with pytest.raises(
+        mirrax.errors.InvalidCheckpointError,
+        match="not a complete mirrax checkpoint: it has no _CHECKPOINT_METADATA "
+        r"\(found an empty directory\)",
+    ):
         ckpt.restore(tmp_path / "empty")
 
 
@@ -213,7 +215,8 @@ def rng_state(module) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(module)))[0]
     return {
         jax.tree_util.keystr(k): np.asarray(
-            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+            jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+        )
         for k, v in flat
     }
 
@@ -298,14 +301,18 @@ def test_load_weights_reads_the_module_of_a_full_checkpoint(tmp_path):
 
 def test_load_weights_names_the_restoring_call_for_a_checkpoint_without_a_model(tmp_path):
     path = mirrax.Checkpoint(net=RngNet(0), step=3).write(tmp_path / "other")
-    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
-                       match=r"holds no single model's weights \(its items: \['net', "
-                             r"'step'\]\).*mirrax\.Checkpoint\(net=<the object saved>\)"
-                             r"\.restore\("):
+    with pytest.raises(
+        mirrax.errors.IncompatibleCheckpointError,
+        match=r"holds no single model's weights \(its items: \['net', "
+        r"'step'\]\).*mirrax\.Checkpoint\(net=<the object saved>\)"
+        r"\.restore\(",
+    ):
         mirrax.Model(RngNet(1)).load_weights(path)
-    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
-                       match=r"weights\['linear'\]\['kernel'\] has shape \(2, 4\) in the "
-                             r"checkpoint, \(2, 8\) in the model"):
+    with pytest.raises(
+        mirrax.errors.IncompatibleCheckpointError,
+        match=r"weights\['linear'\]\['kernel'\] has shape \(2, 4\) in the "
+        r"checkpoint, \(2, 8\) in the model",
+    ):
         mirrax.Model(RngNet(0)).save_weights(tmp_path / "w")
         mirrax.Model(RngNet(1, width=8)).load_weights(tmp_path / "w")
 
@@ -340,10 +347,12 @@ def test_a_restore_that_matches_nothing_is_refused_and_changes_nothing(tmp_path)
         target = mirrax.Model(MLP(w1 * 0.0, w2 * 0.0))
     saved.save_weights(tmp_path / "w")  # the item 'weights'
     ckpt = mirrax.Checkpoint(model=target)  # tracks 'model.module'
-    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
-                       match=r"nothing this Checkpoint tracks \(\['model.module'\]\) is in the "
-                             r"checkpoint at .*, which holds \['weights'\]; nothing was restored.*"
-                             r"model.load_weights\(path\)"):
+    with pytest.raises(
+        mirrax.errors.IncompatibleCheckpointError,
+        match=r"nothing this Checkpoint tracks \(\['model.module'\]\) is in the "
+        r"checkpoint at .*, which holds \['weights'\]; nothing was restored.*"
+        r"model.load_weights\(path\)",
+    ):
         ckpt.restore(tmp_path / "w")
     assert ckpt.save_counter == 0
     assert all((leaf == 0).all() for leaf in _leaves(target.module))

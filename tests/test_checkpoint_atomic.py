@@ -95,7 +95,9 @@ def _run_child_until_blocked(directory, kill_point: str, log) -> None:
     with open(log, "w") as err:  # stderr to a file: a full pipe would stall the child
         child = subprocess.Popen(
             [sys.executable, "-c", script, str(directory), kill_point],
-            stdout=subprocess.PIPE, stderr=err, text=True,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
         )
     try:
         # A generous bound only so that a broken hook fails the test instead of hanging it.
@@ -236,12 +238,21 @@ class KillNet(nnx.Module):
 
 def kill_state(module) -> list:
     """The module's state leaves in `nnx.state` order, keys as key data (as export stores them)."""
-    return [np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
-            for a in jax.tree.leaves(nnx.state(module))]
+    return [
+        np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+        for a in jax.tree.leaves(nnx.state(module))
+    ]
 
 
-KILL_KINDS = ["checkpoint", "save_weights", "model_checkpoint_best_weights",
-              "model_checkpoint_full", "export", "manager", "backup"]
+KILL_KINDS = [
+    "checkpoint",
+    "save_weights",
+    "model_checkpoint_best_weights",
+    "model_checkpoint_full",
+    "export",
+    "manager",
+    "backup",
+]
 
 
 def kill_save(kind: str, work: str, module) -> None:
@@ -255,8 +266,9 @@ def kill_save(kind: str, work: str, module) -> None:
         mirrax.Model(module).save_weights(path, overwrite=True)
     elif kind.startswith("model_checkpoint"):
         best = kind == "model_checkpoint_best_weights"
-        callback = ModelCheckpoint(path, monitor="loss", mode="min", save_best_only=best,
-                                   save_weights_only=best)
+        callback = ModelCheckpoint(
+            path, monitor="loss", mode="min", save_best_only=best, save_weights_only=best
+        )
         callback.set_model(mirrax.Model(module))
         callback.on_train_begin()
         callback.on_epoch_end(0, {"loss": 1.0})
@@ -431,7 +443,11 @@ class _ForkServer:
         self.log = open(log, "w")  # stderr to a file: a full pipe would stall the server
         self.process = subprocess.Popen(
             [sys.executable, "-c", _FORK_SERVER.format(repo=_REPO)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         assert self._line() == "READY", open(log).read()
 
     def _line(self) -> str:
@@ -444,8 +460,9 @@ class _ForkServer:
         self.process.stdin.flush()
         line = self._line()
         if not line.startswith("BLOCKED "):
-            raise AssertionError(f"child did not block at {moment}: {line!r}\n"
-                                 f"{open(self.log.name).read()[-3000:]}")
+            raise AssertionError(
+                f"child did not block at {moment}: {line!r}\n{open(self.log.name).read()[-3000:]}"
+            )
         os.kill(int(line.split()[1]), signal.SIGKILL)
         status = self._line()
         assert status.startswith("EXIT "), status
@@ -487,7 +504,8 @@ _KILL_CASES = [(kind, moment) for kind in KILL_KINDS for moment in _moments(kind
 
 @pytest.mark.parametrize("kind, moment", _KILL_CASES, ids=[f"{k}-{m}" for k, m in _KILL_CASES])
 def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_state_restorable(
-        tmp_path, fork_server, old_and_new, kind, moment):
+    tmp_path, fork_server, old_and_new, kind, moment
+):
     old_module, old, new = old_and_new
     work = tmp_path / "work"
     work.mkdir()

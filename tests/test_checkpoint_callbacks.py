@@ -19,7 +19,7 @@ import mirrax
 from mirrax.callbacks import BackupAndRestore, Callback, LambdaCallback, ModelCheckpoint
 from tests.conftest import mirrored
 
-X = (np.arange(10, dtype=np.float32).reshape(5, 2) / 10.0)
+X = np.arange(10, dtype=np.float32).reshape(5, 2) / 10.0
 Y = X @ np.array([[1.0], [-2.0]], np.float32) + 0.5
 
 
@@ -71,8 +71,9 @@ class Recorder(Callback):
 
 
 def fit(model, callbacks, batch_size=1, **kwargs):
-    return model.fit(X, Y, batch_size=batch_size, epochs=10, shuffle=False, verbose=0,
-                     callbacks=callbacks, **kwargs)
+    return model.fit(
+        X, Y, batch_size=batch_size, epochs=10, shuffle=False, verbose=0, callbacks=callbacks, **kwargs
+    )
 
 
 def epoch_end_weights(model, into: dict):
@@ -132,8 +133,15 @@ def test_backup_and_restore_resumes_mid_epoch(tmp_path, capsys):
     resumed = make_model()
     recorder = Recorder()
     capsys.readouterr()
-    history = resumed.fit(X, Y, batch_size=1, epochs=10, shuffle=False, verbose=1,
-                          callbacks=[BackupAndRestore(backup, save_freq=2), recorder])
+    history = resumed.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=10,
+        shuffle=False,
+        verbose=1,
+        callbacks=[BackupAndRestore(backup, save_freq=2), recorder],
+    )
     assert recorder.start_iterations == 12
     # Resumes at epoch 2, batch 2: 3 batches left in epoch 2, then 7 epochs x 5 = 35; 38 steps.
     assert recorder.batches[0] == (2, 2)
@@ -185,12 +193,26 @@ def test_backup_and_restore_rejects_a_bad_save_freq(tmp_path):
 def test_backup_is_kept_when_delete_checkpoint_is_false(tmp_path):
     backup = str(tmp_path / "backup")
     model = make_model()
-    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
-              callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[BackupAndRestore(backup, delete_checkpoint=False)],
+    )
     # A later fit to epochs=3 resumes after epoch index 1 (2 x 5 = 10 iterations): one epoch.
     again = make_model()
-    history = again.fit(X, Y, batch_size=1, epochs=3, shuffle=False, verbose=0,
-                        callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
+    history = again.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[BackupAndRestore(backup, delete_checkpoint=False)],
+    )
     assert history.epoch == [2]
     assert again.optimizer.iterations == 15
 
@@ -201,8 +223,15 @@ def test_backup_is_kept_when_delete_checkpoint_is_false(tmp_path):
 def test_model_checkpoint_formats_the_filepath(tmp_path):
     model = make_model()
     pattern = str(tmp_path / "w.{epoch:02d}-{loss:.2f}")
-    history = model.fit(X, Y, batch_size=1, epochs=3, shuffle=False, verbose=0,
-                        callbacks=[ModelCheckpoint(pattern, save_weights_only=True)])
+    history = model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[ModelCheckpoint(pattern, save_weights_only=True)],
+    )
     # Epoch numbers in names are 1-based, as Keras: 01, 02, 03.
     expected = {f"w.{e + 1:02d}-{loss:.2f}" for e, loss in enumerate(history.history["loss"])}
     assert set(os.listdir(tmp_path)) == expected
@@ -211,9 +240,15 @@ def test_model_checkpoint_formats_the_filepath(tmp_path):
 
 def test_model_checkpoint_every_n_batches_names_epoch_and_batch(tmp_path):
     model = make_model()
-    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
-              callbacks=[ModelCheckpoint(str(tmp_path / "{epoch}-{batch}"), save_freq=2,
-                                         save_weights_only=True)])
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[ModelCheckpoint(str(tmp_path / "{epoch}-{batch}"), save_freq=2, save_weights_only=True)],
+    )
     # 5 batches per epoch, a save every 2 counted across epochs: after batches 2, 4 (epoch 1),
     # 6 = epoch 2 batch 1, 8 = epoch 2 batch 3, 10 = epoch 2 batch 5 (1-based numbers).
     assert sorted(os.listdir(tmp_path)) == ["1-2", "1-4", "2-1", "2-3", "2-5"]
@@ -223,19 +258,27 @@ def test_model_checkpoint_save_best_only_keeps_improving_epochs(tmp_path):
     model = make_model()
     scores = [3.0, 1.0, 2.0, 0.5, 0.7]
     inject = LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(score=scores[epoch]))
-    checkpoint = ModelCheckpoint(str(tmp_path / "best.{epoch}"), monitor="score", mode="min",
-                                 save_best_only=True, save_weights_only=True)
-    model.fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0,
-              callbacks=[inject, checkpoint])
+    checkpoint = ModelCheckpoint(
+        str(tmp_path / "best.{epoch}"),
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+    )
+    model.fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0, callbacks=[inject, checkpoint])
     # 3.0 beats +inf, 1.0 < 3.0, 2.0 no, 0.5 < 1.0, 0.7 no: epochs 1, 2 and 4 (1-based).
     assert sorted(os.listdir(tmp_path)) == ["best.1", "best.2", "best.4"]
     assert checkpoint.best == 0.5
 
-    threshold = ModelCheckpoint(str(tmp_path / "t.{epoch}"), monitor="score", mode="min",
-                                save_best_only=True, save_weights_only=True,
-                                initial_value_threshold=0.9)
-    make_model().fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0,
-                     callbacks=[inject, threshold])
+    threshold = ModelCheckpoint(
+        str(tmp_path / "t.{epoch}"),
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+        initial_value_threshold=0.9,
+    )
+    make_model().fit(X, Y, batch_size=1, epochs=5, shuffle=False, verbose=0, callbacks=[inject, threshold])
     # Only 0.5 beats the threshold 0.9: epoch 4.
     assert [n for n in os.listdir(tmp_path) if n.startswith("t.")] == ["t.4"]
 
@@ -244,21 +287,42 @@ def test_model_checkpoint_auto_mode_needs_a_known_direction(tmp_path):
     # "score" is logged by the LambdaCallback, but its direction is unknown.
     inject = LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(score=1.0))
     with pytest.raises(ValueError, match="mode='max'"):
-        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
-            inject, ModelCheckpoint(str(tmp_path / "m"), monitor="score", save_best_only=True)])
+        make_model().fit(
+            X,
+            Y,
+            batch_size=1,
+            epochs=1,
+            verbose=0,
+            callbacks=[inject, ModelCheckpoint(str(tmp_path / "m"), monitor="score", save_best_only=True)],
+        )
 
 
 def test_model_checkpoint_missing_format_field_names_it(tmp_path):
     with pytest.raises(KeyError, match="val_loss"):
-        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
-            ModelCheckpoint(str(tmp_path / "{val_loss:.2f}"))])
+        make_model().fit(
+            X,
+            Y,
+            batch_size=1,
+            epochs=1,
+            verbose=0,
+            callbacks=[ModelCheckpoint(str(tmp_path / "{val_loss:.2f}"))],
+        )
 
 
 def test_model_checkpoint_saves_restore(tmp_path):
     model = make_model()
-    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, callbacks=[
-        ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
-        ModelCheckpoint(str(tmp_path / "full"))])
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
+            ModelCheckpoint(str(tmp_path / "full")),
+        ],
+    )
     fresh = make_model()
     fresh.load_weights(str(tmp_path / "weights"))
     for got, want in zip(weights(fresh), weights(model)):
@@ -286,10 +350,19 @@ def make_rng_model(seed: int = 0, legacy: bool = False, replicas: int = 1) -> mi
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 def test_model_checkpoint_output_of_a_dropout_model_restores(tmp_path, legacy):
     model = make_rng_model(0, legacy)
-    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, callbacks=[
-        ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
-        ModelCheckpoint(str(tmp_path / "full")),
-        ModelCheckpoint(str(tmp_path / "best"), monitor="loss", save_best_only=True)])
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            ModelCheckpoint(str(tmp_path / "weights"), save_weights_only=True),
+            ModelCheckpoint(str(tmp_path / "full")),
+            ModelCheckpoint(str(tmp_path / "best"), monitor="loss", save_best_only=True),
+        ],
+    )
     for name in ("weights", "full"):
         fresh = make_rng_model(1, legacy)
         # load_weights reads save_weights_only output and the module of a full checkpoint.
@@ -356,8 +429,14 @@ def test_a_file_where_the_backup_directory_should_be_is_refused(tmp_path):
 def test_model_checkpoint_onto_a_regular_file_refuses_and_keeps_the_file(tmp_path):
     (tmp_path / "best").write_text("precious")
     with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
-        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[
-            ModelCheckpoint(str(tmp_path / "best"), save_weights_only=True)])
+        make_model().fit(
+            X,
+            Y,
+            batch_size=1,
+            epochs=1,
+            verbose=0,
+            callbacks=[ModelCheckpoint(str(tmp_path / "best"), save_weights_only=True)],
+        )
     assert (tmp_path / "best").read_text() == "precious"
 
 
@@ -366,9 +445,11 @@ def test_save_best_only_on_a_monitor_fit_will_not_log_is_refused_before_any_step
     # (Keras warns at every epoch end). Refused at the start of fit, listing the logged keys.
     model = make_model()
     best = ModelCheckpoint(str(tmp_path / "best"), save_best_only=True)
-    with pytest.raises(mirrax.errors.InvalidArgumentError,
-                       match=r"ModelCheckpoint: monitor='val_loss' is not among the logs of this "
-                             r"fit, which hold: loss\. .*validation_data"):
+    with pytest.raises(
+        mirrax.errors.InvalidArgumentError,
+        match=r"ModelCheckpoint: monitor='val_loss' is not among the logs of this "
+        r"fit, which hold: loss\. .*validation_data",
+    ):
         model.fit(X, Y, batch_size=1, epochs=2, verbose=0, callbacks=[best])
     assert model.optimizer.iterations == 0 and not os.listdir(tmp_path)
     # With validation data it saves.
@@ -388,31 +469,46 @@ def test_a_mid_epoch_backup_past_the_new_epochs_end_restarts_that_epoch(tmp_path
 
     backup = str(tmp_path / "backup")
     with pytest.raises(Interrupted):
-        make_model().fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
-                         callbacks=[BackupAndRestore(backup, save_freq=4), Stop()])
+        make_model().fit(
+            X,
+            Y,
+            batch_size=1,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[BackupAndRestore(backup, save_freq=4), Stop()],
+        )
     model = make_model()
-    with pytest.warns(UserWarning, match="resumes epoch 1 at batch 5, but this input has 1 "
-                                         "batch"):
-        history = model.fit(X, Y, batch_size=5, epochs=2, shuffle=False, verbose=0,
-                            callbacks=[BackupAndRestore(backup, save_freq=4)])
+    with pytest.warns(UserWarning, match="resumes epoch 1 at batch 5, but this input has 1 batch"):
+        history = model.fit(
+            X,
+            Y,
+            batch_size=5,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[BackupAndRestore(backup, save_freq=4)],
+        )
     # 4 steps before the interruption, then 1 + 1 after it.
     assert model.optimizer.iterations == 6
     assert len(history.history["loss"]) == 2 and all(v > 0 for v in history.history["loss"])
 
 
-def test_model_checkpoint_into_a_directory_that_cannot_be_made_is_refused_before_any_step(
-        tmp_path):
+def test_model_checkpoint_into_a_directory_that_cannot_be_made_is_refused_before_any_step(tmp_path):
     # "blocker" is a regular file, so the directory blocker/ckpt cannot be created: refused at
     # the start of fit (not after an epoch of training), naming the path and the OS's reason.
     (tmp_path / "blocker").write_text("x")
     model = make_model()
     path = str(tmp_path / "blocker" / "ckpt" / "weights.{epoch:02d}")
-    with pytest.raises(mirrax.errors.CheckpointWriteError,
-                       match=r"ModelCheckpoint: cannot write the saves of filepath=.*blocker/ckpt/"
-                             r"weights\.\{epoch:02d\}': the directory .*blocker/ckpt' cannot be "
-                             r"created or written \((NotADirectoryError|FileExistsError)"):
-        model.fit(X, Y, batch_size=1, epochs=2, verbose=0,
-                  callbacks=[ModelCheckpoint(path, save_weights_only=True)])
+    with pytest.raises(
+        mirrax.errors.CheckpointWriteError,
+        match=r"ModelCheckpoint: cannot write the saves of filepath=.*blocker/ckpt/"
+        r"weights\.\{epoch:02d\}': the directory .*blocker/ckpt' cannot be "
+        r"created or written \((NotADirectoryError|FileExistsError)",
+    ):
+        model.fit(
+            X, Y, batch_size=1, epochs=2, verbose=0, callbacks=[ModelCheckpoint(path, save_weights_only=True)]
+        )
     assert model.optimizer.iterations == 0
     assert (tmp_path / "blocker").read_text() == "x"
     assert os.listdir(tmp_path) == ["blocker"]  # no probe file left behind

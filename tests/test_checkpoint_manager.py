@@ -117,8 +117,12 @@ def test_process_exit_waits_for_an_async_save(tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-c", _SAVE_THEN_EXIT, str(tmp_path / "run")], check=True,
-                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", _SAVE_THEN_EXIT, str(tmp_path / "run")],
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=120,
+    )
     assert os.listdir(tmp_path / "run") == ["1"]  # committed, no temporary directory left
     state = nnx.Variable(jnp.zeros(4 * 1024 * 1024))
     mirrax.Checkpoint(state=state).restore(tmp_path / "run" / "1").assert_consumed()
@@ -134,8 +138,7 @@ from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net  # noq
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_manager_restores_rng_and_batchnorm_state_exactly(tmp_path, legacy, async_save):
     saved = used_rng_net(0, legacy)
-    manager = mirrax.CheckpointManager(mirrax.Checkpoint(net=saved), tmp_path / "run",
-                                       async_save=async_save)
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(net=saved), tmp_path / "run", async_save=async_save)
     manager.save()
     manager.wait_until_finished()  # another manager sees only committed checkpoints
     target = RngNet(1, legacy)
@@ -146,8 +149,7 @@ def test_manager_restores_rng_and_batchnorm_state_exactly(tmp_path, legacy, asyn
 
 def test_an_empty_numbered_folder_is_never_the_latest_checkpoint(tmp_path, caplog):
     counter = nnx.Variable(np.zeros((), np.float32))
-    manager = mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run",
-                                       max_to_keep=1)
+    manager = mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run", max_to_keep=1)
     counter[...] = np.float32(1.0)
     manager.save()
     (tmp_path / "run" / "7").mkdir()  # empty: no checkpoint metadata, not restorable
@@ -161,8 +163,9 @@ def test_an_empty_numbered_folder_is_never_the_latest_checkpoint(tmp_path, caplo
     assert manager.save() == str(tmp_path / "run" / "2")
     assert sorted(os.listdir(tmp_path / "run")) == ["2", "7.mirrax-incomplete"]
     counter[...] = np.float32(0.0)
-    assert mirrax.CheckpointManager(mirrax.Checkpoint(counter=counter), tmp_path / "run"
-                                    ).restore_or_initialize() == str(tmp_path / "run" / "2")
+    assert mirrax.CheckpointManager(
+        mirrax.Checkpoint(counter=counter), tmp_path / "run"
+    ).restore_or_initialize() == str(tmp_path / "run" / "2")
     assert float(counter[...]) == 2.0
 
 
@@ -186,26 +189,40 @@ def test_dropped_checkpoints_leave_no_trace(tmp_path):
     assert sorted(os.listdir(tmp_path / "run")) == ["3", "4"]
 
 
-@pytest.mark.parametrize("kwargs, error, fragment", [
-    ({"max_to_keep": 0}, mirrax.errors.InvalidArgumentError, "max_to_keep must be >= 1 or None; received 0"),
-    ({"max_to_keep": "3"}, mirrax.errors.InvalidArgumentTypeError, "max_to_keep must be an int or None; received '3'"),
-    ({"max_to_keep": 2.5}, mirrax.errors.InvalidArgumentTypeError, "received 2.5 of type float"),
-    ({"max_to_keep": True}, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
-    ({"checkpoint_interval": -1}, mirrax.errors.InvalidArgumentError, "checkpoint_interval must be >= 0"),
-    ({"keep_checkpoint_every_n_hours": "1"}, mirrax.errors.InvalidArgumentTypeError, "number of hours"),
-    ({"init_fn": 3}, mirrax.errors.InvalidArgumentTypeError, "init_fn must be a function"),
-    ({"async_save": "yes"}, mirrax.errors.InvalidArgumentTypeError, "async_save must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        (
+            {"max_to_keep": 0},
+            mirrax.errors.InvalidArgumentError,
+            "max_to_keep must be >= 1 or None; received 0",
+        ),
+        (
+            {"max_to_keep": "3"},
+            mirrax.errors.InvalidArgumentTypeError,
+            "max_to_keep must be an int or None; received '3'",
+        ),
+        ({"max_to_keep": 2.5}, mirrax.errors.InvalidArgumentTypeError, "received 2.5 of type float"),
+        ({"max_to_keep": True}, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
+        ({"checkpoint_interval": -1}, mirrax.errors.InvalidArgumentError, "checkpoint_interval must be >= 0"),
+        ({"keep_checkpoint_every_n_hours": "1"}, mirrax.errors.InvalidArgumentTypeError, "number of hours"),
+        ({"init_fn": 3}, mirrax.errors.InvalidArgumentTypeError, "init_fn must be a function"),
+        ({"async_save": "yes"}, mirrax.errors.InvalidArgumentTypeError, "async_save must be True or False"),
+    ],
+)
 def test_manager_arguments_are_checked(tmp_path, kwargs, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run", **kwargs)
 
 
-@pytest.mark.parametrize("number, error, fragment", [
-    (-1, mirrax.errors.InvalidArgumentError, "checkpoint_number must be >= 0 or None; received -1"),
-    (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
-    ("2", mirrax.errors.InvalidArgumentTypeError, "received '2' of type str"),
-])
+@pytest.mark.parametrize(
+    "number, error, fragment",
+    [
+        (-1, mirrax.errors.InvalidArgumentError, "checkpoint_number must be >= 0 or None; received -1"),
+        (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
+        ("2", mirrax.errors.InvalidArgumentTypeError, "received '2' of type str"),
+    ],
+)
 def test_checkpoint_number_is_checked(tmp_path, number, error, fragment):
     manager = mirrax.CheckpointManager(mirrax.Checkpoint(step=0), tmp_path / "run")
     with pytest.raises(error, match=re.escape(fragment)):

@@ -60,8 +60,13 @@ _SCRIPT = textwrap.dedent(
 
 def _run(script: str, tmp_path, env=None):
     """Runs `script` in a fresh process; its CompletedProcess (text stdout and stderr)."""
-    return subprocess.run([sys.executable, "-c", script.format(repo=_REPO), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", script.format(repo=_REPO), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def _noise(result) -> str:
@@ -75,8 +80,9 @@ def _noise(result) -> str:
 
 
 def test_a_fresh_process_that_saves_and_restores_prints_nothing_to_stderr(tmp_path):
-    result = _run(_SCRIPT, tmp_path,
-                  env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    result = _run(
+        _SCRIPT, tmp_path, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    )
     assert _noise(result) == ""
     # The save counter was 3 after the manager's restore (its three saves; write() counts none,
     # as TF's): saves 4 and 5, the second in flight when the script ended (the exit hook
@@ -192,11 +198,13 @@ _UNSTARTED_READ_SCRIPT = textwrap.dedent(
 def test_an_unstarted_orbax_read_coroutine_prints_no_warning(tmp_path, mode):
     result = subprocess.run(
         [sys.executable, "-c", _UNSTARTED_READ_SCRIPT.format(repo=_REPO), str(tmp_path), mode],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0 and result.stdout == "DONE\n", result.stderr
     if mode == "quiet":
         assert result.stderr == ""
     else:  # the control: the warnings this filter exists for
-        assert ("coroutine '_read_array_index_and_device_put' was never awaited"
-                in result.stderr)
+        assert "coroutine '_read_array_index_and_device_put' was never awaited" in result.stderr
         assert "coroutine 'Store._get_array_metadatas' was never awaited" in result.stderr

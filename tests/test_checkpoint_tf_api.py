@@ -37,7 +37,8 @@ def test_save_numbers_as_tf_and_latest_checkpoint_reads_the_state_file(tmp_path)
     assert ckpt.save_counter == 2
     # TF's text proto, paths relative to the directory.
     assert (tmp_path / "checkpoint").read_text() == (
-        'model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n')
+        'model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n'
+    )
     assert mirrax.train.latest_checkpoint(tmp_path) == second
     # write() writes exactly its path, leaves save_counter and the state file alone.
     w[...] = 3.0
@@ -85,24 +86,27 @@ def test_bad_prefixes_and_directories_are_refused(tmp_path):
         mirrax.train.latest_checkpoint(None)
     with pytest.raises(mirrax.errors.MissingCheckpointError, match="no checkpoint directory"):
         ckpt.restore(tmp_path / "ckpt-7")
-    for kwargs, match in (({"min_interval_secs": -1}, "min_interval_secs must be"),
-                          ({"timeout": "5"}, "timeout must be"),
-                          ({"timeout_fn": 3}, "timeout_fn must be a function")):
-        with pytest.raises((mirrax.errors.InvalidArgumentError,
-                            mirrax.errors.InvalidArgumentTypeError), match=match):
+    for kwargs, match in (
+        ({"min_interval_secs": -1}, "min_interval_secs must be"),
+        ({"timeout": "5"}, "timeout must be"),
+        ({"timeout_fn": 3}, "timeout_fn must be a function"),
+    ):
+        with pytest.raises(
+            (mirrax.errors.InvalidArgumentError, mirrax.errors.InvalidArgumentTypeError), match=match
+        ):
             mirrax.train.checkpoints_iterator(tmp_path, **kwargs)
 
 
 def test_checkpoints_iterator_yields_each_new_one_and_stops_at_the_timeout(tmp_path):
     ckpt = mirrax.Checkpoint(w=_var(1.0))
     ckpt.save(tmp_path / "ckpt")
-    assert list(mirrax.train.checkpoints_iterator(tmp_path, timeout=0)) == [
-        str(tmp_path / "ckpt-1")]
+    assert list(mirrax.train.checkpoints_iterator(tmp_path, timeout=0)) == [str(tmp_path / "ckpt-1")]
     # timeout_fn: False keeps waiting, True stops (TF's rule); each call follows one timeout.
     calls = []
     seen = []
     for path in mirrax.train.checkpoints_iterator(
-            tmp_path, timeout=0, timeout_fn=lambda: calls.append(1) or len(calls) == 2):
+        tmp_path, timeout=0, timeout_fn=lambda: calls.append(1) or len(calls) == 2
+    ):
         seen.append(path)
         if len(seen) == 1:
             ckpt.save(tmp_path / "ckpt")  # appears before the next poll
@@ -134,14 +138,16 @@ _CHILD = textwrap.dedent(
 
 
 @pytest.mark.parametrize("point", ["ckpt-2", "checkpoint"])
-def test_a_save_killed_before_its_commit_or_its_state_file_leaves_the_previous_latest(
-        tmp_path, point):
+def test_a_save_killed_before_its_commit_or_its_state_file_leaves_the_previous_latest(tmp_path, point):
     # "ckpt-2": the arrays are written (beside, as ckpt-2.mirrax-new), the rename into place
     # not done; "checkpoint": ckpt-2 is committed, the state file's rename not done.
     prefix = str(tmp_path / "ckpt")
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD.format(repo=_REPO, prefix=prefix, point=point)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ready, _, _ = select.select([child.stdout], [], [], 120)
     assert ready and child.stdout.readline().strip() == "BLOCKED"
     child.send_signal(signal.SIGKILL)
@@ -174,8 +180,9 @@ def test_sidecar_evaluator_evaluates_each_checkpoint_and_stops_at_max_evaluation
         trained.module.kernel[...] = jnp.asarray(kernel)
         trained.module.bias[...] = jnp.zeros((1,))
         ckpt.save(tmp_path / "ckpt")
-    evaluator = mirrax.SidecarEvaluator(_model(seed=3), data=[(x, y)], checkpoint_dir=tmp_path,
-                                        max_evaluations=2, callbacks=[Record()])
+    evaluator = mirrax.SidecarEvaluator(
+        _model(seed=3), data=[(x, y)], checkpoint_dir=tmp_path, max_evaluations=2, callbacks=[Record()]
+    )
     # Only ckpt-2 is the latest when it starts (as TF's: superseded ones are skipped); its
     # kernel is 0: mse = (1 + 4) / 2 = 2.5.
     evaluator.start()
@@ -196,8 +203,7 @@ def test_sidecar_evaluator_bad_input(tmp_path):
 def test_an_evaluator_only_tf_config_is_accepted_and_the_strategy_refuses_it():
     config = '{"cluster": {"evaluator": ["a:1"]}, "task": {"type": "evaluator", "index": 0}}'
     resolver = mirrax.TFConfigClusterResolver(tf_config=config)
-    assert (resolver.task_type, resolver.worker_index, resolver.is_chief) == (
-        "evaluator", None, False)
+    assert (resolver.task_type, resolver.worker_index, resolver.is_chief) == ("evaluator", None, False)
     with pytest.raises(mirrax.errors.InvalidArgumentError, match="SidecarEvaluator"):
         mirrax.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
 
@@ -224,16 +230,19 @@ def test_tf_multi_worker_checkpoint_pattern(tmp_path):
     assert worker["own_dir_after_save"] == ["MIRRAX_CHIEF_CHECKPOINT.txt"]
     assert "is a non-chief worker's stub" in worker["stub_refused"] and ckpt in worker["stub_refused"]
     assert worker["prefix_path"] == str(tmp_path / "saved" / "workertemp_1" / "ckpt-1")
-    assert worker["file_refused"].startswith("InvalidArgumentError: Checkpoint.write: worker "
-                                             "process 0 refused its save")
+    assert worker["file_refused"].startswith(
+        "InvalidArgumentError: Checkpoint.write: worker process 0 refused its save"
+    )
     assert not (tmp_path / "workertemp_1").joinpath("ckpt").exists()
     # A prefix refused on worker 1 only (Checkpoint.save's check ran before the path exchange,
     # so the chief waited there): refused on both workers, then both save again.
     assert worker["prefix_refused"].startswith(
         "InvalidArgumentError: Checkpoint.save: file_prefix must be a path prefix inside a "
-        "directory, not a directory")
+        "directory, not a directory"
+    )
     assert chief["prefix_refused"].startswith(
         "InvalidArgumentError: Checkpoint.save: worker process 1 refused its save, so no worker "
-        "saved: InvalidArgumentError: Checkpoint.save: file_prefix must be a path prefix")
+        "saved: InvalidArgumentError: Checkpoint.save: file_prefix must be a path prefix"
+    )
     assert chief["after_refusal"] == str(tmp_path / "after" / "ckpt")
     assert (tmp_path / "after" / "ckpt" / "_CHECKPOINT_METADATA").exists()

@@ -69,7 +69,11 @@ class _Child:
         self.log = open(log, "w")  # stderr to a file: a full pipe would stall the child
         self.process = subprocess.Popen(
             [sys.executable, "-c", _CHILD.format(repo=_REPO), str(directory)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
 
     def line(self) -> str:
         # A generous bound only so that a broken child fails the test instead of hanging it.
@@ -112,11 +116,14 @@ def test_a_second_process_saving_to_the_same_directory_is_refused_every_time(tmp
             # The child saves on between our refusals: it is never disturbed.
             assert child.send("save") == f"SAVED {tmp_path}/run/{n}"
         message = str(refused.value)
-        for fragment in (f"CheckpointManager.save: another process is writing to {tmp_path}/run",
-                         f"process {pid} on host {host!r} (CheckpointManager.save, since",
-                         "nothing was written", "Save to another path",
-                         "or call close() on its CheckpointManager",
-                         f"{tmp_path}/run.mirrax-writer"):
+        for fragment in (
+            f"CheckpointManager.save: another process is writing to {tmp_path}/run",
+            f"process {pid} on host {host!r} (CheckpointManager.save, since",
+            "nothing was written",
+            "Save to another path",
+            "or call close() on its CheckpointManager",
+            f"{tmp_path}/run.mirrax-writer",
+        ):
             assert fragment in message, message
         with pytest.raises(errors.LockedCheckpointError, match=f"process {pid} on host"):
             mirrax.Checkpoint(step=nnx.Variable(jnp.zeros(4))).save(tmp_path / "tf" / "ckpt")
@@ -165,17 +172,28 @@ def _hold_as_another_process(lock_path):
     even in one process), with another process's owner record."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, json.dumps({"pid": 4242, "host": "trainer-7", "what": "Checkpoint.write",
-                             "since": "2026-12-02T20:00:00+00:00"}).encode())
+    os.write(
+        fd,
+        json.dumps(
+            {
+                "pid": 4242,
+                "host": "trainer-7",
+                "what": "Checkpoint.write",
+                "since": "2026-12-02T20:00:00+00:00",
+            }
+        ).encode(),
+    )
     return fd
 
 
 def test_write_while_another_writes_is_refused_and_close_releases_the_directory(tmp_path):
     fd = _hold_as_another_process(tmp_path / "ckpt.mirrax-writer")
     try:
-        with pytest.raises(errors.LockedCheckpointError,
-                           match="process 4242 on host 'trainer-7' \\(Checkpoint.write, since "
-                                 "2026-12-02T20:00:00\\+00:00\\)"):
+        with pytest.raises(
+            errors.LockedCheckpointError,
+            match="process 4242 on host 'trainer-7' \\(Checkpoint.write, since "
+            "2026-12-02T20:00:00\\+00:00\\)",
+        ):
             mirrax.Checkpoint(step=1).write(tmp_path / "ckpt")
     finally:
         os.close(fd)
@@ -230,8 +248,12 @@ _FULL = textwrap.dedent(
 
 
 def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint_stays(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _FULL.format(repo=_REPO), str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL.format(repo=_REPO), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]  # was ~115 lines of them
     caught = json.loads(done.stdout.strip().splitlines()[-1])
@@ -239,12 +261,15 @@ def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint
     for name, path in (("write", f"{tmp_path}/c"), ("manager", f"{tmp_path}/run/2")):
         kind, is_os_error, message = caught[name]
         assert (kind, is_os_error) == ("CheckpointWriteError", True)
-        for fragment in (f"could not write the checkpoint {path}: File too large",
-                         "It needs about 0.3 MB of arrays",  # 263,168 bytes
-                         "MB free on its filesystem",
-                         "the checkpoint that was there before is unchanged",
-                         "the next save first removes this one's partial files",
-                         "Free some space", "or save elsewhere"):
+        for fragment in (
+            f"could not write the checkpoint {path}: File too large",
+            "It needs about 0.3 MB of arrays",  # 263,168 bytes
+            "MB free on its filesystem",
+            "the checkpoint that was there before is unchanged",
+            "the next save first removes this one's partial files",
+            "Free some space",
+            "or save elsewhere",
+        ):
             assert fragment in message, message
     # The checkpoints written before the limit restore bit-exact (the model's initial values).
     initial = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
@@ -262,8 +287,14 @@ def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint
 def test_a_second_multi_worker_strategy_trains_and_saves_and_the_chief_holds_the_lock(tmp_path):
     # One launch (2 workers x 2 devices, tests/multiworker/files_procs.py): two strategies one
     # after the other in each process, each fit / a distributed dataset pass / a manager save.
-    chief, worker = harness.run("second_strategy", tmp_path, num_workers=2, cpu_devices=2,
-                                timeout=300, env={"MIRRAX_TEST_TIMEOUT": "60"})
+    chief, worker = harness.run(
+        "second_strategy",
+        tmp_path,
+        num_workers=2,
+        cpu_devices=2,
+        timeout=300,
+        env={"MIRRAX_TEST_TIMEOUT": "60"},
+    )
     for name in ("first", "second"):
         a, b = chief[name], worker[name]
         assert a["path"] == b["path"] == f"{tmp_path}/{name}/1"
@@ -282,10 +313,16 @@ def test_an_unwritable_path_is_named_not_its_owner_file():
     # Nothing can be created in /proc, even as root: the first file a save creates is the
     # owner file, whose raw FileNotFoundError named '/proc/ck.mirrax-writer'.
     checkpoint = mirrax.Checkpoint(step=nnx.Variable(jnp.asarray(1)))
-    for save, shown in ((lambda: checkpoint.write("/proc/ck"), "Checkpoint.write: cannot write "
-                         "/proc/ck: No such file or directory"),
-                        (lambda: checkpoint.save("/proc/ck"), "Checkpoint.save: cannot write "
-                         "/proc/ck-<n>: No such file or directory")):
+    for save, shown in (
+        (
+            lambda: checkpoint.write("/proc/ck"),
+            "Checkpoint.write: cannot write /proc/ck: No such file or directory",
+        ),
+        (
+            lambda: checkpoint.save("/proc/ck"),
+            "Checkpoint.save: cannot write /proc/ck-<n>: No such file or directory",
+        ),
+    ):
         with pytest.raises(errors.CheckpointWriteError, match=re.escape(shown)):
             save()
     assert checkpoint.save_counter == 0  # the failed save took no number

@@ -15,9 +15,11 @@ SUPPORTED_FLAX = ("0.12.",)
 
 def test_the_installed_versions_are_the_supported_ones():
     assert jax.__version__.startswith(SUPPORTED_JAX), (
-        f"jax {jax.__version__}: re-check every private use in _compat.py, then add it here")
+        f"jax {jax.__version__}: re-check every private use in _compat.py, then add it here"
+    )
     assert flax.__version__.startswith(SUPPORTED_FLAX), (
-        f"flax {flax.__version__}: re-check every private use in _compat.py, then add it here")
+        f"flax {flax.__version__}: re-check every private use in _compat.py, then add it here"
+    )
 
 
 def test_a_variable_keeps_its_value_and_metadata_in_the_slots_compat_reads():

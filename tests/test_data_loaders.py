@@ -31,10 +31,8 @@ MEAN = 1023 / 10  # (2**0 + ... + 2**9) / 10 examples
 # 10 examples in global batches of 4 over 4 replicas (TF's split, ceil(n / 4) each): one
 # example per replica, and the last batch's 2 on the first two replicas.
 IN_ORDER = [[[0], [1], [2], [3]], [[4], [5], [6], [7]], [[8], [9], [], []]]
-RE_ITERABLE = ["torch", "torch_shuffled", "hf_batch", "hf_grain", "grain_map", "grain_iter",
-               "grain_loader"]
-FOR_FIT = ["torch", "torch_shuffled", "hf_grain", "grain_map", "grain_iter", "grain_loader",
-           "generator"]
+RE_ITERABLE = ["torch", "torch_shuffled", "hf_batch", "hf_grain", "grain_map", "grain_iter", "grain_loader"]
+FOR_FIT = ["torch", "torch_shuffled", "hf_grain", "grain_map", "grain_iter", "grain_loader", "generator"]
 
 
 def _xy():
@@ -54,8 +52,7 @@ def single():
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     """`loader_runs` on 2 worker processes x 2 CPU devices (Gloo on loopback)."""
-    return harness.run("loaders", tmp_path_factory.mktemp("loaders"), num_workers=2,
-                       cpu_devices=2)
+    return harness.run("loaders", tmp_path_factory.mktemp("loaders"), num_workers=2, cpu_devices=2)
 
 
 # -- one process -----------------------------------------------------------------------------
@@ -92,8 +89,15 @@ def test_fit_knows_the_steps_of_the_loaders_that_have_a_length(single):
     # len(DataLoader) = ceil(10 / 4) = 3, len(MapDataset.batch(4)) = 3: the progress bar's
     # total and the steps_per_epoch bound. Grain iterators and generators have no length.
     steps = {name: single[name]["fit_steps"] for name in FOR_FIT}
-    assert steps == {"torch": 3, "torch_shuffled": 3, "hf_grain": 3, "grain_map": 3,
-                     "grain_iter": None, "grain_loader": None, "generator": None}
+    assert steps == {
+        "torch": 3,
+        "torch_shuffled": 3,
+        "hf_grain": 3,
+        "grain_map": 3,
+        "grain_iter": None,
+        "grain_loader": None,
+        "generator": None,
+    }
 
 
 def test_per_worker_loaders_from_function_on_one_process(single):
@@ -108,8 +112,7 @@ def test_hugging_face_columns_as_arrays_are_arrays():
     # The fix the errors below name for a Dataset in memory: its columns, ds["x"][:].
     ds = _hf()
     model = identity_model(mirrored(2))
-    assert model.evaluate(ds["x"][:], ds["y"][:], batch_size=4, verbose=0) == pytest.approx(
-        MEAN, rel=1e-6)
+    assert model.evaluate(ds["x"][:], ds["y"][:], batch_size=4, verbose=0) == pytest.approx(MEAN, rel=1e-6)
 
 
 class PickX(nnx.Module):
@@ -133,25 +136,29 @@ def test_predict_takes_a_dict_batch_as_x_as_keras():
     # Distributed first, the same: a dict (or a bare array) batch is x (it used to fail with
     # KeyError: 0, or "'ShapeDtypeStruct' object is not subscriptable").
     np.testing.assert_array_equal(
-        model.predict(strategy.experimental_distribute_dataset(ds.batch(4)), verbose=0), x)
+        model.predict(strategy.experimental_distribute_dataset(ds.batch(4)), verbose=0), x
+    )
     bare = strategy.experimental_distribute_dataset(DataLoader(torch.from_numpy(x), batch_size=4))
     np.testing.assert_array_equal(identity_model(strategy).predict(bare, verbose=0), x)
 
 
 def test_tf_data_in_fit_and_experimental_distribute_dataset():
     tf = pytest.importorskip(
-        "tensorflow", reason="TensorFlow is not installed (the test extra has it on x86_64, "
-                             "Python 3.11)")
+        "tensorflow", reason="TensorFlow is not installed (the test extra has it on x86_64, Python 3.11)"
+    )
     x, y = _xy()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
     strategy = mirrored(4)
-    steps = [[np.log2(np.asarray(v)[:, 0]).astype(int).tolist()
-              for v in strategy.experimental_local_results(batch[0])]
-             for batch in strategy.experimental_distribute_dataset(dataset)]
+    steps = [
+        [
+            np.log2(np.asarray(v)[:, 0]).astype(int).tolist()
+            for v in strategy.experimental_local_results(batch[0])
+        ]
+        for batch in strategy.experimental_distribute_dataset(dataset)
+    ]
     assert steps == IN_ORDER
     model = identity_model(strategy)
-    assert model.fit(dataset, epochs=2, verbose=0).history["loss"] == pytest.approx(
-        [MEAN, MEAN], rel=1e-6)
+    assert model.fit(dataset, epochs=2, verbose=0).history["loss"] == pytest.approx([MEAN, MEAN], rel=1e-6)
     assert model.evaluate(dataset, verbose=0) == pytest.approx(MEAN, rel=1e-6)
     np.testing.assert_array_equal(model.predict(dataset, verbose=0), x)
     as_dicts = tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(4)
@@ -169,8 +176,7 @@ def test_two_workers_split_each_global_batch_as_one_process_does(workers, single
     assert worker0["torch"]["steps"][0] == [[[0], [1]], [[4], [5]], [[8], [9]]]
     assert worker1["torch"]["steps"][0] == [[[2], [3]], [[6], [7]], [[], []]]
     for name in RE_ITERABLE + ["generator", "hf_iter"]:
-        for mine, theirs, one in zip(worker0[name]["steps"], worker1[name]["steps"],
-                                     single[name]["steps"]):
+        for mine, theirs, one in zip(worker0[name]["steps"], worker1[name]["steps"], single[name]["steps"]):
             # Together, step by step, the 4 replicas of one process with 4 devices.
             assert [a + b for a, b in zip(mine, theirs)] == one, name
             seen = sum(sum(mine, []) + sum(theirs, []), [])
@@ -196,8 +202,11 @@ def test_two_workers_read_their_own_examples_from_function(workers):
     assert worker0["from_function_hf"] == [[[0], [1]], [[2], [3]], [[4], []]]
     assert worker1["from_function_hf"] == [[[5], [6]], [[7], [8]], [[9], []]]
     # Evaluated together: each example counted once across the workers.
-    assert worker0["from_function_evaluate"] == worker1["from_function_evaluate"] == (
-        pytest.approx(MEAN, rel=1e-6))
+    assert (
+        worker0["from_function_evaluate"]
+        == worker1["from_function_evaluate"]
+        == (pytest.approx(MEAN, rel=1e-6))
+    )
 
 
 def test_workers_shuffling_with_their_own_seeds_are_stopped(workers):
@@ -205,8 +214,7 @@ def test_workers_shuffling_with_their_own_seeds_are_stopped(workers):
     # would keep its part of a different batch (examples lost and repeated). Refused at step 1.
     for worker in workers:
         message = worker["unseeded_shuffle_error"]
-        assert message.startswith("The processes disagree about the global batch every worker "
-                                  "reads")
+        assert message.startswith("The processes disagree about the global batch every worker reads")
         assert "the same shuffle seed" in message and "at 'input/" in message
 
 
@@ -220,22 +228,30 @@ def test_a_hugging_face_dataset_of_rows_is_refused_naming_its_columns():
     with pytest.raises(errors.InvalidBatchError) as info:
         model.fit(ds, verbose=0)
     message = str(info.value)
-    assert message.startswith("fit: x (Dataset) yields single examples, not batches: its first "
-                              "element's leaf ['y'] is a scalar")
+    assert message.startswith(
+        "fit: x (Dataset) yields single examples, not batches: its first element's leaf ['y'] is a scalar"
+    )
     assert "fit(ds['x'][:], ds['y'][:], batch_size=B)" in message
     assert "grain.MapDataset.source(ds).map(lambda b: (b['x'], b['y'])).batch(B)" in message
-    with pytest.raises(errors.InvalidBatchError,
-                       match=r"batch\['y'\] is a scalar .*ds.iter\(batch_size=B\) or ds.batch"):
+    with pytest.raises(
+        errors.InvalidBatchError, match=r"batch\['y'\] is a scalar .*ds.iter\(batch_size=B\) or ds.batch"
+    ):
         list(mirrored(2).experimental_distribute_dataset(ds))
     # A column is a lazy view, not an array (datasets >= 4): named, with ds['x'][:].
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=r"received Column .*Hugging Face Column \(ds\['x'\]\).*ds\['x'\]\[:\]"):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError,
+        match=r"received Column .*Hugging Face Column \(ds\['x'\]\).*ds\['x'\]\[:\]",
+    ):
         model.fit(ds["x"], ds["y"], batch_size=4, verbose=0)
     splits = datasets.DatasetDict({"train": ds, "test": ds})
-    for call in (lambda: model.fit(splits, verbose=0),
-                 lambda: mirrored(2).experimental_distribute_dataset(splits)):
-        with pytest.raises(errors.InvalidArgumentTypeError,
-                           match=r"DatasetDict of the splits \['train', 'test'\]; pass one split"):
+    for call in (
+        lambda: model.fit(splits, verbose=0),
+        lambda: mirrored(2).experimental_distribute_dataset(splits),
+    ):
+        with pytest.raises(
+            errors.InvalidArgumentTypeError,
+            match=r"DatasetDict of the splits \['train', 'test'\]; pass one split",
+        ):
             call()
     assert model.optimizer.iterations == 0
 
@@ -245,15 +261,19 @@ def test_dict_batches_are_refused_by_fit_with_the_tuple_to_make():
     model = identity_model(mirrored(2))
     # As in Keras, a dict batch is x alone: no labels. Hugging Face's .iter, a DataLoader over
     # the torch-formatted dataset, and the same distributed first, all yield such dicts.
-    sources = [ds.iter(batch_size=4), DataLoader(ds.with_format("torch"), batch_size=4),
-               mirrored(2).experimental_distribute_dataset(ds.batch(4))]
+    sources = [
+        ds.iter(batch_size=4),
+        DataLoader(ds.with_format("torch"), batch_size=4),
+        mirrored(2).experimental_distribute_dataset(ds.batch(4)),
+    ]
     for source, where in zip(sources, ["a dataset", "a dataset", "a distributed dataset"]):
         with pytest.raises(errors.InvalidBatchError) as info:
             model.fit(source, verbose=0)
         message = str(info.value)
         assert message.startswith(
             f"fit/evaluate: each batch of {where} must be a tuple or list (x, y) or (x, y, "
-            "sample_weight); received a dict with keys ['x', 'y'].")
+            "sample_weight); received a dict with keys ['x', 'y']."
+        )
         assert "dataset.map(lambda b: (b['x'], b['y']))" in message
         assert "fit(ds['x'][:], ds['y'][:], batch_size=B)" in message
     # Keys that name no labels: the tuple is written with placeholders.
@@ -268,14 +288,19 @@ def test_batches_of_the_wrong_structure_are_named_before_any_step():
     x, y = _xy()
     # A TensorDataset of 4 tensors collates to a list of 4: not (x, y[, sample_weight]).
     four = DataLoader(TensorDataset(*(torch.from_numpy(a) for a in (x, y, y, y))), batch_size=4)
-    with pytest.raises(errors.InvalidBatchError, match=r"received a list of 4\. For a "
-                                                       r"multi-input model, make x a dict"):
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=r"received a list of 4\. For a "
+        r"multi-input model, make x a dict",
+    ):
         model.fit(four, verbose=0)
     # Distributed first, the same check (they used to be IndexError / TypeError from the step).
     for batches, received in (([(x[:4],)], "a tuple of 1"), ([x[:4]], "a PerReplica")):
-        with pytest.raises(errors.InvalidBatchError,
-                           match=rf"each batch of a distributed dataset must be a tuple or list "
-                                 rf"\(x, y\).*received {received}"):
+        with pytest.raises(
+            errors.InvalidBatchError,
+            match=rf"each batch of a distributed dataset must be a tuple or list "
+            rf"\(x, y\).*received {received}",
+        ):
             model.evaluate(strategy.experimental_distribute_dataset(batches), verbose=0)
     assert model.optimizer.iterations == 0
 
@@ -285,18 +310,24 @@ def test_examples_given_where_batches_go_are_refused_with_how_to_batch_them():
     model = identity_model(strategy)
     x, y = _xy()
     examples = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))  # no DataLoader
-    for call in (lambda: model.fit(examples, verbose=0),
-                 lambda: strategy.experimental_distribute_dataset(examples)):
-        with pytest.raises(errors.InvalidArgumentTypeError,
-                           match=r"received TensorDataset .*a map-style dataset of single "
-                                 r"examples \(a torch Dataset\); batch it: "
-                                 r"torch.utils.data.DataLoader\(ds, batch_size=B\)"):
+    for call in (
+        lambda: model.fit(examples, verbose=0),
+        lambda: strategy.experimental_distribute_dataset(examples),
+    ):
+        with pytest.raises(
+            errors.InvalidArgumentTypeError,
+            match=r"received TensorDataset .*a map-style dataset of single "
+            r"examples \(a torch Dataset\); batch it: "
+            r"torch.utils.data.DataLoader\(ds, batch_size=B\)",
+        ):
             call()
     # A Grain pipeline without .batch yields examples: y is a 0-d array.
     unbatched = grain.MapDataset.range(10).map(lambda i: (x[i], y[i]))
-    with pytest.raises(errors.InvalidBatchError,
-                       match=r"fit: x \(MapMapDataset\) yields single examples, not batches: its "
-                             r"first element's leaf \[1\] is a scalar .*dataset.batch\(B\) "
-                             r"\(Grain, tf.data\)"):
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=r"fit: x \(MapMapDataset\) yields single examples, not batches: its "
+        r"first element's leaf \[1\] is a scalar .*dataset.batch\(B\) "
+        r"\(Grain, tf.data\)",
+    ):
         model.fit(unbatched, verbose=0)
     assert model.optimizer.iterations == 0

@@ -25,11 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["keras_fit.py", "custom_training_loop.py"])
 def test_example_runs_as_a_script_over_two_devices(script, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--epochs", "1"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -43,11 +46,14 @@ def test_example_runs_as_a_script_over_two_devices(script, tmp_path):
 
 
 def test_the_lstm_example_forecasts_the_sine_over_two_devices(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "time_series_lstm.py"), "--epochs", "1"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[0] == "Number of devices: 2"
@@ -62,8 +68,11 @@ def test_the_multi_output_example_learns_both_heads_over_two_devices(capsys):
     x, y = example.synthetic(1200)
     part = lambda tree, s: {k: v[s] for k, v in tree.items()}  # noqa: E731
     _, history, results = example.train(
-        mirrored(2), (part(x, slice(0, 1000)), part(y, slice(0, 1000))),
-        (part(x, slice(1000, None)), part(y, slice(1000, None))), epochs=2)
+        mirrored(2),
+        (part(x, slice(0, 1000)), part(y, slice(0, 1000))),
+        (part(x, slice(1000, None)), part(y, slice(1000, None))),
+        epochs=2,
+    )
     # Keras 3's names: the total, each output's loss, then each output's metrics.
     assert list(results) == ["loss", "value_loss", "kind_loss", "value_mae", "kind_accuracy"]
     assert sorted(history) == sorted(list(results) + ["learning_rate"])
@@ -76,11 +85,16 @@ def test_the_multi_output_example_learns_both_heads_over_two_devices(capsys):
     assert last == "Test " + ", ".join(f"{k}: {v:.4f}" for k, v in results.items())
 
 
-@pytest.mark.parametrize("module", [mirrax.examples.keras_fit,
-                                    mirrax.examples.custom_training_loop,
-                                    mirrax.examples.keras_model,
-                                    mirrax.examples.time_series_lstm,
-                                    mirrax.examples.multi_output])
+@pytest.mark.parametrize(
+    "module",
+    [
+        mirrax.examples.keras_fit,
+        mirrax.examples.custom_training_loop,
+        mirrax.examples.keras_model,
+        mirrax.examples.time_series_lstm,
+        mirrax.examples.multi_output,
+    ],
+)
 def test_mirrax_train_runs_the_files_of_examples(module):
     # mirrax.examples is the examples/ folder, installed with the package (pyproject.toml):
     # the command cannot drift from the programs users read.
@@ -95,8 +109,7 @@ def test_pyproject_lists_every_package():
     with open(ROOT / "pyproject.toml", "rb") as f:
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     on_disk = sorted(
-        ".".join(path.parent.relative_to(ROOT).parts)
-        for path in (ROOT / "mirrax").rglob("__init__.py")
+        ".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "mirrax").rglob("__init__.py")
     )
     assert sorted(setuptools["packages"]) == sorted(on_disk + ["mirrax.examples"])
     assert setuptools["package-dir"] == {"mirrax.examples": "examples"}

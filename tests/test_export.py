@@ -48,8 +48,9 @@ def trained(tmp_path_factory):
     strategy = mirrored(2)
     with strategy.scope():
         model = mirrax.Model(TutorialCNN((8, 8, 1), rngs=nnx.Rngs(0)))
-        model.compile(optimizer=optax.adam(1e-2),
-                      loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=optax.adam(1e-2), loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     initial = model.get_weights()
     model.fit(x_train[:64], y_train[:64], batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert model.optimizer.iterations == 4  # 64 examples / global batch 16
@@ -66,9 +67,17 @@ def test_exported_cnn_matches_live_model_in_a_fresh_process_without_its_code(tra
     np.savez(tmp_path / "inputs.npz", **inputs)
     (tmp_path / "serve.py").write_text(_SERVE)
     result = subprocess.run(
-        [sys.executable, str(tmp_path / "serve.py"), str(path), str(tmp_path / "inputs.npz"),
-         str(tmp_path / "outputs.npz")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(tmp_path / "serve.py"),
+            str(path),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "outputs.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -82,8 +91,7 @@ def test_exported_cnn_matches_live_model_in_a_fresh_process_without_its_code(tra
 
 def test_artifact_files_and_metadata(trained):
     _, path, _ = trained
-    assert sorted(p.name for p in path.iterdir()) == [
-        "forward.jax_export", "metadata.json", "weights.npz"]
+    assert sorted(p.name for p in path.iterdir()) == ["forward.jax_export", "metadata.json", "weights.npz"]
     metadata = json.loads((path / "metadata.json").read_text())
     assert metadata["input_signature"] == {"shape": [None, 8, 8, 1], "dtype": "float32"}
     assert metadata["output_signature"] == {"shape": [None, 10], "dtype": "float32"}
@@ -94,11 +102,14 @@ def test_artifact_files_and_metadata(trained):
         assert len(weights.files) == 10
 
 
-@pytest.mark.parametrize("bad, what", [
-    (np.zeros((2, 8, 8, 3), np.float32), r"shape \(2, 8, 8, 3\)"),
-    (np.zeros((2, 64), np.float32), r"shape \(2, 64\)"),
-    (np.zeros((2, 8, 8, 1), np.float64), "dtype float64"),
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        (np.zeros((2, 8, 8, 3), np.float32), r"shape \(2, 8, 8, 3\)"),
+        (np.zeros((2, 64), np.float32), r"shape \(2, 64\)"),
+        (np.zeros((2, 8, 8, 1), np.float64), "dtype float64"),
+    ],
+)
 def test_wrong_input_names_the_expected_signature(trained, bad, what):
     _, path, _ = trained
     served = mirrax.load_exported(path)
@@ -125,8 +136,10 @@ def test_pure_function_with_pytree_input_shares_one_batch_dimension(tmp_path):
     def fn(x):
         return {"doubled": x["u"] * 2.0, "row_sum": x["v"].sum(axis=-1)}
 
-    signature = {"u": jax.ShapeDtypeStruct((-1, 3), jnp.float32),
-                 "v": jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 4"), jnp.int32)}
+    signature = {
+        "u": jax.ShapeDtypeStruct((-1, 3), jnp.float32),
+        "v": jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 4"), jnp.int32),
+    }
     mirrax.export(fn, tmp_path, signature)
     served = mirrax.load_exported(tmp_path)
     out = served({"u": np.full((5, 3), 1.5, np.float32), "v": np.ones((5, 4), np.int32)})
@@ -170,8 +183,9 @@ def test_none_as_the_batch_dimension_where_jax_allows_it(tmp_path):
     except ValueError:
         pytest.skip(f"jax {jax.__version__}'s ShapeDtypeStruct refuses None; use -1")
     mirrax.export(lambda x: x + 1.0, tmp_path, signature)
-    np.testing.assert_array_equal(mirrax.load_exported(tmp_path)(np.zeros((3, 2), np.float32)),
-                                  np.ones((3, 2)))  # 0 + 1
+    np.testing.assert_array_equal(
+        mirrax.load_exported(tmp_path)(np.zeros((3, 2), np.float32)), np.ones((3, 2))
+    )  # 0 + 1
 
 
 # -- PRNG state, damaged artifacts, overwriting (issue 11) --------------------------------------
@@ -184,8 +198,9 @@ def test_a_model_with_rngs_and_batchnorm_exports_and_serves_in_eval_mode(tmp_pat
     net = used_rng_net(0, legacy)  # batch statistics moved off 0 / 1 by two training calls
     mirrax.export(net, tmp_path / "a", jax.ShapeDtypeStruct((-1, 2), jnp.float32))
     net.eval()  # running statistics, no dropout
-    np.testing.assert_allclose(mirrax.load_exported(tmp_path / "a")(RNG_X), net(RNG_X),
-                               rtol=0, atol=1e-6)  # one compiled program vs eager ops
+    np.testing.assert_allclose(
+        mirrax.load_exported(tmp_path / "a")(RNG_X), net(RNG_X), rtol=0, atol=1e-6
+    )  # one compiled program vs eager ops
 
 
 def _small_artifact(path):
@@ -193,17 +208,27 @@ def _small_artifact(path):
     return path
 
 
-@pytest.mark.parametrize("damage, fragment", [
-    (lambda p: (p / "metadata.json").write_text('{"format": "mirrax.exp'),
-     "metadata.json is not valid JSON"),
-    (lambda p: (p / "metadata.json").write_text("[1, 2]"), "holds a list, not the artifact's metadata"),
-    (lambda p: (p / "forward.jax_export").write_bytes(
-        (p / "forward.jax_export").read_bytes()[:20]), "forward.jax_export is not a readable serialized program"),
-    (lambda p: (p / "weights.npz").write_bytes(b"PK\x03\x04garbage"), "weights.npz does not hold"),
-    (lambda p: (p / "metadata.json").write_text(
-        json.dumps(dict(json.loads((p / "metadata.json").read_text()), num_weights="2"))),
-     "num_weights='2'"),
-])
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        (
+            lambda p: (p / "metadata.json").write_text('{"format": "mirrax.exp'),
+            "metadata.json is not valid JSON",
+        ),
+        (lambda p: (p / "metadata.json").write_text("[1, 2]"), "holds a list, not the artifact's metadata"),
+        (
+            lambda p: (p / "forward.jax_export").write_bytes((p / "forward.jax_export").read_bytes()[:20]),
+            "forward.jax_export is not a readable serialized program",
+        ),
+        (lambda p: (p / "weights.npz").write_bytes(b"PK\x03\x04garbage"), "weights.npz does not hold"),
+        (
+            lambda p: (p / "metadata.json").write_text(
+                json.dumps(dict(json.loads((p / "metadata.json").read_text()), num_weights="2"))
+            ),
+            "num_weights='2'",
+        ),
+    ],
+)
 def test_damaged_artifact_files_give_a_clear_error(tmp_path, damage, fragment):
     path = _small_artifact(tmp_path / "a")
     damage(path)
@@ -215,8 +240,9 @@ def test_damaged_artifact_files_give_a_clear_error(tmp_path, damage, fragment):
 def test_export_over_an_existing_artifact_replaces_it_whole_and_refuses_other_things(tmp_path):
     path = _small_artifact(tmp_path / "a")
     mirrax.export(lambda x: x + 1.0, path, jax.ShapeDtypeStruct((-1, 2), jnp.float32))
-    np.testing.assert_array_equal(mirrax.load_exported(path)(np.zeros((1, 2), np.float32)),
-                                  [[1.0, 1.0]])  # 0 + 1: the new program, not 0 * 2
+    np.testing.assert_array_equal(
+        mirrax.load_exported(path)(np.zeros((1, 2), np.float32)), [[1.0, 1.0]]
+    )  # 0 + 1: the new program, not 0 * 2
     assert sorted(os.listdir(tmp_path)) == ["a"]  # nothing left beside it
     (tmp_path / "file").write_text("keep")
     with pytest.raises(mirrax.errors.ExistingPathError, match="is a file"):
@@ -229,12 +255,14 @@ def test_export_over_an_existing_artifact_replaces_it_whole_and_refuses_other_th
 
 
 def test_platforms_given_as_one_string_and_unknown_platforms(tmp_path):
-    mirrax.export(lambda x: x, tmp_path / "a", jax.ShapeDtypeStruct((-1, 2), jnp.float32),
-                  platforms="cpu")  # was: lowered for "c", "p", "u"
+    mirrax.export(
+        lambda x: x, tmp_path / "a", jax.ShapeDtypeStruct((-1, 2), jnp.float32), platforms="cpu"
+    )  # was: lowered for "c", "p", "u"
     assert mirrax.load_exported(tmp_path / "a").platforms == ("cpu",)
     with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"\['gpu'\] unknown"):
-        mirrax.export(lambda x: x, tmp_path / "b", jax.ShapeDtypeStruct((-1, 2), jnp.float32),
-                      platforms=["gpu"])
+        mirrax.export(
+            lambda x: x, tmp_path / "b", jax.ShapeDtypeStruct((-1, 2), jnp.float32), platforms=["gpu"]
+        )
 
 
 # -- list signatures, wrapped and foreign inputs, signatures the model cannot take (issue 11) ----
@@ -265,11 +293,14 @@ def test_a_list_signature_is_the_positional_inputs_as_tf_function(tmp_path):
     assert served.positional
     np.testing.assert_array_equal(served(_X8), _Y8)  # was: a structure error
     # Sums of whole numbers below 2**24: exact in float32.
-    with pytest.raises(mirrax.errors.InvalidExportInputError,
-                       match=r"received \['float32\[4, 8\]'\] \(a list\) at positional input 0"):
+    with pytest.raises(
+        mirrax.errors.InvalidExportInputError,
+        match=r"received \['float32\[4, 8\]'\] \(a list\) at positional input 0",
+    ):
         served([_X8])  # was: output of shape (1, 4, 3), the list stacked into one array
-    with pytest.raises(mirrax.errors.InvalidExportInputError,
-                       match=r"takes 1 positional input\(s\).*received 2"):
+    with pytest.raises(
+        mirrax.errors.InvalidExportInputError, match=r"takes 1 positional input\(s\).*received 2"
+    ):
         served(_X8, _X8)
     metadata = json.loads((tmp_path / "m" / "metadata.json").read_text())
     assert metadata["positional"] is True and metadata["format_version"] == 2
@@ -277,8 +308,7 @@ def test_a_list_signature_is_the_positional_inputs_as_tf_function(tmp_path):
 
 
 def test_two_positional_inputs_run_the_function_with_two_arguments(tmp_path):
-    signature = (jax.ShapeDtypeStruct((-1, 2), jnp.float32),
-                 jax.ShapeDtypeStruct((-1,), jnp.float32))
+    signature = (jax.ShapeDtypeStruct((-1, 2), jnp.float32), jax.ShapeDtypeStruct((-1,), jnp.float32))
     mirrax.export(lambda a, b: a * b[:, None], tmp_path, signature)
     served = mirrax.load_exported(tmp_path)
     out = served(np.full((3, 2), 2.0, np.float32), np.full((3,), 5.0, np.float32))
@@ -293,9 +323,11 @@ def test_a_bare_signature_stays_one_input_and_refuses_a_list_or_two_arguments(tm
     assert not served.positional
     assert json.loads((tmp_path / "metadata.json").read_text())["format_version"] == 1
     np.testing.assert_array_equal(served(_X8), _Y8)
-    with pytest.raises(mirrax.errors.InvalidExportInputError,
-                       match=r"received \['float32\[4, 8\]'\] \(a list\) where the signature "
-                             r"expects one array float32\[None, 8\]"):
+    with pytest.raises(
+        mirrax.errors.InvalidExportInputError,
+        match=r"received \['float32\[4, 8\]'\] \(a list\) where the signature "
+        r"expects one array float32\[None, 8\]",
+    ):
         served([_X8])  # was: jax's raw "must have the same pytree structure" ValueError
     with pytest.raises(mirrax.errors.InvalidExportInputError, match="received 2 arguments"):
         served(_X8, _X8)
@@ -325,8 +357,10 @@ def test_a_signature_the_model_cannot_take_is_refused_before_writing(tmp_path):
     assert "Nothing was written" in message
     assert os.listdir(tmp_path) == []
     # Two positional inputs for a module that takes one: says what a list signature means.
-    with pytest.raises(mirrax.errors.IncompatibleInputError,
-                       match=r"2 positional input\(s\) \(a list signature is one entry per"):
+    with pytest.raises(
+        mirrax.errors.IncompatibleInputError,
+        match=r"2 positional input\(s\) \(a list signature is one entry per",
+    ):
         mirrax.export(model, tmp_path / "m", [jax.ShapeDtypeStruct((-1, 8), jnp.float32)] * 2)
     assert os.listdir(tmp_path) == []
 

@@ -57,7 +57,8 @@ def test_packed_gradients_use_one_all_reduce_of_all_parameter_bytes():
     def packed_only(module, batch):
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
-            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
+            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16
+        )
         return mirrax.value_and_grad(loss_fn, pack=True)(module)[1]
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
@@ -86,7 +87,8 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
     def both(module, batch):
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
-            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
+            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16
+        )
         exact = mirrax.value_and_grad(loss_fn, pack=True)(module)[1]
         cheap = mirrax.value_and_grad(loss_fn, all_reduce_dtype="bfloat16")(module)[1]
         return exact, cheap
@@ -98,7 +100,7 @@ def test_bfloat16_all_reduce_halves_the_bytes_and_stays_close():
         # bfloat16 keeps 8 significant bits: relative error below 2**-7 per element, and
         # float32 again after the sum.
         assert b.dtype == np.float32
-        np.testing.assert_allclose(b, a, rtol=2 ** -7, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=2**-7, atol=1e-6)
     lowered = _program_text(strategy, both, (module, batch), compiled=False)
     # The program mirrax emits sums a bf16 vector of the 23 gradients. (XLA:CPU then promotes
     # bf16 all-reduces back to f32, so on CPU no bytes are saved; NCCL sums bf16 natively.)
@@ -116,7 +118,8 @@ def test_within_one_cpu_process_it_does_not_pack_by_default():
     def default(module, batch):
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
-            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16)
+            optax.softmax_cross_entropy_with_integer_labels(m(xb), yb), global_batch_size=16
+        )
         return mirrax.value_and_grad(loss_fn)(module)[1]
 
     batch = next(iter(strategy.experimental_distribute_dataset((x, y))))

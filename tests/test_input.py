@@ -114,8 +114,10 @@ def test_python_generator_source():
 def test_grain_source():
     strategy = mirrored(2)
     loader = grain.MapDataset.range(6).map(lambda i: {"x": np.float32(i)}).batch(4)
-    got = [[v["x"].tolist() for v in strategy.experimental_local_results(b)]
-           for b in strategy.experimental_distribute_dataset(loader)]
+    got = [
+        [v["x"].tolist() for v in strategy.experimental_local_results(b)]
+        for b in strategy.experimental_distribute_dataset(loader)
+    ]
     assert got == [[[0.0, 1.0], [2.0, 3.0]], [[4.0], [5.0]]]
 
 
@@ -224,7 +226,9 @@ def test_datasets_from_function_deals_per_replica_batches_in_turn():
 def test_input_context_batch_size():
     ctx = mirrax.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
     assert ctx.get_per_replica_batch_size(64) == 16  # 64 / 4
-    with pytest.raises(ValueError, match=r"global_batch_size 10 is not divisible by num_replicas_in_sync 4.*e\.g\. 12"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size 10 is not divisible by num_replicas_in_sync 4.*e\.g\. 12"
+    ):
         ctx.get_per_replica_batch_size(10)
 
 
@@ -233,7 +237,9 @@ def test_input_context_batch_size():
 
 def test_non_array_leaf_is_named():
     dataset = mirrored(2).experimental_distribute_dataset([{"x": np.zeros(4), "name": "cat"}])
-    with pytest.raises(mirrax.errors.InvalidBatchError, match=r"batch\['name'\] is a str \('cat'\).*np.asarray"):
+    with pytest.raises(
+        mirrax.errors.InvalidBatchError, match=r"batch\['name'\] is a str \('cat'\).*np.asarray"
+    ):
         next(iter(dataset))
 
 
@@ -294,8 +300,7 @@ def test_torch_tensors_that_track_gradients_are_batches():
 def test_a_distributed_batch_exposes_its_stacked_rows_mask_and_lengths():
     # 10 examples over 4 replicas by TF's rule: ceil(10/4) = 3 rows each, 3, 3, 3, 1 real.
     strategy = mirrored(4)
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        np.arange(10, dtype=np.float32))))
+    batch = next(iter(strategy.experimental_distribute_dataset(np.arange(10, dtype=np.float32))))
     assert batch.stacked.shape == (4, 3)
     assert batch.lengths == (3, 3, 3, 1)
     assert np.asarray(batch.mask).tolist() == [[True] * 3] * 3 + [[True, False, False]]

@@ -43,7 +43,8 @@ def test_get_next_as_optional_to_the_end_of_data(replicas):
         optional.get_value()
     assert str(info.value) == (
         "Optional.get_value: the optional has no value (the distributed iterator was at the end "
-        "of its data). Check optional.has_value() before get_value().")
+        "of its data). Check optional.has_value() before get_value()."
+    )
     assert not iterator.get_next_as_optional().has_value()  # stays at the end
     with pytest.raises(StopIteration):
         next(iterator)
@@ -54,7 +55,7 @@ def test_element_spec_of_dataset_and_iterator(replicas):
     # The tutorial's cell: from_tensors(([1.], [1.])).repeat(100).batch(16): 6 batches of 16, one of 4.
     strategy = mirrored(replicas)
     ones = np.ones((100, 1), np.float32)
-    batches = [(ones[i:i + 16], ones[i:i + 16]) for i in range(0, 100, 16)]
+    batches = [(ones[i : i + 16], ones[i : i + 16]) for i in range(0, 100, 16)]
     dist_dataset = strategy.experimental_distribute_dataset(batches)
     per_replica = jax.ShapeDtypeStruct((16 // replicas, 1), jnp.float32)
     assert dist_dataset.element_spec == (per_replica, per_replica)
@@ -74,7 +75,8 @@ def test_element_spec_of_dataset_and_iterator(replicas):
 def test_element_spec_of_a_one_shot_generator_loses_no_batch():
     strategy = mirrored(2)
     dist_dataset = strategy.experimental_distribute_dataset(
-        {"x": np.full((6, 3), i, np.int32)} for i in range(3))
+        {"x": np.full((6, 3), i, np.int32)} for i in range(3)
+    )
     assert dist_dataset.element_spec == {"x": jax.ShapeDtypeStruct((3, 3), jnp.int32)}
     firsts = [int(np.asarray(b["x"].values[0])[0, 0]) for b in dist_dataset]
     assert firsts == [0, 1, 2]
@@ -116,14 +118,17 @@ def test_dataset_creator_in_fit(replicas):
         contexts.append(input_context)
         size = input_context.get_per_replica_batch_size(8)
         # Per-replica batches of x = 1, 2, ...: one round of `replicas` batches per step.
-        return [(np.full((size, 1), i, np.float32), np.zeros(size, np.float32))
-                for i in range(1, 2 * replicas + 1)]
+        return [
+            (np.full((size, 1), i, np.float32), np.zeros(size, np.float32))
+            for i in range(1, 2 * replicas + 1)
+        ]
 
     with strategy.scope():
         model = mirrax.Model(Identity())
         model.compile("sgd", loss=lambda y, y_pred: y_pred[:, 0])
     creator = mirrax.DatasetCreator(
-        dataset_fn, input_options=mirrax.InputOptions(experimental_fetch_to_device=False))
+        dataset_fn, input_options=mirrax.InputOptions(experimental_fetch_to_device=False)
+    )
     history = model.fit(creator, epochs=1, steps_per_epoch=2, verbose=0)
     # The loss is the mean of x over the 2 steps' 2 * replicas equal-sized batches:
     # mean(1 .. 2R) = (2R + 1) / 2 (1.5 on 1 replica, 4.5 on 4).
@@ -145,12 +150,14 @@ def test_dataset_creator_refusals():
     assert str(info.value) == (
         "DatasetCreator: dataset_fn must be a callable of one argument, the InputContext, "
         "returning batches; received list ([array([0, 1, 2])]). Pass the function itself: "
-        "DatasetCreator(dataset_fn).")
+        "DatasetCreator(dataset_fn)."
+    )
     with pytest.raises(mirrax.errors.InvalidArgumentTypeError) as info:
         mirrax.DatasetCreator(lambda ctx: [], input_options={"prefetch": 2})
     assert str(info.value) == (
         "DatasetCreator: input_options must be a mirrax.InputOptions or None; received dict "
-        "({'prefetch': 2}).")
+        "({'prefetch': 2})."
+    )
 
     def dataset_fn(ctx):
         return 3
@@ -159,4 +166,5 @@ def test_dataset_creator_refusals():
         mirrored(2).distribute_datasets_from_function(mirrax.DatasetCreator(dataset_fn))
     assert str(info.value).startswith(
         "DatasetCreator: dataset_fn must return a dataset (batches: a tuple/dict of arrays, an "
-        "iterable of such batches, a tf.data.Dataset); it returned int (3). (The dataset must ")
+        "iterable of such batches, a tf.data.Dataset); it returned int (3). (The dataset must "
+    )

@@ -29,8 +29,7 @@ def two_batches(strategy):
     """A full batch of 32 and a partial one of 29 (tf.data's drop_remainder=False)."""
     x = np.ones((61, 4), np.float32)
     y = np.arange(61, dtype=np.int32) % 10
-    return strategy.experimental_distribute_dataset(
-        [(x[:GLOBAL], y[:GLOBAL]), (x[GLOBAL:], y[GLOBAL:])])
+    return strategy.experimental_distribute_dataset([(x[:GLOBAL], y[:GLOBAL]), (x[GLOBAL:], y[GLOBAL:])])
 
 
 def cross_entropy(model, x, y):
@@ -65,8 +64,10 @@ def test_hand_written_sum_is_warned_on_the_partial_batch_only(replicas):
     (warning,) = partial_warnings
     message = str(warning.message)
     per_replica = [29] if replicas == 1 else [8, 8, 8, 5]
-    assert (f"step runs on a partial batch of 29 examples over {replicas} replicas (per replica "
-            f"{per_replica}), padded to {GLOBAL // replicas} rows per replica") in message
+    assert (
+        f"step runs on a partial batch of 29 examples over {replicas} replicas (per replica "
+        f"{per_replica}), padded to {GLOBAL // replicas} rows per replica"
+    ) in message
     assert "mirrax.compute_average_loss(per_example_loss, global_batch_size=...)" in message
     assert "mirrax.get_replica_context().batch_mask" in message
 
@@ -135,11 +136,14 @@ def test_warned_once_per_program():
 def test_fit_evaluate_predict_never_warn_on_partial_batches():
     strategy = mirrored(4)
     with strategy.scope():
-        model = mirrax.Model(nnx.Sequential(
-            nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
-            nnx.BatchNorm(8, rngs=nnx.Rngs(3)),
-            nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
-            nnx.Linear(8, 10, rngs=nnx.Rngs(2))))
+        model = mirrax.Model(
+            nnx.Sequential(
+                nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+                nnx.BatchNorm(8, rngs=nnx.Rngs(3)),
+                nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
+                nnx.Linear(8, 10, rngs=nnx.Rngs(2)),
+            )
+        )
         model.compile("sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x = np.random.default_rng(0).normal(size=(61, 4)).astype(np.float32)
     y = np.arange(61) % 10
@@ -158,8 +162,7 @@ def test_the_warning_is_a_user_warning():
 
 def test_replica_invariant_mode_warns_a_hand_written_sum():
     # The micro-batch split reads the mask for mirrax; the loss itself never does.
-    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True,
-                                       micro_batches=4)
+    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True, micro_batches=4)
 
     def step(model, x, y):
         loss_fn = lambda m, x, y: jnp.sum(cross_entropy(m, x, y)) * (1.0 / GLOBAL)  # noqa: E731
@@ -167,7 +170,8 @@ def test_replica_invariant_mode_warns_a_hand_written_sum():
 
     def fixed(model, x, y):
         loss_fn = lambda m, x, y: mirrax.compute_average_loss(  # noqa: E731
-            cross_entropy(m, x, y), global_batch_size=GLOBAL)
+            cross_entropy(m, x, y), global_batch_size=GLOBAL
+        )
         return mirrax.value_and_grad(loss_fn)(model, x, y)[0]
 
     (_, w1), (_, w2) = run_all(strategy, step, zero_model())

@@ -21,11 +21,14 @@ def test_import_mirrax_then_keras_without_keras_backend_gives_keras_on_jax(tmp_p
     (tmp_path / "keras.json").write_text('{"backend": "tensorflow"}')
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     env.update(KERAS_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
-    code = ("import mirrax; import keras; print(keras.backend.backend()); "
-            "model = mirrax.Model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])); "
-            "print(type(model).__name__, model.module.keras_trainable_variables[0].shape)")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        "import mirrax; import keras; print(keras.backend.backend()); "
+        "model = mirrax.Model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])); "
+        "print(type(model).__name__, model.module.keras_trainable_variables[0].shape)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["jax", "Model (3, 2)"]  # a Dense(2) kernel of 3 inputs
 
@@ -47,8 +50,11 @@ def _keras_on(backend):
 def test_keras_imported_first_on_another_backend_warns_with_the_fix(monkeypatch):
     monkeypatch.delenv("KERAS_BACKEND", raising=False)
     monkeypatch.setitem(sys.modules, "keras", _keras_on("tensorflow"))
-    with pytest.warns(UserWarning, match=r"Keras was imported before mirrax, on its "
-                      r"'tensorflow' backend.*Import mirrax before Keras.*KERAS_BACKEND=jax"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Keras was imported before mirrax, on its "
+        r"'tensorflow' backend.*Import mirrax before Keras.*KERAS_BACKEND=jax",
+    ):
         keras_backend.default_to_jax()
     # Too late to change Keras: the environment is left as it was.
     assert "KERAS_BACKEND" not in os.environ

@@ -30,8 +30,14 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _regularized_dense():
     # One Dense unit on 2 inputs, weights 1, penalty L2(0.5): 0.5 * (1 + 1) = 1.0.
-    return keras.Sequential([keras.Input((2,)), layers.Dense(
-        1, use_bias=False, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(0.5))])
+    return keras.Sequential(
+        [
+            keras.Input((2,)),
+            layers.Dense(
+                1, use_bias=False, kernel_initializer="ones", kernel_regularizer=keras.regularizers.L2(0.5)
+            ),
+        ]
+    )
 
 
 def _penalty_step(model, optimizer, batch, use_update):
@@ -61,8 +67,13 @@ def test_losses_trainable_variables_and_a_keras_optimizer_in_a_custom_loop(repli
     assert [float(v) for v in model.losses] == [1.0]
     assert [v.get_value().shape for v in model.trainable_variables] == [(2, 1)]
     assert isinstance(model.trainable_variables[0], nnx.Param)
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))])))
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset(
+                [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))]
+            )
+        )
+    )
     # Keras's SGD with momentum: v = 0.9 v - 0.1 g, w = w + v. The gradient of 0.5 * sum(w²)
     # is w. Step 1 (apply_gradients): g = 1, v = -0.1, w = 0.9; penalty 1.0.
     loss = strategy.run(_penalty_step, args=(model.module, optimizer, batch, False))
@@ -89,13 +100,19 @@ def test_a_pickled_keras_optimizer_is_built_again_and_steps_as_the_original():
     graphdef, state = nnx.split((model.module, optimizer))
     module, copy = nnx.merge(pickle.loads(pickle.dumps(graphdef)), state)
     assert not copy.keras_optimizer.built
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))])))
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset(
+                [(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32))]
+            )
+        )
+    )
     for use_update in (False, True):
         strategy.run(_penalty_step, args=(module, copy, batch, use_update))
     # As the original's two steps above: w = 0.9, then 0.72; two updates counted.
-    np.testing.assert_allclose(np.asarray(module.variable_list[0].get_value()),
-                               np.full((2, 1), 0.72), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(module.variable_list[0].get_value()), np.full((2, 1), 0.72), rtol=1e-6
+    )
     assert int(copy.iterations) == 2 and copy.keras_optimizer.built
 
 
@@ -106,14 +123,18 @@ def test_a_keras_optimizers_learning_rate_is_read_and_set_in_its_state():
         optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1))
     assert optimizer.learning_rate == pytest.approx(0.1)
     optimizer.learning_rate = 0.5
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        [(np.ones((2, 2), np.float32), np.zeros((2, 1), np.float32))])))
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset(
+                [(np.ones((2, 2), np.float32), np.zeros((2, 1), np.float32))]
+            )
+        )
+    )
     strategy.run(_penalty_step, args=(model.module, optimizer, batch, True))
     # Plain SGD on the penalty's gradient w = 1: w = 1 - 0.5 * 1 = 0.5.
     np.testing.assert_allclose(model.get_weights()[0], np.full((2, 1), 0.5), rtol=1e-6)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
-    scheduled = mirrax.KerasOptimizer(mirrax.Model(_regularized_dense()),
-                                      keras.optimizers.SGD(schedule))
+    scheduled = mirrax.KerasOptimizer(mirrax.Model(_regularized_dense()), keras.optimizers.SGD(schedule))
     with pytest.raises(AttributeError, match="has a learning-rate schedule"):
         scheduled.learning_rate
 
@@ -121,9 +142,14 @@ def test_a_keras_optimizers_learning_rate_is_read_and_set_in_its_state():
 def test_an_activity_loss_is_the_last_calls_and_nnx_models_have_none():
     # Keras divides an activity regularizer by the batch: L1(0.1) of outputs 3 and 5 (inputs
     # [1, 2] and [2, 3], weights 1) is 0.1 * (3 + 5) / 2 = 0.4.
-    keras_model = keras.Sequential([keras.Input((2,)), layers.Dense(
-        1, use_bias=False, kernel_initializer="ones",
-        activity_regularizer=keras.regularizers.L1(0.1))])
+    keras_model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            layers.Dense(
+                1, use_bias=False, kernel_initializer="ones", activity_regularizer=keras.regularizers.L1(0.1)
+            ),
+        ]
+    )
     model = mirrax.Model(keras_model)
     assert model.losses == []
     model(np.array([[1.0, 2.0], [2.0, 3.0]], np.float32))
@@ -138,8 +164,7 @@ def test_keras_optimizer_bad_input():
     with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="must be a keras.optimizers"):
         mirrax.KerasOptimizer(model, "adam")
     with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match="nnx.Optimizer"):
-        mirrax.KerasOptimizer(mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))),
-                              keras.optimizers.Adam())
+        mirrax.KerasOptimizer(mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))), keras.optimizers.Adam())
     optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.1))
     with pytest.raises(mirrax.errors.InvalidArgumentError, match="already built"):
         mirrax.KerasOptimizer(model, optimizer.keras_optimizer)
@@ -167,21 +192,34 @@ def test_reduction_none_gives_per_example_losses_for_compute_average_loss():
         np.testing.assert_array_equal(loss(y[:, None], p[:, None]), [0.0, 4.0, 9.0])
     assert float(mirrax.losses.MeanSquaredError(reduction="sum")(y[:, None], p[:, None])) == 13.0
     # Weighted, reduction None: each loss times its weight.
-    np.testing.assert_array_equal(mirrax.losses.MeanSquaredError(reduction=None)(
-        y[:, None], p[:, None], sample_weight=np.array([1.0, 0.5, 2.0])), [0.0, 2.0, 18.0])
+    np.testing.assert_array_equal(
+        mirrax.losses.MeanSquaredError(reduction=None)(
+            y[:, None], p[:, None], sample_weight=np.array([1.0, 0.5, 2.0])
+        ),
+        [0.0, 2.0, 18.0],
+    )
     # A partial batch of 6 over 4 replicas (2, 2, 2, 0 real rows): Keras's and mirrax's
     # per-example losses with compute_average_loss give the mean of the 6, (0+1+4+9+16+25)/6.
     strategy = mirrored(4)
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        [(np.zeros((6, 1), np.float32), np.arange(6, dtype=np.float32)[:, None])])))
-    for loss in (keras.losses.MeanSquaredError(reduction=None),
-                 mirrax.losses.MeanSquaredError(reduction=mirrax.losses.Reduction.NONE)):
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset(
+                [(np.zeros((6, 1), np.float32), np.arange(6, dtype=np.float32)[:, None])]
+            )
+        )
+    )
+    for loss in (
+        keras.losses.MeanSquaredError(reduction=None),
+        mirrax.losses.MeanSquaredError(reduction=mirrax.losses.Reduction.NONE),
+    ):
+
         def step(batch, loss=loss):
             y_true, y_pred = batch
             with jax.numpy_rank_promotion("allow"):
                 per_example = loss(y_true, y_pred)
             assert per_example.shape == (2,)
             return mirrax.compute_average_loss(per_example)
+
         total = strategy.reduce("sum", strategy.run(step, args=(batch,)))
         assert float(total) == pytest.approx(55 / 6)
 
@@ -196,10 +234,12 @@ def test_reduction_bad_input_and_compile_refuses_an_unreduced_loss():
 
 # -- save / load -----------------------------------------------------------------------------
 
+
 def _classifier():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), layers.Dense(8, activation="relu"),
-                             layers.Dropout(0.1), layers.Dense(3)])
+    return keras.Sequential(
+        [keras.Input((4,)), layers.Dense(8, activation="relu"), layers.Dropout(0.1), layers.Dense(3)]
+    )
 
 
 def _data():
@@ -214,9 +254,11 @@ def test_save_and_load_round_trip_as_tfs_save_and_load_tutorial(tmp_path, replic
     x, y = _data()
     with strategy.scope():
         model = mirrax.Model(_classifier())
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     model.optimizer.learning_rate = 5e-3  # as ReduceLROnPlateau would: the file keeps it
     expected = model.predict(x, batch_size=16, verbose=0)
@@ -234,8 +276,7 @@ def test_save_and_load_round_trip_as_tfs_save_and_load_tutorial(tmp_path, replic
     np.testing.assert_array_equal(by_keras.predict(x, batch_size=16, verbose=0), expected)
     # Compiled again from the file (loss, metrics, optimizer's class and current rate): evaluate
     # gives the trained model's numbers, and fit continues.
-    assert restored.evaluate(x, y, batch_size=16, verbose=0) == \
-        model.evaluate(x, y, batch_size=16, verbose=0)
+    assert restored.evaluate(x, y, batch_size=16, verbose=0) == model.evaluate(x, y, batch_size=16, verbose=0)
     assert restored.optimizer.learning_rate == pytest.approx(5e-3)
     history = restored.fit(x, y, batch_size=16, epochs=1, verbose=0).history
     assert sorted(history) == ["accuracy", "learning_rate", "loss"]
@@ -256,8 +297,10 @@ def test_save_and_load_bad_input(tmp_path):
     model = mirrax.Model(_classifier())
     with pytest.raises(mirrax.errors.InvalidArgumentError, match=r"the path must end in \.keras"):
         model.save(tmp_path / "m.h5")
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"NNX module.*save_weights.*mirrax.Checkpoint.*mirrax.export"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"NNX module.*save_weights.*mirrax.Checkpoint.*mirrax.export",
+    ):
         mirrax.Model(nnx.Linear(2, 1, rngs=nnx.Rngs(0))).save(tmp_path / "n.keras")
     model.save(tmp_path / "m.keras")
     with pytest.raises(mirrax.errors.ExistingPathError, match="exists; pass overwrite=True"):
@@ -298,8 +341,12 @@ _KILL_CHILD = textwrap.dedent(
 
 def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
     path = tmp_path / "m.keras"
-    child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD.format(repo=_REPO), str(path)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILL_CHILD.format(repo=_REPO), str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         ready, _, _ = select.select([child.stdout], [], [], 120)
         assert ready and child.stdout.readline().strip() == "BLOCKED"
@@ -318,28 +365,36 @@ def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
 # -- TF's custom-training tutorial, ported mechanically (docs/training.md, "Custom training
 # loops with Keras models") --------------------------------------------------------------------
 
+
 def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
     (x, y), (x_test, y_test) = mirrax.data.load_digits()
     x, y, x_test, y_test = x[:256], y[:256], x_test[:128], y_test[:128]
     strategy = mirrored(4)
     global_batch_size = 16 * strategy.num_replicas_in_sync
     train_dist_dataset = strategy.experimental_distribute_dataset(
-        [(x[i:i + global_batch_size], y[i:i + global_batch_size])
-         for i in range(0, len(x), global_batch_size)])
+        [
+            (x[i : i + global_batch_size], y[i : i + global_batch_size])
+            for i in range(0, len(x), global_batch_size)
+        ]
+    )
 
     def create_model():
         regularizer = keras.regularizers.L2(1e-5)
         keras.utils.set_random_seed(0)
-        return keras.Sequential([
-            keras.Input((8, 8, 1)),  # Keras 3 on mirrax: the model must be built
-            layers.Conv2D(8, 3, activation="relu", kernel_regularizer=regularizer),
-            layers.Flatten(),
-            layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
-            layers.Dense(10, kernel_regularizer=regularizer)])
+        return keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),  # Keras 3 on mirrax: the model must be built
+                layers.Conv2D(8, 3, activation="relu", kernel_regularizer=regularizer),
+                layers.Flatten(),
+                layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
+                layers.Dense(10, kernel_regularizer=regularizer),
+            ]
+        )
 
     with strategy.scope():
         loss_object = mirrax.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=mirrax.losses.Reduction.NONE)
+            from_logits=True, reduction=mirrax.losses.Reduction.NONE
+        )
 
         def compute_loss(labels, predictions, model_losses):
             per_example_loss = loss_object(labels, predictions)
@@ -370,7 +425,8 @@ def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
         total_loss, num_batches = 0.0, 0
         for batch in train_dist_dataset:
             per_replica_losses = strategy.run(
-                train_step, args=(model.module, optimizer, train_accuracy, batch))
+                train_step, args=(model.module, optimizer, train_accuracy, batch)
+            )
             total_loss += float(strategy.reduce(mirrax.ReduceOp.SUM, per_replica_losses, axis=None))
             num_batches += 1
         losses.append(total_loss / num_batches)
@@ -397,5 +453,6 @@ def test_a_multi_worker_save_is_written_by_the_chief_only(tmp_path):
     results = harness.run("keras_save", tmp_path, num_workers=2, cpu_devices=1)
     assert [r["same_predictions"] for r in results] == [True, True]
     assert [r["wrote_own_path"] for r in results] == [False, False]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".keras"
-                  or p.name.startswith(".m.keras")) == ["m.keras"]
+    assert sorted(
+        p.name for p in tmp_path.iterdir() if p.suffix == ".keras" or p.name.startswith(".m.keras")
+    ) == ["m.keras"]

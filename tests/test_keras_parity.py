@@ -20,6 +20,7 @@ from tests.conftest import mirrored  # noqa: E402
 if keras.backend.backend() != "jax":
     pytest.skip("Keras was imported with another backend than JAX", allow_module_level=True)
 
+
 @pytest.fixture(autouse=True)
 def _keras_broadcasts_by_rank():
     # Keras's layers add (batch, units) + (units,); the suite's strict setting would refuse it.
@@ -31,26 +32,46 @@ N, BATCH, EPOCHS = 64, 16, 2  # 4 full batches an epoch
 
 
 def _dense_relu():
-    return keras.Sequential([keras.Input((6,)), layers.Dense(8, activation="relu"),
-                             layers.Dense(3)])
+    return keras.Sequential([keras.Input((6,)), layers.Dense(8, activation="relu"), layers.Dense(3)])
 
 
 def _cnn():
-    return keras.Sequential([keras.Input((8, 8, 1)), layers.Conv2D(4, 3, activation="relu"),
-                             layers.MaxPooling2D(), layers.Flatten(), layers.Dense(3)])
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            layers.Conv2D(4, 3, activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Flatten(),
+            layers.Dense(3),
+        ]
+    )
 
 
 def _regularized():
-    return keras.Sequential([
-        keras.Input((6,)),
-        layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2),
-                     activity_regularizer=keras.regularizers.L1(1e-3)),
-        layers.Dense(3, bias_regularizer=keras.regularizers.L2(1e-2))])
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            layers.Dense(
+                8,
+                activation="tanh",
+                kernel_regularizer=keras.regularizers.L2(1e-2),
+                activity_regularizer=keras.regularizers.L1(1e-3),
+            ),
+            layers.Dense(3, bias_regularizer=keras.regularizers.L2(1e-2)),
+        ]
+    )
 
 
 def _batch_norm():
-    return keras.Sequential([keras.Input((6,)), layers.Dense(8), layers.BatchNormalization(),
-                             layers.Activation("relu"), layers.Dense(3)])
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            layers.Dense(8),
+            layers.BatchNormalization(),
+            layers.Activation("relu"),
+            layers.Dense(3),
+        ]
+    )
 
 
 def _recurrent(layer):
@@ -58,10 +79,15 @@ def _recurrent(layer):
 
 
 def _stacked_recurrent():
-    return keras.Sequential([
-        keras.Input((5, 3)), layers.GRU(4, return_sequences=True),
-        layers.Bidirectional(layers.LSTM(3, return_sequences=True)), layers.SimpleRNN(4),
-        layers.Dense(3)])
+    return keras.Sequential(
+        [
+            keras.Input((5, 3)),
+            layers.GRU(4, return_sequences=True),
+            layers.Bidirectional(layers.LSTM(3, return_sequences=True)),
+            layers.SimpleRNN(4),
+            layers.Dense(3),
+        ]
+    )
 
 
 def _embedding_attention():
@@ -122,8 +148,10 @@ def _twins(build):
 
 
 def _compile_args():
-    return dict(optimizer=keras.optimizers.SGD(learning_rate=0.1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return dict(
+        optimizer=keras.optimizers.SGD(learning_rate=0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -133,8 +161,7 @@ def test_the_row_trains_to_keras_weights_on_one_replica(row):
     x, y = _inputs(kind, rng), rng.integers(0, 3, size=(N,)).astype(np.int32)
     reference, twin = _twins(build)
     reference.compile(**_compile_args())
-    expected = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                             verbose=0).history
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     with mirrored(1).scope():
         model = mirrax.Model(twin)
         model.compile(**_compile_args())

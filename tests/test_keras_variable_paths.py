@@ -26,9 +26,13 @@ Y = np.arange(32, dtype=np.float32).reshape(8, 4) / 32.0
 def _keras_net(extra: bool = False, name: str = "seq"):
     """Dense(4) -> BatchNormalization -> Dropout -> Dense(4) [-> Dense(2)]: two (4, 4) kernels
     and six (4,) vectors, so a mix-up by position would not show in the shapes."""
-    stack = [keras.Input((4,)), layers.Dense(4, name="dense"),
-             layers.BatchNormalization(name="batch_normalization"), layers.Dropout(0.5),
-             layers.Dense(4, name="dense_1")]
+    stack = [
+        keras.Input((4,)),
+        layers.Dense(4, name="dense"),
+        layers.BatchNormalization(name="batch_normalization"),
+        layers.Dropout(0.5),
+        layers.Dense(4, name="dense_1"),
+    ]
     if extra:
         stack.append(layers.Dense(2, name="dense_2"))
     keras.utils.set_random_seed(0)
@@ -41,10 +45,16 @@ def _compiled(keras_model):
     return model
 
 
-WEIGHT_PATHS = ["seq/dense/kernel", "seq/dense/bias", "seq/batch_normalization/gamma",
-                "seq/batch_normalization/beta", "seq/batch_normalization/moving_mean",
-                "seq/batch_normalization/moving_variance", "seq/dense_1/kernel",
-                "seq/dense_1/bias"]
+WEIGHT_PATHS = [
+    "seq/dense/kernel",
+    "seq/dense/bias",
+    "seq/batch_normalization/gamma",
+    "seq/batch_normalization/beta",
+    "seq/batch_normalization/moving_mean",
+    "seq/batch_normalization/moving_variance",
+    "seq/dense_1/kernel",
+    "seq/dense_1/bias",
+]
 
 
 def test_the_state_is_keyed_by_keras_paths_and_get_weights_keeps_keras_order():
@@ -52,7 +62,8 @@ def test_the_state_is_keyed_by_keras_paths_and_get_weights_keeps_keras_order():
     model = mirrax.Model(keras_model)
     paths = [path for path, _ in nnx.to_flat_state(nnx.state(model.module))]
     assert [p for p in paths if p[0] == "variables" and p[-1] != "seed_generator_state"] == sorted(
-        ("variables",) + tuple(p.split("/")) for p in WEIGHT_PATHS)
+        ("variables",) + tuple(p.split("/")) for p in WEIGHT_PATHS
+    )
     assert model.module.variables["seq"]["dense"]["kernel"].get_value().shape == (4, 4)
     seed = [v.path for v in keras_model.variables if v.name == "seed_generator_state"]
     assert ("seed_counts",) + tuple(seed[0].split("/")) in paths
@@ -62,10 +73,18 @@ def test_the_state_is_keyed_by_keras_paths_and_get_weights_keeps_keras_order():
 
 
 def test_duplicate_and_prefix_clashing_paths_get_deterministic_suffixes():
-    assert state_keys(["m/same/kernel", "m/same/bias", "m/same/kernel", "m/same/bias",
-                       "a/b", "a/b/c", "x/y/z", "x/y"]) == (
-        ("m", "same", "kernel"), ("m", "same", "bias"), ("m", "same", "kernel_1"),
-        ("m", "same", "bias_1"), ("a", "b"), ("a", "b_1", "c"), ("x", "y", "z"), ("x", "y_1"))
+    assert state_keys(
+        ["m/same/kernel", "m/same/bias", "m/same/kernel", "m/same/bias", "a/b", "a/b/c", "x/y/z", "x/y"]
+    ) == (
+        ("m", "same", "kernel"),
+        ("m", "same", "bias"),
+        ("m", "same", "kernel_1"),
+        ("m", "same", "bias_1"),
+        ("a", "b"),
+        ("a", "b_1", "c"),
+        ("x", "y", "z"),
+        ("x", "y_1"),
+    )
 
     class TwoSame(keras.Model):  # Keras gives both layers' kernels the path "two/same/kernel"
         def __init__(self):
@@ -80,24 +99,29 @@ def test_duplicate_and_prefix_clashing_paths_get_deterministic_suffixes():
         keras_model(X[:1, :2])
     assert [v.path for v in keras_model.variables] == ["two/same/kernel", "two/same/bias"] * 2
     model = mirrax.Model(keras_model)
-    assert model.module.names == ("two/same/kernel", "two/same/bias", "two/same/kernel_1",
-                                  "two/same/bias_1")
-    np.testing.assert_array_equal(model.module.variables["two"]["same"]["kernel_1"].get_value(),
-                                  keras_model.second.kernel.value)
+    assert model.module.names == ("two/same/kernel", "two/same/bias", "two/same/kernel_1", "two/same/bias_1")
+    np.testing.assert_array_equal(
+        model.module.variables["two"]["same"]["kernel_1"].get_value(), keras_model.second.kernel.value
+    )
 
 
 def test_a_nested_sequential_and_a_shared_layer():
-    inner = keras.Sequential([layers.Dense(3, name="d1"), layers.Dense(3, name="d2")],
-                             name="inner")
+    inner = keras.Sequential([layers.Dense(3, name="d1"), layers.Dense(3, name="d2")], name="inner")
     shared = layers.Dense(3, name="shared")
     x = keras.Input((4,))
-    keras_model = keras.Model(x, layers.Dense(4, name="out")(shared(shared(inner(x)))),
-                              name="outer")
+    keras_model = keras.Model(x, layers.Dense(4, name="out")(shared(shared(inner(x)))), name="outer")
     model = _compiled(keras_model)
     # The shared layer's two variables appear once; the inner model's under its name.
-    assert model.module.names == ("inner/d1/kernel", "inner/d1/bias", "inner/d2/kernel",
-                                  "inner/d2/bias", "shared/kernel", "shared/bias",
-                                  "out/kernel", "out/bias")
+    assert model.module.names == (
+        "inner/d1/kernel",
+        "inner/d1/bias",
+        "inner/d2/kernel",
+        "inner/d2/bias",
+        "shared/kernel",
+        "shared/bias",
+        "out/kernel",
+        "out/bias",
+    )
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
     model.module.write_to_keras()
     for ours, theirs in zip(model.get_weights(), keras_model.get_weights(), strict=True):
@@ -124,13 +148,17 @@ def test_summary_is_keras_summary_and_a_bare_layer_lists_its_paths():
 def test_tensorboard_histograms_are_tagged_as_keras_tags_them(tmp_path):
     keras_model = _keras_net()
     model = _compiled(keras_model)
-    model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[mirrax.callbacks.TensorBoard(tmp_path, histogram_freq=1)])
-    histograms = {tag for tag, points in read_scalars(tmp_path / "train").items()
-                  if points == [(0, None)]}
+    model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[mirrax.callbacks.TensorBoard(tmp_path, histogram_freq=1)],
+    )
+    histograms = {tag for tag, points in read_scalars(tmp_path / "train").items() if points == [(0, None)]}
     # Keras's callback: f"{weight.path}/histogram" for each weight of each layer.
-    assert histograms == {f"{w.path}/histogram" for layer in keras_model.layers
-                          for w in layer.weights}
+    assert histograms == {f"{w.path}/histogram" for layer in keras_model.layers for w in layer.weights}
     assert "seq/dense/kernel/histogram" in histograms
 
 
@@ -148,8 +176,10 @@ def test_a_checkpoint_round_trip_is_keyed_by_name_not_position(tmp_path):
     np.testing.assert_array_equal(other.get_weights()[6], model.get_weights()[6])
     # The same shapes under other layer names: refused, never loaded by position.
     renamed = mirrax.Model(_keras_net(name="other"))
-    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
-                       match=r"\['variables'\]\['other'\]\['dense'\]\['kernel'\] is missing"):
+    with pytest.raises(
+        mirrax.errors.IncompatibleCheckpointError,
+        match=r"\['variables'\]\['other'\]\['dense'\]\['kernel'\] is missing",
+    ):
         renamed.load_weights(str(tmp_path / "weights"))
 
 
@@ -207,8 +237,9 @@ def test_a_checkpoint_keyed_by_position_restores_each_variable_to_its_own_place(
         if "variables" in old_path:
             i = old_path[-1]
             new_path = old_path[:-1] + tuple(keras_variables[i].path.split("/"))
-        np.testing.assert_array_equal(np.asarray(moments[new_path].get_value()),
-                                      np.asarray(value.get_value()))
+        np.testing.assert_array_equal(
+            np.asarray(moments[new_path].get_value()), np.asarray(value.get_value())
+        )
     fresh = mirrax.Model(_keras_net())
     fresh.load_weights(str(tmp_path / "weights"))
     assert [float(np.asarray(w).flat[0]) for w in fresh.get_weights()] == [1, 2, 3, 4, 5, 6, 8, 9]
@@ -219,9 +250,11 @@ def test_a_positional_checkpoint_of_another_model_is_refused_with_the_fix(tmp_pa
     _old_checkpoint(tmp_path, bigger)
     model = _compiled(_keras_net())
     before = model.get_weights()
-    with pytest.raises(mirrax.errors.IncompatibleCheckpointError,
-                       match=r"keyed by position, variables/0, \.\.\., as mirrax wrote them "
-                             r"before, restores only into the model that wrote it"):
+    with pytest.raises(
+        mirrax.errors.IncompatibleCheckpointError,
+        match=r"keyed by position, variables/0, \.\.\., as mirrax wrote them "
+        r"before, restores only into the model that wrote it",
+    ):
         mirrax.Checkpoint(model=model).read(str(tmp_path / "full"))
     for ours, theirs in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(ours, theirs)  # nothing was changed
@@ -230,8 +263,7 @@ def test_a_positional_checkpoint_of_another_model_is_refused_with_the_fix(tmp_pa
 def test_the_same_model_built_again_in_the_process_restores_despite_keras_renumbering(tmp_path):
     def build():  # auto-named: Keras numbers each build's layers further on
         keras.utils.set_random_seed(len(str(tmp_path)))
-        return keras.Sequential([keras.Input((4,)), layers.Dense(4), layers.Dropout(0.5),
-                                 layers.Dense(4)])
+        return keras.Sequential([keras.Input((4,)), layers.Dense(4), layers.Dropout(0.5), layers.Dense(4)])
 
     model = _compiled(build())
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
@@ -246,23 +278,26 @@ def test_the_same_model_built_again_in_the_process_restores_despite_keras_renumb
 
 def test_renumbered_names_match_by_rank_not_by_text():
     keys = (("sequential_9", "dense_9", "kernel"), ("sequential_9", "dense_10", "kernel"))
-    stored = [("variables", "sequential_12", "dense_19", "kernel"),
-              ("variables", "sequential_12", "dense_20", "kernel")]
+    stored = [
+        ("variables", "sequential_12", "dense_19", "kernel"),
+        ("variables", "sequential_12", "dense_20", "kernel"),
+    ]
     alias = checkpoint_aliases(keys, (False, False), stored)
     # dense_9 < dense_10 by number (not as text, where "dense_10" < "dense_9"): ranks 0 and 1,
     # as dense_19 and dense_20.
     assert alias(("variables", "sequential_9", "dense_10", "kernel")) == stored[1]
-    assert alias(("opt", "mu", "variables", "sequential_9", "dense_9", "kernel")) == (
-        "opt", "mu") + stored[0]
+    assert alias(("opt", "mu", "variables", "sequential_9", "dense_9", "kernel")) == ("opt", "mu") + stored[0]
     assert alias(("step",)) is None
     assert checkpoint_aliases(keys, (False, False), stored[:1]) is None  # one variable short
     assert checkpoint_aliases(keys, (False, False), [("variables", "0"), ("variables", "1")])(
-        keys and ("variables",) + keys[1]) == ("variables", "1")
+        keys and ("variables",) + keys[1]
+    ) == ("variables", "1")
 
 
 def test_layer_names_of_digits_or_dots_save_and_load(tmp_path):
-    keras_model = keras.Sequential([keras.Input((4,)), layers.Dense(4, name="0"),
-                                    layers.Dense(4, name="a.b")], name="s")
+    keras_model = keras.Sequential(
+        [keras.Input((4,)), layers.Dense(4, name="0"), layers.Dense(4, name="a.b")], name="s"
+    )
     model = mirrax.Model(keras_model)
     assert model.module.names == ("s/0/kernel", "s/0/bias", "s/a.b/kernel", "s/a.b/bias")
     model.save_weights(str(tmp_path / "weights"))
@@ -278,8 +313,7 @@ def test_an_nnx_module_with_a_sequence_still_restores_its_integer_keys(tmp_path)
     mirrax.Checkpoint(net=module).write(str(tmp_path / "ckpt"))
     other = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(2)), nnx.Linear(2, 1, rngs=nnx.Rngs(3)))
     mirrax.Checkpoint(net=other).read(str(tmp_path / "ckpt")).assert_consumed()
-    np.testing.assert_array_equal(other.layers[1].kernel.get_value(),
-                                  module.layers[1].kernel.get_value())
+    np.testing.assert_array_equal(other.layers[1].kernel.get_value(), module.layers[1].kernel.get_value())
 
 
 def test_backup_and_restore_resumes_from_a_backup_keyed_by_position(tmp_path):
@@ -289,9 +323,17 @@ def test_backup_and_restore_resumes_from_a_backup_keyed_by_position(tmp_path):
     mirrax.CheckpointManager(backup, str(tmp_path / "backup"), max_to_keep=2).save()
     seen = {}
     record = mirrax.callbacks.LambdaCallback(
-        on_epoch_begin=lambda epoch, logs: seen.setdefault(epoch, model.get_weights()))
-    model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
-              callbacks=[mirrax.callbacks.BackupAndRestore(str(tmp_path / "backup")), record])
+        on_epoch_begin=lambda epoch, logs: seen.setdefault(epoch, model.get_weights())
+    )
+    model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[mirrax.callbacks.BackupAndRestore(str(tmp_path / "backup")), record],
+    )
     assert list(seen) == [1]  # the backup's epoch 1 resumes; epoch 0 is not run again
     # get_weights() leaves out the seed state (variable 6): variables 0-5, 7, 8 hold i + 1.
     assert [float(np.asarray(w).flat[0]) for w in seen[1]] == [1, 2, 3, 4, 5, 6, 8, 9]
@@ -301,15 +343,18 @@ def test_trainable_variables_follow_the_gradients_leaves_and_the_optimizer_maps_
     # Layers named "dense_2" and "dense_10": the state sorts the paths as text ("dense_10" <
     # "dense_2", "bias" < "kernel"), so the gradients' leaves are in that order, and so are
     # model.trainable_variables; KerasOptimizer puts each pair back in Keras's order.
-    keras_model = keras.Sequential([keras.Input((3,)), layers.Dense(2, name="dense_2"),
-                                    layers.Dense(4, name="dense_10")], name="s")
+    keras_model = keras.Sequential(
+        [keras.Input((3,)), layers.Dense(2, name="dense_2"), layers.Dense(4, name="dense_10")], name="s"
+    )
     model = mirrax.Model(keras_model)
     optimizer = mirrax.KerasOptimizer(model, keras.optimizers.SGD(0.5))
     before = [np.asarray(w) for w in model.get_weights()]  # Keras order: d2 k, b; d10 k, b
 
     def loss_fn(module):
-        return sum(jnp.sum(jnp.arange(v.size, dtype=jnp.float32).reshape(v.shape) * v[...])
-                   for v in module.keras_trainable_variables)
+        return sum(
+            jnp.sum(jnp.arange(v.size, dtype=jnp.float32).reshape(v.shape) * v[...])
+            for v in module.keras_trainable_variables
+        )
 
     gradients = mirrax.value_and_grad(loss_fn)(model.module)[1]
     assert [v.shape for v in model.trainable_variables] == [(4,), (2, 4), (2,), (3, 2)]

@@ -28,8 +28,9 @@ def test_assign_and_set_weights_on_the_keras_model_after_wrapping_are_used(tmp_p
     keras_model.layers[0].kernel.assign(np.ones((2, 3), np.float32))
     keras_model.layers[0].bias.assign(np.zeros(3, np.float32))
     # [1, 2] @ ones(2, 3) + 0 = [3, 3, 3]
-    np.testing.assert_array_equal(model.predict(np.array([[1.0, 2.0]], np.float32), verbose=0),
-                                  [[3.0, 3.0, 3.0]])
+    np.testing.assert_array_equal(
+        model.predict(np.array([[1.0, 2.0]], np.float32), verbose=0), [[3.0, 3.0, 3.0]]
+    )
     np.testing.assert_array_equal(model.get_weights()[0], np.ones((2, 3)))
 
     keras_model.set_weights([np.full((2, 3), 2.0, np.float32), np.ones(3, np.float32)])

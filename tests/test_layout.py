@@ -42,8 +42,9 @@ def _targets(node, module: str, modules: dict) -> list:
         if node.level:
             package = module.rsplit(".", node.level)[0]
             base = f"{package}.{base}" if base else package
-        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                 for alias in node.names]
+        names = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+        ]
     return [n for n in names if n in modules]
 
 
@@ -56,15 +57,17 @@ def _graph():
         top = {id(node) for node in tree.body}
         for node in tree.body:
             if isinstance(node, ast.Try):
-                top |= {id(n) for part in (node.body, *[h.body for h in node.handlers])
-                        for n in part}
+                top |= {id(n) for part in (node.body, *[h.body for h in node.handlers]) for n in part}
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
                 if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
                     lazy.append((name, node.lineno))
-        edges[name] = {t for node in ast.walk(tree) if id(node) in top
-                       and isinstance(node, (ast.Import, ast.ImportFrom))
-                       for t in _targets(node, name, modules)}
+        edges[name] = {
+            t
+            for node in ast.walk(tree)
+            if id(node) in top and isinstance(node, (ast.Import, ast.ImportFrom))
+            for t in _targets(node, name, modules)
+        }
     return edges, lazy
 
 
@@ -77,7 +80,7 @@ def test_no_import_cycle():
         stack.append(module)
         for target in sorted(edges.get(module, ())):
             if state.get(target) == "open":
-                cycles.append(stack[stack.index(target):] + [target])
+                cycles.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         stack.pop()

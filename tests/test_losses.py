@@ -10,9 +10,13 @@ from tests.conftest import mirrored
 
 def two_replica_losses():
     strategy = mirrored(2)
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        (np.array([2.0, 3.0, 4.0, 5.0], np.float32), np.array([1.0, 0.0, 1.0, 1.0], np.float32))
-    )))
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset(
+                (np.array([2.0, 3.0, 4.0, 5.0], np.float32), np.array([1.0, 0.0, 1.0, 1.0], np.float32))
+            )
+        )
+    )
     return strategy, batch
 
 
@@ -61,7 +65,9 @@ def test_empty_shard_gives_zero_not_nan():
     strategy = mirrored(4)
     batch = next(iter(strategy.experimental_distribute_dataset(np.array([1.0], np.float32))))
     for kwargs in ({}, {"global_batch_size": 4}):
-        shares = strategy.run(lambda b, kw=tuple(kwargs.items()): mirrax.compute_average_loss(b, **dict(kw)), args=(batch,))
+        shares = strategy.run(
+            lambda b, kw=tuple(kwargs.items()): mirrax.compute_average_loss(b, **dict(kw)), args=(batch,)
+        )
         values = [float(v) for v in shares.values]
         assert values[1:] == [0.0, 0.0, 0.0]
         assert not any(np.isnan(values))
@@ -71,7 +77,9 @@ def test_nan_in_padding_rows_is_ignored():
     strategy = mirrored(2)
     batch = next(iter(strategy.experimental_distribute_dataset(np.array([1.0, 4.0, 9.0], np.float32))))
     # log(0) = -inf in the padding row of replica 1 must not reach the loss: (1 + 2 + 3) / 3 = 2.
-    shares = strategy.run(lambda b: mirrax.compute_average_loss(jnp.where(b > 0, jnp.sqrt(b), jnp.log(b))), args=(batch,))
+    shares = strategy.run(
+        lambda b: mirrax.compute_average_loss(jnp.where(b > 0, jnp.sqrt(b), jnp.log(b))), args=(batch,)
+    )
     assert float(strategy.reduce("sum", shares)) == pytest.approx(2.0)
 
 
@@ -79,7 +87,9 @@ def test_outside_replica_context():
     strategy = mirrored(2)
     losses = np.array([1.0, 2.0, 3.0], np.float32)
     with strategy.scope():
-        with pytest.raises(mirrax.errors.ReplicaContextError, match="cross-replica context.*without global_batch_size"):
+        with pytest.raises(
+            mirrax.errors.ReplicaContextError, match="cross-replica context.*without global_batch_size"
+        ):
             mirrax.compute_average_loss(losses)
         assert float(mirrax.compute_average_loss(losses, global_batch_size=6)) == 1.0  # 6 / 6
         with pytest.raises(mirrax.errors.ReplicaContextError, match="scale_regularization_loss"):
@@ -100,5 +110,7 @@ def test_bad_arguments_are_named():
         mirrax.compute_average_loss(batch[0])
     with pytest.raises(ValueError, match="global_batch_size must be positive; received 0"):
         mirrax.compute_average_loss(np.ones(2, np.float32), global_batch_size=0)
-    with pytest.raises(ValueError, match=r"sample_weight of shape \(3,\) does not fit per_example_loss of shape \(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"sample_weight of shape \(3,\) does not fit per_example_loss of shape \(4,\)"
+    ):
         mirrax.compute_average_loss(np.ones(4, np.float32), sample_weight=np.ones(3, np.float32))

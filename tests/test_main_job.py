@@ -144,8 +144,15 @@ def test_cifar10_missing_files_say_where_and_what_to_get(tmp_path):
         load_cifar10(tmp_path)
     assert isinstance(caught.value, FileNotFoundError)
     message = str(caught.value)
-    for part in (str(tmp_path), "data_batch_1", "data_batch_5", "test_batch",
-                 "cifar-10-python.tar.gz", CIFAR10_URL, "CIFAR-10 python version"):
+    for part in (
+        str(tmp_path),
+        "data_batch_1",
+        "data_batch_5",
+        "test_batch",
+        "cifar-10-python.tar.gz",
+        CIFAR10_URL,
+        "CIFAR-10 python version",
+    ):
         assert part in message
     # A folder with only some of the files lists what it found.
     folder = _write_cifar_folder(tmp_path)
@@ -195,7 +202,11 @@ def test_devices_cpu_count_is_set_before_jax_starts():
     code = "import sys; from mirrax._src.cli.main import main; sys.exit(main(sys.argv[1:]))"
     result = subprocess.run(
         [sys.executable, "-c", code, "devices", "--cpu-devices", "3"],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert result.stdout.splitlines()[-1] == (
         "PhysicalDevice(name='/physical_device:CPU:2', device_type='CPU')"
@@ -207,15 +218,11 @@ def test_cpu_device_flag_keeps_an_existing_count_and_replaces_it_on_request(monk
     monkeypatch.setattr(cli, "_jax_backends_started", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     cli.configure_cpu_devices(None)
-    assert os.environ["XLA_FLAGS"] == (
-        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
-    )
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4")
     cli.configure_cpu_devices(None)  # a count already there is kept
     assert os.environ["XLA_FLAGS"].count("device_count") == 1
     cli.configure_cpu_devices(2)
-    assert os.environ["XLA_FLAGS"] == (
-        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
-    )
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2")
 
 
 def test_cpu_devices_cannot_change_once_jax_runs(monkeypatch):
@@ -277,8 +284,7 @@ def test_fit_prints_the_header_keras_progress_and_the_test_accuracy(fit_run):
         ), line
     # EarlyStopping(restore_best_weights=True) names the epoch it restores; then evaluate's
     # bar over ceil(360 / 64) = 6 test batches and the final line.
-    assert re.fullmatch(r"Restoring model weights from the end of the best epoch: [12]\.",
-                        lines[5])
+    assert re.fullmatch(r"Restoring model weights from the end of the best epoch: [12]\.", lines[5])
     assert re.fullmatch(rf"6/6 {bar} - loss: {NUMBER} - accuracy: {NUMBER}", lines[6]), lines[6]
     assert lines[7] == f"Test accuracy: {test_accuracy:.4f}" and len(lines) == 8
     assert sorted(history) == ["accuracy", "learning_rate", "loss", "val_accuracy", "val_loss"]
@@ -300,8 +306,14 @@ def test_fit_test_accuracy_is_the_trained_model_on_every_test_image(fit_run):
 
 def test_fit_with_mixed_bfloat16_and_tensorboard_logs(tmp_path):
     (model, history, test_accuracy), _ = _train(
-        "--epochs", "1", "--replicas", "2", "--mixed-precision", "mixed_bfloat16",
-        "--tensorboard", str(tmp_path / "logs"),
+        "--epochs",
+        "1",
+        "--replicas",
+        "2",
+        "--mixed-precision",
+        "mixed_bfloat16",
+        "--tensorboard",
+        str(tmp_path / "logs"),
     )
     assert model.dtype_policy.compute_dtype == "bfloat16"
     # The policy holds for the run only.
@@ -313,8 +325,7 @@ def test_fit_with_mixed_bfloat16_and_tensorboard_logs(tmp_path):
     # 1 epoch of ceil(1293 / 32) = 41 steps: far above chance (0.1).
     assert np.isfinite(history["loss"][0]) and test_accuracy >= 0.5
     for folder in ("train", "validation"):
-        assert any(name.startswith("events.out.tfevents")
-                   for name in os.listdir(tmp_path / "logs" / folder))
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "logs" / folder))
 
 
 def test_custom_loop_refuses_fit_only_options(capsys):
@@ -331,10 +342,10 @@ def test_custom_loop_refuses_fit_only_options(capsys):
 @pytest.fixture(scope="module")
 def one_and_four_replicas():
     """3 epochs of the custom loop on digits at global batch 64: 1 replica x 64, 4 x 16."""
-    return (_train("--loop", "custom", "--epochs", "3", "--replicas", "1",
-                   "--batch-size-per-replica", "64"),
-            _train("--loop", "custom", "--epochs", "3", "--replicas", "4",
-                   "--batch-per-replica", "16"))  # the option's older name
+    return (
+        _train("--loop", "custom", "--epochs", "3", "--replicas", "1", "--batch-size-per-replica", "64"),
+        _train("--loop", "custom", "--epochs", "3", "--replicas", "4", "--batch-per-replica", "16"),
+    )  # the option's older name
 
 
 def test_one_step_on_one_and_four_replicas_differs_only_by_the_order_of_additions():
@@ -438,14 +449,24 @@ def test_train_prints_keras_style_epoch_lines(one_and_four_replicas):
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_train_on_cifar10_files_and_missing_cifar10(tmp_path, loop):
     _write_cifar_folder(tmp_path / "cifar")
-    (model, _, _), out = _train("--loop", loop, "--data", "cifar10", "--data-dir",
-                                str(tmp_path / "cifar"), "--epochs", "1", "--replicas", "2",
-                                "--batch-per-replica", "4")
+    (model, _, _), out = _train(
+        "--loop",
+        loop,
+        "--data",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "cifar"),
+        "--epochs",
+        "1",
+        "--replicas",
+        "2",
+        "--batch-per-replica",
+        "4",
+    )
     module = model.module if loop == "fit" else model
     assert module.conv1.kernel.shape == (3, 3, 3, 32)
     assert "cifar10: 9 training images" in out and "3 test images" in out
-    status, _, err = _run_main(["train", "--loop", loop, "--data", "cifar10", "--data-dir",
-                                str(tmp_path)])
+    status, _, err = _run_main(["train", "--loop", loop, "--data", "cifar10", "--data-dir", str(tmp_path)])
     assert status == 1 and "mirrax train: error: CIFAR-10 not found" in err
 
 

@@ -31,10 +31,11 @@ def _data(n, features=3, seed=0):
 
 def _nnx_model(axis_name=None, momentum=0.9):
     # No bias before the BatchNorm: its gradient is 0 in exact arithmetic, rounding noise here.
-    return nnx.Sequential(nnx.Linear(3, 4, use_bias=False, rngs=nnx.Rngs(0)),
-                          nnx.BatchNorm(4, momentum=momentum, axis_name=axis_name,
-                                        rngs=nnx.Rngs(1)),
-                          nnx.Linear(4, 1, rngs=nnx.Rngs(2)))
+    return nnx.Sequential(
+        nnx.Linear(3, 4, use_bias=False, rngs=nnx.Rngs(0)),
+        nnx.BatchNorm(4, momentum=momentum, axis_name=axis_name, rngs=nnx.Rngs(1)),
+        nnx.Linear(4, 1, rngs=nnx.Rngs(2)),
+    )
 
 
 def _leaves(module):
@@ -92,20 +93,23 @@ def test_synchronized_batch_norm_on_4_replicas_with_an_empty_one_fits_as_one_dev
 def _step_outputs(strategy, module, batches):
     """Runs a BatchNorm training step (gradients of a masked loss) on each distributed batch;
     returns the last step's outputs and gradients, gathered."""
+
     def step(module, x):
         mask = mirrax.get_replica_context().batch_mask
 
         def loss_fn(module):
             y = module(x)
-            return jnp.sum(jnp.where(mask[:, None], y ** 3, 0.0)), y
+            return jnp.sum(jnp.where(mask[:, None], y**3, 0.0)), y
 
         (_, y), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module)
         return y, grads.scale[...]
 
     for batch in strategy.experimental_distribute_dataset(batches):
         y, grads = strategy.run(step, args=(module, batch))
-    return (np.concatenate([np.asarray(v) for v in strategy.experimental_local_results(y)]),
-            np.asarray(strategy.experimental_local_results(grads)[0]))
+    return (
+        np.concatenate([np.asarray(v) for v in strategy.experimental_local_results(y)]),
+        np.asarray(strategy.experimental_local_results(grads)[0]),
+    )
 
 
 @pytest.mark.parametrize("synchronized", [True, False])
@@ -114,8 +118,9 @@ def test_batch_norm_statistics_of_a_partial_batch_with_an_all_padding_replica(sy
     x = _data(13, seed=4)[0]
     first, last = x[:8], x[8:]  # the last batch of 5 splits 2, 2, 1, 0 over the 4 replicas
     # momentum 0: the moving statistics are the last batch's statistics.
-    norm = nnx.BatchNorm(3, momentum=0.0, axis_name=mirrax.REPLICA_AXIS if synchronized else None,
-                         rngs=nnx.Rngs(0))
+    norm = nnx.BatchNorm(
+        3, momentum=0.0, axis_name=mirrax.REPLICA_AXIS if synchronized else None, rngs=nnx.Rngs(0)
+    )
     with strategy.scope():
         module = nnx.clone(norm)
     y, grads = _step_outputs(strategy, module, [first, last])
@@ -124,13 +129,12 @@ def test_batch_norm_statistics_of_a_partial_batch_with_an_all_padding_replica(sy
     if synchronized:
         # The whole real batch's statistics, and its rows normalized by them (scale 1, bias 0).
         want_mean, want_var = last.mean(0), last.var(0)
-        np.testing.assert_allclose(y, (last - want_mean) / np.sqrt(want_var + 1e-5), rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(y, (last - want_mean) / np.sqrt(want_var + 1e-5), rtol=1e-5, atol=1e-5)
     else:
         # Each replica's own real rows ([0:2], [2:4], [4:5]); replica 3 has none and keeps the
         # statistics it held, the first step's average over the replicas (shards of 2 rows),
         # and the replicas' values are averaged.
-        before = [first[i:i + 2] for i in (0, 2, 4, 6)]
+        before = [first[i : i + 2] for i in (0, 2, 4, 6)]
         shards = [last[0:2], last[2:4], last[4:5]]
         want_mean = (sum(s.mean(0) for s in shards) + sum(s.mean(0) for s in before) / 4) / 4
         want_var = (sum(s.var(0) for s in shards) + sum(s.var(0) for s in before) / 4) / 4
@@ -156,8 +160,9 @@ def _keras_fit(model, x, y, batch_size):
 
 def _keras_bn():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((3,)), layers.Dense(8, use_bias=False),
-                             layers.BatchNormalization(), layers.Dense(1)])
+    return keras.Sequential(
+        [keras.Input((3,)), layers.Dense(8, use_bias=False), layers.BatchNormalization(), layers.Dense(1)]
+    )
 
 
 def test_keras_batch_normalization_fits_as_keras_with_a_partial_last_batch():
@@ -183,8 +188,13 @@ def test_keras_activity_regularizer_counts_only_the_real_rows(replicas):
 
     def build():
         keras.utils.set_random_seed(0)
-        return keras.Sequential([keras.Input((3,)), layers.Dense(
-            4, activity_regularizer=keras.regularizers.L2(0.1)), layers.Dense(1)])
+        return keras.Sequential(
+            [
+                keras.Input((3,)),
+                layers.Dense(4, activity_regularizer=keras.regularizers.L2(0.1)),
+                layers.Dense(1),
+            ]
+        )
 
     model, twin = _keras_pair(build)
     with mirrored(replicas).scope():
@@ -200,15 +210,26 @@ def test_keras_activity_regularizer_counts_only_the_real_rows(replicas):
 
 def _activity_model():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((3,)), layers.Dense(
-        4, use_bias=False, activity_regularizer=keras.regularizers.L2(0.1)),
-        layers.BatchNormalization(), layers.Dense(1)])
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            layers.Dense(4, use_bias=False, activity_regularizer=keras.regularizers.L2(0.1)),
+            layers.BatchNormalization(),
+            layers.Dense(1),
+        ]
+    )
 
 
-@pytest.mark.parametrize("make, replicas", [
-    (_nnx_model, 1), (lambda: _nnx_model(axis_name=mirrax.REPLICA_AXIS), 2),
-    (_nnx_model, 4), (_activity_model, 1), (_activity_model, 2),
-])
+@pytest.mark.parametrize(
+    "make, replicas",
+    [
+        (_nnx_model, 1),
+        (lambda: _nnx_model(axis_name=mirrax.REPLICA_AXIS), 2),
+        (_nnx_model, 4),
+        (_activity_model, 1),
+        (_activity_model, 2),
+    ],
+)
 def test_full_batches_train_as_without_masking(make, replicas, monkeypatch):
     # 32 examples at batch 16: no partial batch (4 rows per replica on 4). A full batch takes
     # the cond's branch of the layer's own statistics; the masked ones are not computed.
@@ -237,8 +258,7 @@ def test_replica_invariant_batch_norm_on_a_partial_batch_gives_the_same_bits_on_
     x, y = _data(12, seed=4)
     results = []
     for replicas in (1, 2):
-        strategy = mirrax.MirroredStrategy(jax.devices()[:replicas], replica_invariant=True,
-                                           micro_batches=4)
+        strategy = mirrax.MirroredStrategy(jax.devices()[:replicas], replica_invariant=True, micro_batches=4)
         with strategy.scope():
             model = mirrax.Model(_nnx_model())
             model.compile(optax.sgd(0.1), "mse")
@@ -255,8 +275,9 @@ def test_batch_norm_of_sequences_with_the_two_pass_variance_uses_the_real_rows()
     strategy = mirrored(2)
     x = np.random.RandomState(4).randn(5, 2, 3).astype(np.float32)
     with strategy.scope():
-        norm = nnx.BatchNorm(3, momentum=0.0, use_fast_variance=False,
-                             axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0))
+        norm = nnx.BatchNorm(
+            3, momentum=0.0, use_fast_variance=False, axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0)
+        )
 
     def step(norm, x):
         return norm(x)

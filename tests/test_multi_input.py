@@ -50,9 +50,12 @@ def _keras_reference():
         with jax.numpy_rank_promotion("allow"):  # Keras broadcasts a bias by rank
             history = model.fit([XA, XB], Y, batch_size=4, epochs=2, shuffle=False, verbose=0)
             _REFERENCE.update(
-                initial=initial, weights=model.get_weights(), loss=history.history["loss"],
+                initial=initial,
+                weights=model.get_weights(),
+                loss=history.history["loss"],
                 evaluate=model.evaluate([XA, XB], Y, batch_size=4, verbose=0),
-                predict=model.predict([XA, XB], batch_size=4, verbose=0))
+                predict=model.predict([XA, XB], batch_size=4, verbose=0),
+            )
     return _REFERENCE
 
 
@@ -73,14 +76,13 @@ def test_a_two_input_keras_model_fits_as_keras_fits_it(replicas, as_dict):
     for got, want in zip(keras_model.get_weights(), reference["weights"]):
         np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(history["loss"], reference["loss"], atol=1e-5)
-    np.testing.assert_allclose(model.evaluate(x, Y, batch_size=4, verbose=0),
-                               reference["evaluate"], atol=1e-5)
-    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), reference["predict"],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        model.evaluate(x, Y, batch_size=4, verbose=0), reference["evaluate"], atol=1e-5
+    )
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0), reference["predict"], atol=1e-5)
     # Without batch_size a list of as many arrays as the Keras model has inputs is its inputs
     # (a list of 2 batches would not fit it), as in Keras.
-    np.testing.assert_allclose(model.predict([XA, XB], verbose=0), reference["predict"],
-                               atol=1e-5)
+    np.testing.assert_allclose(model.predict([XA, XB], verbose=0), reference["predict"], atol=1e-5)
     np.testing.assert_allclose(model.predict_on_batch(x), reference["predict"], atol=1e-5)
 
 
@@ -105,8 +107,10 @@ Y1, Y2 = np.zeros((5, 1), np.float32), np.ones((5, 1), np.float32)
 def _pair_model(replicas, learning_rate=0.0, loss=None):
     with mirrored(replicas).scope():
         model = mirrax.Model(Pair())
-        model.compile(optax.sgd(learning_rate), loss or (
-            lambda y, p: jnp.mean((y[0] - p[0]) ** 2, -1) + jnp.mean((y[1] - p[1]) ** 2, -1)))
+        model.compile(
+            optax.sgd(learning_rate),
+            loss or (lambda y, p: jnp.mean((y[0] - p[0]) ** 2, -1) + jnp.mean((y[1] - p[1]) ** 2, -1)),
+        )
     return model
 
 
@@ -121,8 +125,7 @@ def test_labels_as_a_list_or_dict_reach_the_loss_as_that_structure(replicas):
     assert model.evaluate([X1, X2], [Y1, Y2], batch_size=2, verbose=0) == pytest.approx(12.0)
     assert model.evaluate((X1, X2), (Y1, Y2), batch_size=2, verbose=0) == pytest.approx(12.0)
     by_key = _pair_model(replicas, loss=_by_key)
-    assert by_key.evaluate([X1, X2], {"one": Y1, "two": Y2}, batch_size=2,
-                           verbose=0) == pytest.approx(12.0)
+    assert by_key.evaluate([X1, X2], {"one": Y1, "two": Y2}, batch_size=2, verbose=0) == pytest.approx(12.0)
     # Outputs come back as the module's tuple, one row per example.
     p1, p2 = model.predict([X1, X2], batch_size=2, verbose=0)
     np.testing.assert_array_equal(p1, X1)
@@ -132,8 +135,7 @@ def test_labels_as_a_list_or_dict_reach_the_loss_as_that_structure(replicas):
 def test_lists_under_replica_invariant_mode_and_several_steps_per_execution():
     # Micro-batches of 2 rows over 2 replicas (batch 4: [1..4], [5] padded); and 2 steps per
     # call: the same 12 by hand, as the padding rows are masked in both.
-    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True,
-                                       micro_batches=2)
+    strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True, micro_batches=2)
     loss = lambda y, p: jnp.mean((y[0] - p[0]) ** 2, -1) + jnp.mean((y[1] - p[1]) ** 2, -1)  # noqa: E731
     with strategy.scope():
         invariant = mirrax.Model(Pair())
@@ -152,8 +154,7 @@ def test_torch_tensors_in_the_lists_count_as_arrays():
     torch = pytest.importorskip("torch")
     model = _pair_model(2)
     as_torch = [torch.from_numpy(a) for a in (X1, X2, Y1, Y2)]
-    assert model.evaluate(as_torch[:2], as_torch[2:], batch_size=2,
-                          verbose=0) == pytest.approx(12.0)
+    assert model.evaluate(as_torch[:2], as_torch[2:], batch_size=2, verbose=0) == pytest.approx(12.0)
     # One step on the whole batch at learning rate 0: the loss of the 5 examples, 12.
     assert model.train_on_batch(tuple(as_torch[:2]), as_torch[2:]) == pytest.approx(12.0)
 
@@ -165,8 +166,9 @@ def test_validation_split_and_validation_data_carry_lists():
     history = model.fit([X1, X2], [Y1, Y2], batch_size=2, validation_split=0.4, verbose=0).history
     assert history["loss"] == [pytest.approx(14 / 3 + 1)]
     assert history["val_loss"] == [pytest.approx(21.5)]
-    history = model.fit([X1, X2], [Y1, Y2], batch_size=2, verbose=0,
-                        validation_data=((X1, X2), [Y1, Y2])).history
+    history = model.fit(
+        [X1, X2], [Y1, Y2], batch_size=2, verbose=0, validation_data=((X1, X2), [Y1, Y2])
+    ).history
     assert history["val_loss"] == [pytest.approx(12.0)]
 
 
@@ -203,8 +205,10 @@ def test_five_examples_at_batch_2_over_2_replicas_keep_every_structure_aligned()
         np.testing.assert_array_equal(bw[1].stacked[:, 0], [r + 0.25 for r in want])
         np.testing.assert_array_equal(np.asarray(bw[1].mask)[:, 0], [True, step < 2])
     # A dataset's (x, y, sample_weight) batches of a list, a dict and a tuple: the same.
-    dataset = [([a[:2] for a in x], {k: v[:2] for k, v in y.items()}, tuple(w[:2] for w in weights)),
-               ([a[2:] for a in x], {k: v[2:] for k, v in y.items()}, tuple(w[2:] for w in weights))]
+    dataset = [
+        ([a[:2] for a in x], {k: v[:2] for k, v in y.items()}, tuple(w[:2] for w in weights)),
+        ([a[2:] for a in x], {k: v[2:] for k, v in y.items()}, tuple(w[2:] for w in weights)),
+    ]
     data = data_adapter.ModelInput(model, strategy, dataset, None, None, None, False, "fit")
     (bx, by, bw), (cx, cy, cw) = data.batches(prefetch=False)
     assert isinstance(bx, list) and isinstance(by, dict) and isinstance(bw, tuple)
@@ -215,8 +219,9 @@ def test_five_examples_at_batch_2_over_2_replicas_keep_every_structure_aligned()
     np.testing.assert_array_equal(cy["one"].stacked[:, :, 0], [[200, 300], [400, 200]])
     np.testing.assert_array_equal(cx[1].stacked[:, :, 0], [[20, 30], [40, 20]])
     # Shuffled, every leaf of an example moves together.
-    data = data_adapter.ModelInput(model, strategy, x, y, weights, 2, True, "fit",
-                                   rng=np.random.default_rng(3))
+    data = data_adapter.ModelInput(
+        model, strategy, x, y, weights, 2, True, "fit", rng=np.random.default_rng(3)
+    )
     for bx, by, bw in data.batches(prefetch=False):
         index = bx[0].stacked[:, 0, 0]
         np.testing.assert_array_equal(by["one"].stacked[:, 0, 0], 100 * index)
@@ -231,26 +236,32 @@ def test_per_output_sample_weights_reach_a_step_as_a_tuple():
     for replicas in (1, 2):
         strategy = mirrored(replicas)
         dist = strategy.experimental_distribute_dataset(
-            [([X1[:2], X2[:2]], [Y1[:2], Y2[:2]], (w1[:2], 1 - w1[:2])),
-             ([X1[2:], X2[2:]], [Y1[2:], Y2[2:]], (w1[2:], 1 - w1[2:]))])
+            [
+                ([X1[:2], X2[:2]], [Y1[:2], Y2[:2]], (w1[:2], 1 - w1[:2])),
+                ([X1[2:], X2[2:]], [Y1[2:], Y2[2:]], (w1[2:], 1 - w1[2:])),
+            ]
+        )
 
         def step(x, y, w):
             first = mirrax.compute_average_loss(jnp.mean((y[0] - x[0]) ** 2, -1), w[0])
             return first + mirrax.compute_average_loss(jnp.mean((y[1] - x[1]) ** 2, -1), w[1])
 
-        total = sum(float(strategy.reduce("sum", strategy.run(step, args=batch), axis=None))
-                    for batch in dist)
+        total = sum(
+            float(strategy.reduce("sum", strategy.run(step, args=batch), axis=None)) for batch in dist
+        )
         # Each batch's share is divided by its own examples: (1 + 1) / 2 + (9 + 25 + 1) / 3.
         assert total == pytest.approx(2 / 2 + 35 / 3)
 
 
 def test_a_list_read_as_batches_names_the_other_reading():
     model = _pair_model(2)
-    message = ("predict: x is a list of 2 arrays, read as 2 batches; to pass them as the model's "
-               "2 inputs, pass batch_size=... (or y, or x as a dict of arrays keyed by input). "
-               "A list x is a sequence of batches when neither y nor batch_size is given (and "
-               "the model is not a Keras model of as many inputs). The first batch does not "
-               "fit: the model cannot take x of shape (5, 1) (float32): ")
+    message = (
+        "predict: x is a list of 2 arrays, read as 2 batches; to pass them as the model's "
+        "2 inputs, pass batch_size=... (or y, or x as a dict of arrays keyed by input). "
+        "A list x is a sequence of batches when neither y nor batch_size is given (and "
+        "the model is not a Keras model of as many inputs). The first batch does not "
+        "fit: the model cannot take x of shape (5, 1) (float32): "
+    )
     with pytest.raises(errors.IncompatibleInputError, match=re.escape(message)):
         model.predict([X1, X2], verbose=0)
     p1, _ = model.predict([X1, X2], batch_size=5, verbose=0)  # the other reading
@@ -260,30 +271,46 @@ def test_a_list_read_as_batches_names_the_other_reading():
 def test_bad_structured_inputs_are_named():
     model = _pair_model(1)
     cases = [
-        (lambda: model.fit([X1, X2[:4]], [Y1, Y2], verbose=0),
-         "fit: x is a list of 2 arrays of different lengths (x[0]: 5, x[1]: 4) given with y; as "
-         "the model's 2 inputs every array must hold the same examples along axis 0. Give each "
-         "input one row per example."),
-        (lambda: model.fit([X1, X2], [Y1, Y2[:4]], verbose=0),
-         "fit: x has 5 examples but y[1] has 4; they must have the same length along axis 0."),
-        (lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5)] * 3, verbose=0),
-         "fit: sample_weight is a list of 3 arrays but the model has 2 outputs; give one (n,) "
-         "array per output, in output order (or one array shared by all)."),
-        (lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5), np.ones(4)], verbose=0),
-         "fit: x has 5 examples but sample_weight[1] has 4; they must have the same length "
-         "along axis 0."),
-        (lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5), np.ones((5, 2))],
-                           verbose=0),
-         "fit: sample_weight[1] must hold one weight per example, shape (5,); received shape "
-         "(5, 2). Pass a 1-D array of length 5 for each output."),
-        (lambda: model.fit([X1, X2], {"one": Y1, "two": Y2}, verbose=0,
-                           sample_weight={"one": np.ones(5), "three": np.ones(5)}),
-         "fit: sample_weight has the key 'three', which is not an output of the model; its "
-         "outputs are ['one', 'two']. Key the weights by output name."),
-        (lambda: model.fit([X1, X2], [Y1, Y2], class_weight={0: 1.0}, verbose=0),
-         "fit: class_weight is only supported for a model with one output; y is a list of 2 "
-         "label arrays. Pass per-output sample_weight instead (e.g. the class weights looked "
-         "up for each output's labels)."),
+        (
+            lambda: model.fit([X1, X2[:4]], [Y1, Y2], verbose=0),
+            "fit: x is a list of 2 arrays of different lengths (x[0]: 5, x[1]: 4) given with y; as "
+            "the model's 2 inputs every array must hold the same examples along axis 0. Give each "
+            "input one row per example.",
+        ),
+        (
+            lambda: model.fit([X1, X2], [Y1, Y2[:4]], verbose=0),
+            "fit: x has 5 examples but y[1] has 4; they must have the same length along axis 0.",
+        ),
+        (
+            lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5)] * 3, verbose=0),
+            "fit: sample_weight is a list of 3 arrays but the model has 2 outputs; give one (n,) "
+            "array per output, in output order (or one array shared by all).",
+        ),
+        (
+            lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5), np.ones(4)], verbose=0),
+            "fit: x has 5 examples but sample_weight[1] has 4; they must have the same length along axis 0.",
+        ),
+        (
+            lambda: model.fit([X1, X2], [Y1, Y2], sample_weight=[np.ones(5), np.ones((5, 2))], verbose=0),
+            "fit: sample_weight[1] must hold one weight per example, shape (5,); received shape "
+            "(5, 2). Pass a 1-D array of length 5 for each output.",
+        ),
+        (
+            lambda: model.fit(
+                [X1, X2],
+                {"one": Y1, "two": Y2},
+                verbose=0,
+                sample_weight={"one": np.ones(5), "three": np.ones(5)},
+            ),
+            "fit: sample_weight has the key 'three', which is not an output of the model; its "
+            "outputs are ['one', 'two']. Key the weights by output name.",
+        ),
+        (
+            lambda: model.fit([X1, X2], [Y1, Y2], class_weight={0: 1.0}, verbose=0),
+            "fit: class_weight is only supported for a model with one output; y is a list of 2 "
+            "label arrays. Pass per-output sample_weight instead (e.g. the class weights looked "
+            "up for each output's labels).",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(errors.InvalidArgumentError, match=re.escape(message) + "$"):
@@ -291,9 +318,13 @@ def test_bad_structured_inputs_are_named():
     with mirrored(1).scope():
         keras_model = mirrax.Model(_keras_two_inputs())
         keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.raises(errors.InvalidArgumentError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=re.escape(
             "fit: sample_weight has the key 'b', which is not an output of the model; its "
-            "outputs are ['out']. Key the weights by output name.")):
+            "outputs are ['out']. Key the weights by output name."
+        ),
+    ):
         keras_model.fit([XA, XB], Y, sample_weight={"b": np.ones(12)}, verbose=0)
 
 
@@ -306,9 +337,12 @@ def test_a_two_input_keras_model_exports_with_a_list_or_dict_signature(tmp_path)
     mirrax.export(model, tmp_path / "list", [[a, b]])  # one positional input, the list
     np.testing.assert_allclose(mirrax.load_exported(tmp_path / "list")([XA, XB]), want, atol=1e-6)
     mirrax.export(model, tmp_path / "dict", {"a": a, "b": b})
-    np.testing.assert_allclose(mirrax.load_exported(tmp_path / "dict")({"a": XA, "b": XB}), want,
-                               atol=1e-6)
-    with pytest.raises(errors.IncompatibleInputError, match=re.escape(
+    np.testing.assert_allclose(mirrax.load_exported(tmp_path / "dict")({"a": XA, "b": XB}), want, atol=1e-6)
+    with pytest.raises(
+        errors.IncompatibleInputError,
+        match=re.escape(
             "; a Keras model with 2 inputs takes them as ONE list: write "
-            "input_signature=[[spec_1, ..., spec_2]] (or a dict keyed by input name)")):
+            "input_signature=[[spec_1, ..., spec_2]] (or a dict keyed by input name)"
+        ),
+    ):
         mirrax.export(model, tmp_path / "spread", [a, b])

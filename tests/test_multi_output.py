@@ -44,8 +44,11 @@ def _copy():
 
 
 def _compile_args(**overrides):
-    args = dict(loss={"reg": "mse", "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
-                loss_weights={"reg": 0.5, "cls": 1.0}, metrics={"cls": ["accuracy"]})
+    args = dict(
+        loss={"reg": "mse", "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+        loss_weights={"reg": 0.5, "cls": 1.0},
+        metrics={"cls": ["accuracy"]},
+    )
     return {**args, **overrides}
 
 
@@ -122,8 +125,11 @@ class Pair(nnx.Module):
 
 def _pair(**compile_args):
     model = mirrax.Model(Pair())
-    args = dict(optimizer=optax.sgd(0.1), loss=[
-        "mse", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)], loss_weights=[0.5, 1.0])
+    args = dict(
+        optimizer=optax.sgd(0.1),
+        loss=["mse", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)],
+        loss_weights=[0.5, 1.0],
+    )
     model.compile(**{**args, **compile_args})
     return model
 
@@ -134,8 +140,7 @@ PAIR_Y = (np.zeros((2, 1), np.float32), np.array([0, 1]))
 
 def test_one_step_of_a_tuple_output_module_by_hand():
     model = _pair()
-    logs = model.train_on_batch(PAIR_X, {"output_1": PAIR_Y[0], "output_2": PAIR_Y[1]},
-                                return_dict=True)
+    logs = model.train_on_batch(PAIR_X, {"output_1": PAIR_Y[0], "output_2": PAIR_Y[1]}, return_dict=True)
     # output_1: predictions 1, 2 against 0: mse = (1 + 4) / 2 = 2.5.
     # output_2: zero logits over 2 classes: ce = ln 2 for each example.
     # loss = 0.5 * 2.5 + 1.0 * ln 2 = 1.25 + 0.693147 = 1.943147 (per-output losses unweighted).
@@ -178,11 +183,15 @@ def test_per_output_sample_weights_and_a_shared_one():
     x = np.array([[1.0], [2.0], [1.0], [2.0]], np.float32)
     y = (np.zeros((4, 1), np.float32), np.array([0, 1, 0, 1]))
     for weights, reg_loss, cls_weight in [
-            # output_1's weights [1, 0, 1, 0]: (1 + 0 + 1 + 0) / 4 = 0.5; output_2's all 1.
-            ((np.array([1, 0, 1, 0], np.float32), np.ones(4, np.float32)), 0.5, 1.0),
-            ({"output_1": np.ones(4, np.float32), "output_2": np.full(4, 2.0, np.float32)},
-             2.5, 2.0),  # (1 + 4 + 1 + 4) / 4 = 2.5; ce doubled
-            (np.full(4, 3.0, np.float32), 7.5, 3.0)]:  # one array for both outputs
+        # output_1's weights [1, 0, 1, 0]: (1 + 0 + 1 + 0) / 4 = 0.5; output_2's all 1.
+        ((np.array([1, 0, 1, 0], np.float32), np.ones(4, np.float32)), 0.5, 1.0),
+        (
+            {"output_1": np.ones(4, np.float32), "output_2": np.full(4, 2.0, np.float32)},
+            2.5,
+            2.0,
+        ),  # (1 + 4 + 1 + 4) / 4 = 2.5; ce doubled
+        (np.full(4, 3.0, np.float32), 7.5, 3.0),
+    ]:  # one array for both outputs
         model.reset_metrics()
         for batch in strategy.experimental_distribute_dataset([(x, y, weights)]):
             test(batch)
@@ -208,23 +217,35 @@ def test_a_skipped_output_and_one_loss_for_every_output():
         model = mirrax.Model(_copy())
         model.compile(optimizer="sgd", loss="mse", metrics=["mae", None])
     assert model.metrics_names == ["loss", "reg_loss", "cls_loss", "reg_mae"]
-    logs = model.evaluate(X, {"reg": Y_REG, "cls": np.zeros((32, 3))}, batch_size=8, verbose=0,
-                          return_dict=True)
+    logs = model.evaluate(
+        X, {"reg": Y_REG, "cls": np.zeros((32, 3))}, batch_size=8, verbose=0, return_dict=True
+    )
     assert logs["loss"] == pytest.approx(logs["reg_loss"] + logs["cls_loss"], rel=1e-6)
 
 
 def test_accuracy_resolves_by_each_outputs_loss_and_names_follow_keras():
-    model = _pair(loss=["binary_crossentropy", "sparse_categorical_crossentropy"],
-                  metrics=[["accuracy"], ["accuracy", "accuracy"]],
-                  weighted_metrics={"output_2": ["accuracy"]})
+    model = _pair(
+        loss=["binary_crossentropy", "sparse_categorical_crossentropy"],
+        metrics=[["accuracy"], ["accuracy", "accuracy"]],
+        weighted_metrics={"output_2": ["accuracy"]},
+    )
     assert [type(m).__name__ for m in model.metrics] == [
-        "BinaryAccuracy", "SparseCategoricalAccuracy", "SparseCategoricalAccuracy",
-        "SparseCategoricalAccuracy"]
+        "BinaryAccuracy",
+        "SparseCategoricalAccuracy",
+        "SparseCategoricalAccuracy",
+        "SparseCategoricalAccuracy",
+    ]
     # Keras 3's CompileMetrics.result: "<output>_<name>", a taken one "_1"; a taken weighted
     # name "<output>_weighted_<name>".
-    assert model.metrics_names == ["loss", "output_1_loss", "output_2_loss", "output_1_accuracy",
-                                   "output_2_accuracy", "output_2_accuracy_1",
-                                   "output_2_weighted_accuracy"]
+    assert model.metrics_names == [
+        "loss",
+        "output_1_loss",
+        "output_2_loss",
+        "output_1_accuracy",
+        "output_2_accuracy",
+        "output_2_accuracy_1",
+        "output_2_weighted_accuracy",
+    ]
 
 
 class Named(nnx.Module):
@@ -245,8 +266,9 @@ def test_early_stopping_monitors_one_outputs_validation_loss(tmp_path):
     csv = mirrax.callbacks.CSVLogger(str(tmp_path / "log.csv"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        history = model.fit(x, y, batch_size=4, epochs=10, validation_data=(x, y), verbose=0,
-                            callbacks=[stop, csv]).history
+        history = model.fit(
+            x, y, batch_size=4, epochs=10, validation_data=(x, y), verbose=0, callbacks=[stop, csv]
+        ).history
     keys = ["loss", "out_a_loss", "out_b_loss", "val_loss", "val_out_a_loss", "val_out_b_loss"]
     assert sorted(history) == keys
     assert len(history["loss"]) == 2
@@ -259,12 +281,12 @@ def test_replica_invariant_mode_gives_the_same_bits_on_1_and_4_replicas():
     y = (RNG.normal(size=(8, 1)).astype(np.float32), RNG.integers(0, 2, size=(8,)))
     runs = []
     for replicas in (1, 4):
-        strategy = mirrax.MirroredStrategy(jax.devices()[:replicas], replica_invariant=True,
-                                           micro_batches=4)
+        strategy = mirrax.MirroredStrategy(jax.devices()[:replicas], replica_invariant=True, micro_batches=4)
         with strategy.scope():
             model = _pair()
-        history = model.fit(x, {"output_1": y[0], "output_2": y[1]}, batch_size=8, epochs=1,
-                            shuffle=False, verbose=0).history
+        history = model.fit(
+            x, {"output_1": y[0], "output_2": y[1]}, batch_size=8, epochs=1, shuffle=False, verbose=0
+        ).history
         runs.append((history, model.get_weights()))
     assert list(runs[0][0]) == ["loss", "output_1_loss", "output_2_loss"]
     assert runs[0][0] == runs[1][0]
@@ -289,28 +311,45 @@ def _keras_compile(**overrides):
     return model
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"loss": {"reg": "mse", "clss": "mse"}},
-     "compile: loss is a dict with the keys ['reg', 'clss'], but the model's outputs are ['reg', "
-     "'cls'] (['clss'] name no output) (['cls'] have none). Key loss by these output names "
-     "(None skips an output)."),
-    ({"loss": ["mse"], "loss_weights": None},
-     "compile: loss is a list of 1, but the model has 2 output(s) ['reg', 'cls']. Give one entry "
-     "per output, in this order (None skips an output), or a dict keyed by these names."),
-    ({"loss_weights": [0.5, 1.0, 2.0]},
-     "compile: loss_weights is a list of 3, but the model has 2 output(s) ['reg', 'cls']."),
-    ({"loss_weights": {"reg": 0.5}},
-     "compile: loss_weights is a dict with the keys ['reg'], but the model's outputs are ['reg', "
-     "'cls'] (['cls'] have none). Key loss_weights by these output names (1.0 for an output "
-     "whose loss is not scaled)."),
-    ({"loss_weights": 0.5},
-     "compile: loss_weights=0.5 is one float, but the model has 2 outputs ['reg', 'cls']."),
-    ({"metrics": [["accuracy"]]},
-     "compile: metrics=[['accuracy']] does not match the model's 2 outputs ['reg', 'cls']: for "
-     "several outputs pass a list with one entry per output"),
-    ({"weighted_metrics": {"class": ["accuracy"]}},
-     "compile: weighted_metrics={'class': ['accuracy']} does not match the model's 2 outputs"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"loss": {"reg": "mse", "clss": "mse"}},
+            "compile: loss is a dict with the keys ['reg', 'clss'], but the model's outputs are ['reg', "
+            "'cls'] (['clss'] name no output) (['cls'] have none). Key loss by these output names "
+            "(None skips an output).",
+        ),
+        (
+            {"loss": ["mse"], "loss_weights": None},
+            "compile: loss is a list of 1, but the model has 2 output(s) ['reg', 'cls']. Give one entry "
+            "per output, in this order (None skips an output), or a dict keyed by these names.",
+        ),
+        (
+            {"loss_weights": [0.5, 1.0, 2.0]},
+            "compile: loss_weights is a list of 3, but the model has 2 output(s) ['reg', 'cls'].",
+        ),
+        (
+            {"loss_weights": {"reg": 0.5}},
+            "compile: loss_weights is a dict with the keys ['reg'], but the model's outputs are ['reg', "
+            "'cls'] (['cls'] have none). Key loss_weights by these output names (1.0 for an output "
+            "whose loss is not scaled).",
+        ),
+        (
+            {"loss_weights": 0.5},
+            "compile: loss_weights=0.5 is one float, but the model has 2 outputs ['reg', 'cls'].",
+        ),
+        (
+            {"metrics": [["accuracy"]]},
+            "compile: metrics=[['accuracy']] does not match the model's 2 outputs ['reg', 'cls']: for "
+            "several outputs pass a list with one entry per output",
+        ),
+        (
+            {"weighted_metrics": {"class": ["accuracy"]}},
+            "compile: weighted_metrics={'class': ['accuracy']} does not match the model's 2 outputs",
+        ),
+    ],
+)
 def test_compile_refuses_what_does_not_match_the_outputs(overrides, message):
     with pytest.raises(errors.InvalidArgumentError) as caught:
         _keras_compile(**overrides)
@@ -319,25 +358,40 @@ def test_compile_refuses_what_does_not_match_the_outputs(overrides, message):
 
 def test_class_weight_is_refused_with_several_outputs():
     model = _keras_compile()
-    with pytest.raises(errors.UnsupportedArgumentError, match=r"class_weight is not supported "
-                       r"for a model of several outputs \['reg', 'cls'\] \(Keras 3 refuses it"):
+    with pytest.raises(
+        errors.UnsupportedArgumentError,
+        match=r"class_weight is not supported "
+        r"for a model of several outputs \['reg', 'cls'\] \(Keras 3 refuses it",
+    ):
         model.fit(X, Y, class_weight={0: 1.0, 1: 2.0}, verbose=0)
 
 
 def test_the_preflight_names_the_output():
     model = _keras_compile()
-    with pytest.raises(errors.IncompatibleInputError, match=r"fit \(output 'reg'\): mean_squared_"
-                       r"error: y_true of shape \(1, 2\) does not match y_pred of shape \(1, 1\)"):
+    with pytest.raises(
+        errors.IncompatibleInputError,
+        match=r"fit \(output 'reg'\): mean_squared_"
+        r"error: y_true of shape \(1, 2\) does not match y_pred of shape \(1, 1\)",
+    ):
         model.fit(X, {"reg": np.zeros((32, 2)), "cls": Y_CLS}, verbose=0)
-    with pytest.raises(errors.InvalidLabelError, match=r"output 'cls': sparse_categorical_"
-                       r"crossentropy: 1 of 32 labels are not class ids in the valid range \[0, 3\)"):
+    with pytest.raises(
+        errors.InvalidLabelError,
+        match=r"output 'cls': sparse_categorical_"
+        r"crossentropy: 1 of 32 labels are not class ids in the valid range \[0, 3\)",
+    ):
         model.fit(X, {"reg": Y_REG, "cls": np.where(np.arange(32) == 5, 3, Y_CLS)}, verbose=0)
-    with pytest.raises(errors.IncompatibleInputError, match=r"fit: y is a dict with the keys "
-                       r"\['reg'\], but the model's outputs are \['reg', 'cls'\] \(no y for \['cls'\]\)"):
+    with pytest.raises(
+        errors.IncompatibleInputError,
+        match=r"fit: y is a dict with the keys "
+        r"\['reg'\], but the model's outputs are \['reg', 'cls'\] \(no y for \['cls'\]\)",
+    ):
         model.fit(X, {"reg": Y_REG}, verbose=0)
     three = _pair(loss=["mse", "mse", "mse"], loss_weights=None)
-    with pytest.raises(errors.IncompatibleInputError, match=r"the model's output is a tuple of 2, "
-                       r"but the model has 3 outputs \['output_1', 'output_2', 'output_3'\]"):
+    with pytest.raises(
+        errors.IncompatibleInputError,
+        match=r"the model's output is a tuple of 2, "
+        r"but the model has 3 outputs \['output_1', 'output_2', 'output_3'\]",
+    ):
         three.evaluate([(PAIR_X, PAIR_Y + (PAIR_Y[0],))], verbose=0)
 
 
@@ -351,14 +405,16 @@ def test_a_saved_two_output_model_loads_compiled_with_its_losses(tmp_path):
     restored = mirrax.models.load_model(path)
     assert restored.metrics_names == KEYS
     assert restored.evaluate(X, Y, batch_size=8, verbose=0) == pytest.approx(
-        model.evaluate(X, Y, batch_size=8, verbose=0), rel=1e-6)
+        model.evaluate(X, Y, batch_size=8, verbose=0), rel=1e-6
+    )
 
 
 def test_a_dict_output_is_named_and_logged_in_keras_order():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
-    made = keras.Model(inputs, {"z": layers.Dense(1, name="first")(inputs),
-                                "b": layers.Dense(1, name="second")(inputs)})
+    made = keras.Model(
+        inputs, {"z": layers.Dense(1, name="first")(inputs), "b": layers.Dense(1, name="second")(inputs)}
+    )
     args = dict(loss={"z": "mse", "b": "mae"}, metrics={"z": ["mae"]})
     y = {"z": Y_REG, "b": -Y_REG}
     model = mirrax.Model(made)

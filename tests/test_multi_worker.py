@@ -17,21 +17,20 @@ from tests.multiworker import harness
 
 def test_cluster_facts_of_the_issue_tf_config(tmp_path):
     # Chief + 2 workers (+ an evaluator that does not train) with 2 devices each.
-    results = harness.run("facts", tmp_path, num_workers=3, cpu_devices=2, chief=True,
-                          evaluator=True)
+    results = harness.run("facts", tmp_path, num_workers=3, cpu_devices=2, chief=True, evaluator=True)
     chief, worker0, worker1 = results
     assert [r["num_workers"] for r in results] == [3, 3, 3]
-    assert [(r["task_type"], r["task_id"]) for r in results] == [
-        ("chief", 0), ("worker", 0), ("worker", 1)]
+    assert [(r["task_type"], r["task_id"]) for r in results] == [("chief", 0), ("worker", 0), ("worker", 1)]
     assert [r["is_chief"] for r in results] == [True, False, False]
     assert [r["should_checkpoint"] for r in results] == [True, False, False]
     # The issue's task (worker index 1) is training task 2 of 3.
     assert worker1["worker_index"] == 2 and worker1["process_index"] == 2
     assert all(r["num_replicas_in_sync"] == 3 * 2 and r["local_replicas"] == 2 for r in results)
-    assert worker1["worker_devices"] == ["/job:worker/replica:0/task:1/device:CPU:0",
-                                         "/job:worker/replica:0/task:1/device:CPU:1"]
-    assert [(r["num_input_pipelines"], r["input_pipeline_id"]) for r in results] == [
-        (3, 0), (3, 1), (3, 2)]
+    assert worker1["worker_devices"] == [
+        "/job:worker/replica:0/task:1/device:CPU:0",
+        "/job:worker/replica:0/task:1/device:CPU:1",
+    ]
+    assert [(r["num_input_pipelines"], r["input_pipeline_id"]) for r in results] == [(3, 0), (3, 1), (3, 2)]
     assert all(r["per_replica_batch_48"] == 48 // 6 == 8 for r in results)
     # Two global batches of 48 (examples 0..95): each worker gets 2 replicas x 8 = 16 of each.
     assert worker1["examples_seen"] == list(range(32, 48)) + list(range(80, 96))
@@ -43,7 +42,8 @@ def test_cluster_facts_of_the_issue_tf_config(tmp_path):
     # and predict of a model built outside the scope: 2 * x + 1 for x = 0..5.
     for r in results:
         assert r["default_worker_devices"] == [
-            f"/job:localhost/replica:0/task:{r['process_index']}/device:CPU:0"]
+            f"/job:localhost/replica:0/task:{r['process_index']}/device:CPU:0"
+        ]
         assert r["default_pipelines"] == (1, 0) or r["default_pipelines"] == [1, 0]
         assert r["default_rows"] == [48]
         assert r["predicted"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
@@ -52,7 +52,8 @@ def test_cluster_facts_of_the_issue_tf_config(tmp_path):
     for r in results:
         assert r["no_replica_refused"].startswith(
             "InvalidBatchError: MirroredStrategy's replicas are on the devices of process(es) "
-            "[0, 1] only, so process(es) [2] have no replica to feed a batch to."), r
+            "[0, 1] only, so process(es) [2] have no replica to feed a batch to."
+        ), r
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +68,10 @@ def test_fit_on_two_workers_equals_one_process_with_as_many_devices(fit_runs):
     (worker0, worker1), single = fit_runs
     for worker in (worker0, worker1):
         for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-            np.testing.assert_allclose(worker["history"][key], single["history"][key],
-                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(worker["history"][key], single["history"][key], atol=1e-6, err_msg=key)
         for mine, reference in zip(worker["weights"], single["weights"]):
             np.testing.assert_allclose(mine, reference, atol=1e-6)
-        np.testing.assert_allclose(worker["evaluate"]["loss"], single["evaluate"]["loss"],
-                                   atol=1e-6)
+        np.testing.assert_allclose(worker["evaluate"]["loss"], single["evaluate"]["loss"], atol=1e-6)
         # 23 of the 36 labels are predicted right: the same count on every worker.
         assert worker["evaluate"]["accuracy"] == single["evaluate"]["accuracy"]
         # predict gathers every worker's replicas: all 13 rows, in order, on every worker.
@@ -81,8 +80,9 @@ def test_fit_on_two_workers_equals_one_process_with_as_many_devices(fit_runs):
         # x as a list of two column blocks (several inputs) trains as the one array does (the
         # same rows on each worker; 1e-6: XLA may fuse the join into the matmul differently).
         for key in ("loss", "val_loss"):
-            np.testing.assert_allclose(worker["joined_history"][key], worker["history"][key],
-                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(
+                worker["joined_history"][key], worker["history"][key], atol=1e-6, err_msg=key
+            )
         for mine, reference in zip(worker["joined_weights"], worker["weights"]):
             np.testing.assert_allclose(mine, reference, atol=1e-6)
         np.testing.assert_allclose(worker["joined_predictions"], worker["predictions"], atol=1e-6)
@@ -99,20 +99,31 @@ def test_custom_training_loop_on_two_workers_equals_one_process(fit_runs):
 
 
 def test_a_task_that_does_not_train_cannot_build_the_strategy(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({
-        "cluster": {"chief": ["h0:2222"], "worker": ["h1:2222"], "evaluator": ["h3:2222"]},
-        "task": {"type": "evaluator", "index": 0}}))
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps(
+            {
+                "cluster": {"chief": ["h0:2222"], "worker": ["h1:2222"], "evaluator": ["h3:2222"]},
+                "task": {"type": "evaluator", "index": 0},
+            }
+        ),
+    )
     with pytest.raises(ValueError, match="'evaluator':0, which does not train"):
         mirrax.MultiWorkerMirroredStrategy()
 
 
-@pytest.mark.parametrize("task, message", [
-    ({"type": "worker", "index": 2}, "task index 2 is out of range for job 'worker'"),
-    ({"type": "master", "index": 0}, "unknown task type 'master'"),
-])
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        ({"type": "worker", "index": 2}, "task index 2 is out of range for job 'worker'"),
+        ({"type": "master", "index": 0}, "unknown task type 'master'"),
+    ],
+)
 def test_a_bad_task_is_refused_when_the_strategy_is_built(monkeypatch, task, message):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({
-        "cluster": {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}, "task": task}))
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps({"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}, "task": task}),
+    )
     with pytest.raises(ValueError, match=message):
         mirrax.MultiWorkerMirroredStrategy()
 
@@ -132,14 +143,16 @@ def test_one_task_cluster_is_a_mirrored_strategy_on_the_local_devices(monkeypatc
 
 def test_communication_options_are_checked():
     assert mirrax.CommunicationOptions(implementation="ring").implementation is (
-        mirrax.CommunicationImplementation.RING)
+        mirrax.CommunicationImplementation.RING
+    )
     with pytest.raises(ValueError, match="timeout_seconds must be None or a number > 0"):
         mirrax.CommunicationOptions(timeout_seconds=0)
     with pytest.raises(ValueError, match="implementation must be one of"):
         mirrax.CommunicationOptions(implementation="mpi")
     with pytest.raises(ValueError, match="NCCL needs GPUs"):
         mirrax.MultiWorkerMirroredStrategy(
-            communication_options=mirrax.CommunicationOptions(implementation="NCCL"))
+            communication_options=mirrax.CommunicationOptions(implementation="NCCL")
+        )
 
 
 def test_auto_shard_policies_split_files_and_batches_as_tf(tmp_path):
@@ -188,8 +201,10 @@ def test_callbacks_take_the_same_decision_on_every_worker(tmp_path):
 
 def _peer_loss_reported(output: str) -> bool:
     """Whichever comes first: Gloo's broken connection or the coordination service's heartbeat."""
-    return ("stopped sending heartbeats" in output
-            or "mirrax: worker 0 lost a peer worker during a collective" in output)
+    return (
+        "stopped sending heartbeats" in output
+        or "mirrax: worker 0 lost a peer worker during a collective" in output
+    )
 
 
 def _tree(root):
@@ -212,8 +227,7 @@ def test_checkpoints_are_written_once_and_only_the_chief_prints(tmp_path):
         model = mirrax.Model(_mlp(np.zeros_like(w1), np.zeros_like(w2)))
     model.load_weights(str(ckpt / "final"))
     for worker in results:
-        np.testing.assert_array_equal(np.asarray(model.module.l1.kernel[...]),
-                                      worker["weights"][0])
+        np.testing.assert_array_equal(np.asarray(model.module.l1.kernel[...]), worker["weights"][0])
     chief_log = (tmp_path / "log0.txt").read_text()
     assert "Epoch 2/2" in chief_log and "Epoch 2: saving model to" in chief_log
     for index in (1, 2):
@@ -223,8 +237,9 @@ def test_checkpoints_are_written_once_and_only_the_chief_prints(tmp_path):
 
 def test_missing_peer_is_named_within_the_timeout(tmp_path):
     # Only the chief of a 2-task cluster starts; CommunicationOptions(timeout_seconds=10).
-    workers = harness.start("facts", tmp_path, num_workers=2, cpu_devices=1, only=[0],
-                            env={"MIRRAX_TEST_TIMEOUT": "10"})
+    workers = harness.start(
+        "facts", tmp_path, num_workers=2, cpu_devices=1, only=[0], env={"MIRRAX_TEST_TIMEOUT": "10"}
+    )
     codes = harness.wait(workers, timeout=60)
     assert codes == [1]
     output = workers[0].output
@@ -233,20 +248,17 @@ def test_missing_peer_is_named_within_the_timeout(tmp_path):
 
 
 def test_killed_worker_makes_the_others_exit_and_the_rerun_resumes_from_the_backup(tmp_path):
-    plain = harness.run("killed", tmp_path / "plain", num_workers=2, cpu_devices=1,
-                        args=["plain"])
+    plain = harness.run("killed", tmp_path / "plain", num_workers=2, cpu_devices=1, args=["plain"])
     # Worker 1 SIGKILLs itself after batch 3 of epoch 3 (0-based epoch 2); worker 0 fails in
     # its next all-reduce or by the heartbeat (timeout_seconds=15): non-zero, no hang.
-    workers = harness.start("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
-                            args=["kill"])
+    workers = harness.start("killed", tmp_path / "run", num_workers=2, cpu_devices=1, args=["kill"])
     codes = harness.wait(workers, timeout=90)
     assert codes[1] == -9 and codes[0] != 0
     assert _peer_loss_reported(workers[0].output)
     # The chief's backup holds the end of epoch 2 (epoch index 1): resume at epoch index 2;
     # the one before it (end of epoch 1) is kept as the fallback, as Keras keeps its previous.
     assert sorted(p.name for p in (tmp_path / "run" / "backup").iterdir()) == ["1", "2"]
-    resumed = harness.run("killed", tmp_path / "run", num_workers=2, cpu_devices=1,
-                          args=["resume"])
+    resumed = harness.run("killed", tmp_path / "run", num_workers=2, cpu_devices=1, args=["resume"])
     for worker in resumed:
         # Epochs 2 and 3 again, 5 steps each: every worker at the same epoch and step.
         assert worker["seen"] == [[e, b] for e in (2, 3) for b in range(5)]
@@ -268,10 +280,30 @@ def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
     import sys
 
     completed = subprocess.run(
-        [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc", "2",
-         "--cpu-devices", "1", "--grace-period", "2", "--", sys.executable, "-m",
-         "tests.multiworker.scenarios", "killed", str(tmp_path), "auto", "default"],
-        cwd=harness.ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mirrax._src.cli.main",
+            "launch",
+            "--nproc",
+            "2",
+            "--cpu-devices",
+            "1",
+            "--grace-period",
+            "2",
+            "--",
+            sys.executable,
+            "-m",
+            "tests.multiworker.scenarios",
+            "killed",
+            str(tmp_path),
+            "auto",
+            "default",
+        ],
+        cwd=harness.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**__import__("os").environ, "PYTHONPATH": str(harness.ROOT), "JAX_PLATFORMS": "cpu"},
     )
     # Whichever failure the launcher sees first: worker 1's SIGKILL (128 + 9), or worker 0
@@ -279,8 +311,11 @@ def test_mirrax_launch_stops_the_job_when_a_worker_dies(tmp_path):
     assert completed.returncode in (128 + 9, 1), completed.stderr[-2000:]
     import re
 
-    assert re.search(r"mirrax launch: worker (1 was killed by signal SIGKILL|0 exited with "
-                     r"code 1)", completed.stderr), completed.stderr[-2000:]
+    assert re.search(
+        r"mirrax launch: worker (1 was killed by signal SIGKILL|0 exited with "
+        r"code 1)",
+        completed.stderr,
+    ), completed.stderr[-2000:]
 
 
 def test_a_worker_that_raises_exits_at_once_and_its_peer_does_not_hang(tmp_path):
@@ -291,8 +326,7 @@ def test_a_worker_that_raises_exits_at_once_and_its_peer_does_not_hang(tmp_path)
     # Worker 0 fails in its next all-reduce (status 1) or is ended by the heartbeat (SIGABRT).
     assert codes[1] == 1 and codes[0] in (1, -6)
     assert "RuntimeError: worker 1 fails on purpose" in workers[1].output
-    assert "mirrax: worker 1 failed with RuntimeError; exiting now with status 1" in (
-        workers[1].output)
+    assert "mirrax: worker 1 failed with RuntimeError; exiting now with status 1" in (workers[1].output)
 
 
 def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
@@ -307,12 +341,17 @@ def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
     train = ["train", "--epochs", "1", "--loop", "custom"]
     launched = subprocess.run(
         mirrax_cmd + ["launch", "--nproc", "2", "--cpu-devices", "2", "--"] + mirrax_cmd + train,
-        capture_output=True, text=True, timeout=240, env=env)
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     # Gloo's "[Gloo] Rank N is connected to ..." lines (one per worker) are not relayed.
     assert "[Gloo]" not in launched.stdout + launched.stderr
-    single = subprocess.run(mirrax_cmd + train + ["--cpu-devices", "4"], capture_output=True,
-                            text=True, timeout=240, env=env)
+    single = subprocess.run(
+        mirrax_cmd + train + ["--cpu-devices", "4"], capture_output=True, text=True, timeout=240, env=env
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     # 2 workers x 2 devices and 1 process x 4 devices: the same global batch (4 x 16), the same
     # test accuracy (to the 4 printed digits) on both workers.
@@ -323,21 +362,28 @@ def test_main_job_under_mirrax_launch_equals_one_process(tmp_path):
     assert "MultiWorkerMirroredStrategy(num_replicas_in_sync=4, num_workers=2" in launched.stdout
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("order", "The processes disagree about which distributed dataset is read"),
-    ("dtype", "The processes disagree about the structure, trailing shapes and dtypes"),
-    ("data", "The processes disagree about the global batch every worker reads"),
-    # Same shape, other values: at the first step ('input/0/0') the digests of the global
-    # batch differ: CRC-32 of the bytes of np.ones((4, 2), float32) on process 0, of zeros on
-    # process 1; the message names the fix.
-    ("values", "for each worker to read its own data, use distribute_datasets_from_function) "
-               "at 'input/0/0' (process 0: '4 examples, CRC-32 "
-               f"{zlib.crc32(np.ones((4, 2), np.float32).tobytes()):08x}'; process 1: "
-               f"'4 examples, CRC-32 {zlib.crc32(np.zeros((4, 2), np.float32).tobytes()):08x}')"),
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("order", "The processes disagree about which distributed dataset is read"),
+        ("dtype", "The processes disagree about the structure, trailing shapes and dtypes"),
+        ("data", "The processes disagree about the global batch every worker reads"),
+        # Same shape, other values: at the first step ('input/0/0') the digests of the global
+        # batch differ: CRC-32 of the bytes of np.ones((4, 2), float32) on process 0, of zeros on
+        # process 1; the message names the fix.
+        (
+            "values",
+            "for each worker to read its own data, use distribute_datasets_from_function) "
+            "at 'input/0/0' (process 0: '4 examples, CRC-32 "
+            f"{zlib.crc32(np.ones((4, 2), np.float32).tobytes()):08x}'; process 1: "
+            f"'4 examples, CRC-32 {zlib.crc32(np.zeros((4, 2), np.float32).tobytes()):08x}')",
+        ),
+    ],
+)
 def test_a_divergent_input_program_fails_on_every_worker(tmp_path, mode, message):
-    workers = harness.start("divergent", tmp_path, num_workers=2, cpu_devices=1, args=[mode],
-                            env={"MIRRAX_TEST_TIMEOUT": "20"})
+    workers = harness.start(
+        "divergent", tmp_path, num_workers=2, cpu_devices=1, args=[mode], env={"MIRRAX_TEST_TIMEOUT": "20"}
+    )
     codes = harness.wait(workers, timeout=90)
     assert codes == [1, 1]
     for worker in workers:
@@ -349,8 +395,14 @@ def test_sigterm_stops_a_worker_at_once(tmp_path):
     import time
 
     # A short collective timeout: the survivor's exit, not its timeout, is under test.
-    workers = harness.start("divergent", tmp_path, num_workers=2, cpu_devices=1,
-                            args=["sigterm"], env={"MIRRAX_TEST_TIMEOUT": "5"})
+    workers = harness.start(
+        "divergent",
+        tmp_path,
+        num_workers=2,
+        cpu_devices=1,
+        args=["sigterm"],
+        env={"MIRRAX_TEST_TIMEOUT": "5"},
+    )
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
         assert time.monotonic() < deadline and all(w.process.poll() is None for w in workers)
@@ -370,10 +422,8 @@ def test_coordinator_port_in_use_is_a_clear_error(tmp_path):
         squatter.bind(("127.0.0.1", 0))
         squatter.listen(1)
         port = squatter.getsockname()[1]
-        workers = harness.start("facts", tmp_path, num_workers=2, cpu_devices=1, only=[0],
-                                port=port)
+        workers = harness.start("facts", tmp_path, num_workers=2, cpu_devices=1, only=[0], port=port)
         codes = harness.wait(workers, timeout=60)
     assert codes == [1]
-    assert (f"this task is the chief and must run the coordinator at 127.0.0.1:{port}"
-            in workers[0].output)
+    assert f"this task is the chief and must run the coordinator at 127.0.0.1:{port}" in workers[0].output
     assert "Free the port or choose another one" in workers[0].output

@@ -22,8 +22,14 @@ from tests.multiworker import harness
 
 
 def test_every_worker_holds_worker_0s_state_after_the_first_use(tmp_path):
-    first, second = harness.run("broadcast_mirrored", tmp_path, num_workers=2, cpu_devices=2,
-                                timeout=300, env={"MIRRAX_TEST_TIMEOUT": "60"})
+    first, second = harness.run(
+        "broadcast_mirrored",
+        tmp_path,
+        num_workers=2,
+        cpu_devices=2,
+        timeout=300,
+        env={"MIRRAX_TEST_TIMEOUT": "60"},
+    )
     ones_mlp = [[1.0] * 3, [1.0] * 12, [1.0] * 2, [1.0] * 6]  # l1 bias, kernel; l2 bias, kernel
     # fit as the first use: worker 1 started from zeros, so without the broadcast its weights
     # end elsewhere; with it, both trained worker 0's model on the same all-reduced gradients.
@@ -43,9 +49,13 @@ def test_every_worker_holds_worker_0s_state_after_the_first_use(tmp_path):
     assert first["custom_updated"] == second["custom_updated"] == 24.0
     assert first["warnings"] == []
     assert len(second["warnings"]) == 2
-    assert all(w.startswith("strategy.run: on worker 1, the value assigned to MLP.l1.kernel "
-                            "differs from worker 0's, and worker 0's was taken") for w in
-               second["warnings"])
+    assert all(
+        w.startswith(
+            "strategy.run: on worker 1, the value assigned to MLP.l1.kernel "
+            "differs from worker 0's, and worker 0's was taken"
+        )
+        for w in second["warnings"]
+    )
     # Sharded optimizer: each worker holds 2 of the 4 row-shards of mu (4, 8), all ones (worker
     # 0's) on worker 1 too; the read is the sum of the (4, 8) kernel of ones = 32.
     for worker in (first, second):
@@ -56,17 +66,23 @@ def test_every_worker_holds_worker_0s_state_after_the_first_use(tmp_path):
     # worker's index) worker 0's on both.
     assert first["invariant_initial_keys"] != second["invariant_initial_keys"]
     assert first["invariant_evaluated"] == second["invariant_evaluated"] == ones_mlp
-    assert (second["invariant_evaluated_keys"] == first["invariant_evaluated_keys"]
-            == first["invariant_initial_keys"])
+    assert (
+        second["invariant_evaluated_keys"]
+        == first["invariant_evaluated_keys"]
+        == first["invariant_initial_keys"]
+    )
 
 
 def test_workers_with_other_shapes_fail_at_the_first_use_on_every_worker(tmp_path):
-    workers = harness.start("broadcast_mismatched", tmp_path, num_workers=2, cpu_devices=1,
-                            env={"MIRRAX_TEST_TIMEOUT": "20"})
+    workers = harness.start(
+        "broadcast_mismatched", tmp_path, num_workers=2, cpu_devices=1, env={"MIRRAX_TEST_TIMEOUT": "20"}
+    )
     assert harness.wait(workers, timeout=120) == [1, 1]
     for worker in workers:
-        assert "DivergentWorkersError: The processes disagree about the shapes and dtypes of " \
-               "the mirrored state placed on the replicas at its first use" in worker.output
+        assert (
+            "DivergentWorkersError: The processes disagree about the shapes and dtypes of "
+            "the mirrored state placed on the replicas at its first use" in worker.output
+        )
         assert "at 'broadcast/0'" in worker.output
 
 
@@ -90,8 +106,9 @@ def test_the_broadcast_keeps_every_bit_of_every_dtype():
         jnp.arange(600_000, dtype=jnp.int16),  # the same, bytes packed two to a word
     ]
     replicated = strategy.extended.replica_devices.replicated
-    results, differing = broadcast.from_worker_zero(strategy, xs, [replicated] * len(xs),
-                                                    check=[True] * len(xs))
+    results, differing = broadcast.from_worker_zero(
+        strategy, xs, [replicated] * len(xs), check=[True] * len(xs)
+    )
     assert differing == []  # worker 0 does not compare with itself
     for x, result in zip(xs, results):
         assert result.sharding == replicated
@@ -110,8 +127,7 @@ def test_one_process_never_broadcasts(monkeypatch):
     with strategy.scope():
         model = mirrax.Model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
         model.compile(optax.sgd(0.1), "mse")
-    model.fit(np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4,
-              verbose=0)
+    model.fit(np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, verbose=0)
     module = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     assert float(strategy.run(lambda m: jnp.sum(m.bias[...]), args=(module,)).values[0]) == 0.0
 
@@ -131,6 +147,5 @@ def test_a_missing_peer_is_an_error_within_the_timeout(monkeypatch):
     strategy = mirrored(2)
     strategy.communication_options = mirrax.CommunicationOptions(timeout_seconds=7)
     with pytest.raises(errors.UnresponsivePeerError, match="at 'broadcast/"):
-        broadcast.from_worker_zero(strategy, [jnp.ones(3)],
-                                   [strategy.extended.replica_devices.replicated])
+        broadcast.from_worker_zero(strategy, [jnp.ones(3)], [strategy.extended.replica_devices.replicated])
     assert calls[0][1] == 7

@@ -18,21 +18,25 @@ from mirrax._src.distribute import cpu_devices
 from tests.conftest import named_strategy
 
 _FLAG = "--xla_force_host_platform_device_count"
-_NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "examples", "tutorial.ipynb")
+_NOTEBOOK = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tutorial.ipynb"
+)
 
 
 # -- the CPU device count -----------------------------------------------------------------------
 
 
 def test_set_cpu_device_count_before_jax_starts_gives_that_many_devices():
-    code = ("import mirrax; mirrax.set_cpu_device_count(3); import jax; "
-            "print(len(jax.devices('cpu')), mirrax.MirroredStrategy().num_replicas_in_sync)")
+    code = (
+        "import mirrax; mirrax.set_cpu_device_count(3); import jax; "
+        "print(len(jax.devices('cpu')), mirrax.MirroredStrategy().num_replicas_in_sync)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = f"--xla_dump_hlo_as_text {_FLAG}=5"  # an older count is replaced
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["3", "3"]
 
@@ -40,19 +44,24 @@ def test_set_cpu_device_count_before_jax_starts_gives_that_many_devices():
 def test_set_cpu_device_count_after_jax_started_says_to_restart_the_kernel():
     jax.devices()  # started, with the suite's 8 CPU devices (tests/conftest.py)
     mirrax.set_cpu_device_count(8)  # the count JAX has: nothing to change
-    with pytest.raises(mirrax.errors.StartedBackendError,
-                       match=r"set_cpu_device_count\(2\): JAX already started in this process "
-                             r"with 8 CPU device\(s\).*Restart the kernel"):
+    with pytest.raises(
+        mirrax.errors.StartedBackendError,
+        match=r"set_cpu_device_count\(2\): JAX already started in this process "
+        r"with 8 CPU device\(s\).*Restart the kernel",
+    ):
         mirrax.set_cpu_device_count(2)
 
 
-@pytest.mark.parametrize("count, error, fragment", [
-    (0, mirrax.errors.InvalidArgumentError, "count must be >= 1; received 0"),
-    (-4, mirrax.errors.InvalidArgumentError, "received -4"),
-    ("8", mirrax.errors.InvalidArgumentTypeError, "received '8' of type str"),
-    (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
-    (True, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
-])
+@pytest.mark.parametrize(
+    "count, error, fragment",
+    [
+        (0, mirrax.errors.InvalidArgumentError, "count must be >= 1; received 0"),
+        (-4, mirrax.errors.InvalidArgumentError, "received -4"),
+        ("8", mirrax.errors.InvalidArgumentTypeError, "received '8' of type str"),
+        (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
+        (True, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
+    ],
+)
 def test_set_cpu_device_count_refuses_what_is_not_a_count(count, error, fragment):
     with pytest.raises(error, match=fragment):
         mirrax.set_cpu_device_count(count)
@@ -62,9 +71,11 @@ def test_a_strategy_warns_when_xla_flags_asks_for_another_count_than_jax_has(mon
     # The notebook habit: XLA_FLAGS edited after JAX started. Before: 8 replicas, no word.
     monkeypatch.setenv("XLA_FLAGS", f"{_FLAG}=16")
     monkeypatch.setattr(cpu_devices, "_warned", set())
-    with pytest.warns(RuntimeWarning,
-                      match=r"XLA_FLAGS asks for 16 CPU devices .* but JAX started with 8, so "
-                            r"this strategy has 8 replica\(s\).*mirrax.set_cpu_device_count\(16\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"XLA_FLAGS asks for 16 CPU devices .* but JAX started with 8, so "
+        r"this strategy has 8 replica\(s\).*mirrax.set_cpu_device_count\(16\)",
+    ):
         mirrax.MirroredStrategy()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -102,8 +113,7 @@ def test_clear_session_drops_the_compiled_programs_and_objects_keep_working():
     assert len(traces) == 2 * compiled  # both programs dropped, compiled anew
     np.testing.assert_array_equal(again, first)  # the same program, the same bits
     assert mirrax.get_strategy() is default  # the default strategy object is kept
-    np.testing.assert_array_equal(np.asarray(default.run(step, args=(model, x)).values[0]),
-                                  on_default)
+    np.testing.assert_array_equal(np.asarray(default.run(step, args=(model, x)).values[0]), on_default)
 
 
 def test_clear_session_inside_run_is_a_replica_context_error():
@@ -149,10 +159,15 @@ def test_the_tutorial_notebook_runs_end_to_end(tmp_path):
     pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")
     notebook = nbformat.read(_NOTEBOOK, as_version=4)
     # The kernel is a new process: it starts JAX itself, with the notebook's 4 CPU devices.
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "\n".join(output.get("text", "") for cell in notebook.cells
-                     if cell.cell_type == "code" for output in cell.outputs)
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    text = "\n".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
     assert "Number of devices: 4" in text
     # decay(epoch): 1e-3 for epochs 0-2, 1e-4 for 3-4, 1e-5 after; PrintLR prints each.
     assert "Learning rate for epoch 1 is 0.001000" in text
@@ -160,9 +175,14 @@ def test_the_tutorial_notebook_runs_end_to_end(tmp_path):
     assert "Learning rate for epoch 6 is 0.000010" in text
     assert sorted(os.listdir(tmp_path / "training_checkpoints")) == [f"ckpt_{e}" for e in range(1, 7)]
     assert (tmp_path / "logs" / "train").is_dir() and (tmp_path / "saved_model").is_dir()
-    values = {name: float(v) for name, v in
-              re.findall(r"(Eval accuracy|exported model|Mixed precision eval "
-                                       r"accuracy|after clear_session): (\d\.\d{4})", text)}
+    values = {
+        name: float(v)
+        for name, v in re.findall(
+            r"(Eval accuracy|exported model|Mixed precision eval "
+            r"accuracy|after clear_session): (\d\.\d{4})",
+            text,
+        )
+    }
     # Measured 0.953 (6 epochs of 45 steps at global batch 4 x 8 on 1,437 digits): far above
     # the 0.1 of chance; 0.9 leaves room for another CPU's rounding.
     assert values["Eval accuracy"] >= 0.9

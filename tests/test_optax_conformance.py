@@ -35,8 +35,7 @@ LR = 0.1  # large enough that every trained parameter moves far more than the to
 def _labels(params):
     """multi_transform's groups: the bias frozen, the kernel trained (a callable over the
     parameters' tree, as optax documents)."""
-    return jax.tree.map_with_path(lambda path, _: "frozen" if "bias" in str(path) else "train",
-                                  params)
+    return jax.tree.map_with_path(lambda path, _: "frozen" if "bias" in str(path) else "train", params)
 
 
 def _label_tree():
@@ -53,9 +52,11 @@ CATALOGUE = {
     "adam": lambda: optax.adam(LR),
     "adamw_masked": lambda: optax.adamw(LR, weight_decay=0.5, mask=_matrices),
     "multi_transform": lambda: optax.multi_transform(
-        {"train": optax.adam(LR), "frozen": optax.set_to_zero()}, _labels),
+        {"train": optax.adam(LR), "frozen": optax.set_to_zero()}, _labels
+    ),
     "multi_transform_label_tree": lambda: optax.multi_transform(
-        {"train": optax.sgd(LR, momentum=0.9), "frozen": optax.set_to_zero()}, _label_tree()),
+        {"train": optax.sgd(LR, momentum=0.9), "frozen": optax.set_to_zero()}, _label_tree()
+    ),
     "chain_clip": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(LR)),
     "multi_steps": lambda: optax.MultiSteps(optax.sgd(LR), every_k_schedule=2),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(LR), max_consecutive_errors=2),
@@ -69,7 +70,8 @@ CATALOGUE = {
 # Updates that need the loss (optax's extra arguments): a custom loop passes it, fit cannot.
 NEEDS_VALUE = {
     "reduce_on_plateau": lambda: optax.chain(
-        optax.adam(LR), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)),
+        optax.adam(LR), optax.contrib.reduce_on_plateau(patience=0, factor=0.5)
+    ),
 }
 FROZEN = {"multi_transform": ("bias",), "multi_transform_label_tree": ("bias",)}
 
@@ -96,7 +98,7 @@ def _data():
 
 def _batches():
     x, y = _data()
-    return [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, BATCH * STEPS, BATCH)]
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, BATCH * STEPS, BATCH)]
 
 
 def _module():
@@ -141,8 +143,7 @@ def _custom_loop(strategy, name, factory):
 
         loss, grads = nnx.value_and_grad(loss_fn)(module)
         if name in NEEDS_VALUE:  # the global batch's loss, the same on every replica
-            optimizer.update(module, grads,
-                             value=mirrax.get_replica_context().all_reduce("sum", loss))
+            optimizer.update(module, grads, value=mirrax.get_replica_context().all_reduce("sum", loss))
         else:
             optimizer.update(module, grads)
         return loss
@@ -156,8 +157,9 @@ def _custom_loop(strategy, name, factory):
 def _check(name, got, route):
     initial, expected = _reference(name)
     for key in ("kernel", "bias"):
-        np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=TOLERANCE,
-                                   err_msg=f"{name}, {route}: {key}")
+        np.testing.assert_allclose(
+            got[key], expected[key], rtol=0, atol=TOLERANCE, err_msg=f"{name}, {route}: {key}"
+        )
         if key in FROZEN.get(name, ()):
             # set_to_zero's update is 0: the frozen group keeps its initial bits.
             np.testing.assert_array_equal(got[key], initial[key])
@@ -176,8 +178,7 @@ def test_catalogue_matches_nnx_jit(name, strategy_name):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert model.optimizer.iterations == STEPS
     _check(name, _params(model.module), f"fit on {strategy_name}")
-    _check(name, _custom_loop(strategy, name, CATALOGUE[name]),
-           f"custom loop on {strategy_name}")
+    _check(name, _custom_loop(strategy, name, CATALOGUE[name]), f"custom loop on {strategy_name}")
 
 
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
@@ -185,13 +186,13 @@ def test_an_update_that_needs_the_loss_runs_in_a_custom_loop(strategy_name):
     # reduce_on_plateau(patience=0) halves the rate whenever the loss does not improve.
     strategy = _strategy(strategy_name)
     name = "reduce_on_plateau"
-    _check(name, _custom_loop(strategy, name, NEEDS_VALUE[name]),
-           f"custom loop on {strategy_name}")
+    _check(name, _custom_loop(strategy, name, NEEDS_VALUE[name]), f"custom loop on {strategy_name}")
 
 
 def _sgd_through_a_replica_max():
     """optax.sgd(LR) written with a collective over the replicas: the max over them of a
     gradient that is already summed (the same on every replica) is the gradient itself."""
+
     def update(updates, state, params=None):
         return jax.tree.map(lambda g: -LR * jax.lax.pmax(g, mirrax.REPLICA_AXIS), updates), state
 
@@ -212,16 +213,26 @@ def test_an_update_with_a_collective_over_the_replicas_is_not_refused(strategy_n
 
 
 REFUSED = {
-    "reduce_on_plateau": (NEEDS_VALUE["reduce_on_plateau"],
-                          ["needs 'value' (optax's extra arguments), which fit does not pass",
-                           "ReduceLROnPlateau callback", "optimizer.update(model, grads, value="]),
+    "reduce_on_plateau": (
+        NEEDS_VALUE["reduce_on_plateau"],
+        [
+            "needs 'value' (optax's extra arguments), which fit does not pass",
+            "ReduceLROnPlateau callback",
+            "optimizer.update(model, grads, value=",
+        ],
+    ),
     "backtracking_linesearch": (
         lambda: optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(5)),
-        ["needs 'value', 'grad', and 'value_fn'", "custom loop"]),
+        ["needs 'value', 'grad', and 'value_fn'", "custom loop"],
+    ),
     "lookahead": (
         lambda: optax.lookahead(optax.adam(LR), sync_period=2, slow_step_size=0.5),
-        ["optax.lookahead, whose update takes optax.LookaheadParams",
-         "AttributeError: No attribute 'fast' in State", "Use the fast optimizer alone"]),
+        [
+            "optax.lookahead, whose update takes optax.LookaheadParams",
+            "AttributeError: No attribute 'fast' in State",
+            "Use the fast optimizer alone",
+        ],
+    ),
 }
 
 
@@ -253,8 +264,10 @@ def test_state_a_sharded_optimizer_cannot_follow_is_refused_at_compile():
     # sm3 keeps a list of arrays in one state variable; unsharded it trains.
     with _strategy("Mirrored4Sharded").scope():
         model = mirrax.Model(_module())
-        with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                           match=r"^compile: the state of Optimizer's transformation \(chain, "
-                                 r"in its ScaleBySM3State\) holds nested lists or tuples .*"
-                                 r"Use shard_optimizer_state=False"):
+        with pytest.raises(
+            mirrax.errors.UnsupportedArgumentError,
+            match=r"^compile: the state of Optimizer's transformation \(chain, "
+            r"in its ScaleBySM3State\) holds nested lists or tuples .*"
+            r"Use shard_optimizer_state=False",
+        ):
             model.compile(optimizer=optax.sm3(LR), loss="mse")

@@ -18,6 +18,7 @@ from mirrax._src.parameter_server import variables
 
 # -- partitioners: TF's examples and arithmetic ---------------------------------------------
 
+
 def test_fixed_shards_partitioner():
     p = mirrax.partitioners.FixedShardsPartitioner(num_shards=2)
     assert p((10, 3), np.float32) == [2, 1]
@@ -27,10 +28,14 @@ def test_fixed_shards_partitioner():
 
 def test_min_size_partitioner_matches_tf_examples():
     # TF's sharded_variable_test: float32 (6, 1) is 24 bytes.
-    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=2)(
-        (6, 1), np.float32) == [2, 1]  # min(6 rows, 2 shards, ceil(24 / 4) = 6)
-    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=10)(
-        (6, 1), np.float32) == [6, 1]
+    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=2)((6, 1), np.float32) == [
+        2,
+        1,
+    ]  # min(6 rows, 2 shards, ceil(24 / 4) = 6)
+    assert mirrax.partitioners.MinSizePartitioner(min_shard_bytes=4, max_shards=10)((6, 1), np.float32) == [
+        6,
+        1,
+    ]
     # Default 256 KiB minimum: 1024 x 1024 float32 is 4 MiB -> 16 shards when allowed.
     assert mirrax.partitioners.MinSizePartitioner(max_shards=32)((1024, 1024), np.float32) == [16, 1]
     assert mirrax.partitioners.MinSizePartitioner()((1024, 1024), np.float32) == [1, 1]
@@ -47,6 +52,7 @@ def test_max_size_partitioner_matches_tf_arithmetic():
 
 
 # -- layout: cutting, dealing, joining ---------------------------------------------------------
+
 
 class _Net(nnx.Module):
     def __init__(self):
@@ -65,8 +71,11 @@ def test_layout_cuts_rows_as_tf_and_deals_round_robin():
     placement = layout.describe(paths)
     # Leaves in path order: bias (2 rows -> 1+1), count (scalar), kernel (5 rows -> 3+2, the
     # first shard one longer, TF's rule); shards dealt 0, 1, 0, 1, 0 in turn.
-    assert placement == {"objects[0].bias": [(0, 1), (1, 1)], "objects[0].count": [(0, None)],
-                         "objects[0].kernel": [(1, 3), (0, 2)]}
+    assert placement == {
+        "objects[0].bias": [(0, 1), (1, 1)],
+        "objects[0].count": [(0, None)],
+        "objects[0].kernel": [(1, 3), (0, 2)],
+    }
     host = [variables.host_value(leaf) for leaf in leaves]
     per_ps = layout.split(host)
     np.testing.assert_array_equal(per_ps[1][(2, 0)], [[0, 1], [2, 3], [4, 5]])
@@ -109,13 +118,15 @@ def test_prng_keys_travel_as_key_data_and_are_assigned_not_added():
     host = [variables.host_value(leaf) for leaf in leaves]
     back = layout.device_leaves(host)
     assert jax.random.key_impl(back[key_leaf]) == jax.random.key_impl(leaves[key_leaf])
-    np.testing.assert_array_equal(jax.random.key_data(back[key_leaf]),
-                                  jax.random.key_data(leaves[key_leaf]))
+    np.testing.assert_array_equal(jax.random.key_data(back[key_leaf]), jax.random.key_data(leaves[key_leaf]))
 
 
 def test_a_partitioner_with_a_wrong_answer_is_named():
-    with pytest.raises(errors.InvalidArgumentError, match=r"returned \[2, 2\] for objects\[0\]"
-                       r"\.kernel of shape \(5, 2\)"):
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=r"returned \[2, 2\] for objects\[0\]"
+        r"\.kernel of shape \(5, 2\)",
+    ):
         _layout(2, lambda shape, dtype, axis=0: [2] * len(shape))
 
 
@@ -127,8 +138,9 @@ def test_a_function_capturing_a_keras_model_is_sent_as_keras_pickles_it():
     keras = pytest.importorskip("keras")
     from mirrax._src.parameter_server import serialization
 
-    keras_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
-        1, use_bias=False, kernel_initializer="ones")])
+    keras_model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")]
+    )
     x = np.array([[1.0, 2.0]], np.float32)
 
     def dataset_fn():  # as create_per_worker_dataset pickles it: its refusals, no tokens

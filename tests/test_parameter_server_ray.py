@@ -36,7 +36,8 @@ def ray_cluster():
 
 def _strategy(num_workers, num_ps, partitioner=None):
     return mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner)
+        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner
+    )
 
 
 def _live_pids(strategy):
@@ -111,12 +112,14 @@ def sgd_step(model, optimizer, batch):
 
 # -- a shared strategy from TF_CONFIG: one worker, one parameter server -----------------------
 
+
 @pytest.fixture(scope="module")
 def small():
-    tf_config = {"cluster": {"chief": ["localhost:2222"], "worker": ["localhost:2223"],
-                             "ps": ["127.0.0.1:2224"]}, "task": {"type": "chief", "index": 0}}
-    strategy = mirrax.ParameterServerStrategy(
-        mirrax.TFConfigClusterResolver(tf_config=json.dumps(tf_config)))
+    tf_config = {
+        "cluster": {"chief": ["localhost:2222"], "worker": ["localhost:2223"], "ps": ["127.0.0.1:2224"]},
+        "task": {"type": "chief", "index": 0},
+    }
+    strategy = mirrax.ParameterServerStrategy(mirrax.TFConfigClusterResolver(tf_config=json.dumps(tf_config)))
     yield strategy, mirrax.ClusterCoordinator(strategy)
     strategy.shutdown()
 
@@ -168,15 +171,16 @@ def test_an_error_surfaces_at_join_with_its_traceback_and_later_schedules_work(s
 
 def test_bad_scheduled_arguments_are_named(small):
     strategy, coordinator = small
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=r"args\[1\] \(a lock\) cannot be sent to a worker"):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError, match=r"args\[1\] \(a lock\) cannot be sent to a worker"
+    ):
         coordinator.schedule(lambda a, b: a, args=(1, threading.Lock()))
     generator = (i for i in range(3))
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=r"create_per_worker_dataset\(dataset_fn\) and pass"):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError, match=r"create_per_worker_dataset\(dataset_fn\) and pass"
+    ):
         coordinator.schedule(lambda it: next(it), args=(generator,))
-    distributed = mirrax.MirroredStrategy(["cpu:0"]).experimental_distribute_dataset(
-        [np.zeros((2, 1))])
+    distributed = mirrax.MirroredStrategy(["cpu:0"]).experimental_distribute_dataset([np.zeros((2, 1))])
     with pytest.raises(errors.InvalidArgumentTypeError, match="DistributedDataset"):
         coordinator.schedule(lambda d: d, args=(distributed,))
     with pytest.raises(errors.UnsupportedArgumentError, match="pass it to coordinator.schedule"):
@@ -271,8 +275,10 @@ def test_structure_changes_of_held_objects_are_refused(small):
         coordinator.schedule(lambda m: None, args=(model,))
     del model.extra
     model.w.set_value(jnp.zeros((4,)))  # another shape
-    with pytest.raises(errors.UnsupportedArgumentError,
-                       match=r"objects\[\d\]\.w is held with shape and dtype \(\(1,\), 'float32'\)"):
+    with pytest.raises(
+        errors.UnsupportedArgumentError,
+        match=r"objects\[\d\]\.w is held with shape and dtype \(\(1,\), 'float32'\)",
+    ):
         coordinator.schedule(lambda m: None, args=(model,))
     model.w.set_value(jnp.zeros((1,)))
 
@@ -308,7 +314,9 @@ def test_what_a_scheduled_function_does_wrong_is_named(small):
     coordinator.schedule(to_float, args=(best,))
     result = _within(60, coordinator.join)
     assert isinstance(result["error"], errors.UnsupportedArgumentError)
-    assert "changed objects[" in str(result["error"]) and "Nothing of this function was pushed" in str(result["error"])
+    assert "changed objects[" in str(result["error"]) and "Nothing of this function was pushed" in str(
+        result["error"]
+    )
     assert coordinator.schedule(lambda b: int(b.n[...]), args=(best,)).fetch() == 1
 
     iterator = iter(coordinator.create_per_worker_dataset(lambda: [np.zeros((2, 1))]))
@@ -364,6 +372,7 @@ def test_shutdown_hands_the_values_back_and_an_object_lives_on_one_strategy(tmp_
 
 # -- convergence and equality ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pair():
     strategy = _strategy(num_workers=2, num_ps=2)
@@ -397,20 +406,20 @@ def test_one_synchronous_worker_equals_mirrored_strategy(tmp_path):
     """One worker, each step fetched before the next: no staleness, so the steps are
     MirroredStrategy's, cut over two parameter servers by a partitioner. Within 1e-5 because
     the parameter servers add new - pulled to pulled, a rounding of its own per step."""
-    strategy = _strategy(num_workers=1, num_ps=2,
-                         partitioner=mirrax.partitioners.FixedShardsPartitioner(2))
+    strategy = _strategy(num_workers=1, num_ps=2, partitioner=mirrax.partitioners.FixedShardsPartitioner(2))
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
         rng = np.random.default_rng(0)
-        batches = [(rng.normal(size=(8, 4)).astype(np.float32),
-                    rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(10)]
+        batches = [
+            (rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))
+            for _ in range(10)
+        ]
         model = MLP(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
         iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches)))
 
         def step(iterator):
-            return strategy.reduce("sum", strategy.run(
-                sgd_step, args=(model, optimizer, next(iterator))))
+            return strategy.reduce("sum", strategy.run(sgd_step, args=(model, optimizer, next(iterator))))
 
         ps_losses = [float(coordinator.schedule(step, args=(iterator,)).fetch()) for _ in batches]
         coordinator.join()
@@ -456,6 +465,7 @@ import jax  # noqa: E402
 
 # -- Model.fit and evaluate ------------------------------------------------------------------
 
+
 def _digits_model():
     from mirrax.examples.keras_fit import TutorialCNN
 
@@ -464,8 +474,11 @@ def _digits_model():
 
 
 def _compile(model):
-    model.compile(optimizer="adam", metrics=["accuracy"],
-                  loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="adam",
+        metrics=["accuracy"],
+        loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 
 def test_fit_trains_the_digits_cnn_and_evaluate_counts_every_example_once(pair):
@@ -474,9 +487,15 @@ def test_fit_trains_the_digits_cnn_and_evaluate_counts_every_example_once(pair):
     with strategy.scope():
         model = mirrax.Model(_digits_model())
         _compile(model)
-    history = model.fit(x_train, y_train, batch_size=32, epochs=6,
-                        steps_per_epoch=len(x_train) // 32, validation_data=(x_test, y_test),
-                        verbose=0)
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=32,
+        epochs=6,
+        steps_per_epoch=len(x_train) // 32,
+        validation_data=(x_test, y_test),
+        verbose=0,
+    )
     assert len(history.history["val_accuracy"]) == 6
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=32, verbose=0)
     assert accuracy >= 0.9
@@ -504,8 +523,11 @@ def test_evaluate_counts_each_example_once_when_a_worker_dies(pair):
     model.evaluate(x_test, y_test, batch_size=8, verbose=0)  # compiles on both workers
     victim = coordinator.schedule(os.getpid).fetch()
     box = {}
-    thread = threading.Thread(target=lambda: box.update(
-        logs=model.evaluate(x_test, y_test, batch_size=8, verbose=0, return_dict=True)))
+    thread = threading.Thread(
+        target=lambda: box.update(
+            logs=model.evaluate(x_test, y_test, batch_size=8, verbose=0, return_dict=True)
+        )
+    )
     thread.start()
     time.sleep(0.3)
     os.kill(victim, signal.SIGKILL)
@@ -547,6 +569,7 @@ def test_fit_arguments_under_parameter_server_strategy(small):
 
 # -- failures ------------------------------------------------------------------------------------
 
+
 def test_a_function_that_kills_every_worker_is_given_up(pair):
     strategy, coordinator = pair
 
@@ -565,8 +588,9 @@ def test_a_function_that_kills_every_worker_is_given_up(pair):
 def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     strategy, coordinator = pair
     counter = Counter()
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: ({"k": np.array([k])} for k in itertools.count())))
+    iterator = iter(
+        coordinator.create_per_worker_dataset(lambda: ({"k": np.array([k])} for k in itertools.count()))
+    )
 
     def count(iterator):
         batch = strategy.experimental_local_results(next(iterator))[0]
@@ -599,8 +623,9 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
 
 def test_a_worker_killed_between_functions_and_restarted_unseen_runs_the_next_one(pair):
     strategy, coordinator = pair
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: ({"k": np.array([k])} for k in itertools.count())))
+    iterator = iter(
+        coordinator.create_per_worker_dataset(lambda: ({"k": np.array([k])} for k in itertools.count()))
+    )
 
     def read(iterator):
         return os.getpid(), int(strategy.experimental_local_results(next(iterator))[0]["k"][0])

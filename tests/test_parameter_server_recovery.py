@@ -52,8 +52,7 @@ def ray_messages():
 
 
 def _strategy(num_workers):
-    return mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(num_workers, 1, worker_env=ONE_DEVICE))
+    return mirrax.ParameterServerStrategy(mirrax.RayClusterResolver(num_workers, 1, worker_env=ONE_DEVICE))
 
 
 def _all_free():
@@ -113,8 +112,11 @@ def test_recovery_a_new_strategy_at_once_and_the_same_model_trains_on(ray_messag
 
     # The old strategy's model outside any scope: the error says to compile it under the new
     # strategy's scope (issue 27 item 8: the message says what differs and the fix).
-    with pytest.raises(errors.MixedStrategyError, match=r"was shut down .* compile it under "
-                       r"the new strategy's scope"):
+    with pytest.raises(
+        errors.MixedStrategyError,
+        match=r"was shut down .* compile it under "
+        r"the new strategy's scope",
+    ):
         model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0)
 
 
@@ -122,10 +124,8 @@ def test_a_new_local_cluster_prints_no_token_notice():
     # Ray prints its notice when it starts a local cluster with RAY_AUTH_MODE unset (the
     # module's cluster set it in this process), so a fresh process starts one.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    code = ("import mirrax; r = mirrax.RayClusterResolver(1, 1); r.connect(); "
-            "print('started'); r.shutdown()")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+    code = "import mirrax; r = mirrax.RayClusterResolver(1, 1); r.connect(); print('started'); r.shutdown()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "started" in done.stdout, done.stderr[-2000:]
     # Before: "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=...".
     # Ray's warning for a cluster without authentication is not filtered.

@@ -45,11 +45,15 @@ CHECKS = {
     "mirrax report": ("parse", "tests/test_scaling_report.py"),
     "mirrax launch": ("help", None),
     ".venv/bin/mirrax devices": (
-        "run", r"(PhysicalDevice\(name='/physical_device:CPU:[01]', device_type='CPU'\)\n){2}"),
+        "run",
+        r"(PhysicalDevice\(name='/physical_device:CPU:[01]', device_type='CPU'\)\n){2}",
+    ),
     "mirrax launch --nproc 2 --cpu-devices 2 -- python train.py": ("run", None),
     ".venv/bin/python train.py": ("run", None),  # the three changes, saved as train.py
     ".venv/bin/pip install notebook && .venv/bin/jupyter notebook examples/tutorial.ipynb": (
-        "help", None),  # pip is there; the notebook runs in tests/test_notebook.py
+        "help",
+        None,
+    ),  # pip is there; the notebook runs in tests/test_notebook.py
     ".venv/bin/python examples/keras_fit.py --epochs 1": ("example", None),
     "XLA_FLAGS=--xla_force_host_platform_device_count=4": ("example", None),
     "python -m benchmarks list": ("run", r"overhead +\S"),
@@ -70,8 +74,12 @@ def _blocks() -> list:
 
 def _command_lines() -> list:
     """Every command line: the lines of `sh` blocks (without comments), then inline spans."""
-    lines = [line.split("#")[0].strip() for language, code in _blocks() if language == "sh"
-             for line in code.splitlines()]
+    lines = [
+        line.split("#")[0].strip()
+        for language, code in _blocks()
+        if language == "sh"
+        for line in code.splitlines()
+    ]
     prose = _FENCE.sub("", README)
     spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
     return [line for line in lines if line] + [s for s in spans if _COMMAND.match(s)]
@@ -110,14 +118,19 @@ def test_the_paths_the_readme_names_are_tracked_files():
     if listed.returncode != 0:
         pytest.skip("not a git checkout")
     tracked = set(listed.stdout.splitlines())
-    links = [target.split("#")[0] for target in re.findall(r"\]\(([^)]+)\)", README)
-             if "://" not in target]
-    named = [word for line in _command_lines() for word in line.split()
-             if re.fullmatch(r"[\w.]+/[\w./]+\.\w+", word) and not word.startswith(".venv/")]
+    links = [target.split("#")[0] for target in re.findall(r"\]\(([^)]+)\)", README) if "://" not in target]
+    named = [
+        word
+        for line in _command_lines()
+        for word in line.split()
+        if re.fullmatch(r"[\w.]+/[\w./]+\.\w+", word) and not word.startswith(".venv/")
+    ]
     assert links and named
-    missing = [path for path in links + named
-               if path not in tracked and not any(t.startswith(path.rstrip("/") + "/")
-                                                  for t in tracked)]
+    missing = [
+        path
+        for path in links + named
+        if path not in tracked and not any(t.startswith(path.rstrip("/") + "/") for t in tracked)
+    ]
     assert missing == []
 
 
@@ -131,12 +144,13 @@ def runs(tmp_path_factory):
     block = _three_changes()
     assert block.count("mirrax.MirroredStrategy()") == 1
     (folder / "train.py").write_text(
-        block.replace("mirrax.MirroredStrategy()", "mirrax.MultiWorkerMirroredStrategy()"))
+        block.replace("mirrax.MirroredStrategy()", "mirrax.MultiWorkerMirroredStrategy()")
+    )
     # PATH's first `python` is not this interpreter (as with .venv/bin/mirrax and no venv
     # activated): the launcher must still run the workers with it.
     fake = folder / "bin" / "python"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho \"PATH's python, without jax\" >&2\nexit 3\n")
+    fake.write_text('#!/bin/sh\necho "PATH\'s python, without jax" >&2\nexit 3\n')
     fake.chmod(0o755)
     launch_env = _env()
     launch_env["PATH"] = f"{fake.parent}{os.pathsep}{launch_env['PATH']}"
@@ -147,18 +161,30 @@ def runs(tmp_path_factory):
         folders[f"python block {i}"].mkdir()
         (folders[f"python block {i}"] / "train.py").write_text(code)
         commands[f"python block {i}"] = ([sys.executable, "train.py"], _env())
-    commands.update({
-        "devices": (_mirrax("devices"), _env(4)),
-        "launch": (_mirrax(*shlex.split("launch --nproc 2 --cpu-devices 2 -- python train.py")),
-                   launch_env),
-        "benchmarks list": ([sys.executable, "-m", "benchmarks", "list"], _env()),
-        "benchmarks run --help": ([sys.executable, "-m", "benchmarks", "run", "--help"], _env()),
-        "benchmark --help": ([sys.executable, "-m", "benchmarks.overhead", "--help"], _env()),
-        "pip": ([sys.executable, "-m", "pip", "--version"], _env()),
-    })
-    started = {name: subprocess.Popen(argv, env=env, cwd=folders.get(name, ROOT if name.startswith(
-        ("benchmark", "pip")) else folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for name, (argv, env) in commands.items()}
+    commands.update(
+        {
+            "devices": (_mirrax("devices"), _env(4)),
+            "launch": (
+                _mirrax(*shlex.split("launch --nproc 2 --cpu-devices 2 -- python train.py")),
+                launch_env,
+            ),
+            "benchmarks list": ([sys.executable, "-m", "benchmarks", "list"], _env()),
+            "benchmarks run --help": ([sys.executable, "-m", "benchmarks", "run", "--help"], _env()),
+            "benchmark --help": ([sys.executable, "-m", "benchmarks.overhead", "--help"], _env()),
+            "pip": ([sys.executable, "-m", "pip", "--version"], _env()),
+        }
+    )
+    started = {
+        name: subprocess.Popen(
+            argv,
+            env=env,
+            cwd=folders.get(name, ROOT if name.startswith(("benchmark", "pip")) else folder),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (argv, env) in commands.items()
+    }
     results = {}
     for name, process in started.items():
         try:
@@ -178,8 +204,9 @@ def _ok(runs, name) -> str:
 
 
 def _losses(lines) -> list:
-    return [float(m.group(1)) for m in (re.fullmatch(r"epoch \d+: loss (\d+\.\d+)", line)
-                                        for line in lines) if m]
+    return [
+        float(m.group(1)) for m in (re.fullmatch(r"epoch \d+: loss (\d+\.\d+)", line) for line in lines) if m
+    ]
 
 
 def test_every_python_block_runs(runs):
@@ -198,8 +225,10 @@ def test_the_three_changes_block_trains_its_loss_falls(runs):
 def test_mirrax_launch_runs_the_block_as_two_workers_with_this_interpreter(runs):
     out = _ok(runs, "launch").splitlines()
     # Each worker prints the all-reduced loss: the same 5 numbers on both (4 replicas in all).
-    per_worker = [_losses(line.removeprefix(f"[worker {i}] ") for line in out
-                          if line.startswith(f"[worker {i}] ")) for i in range(2)]
+    per_worker = [
+        _losses(line.removeprefix(f"[worker {i}] ") for line in out if line.startswith(f"[worker {i}] "))
+        for i in range(2)
+    ]
     assert per_worker[0] == per_worker[1] and len(per_worker[0]) == 5, out
     assert per_worker[0][-1] < per_worker[0][0], per_worker
 
@@ -243,8 +272,7 @@ def test_the_example_command_line_is_the_one_tests_test_examples_runs():
         if kind == "example" and not line.startswith("XLA_FLAGS="):
             _, script, *args = line.split()
             assert (ROOT / script).is_file()
-            assert f'"{Path(script).name}"' in source and repr(args)[1:-1].replace(
-                "'", '"') in source, line
+            assert f'"{Path(script).name}"' in source and repr(args)[1:-1].replace("'", '"') in source, line
         elif kind == "example":
             assert f'XLA_FLAGS="{line.split("=", 1)[1].rsplit("=", 1)[0]}=2"' in source
 
@@ -255,7 +283,8 @@ def test_the_make_targets_exist_and_run_what_the_readme_says():
     for line, (kind, command) in CHECKS.items():
         if kind == "make":
             # A dry run: prints the recipe (venv creation included when .venv is missing).
-            result = subprocess.run(["make", "-n", "-C", str(ROOT), line.split()[1]],
-                                    capture_output=True, text=True, timeout=60)
+            result = subprocess.run(
+                ["make", "-n", "-C", str(ROOT), line.split()[1]], capture_output=True, text=True, timeout=60
+            )
             assert result.returncode == 0, result.stderr
             assert command in result.stdout, (line, result.stdout)

@@ -58,7 +58,10 @@ def test_reduce_of_shapes_that_cannot_be_combined_is_a_clear_error():
 
 def test_reduce_with_an_unknown_op_names_the_valid_ones():
     strategy = mirrored(2)
-    with pytest.raises(ValueError, match=r"reduce_op must be one of mirrax.ReduceOp.SUM, mirrax.ReduceOp.MEAN.*received 'max'"):
+    with pytest.raises(
+        ValueError,
+        match=r"reduce_op must be one of mirrax.ReduceOp.SUM, mirrax.ReduceOp.MEAN.*received 'max'",
+    ):
         strategy.reduce("max", per_replica_scalars(strategy))
 
 
@@ -137,7 +140,10 @@ def test_per_replica_is_a_pytree(strategy):
 
 def test_reduce_op_accepts_strings_in_any_case():
     assert mirrax.ReduceOp.from_any("sUm") is mirrax.ReduceOp.SUM
-    assert mirrax.VariableAggregation.from_any("only_first_replica") is mirrax.VariableAggregation.ONLY_FIRST_REPLICA
+    assert (
+        mirrax.VariableAggregation.from_any("only_first_replica")
+        is mirrax.VariableAggregation.ONLY_FIRST_REPLICA
+    )
     assert mirrax.ReduceOp.from_variable_aggregation("mean") is mirrax.ReduceOp.MEAN
 
 

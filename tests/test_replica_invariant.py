@@ -35,10 +35,10 @@ def digits_data(n: int):
 
 def _invariant(replicas: int, micro_batches: int = 8):
     if replicas == 1:
-        return mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True,
-                                        micro_batches=micro_batches)
-    return mirrax.MirroredStrategy(jax.devices()[:replicas], replica_invariant=True,
-                                   micro_batches=micro_batches)
+        return mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=micro_batches)
+    return mirrax.MirroredStrategy(
+        jax.devices()[:replicas], replica_invariant=True, micro_batches=micro_batches
+    )
 
 
 class CNN(nnx.Module):
@@ -78,15 +78,21 @@ def _fit_run(strategy, **compile_kwargs):
     x, y = digits_data(300)
     with strategy.scope():
         model = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
-        model.compile(optimizer="adam",
-                      loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], **compile_kwargs)
-    history = model.fit(x, y, batch_size=64, epochs=2, validation_split=0.2, shuffle=True,
-                        verbose=0)
+        model.compile(
+            optimizer="adam",
+            loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            **compile_kwargs,
+        )
+    history = model.fit(x, y, batch_size=64, epochs=2, validation_split=0.2, shuffle=True, verbose=0)
     evaluation = model.evaluate(x[:72], y[:72], batch_size=32, verbose=0, return_dict=True)
     predictions = model.predict(x[:40], batch_size=32, verbose=0)
-    return {"history": history.history, "weights": model.get_weights(),
-            "evaluate": evaluation, "predictions": predictions}
+    return {
+        "history": history.history,
+        "weights": model.get_weights(),
+        "evaluate": evaluation,
+        "predictions": predictions,
+    }
 
 
 def test_fit_evaluate_predict_are_the_same_bits_on_1_2_4_and_8_replicas():
@@ -106,8 +112,9 @@ def test_steps_per_execution_composes_with_the_mode():
 def test_gradient_accumulation_composes_with_the_mode():
     # optax.MultiSteps divides (a running mean of gradients): with XLA's algebraic simplifier
     # on, one replica rewrote those divisions unlike two; the mode turns it off on CPU.
-    _assert_same_bits({r: _fit_run(_invariant(r), steps_per_execution=2,
-                                   gradient_accumulation_steps=2) for r in (1, 8)})
+    _assert_same_bits(
+        {r: _fit_run(_invariant(r), steps_per_execution=2, gradient_accumulation_steps=2) for r in (1, 8)}
+    )
 
 
 def test_a_loss_on_probabilities_is_the_same_bits_on_1_and_2_replicas():
@@ -141,9 +148,11 @@ def _custom_loop(strategy, global_batch=64):
         return loss
 
     dataset = strategy.experimental_distribute_dataset(
-        [(x[i:i + global_batch], y[i:i + global_batch]) for i in range(0, 300, global_batch)])
-    losses = [np.asarray(strategy.reduce("sum", strategy.run(step, args=(model, optimizer, b))))
-              for b in dataset]
+        [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(0, 300, global_batch)]
+    )
+    losses = [
+        np.asarray(strategy.reduce("sum", strategy.run(step, args=(model, optimizer, b)))) for b in dataset
+    ]
     return {"losses": losses, "params": _params(model)}
 
 
@@ -166,13 +175,11 @@ def test_default_mode_agrees_with_the_mode_to_float_rounding_only():
         model.eval()  # no dropout: the same function in both modes
 
         def loss(model, batch):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]),
-                                                                          batch[1])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1])
             return mirrax.compute_average_loss(per_example)
 
         batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-        value = strategy.run(lambda m, b: mirrax.value_and_grad(loss)(m, b)[0],
-                             args=(model, batch))
+        value = strategy.run(lambda m, b: mirrax.value_and_grad(loss)(m, b)[0], args=(model, batch))
         return float(strategy.reduce("sum", value))
 
     default, exact = first_loss(strategy), first_loss(_invariant(1))
@@ -186,20 +193,30 @@ def test_checkpoint_and_resume_in_the_mode_equals_an_uninterrupted_run(tmp_path)
         strategy = _invariant(4)
         with strategy.scope():
             model = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
-            model.compile(optimizer="adam",
-                          loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer="adam", loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
         callbacks = [mirrax.callbacks.BackupAndRestore(str(tmp_path / "backup"))]
         if epochs_before_restart is None:
             return model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0), model
-        model.fit(x, y, batch_size=64, epochs=epochs_before_restart, shuffle=False, verbose=0,
-                  callbacks=[_KeepBackup(callbacks[0])])
+        model.fit(
+            x,
+            y,
+            batch_size=64,
+            epochs=epochs_before_restart,
+            shuffle=False,
+            verbose=0,
+            callbacks=[_KeepBackup(callbacks[0])],
+        )
         strategy = _invariant(2)  # resumed on another replica count
         with strategy.scope():
             resumed = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
-            resumed.compile(optimizer="adam",
-                            loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return resumed.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
-                           callbacks=callbacks), resumed
+            resumed.compile(
+                optimizer="adam", loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
+        return resumed.fit(
+            x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        ), resumed
 
     straight_history, straight = trained(None)
     resumed_history, resumed = trained(1)
@@ -234,14 +251,15 @@ def test_all_reduce_and_reduce_follow_the_pairwise_tree():
     # to 1 (a tie, to even), e + e = 2^-23 is exact and 1 + 2^-23 is representable. Eight
     # values, one per micro-batch: the tree ((v0+v1)+(v2+v3)) + ((v4+v5)+(v6+v7)) is
     # (1 + 2^-23) + (1 + 2^-23) = 2 + 2^-22, while adding left to right rounds every e away: 2.
-    e = np.float32(2.0 ** -24)
+    e = np.float32(2.0**-24)
     values = np.array([1, e, e, e, 1, e, e, e], np.float32)
     tree = ((values[0] + values[1]) + (values[2] + values[3])) + (
-        (values[4] + values[5]) + (values[6] + values[7]))
+        (values[4] + values[5]) + (values[6] + values[7])
+    )
     left_to_right = np.float32(0)
     for v in values:
         left_to_right = left_to_right + v
-    assert tree == np.float32(2 + 2.0 ** -22) and left_to_right == np.float32(2.0)
+    assert tree == np.float32(2 + 2.0**-22) and left_to_right == np.float32(2.0)
     sums = {}
     for r in REPLICAS:
         strategy = _invariant(r)
@@ -254,60 +272,87 @@ def test_all_reduce_and_reduce_follow_the_pairwise_tree():
             return ctx.all_reduce("sum", exact_sums.pairwise_sum(local.reshape(-1, 1))[0])
 
         out = strategy.run(step, args=(batch,))
-        sums[r] = (np.asarray(strategy.experimental_local_results(out)[0]),
-                   np.asarray(strategy.reduce("sum", batch, axis=0))[0])
+        sums[r] = (
+            np.asarray(strategy.experimental_local_results(out)[0]),
+            np.asarray(strategy.reduce("sum", batch, axis=0))[0],
+        )
     assert all(np.array_equal(s, (tree, tree)) for s in sums.values()), sums
 
 
 # -- bad input ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("micro_batches, message", [
-    (6, "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
-        "summation tree covers it at every replica count; received 6. Use 4 or 8."),
-    (0, "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
-        "summation tree covers it at every replica count; received 0. Use a power of two >= 1, "
-        "e.g. 8 (the default)."),
-])
+@pytest.mark.parametrize(
+    "micro_batches, message",
+    [
+        (
+            6,
+            "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
+            "summation tree covers it at every replica count; received 6. Use 4 or 8.",
+        ),
+        (
+            0,
+            "micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one pairwise "
+            "summation tree covers it at every replica count; received 0. Use a power of two >= 1, "
+            "e.g. 8 (the default).",
+        ),
+    ],
+)
 def test_micro_batches_not_a_power_of_two_is_refused(micro_batches, message):
     with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
-        mirrax.MirroredStrategy(jax.devices()[:2], replica_invariant=True,
-                                micro_batches=micro_batches)
+        mirrax.MirroredStrategy(jax.devices()[:2], replica_invariant=True, micro_batches=micro_batches)
 
 
 def test_wrong_types_are_refused():
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=re.escape("replica_invariant must be True or False; received 'yes'")):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError,
+        match=re.escape("replica_invariant must be True or False; received 'yes'"),
+    ):
         mirrax.MirroredStrategy(jax.devices()[:2], replica_invariant="yes")
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=re.escape("micro_batches must be an int, a power of two (1, 2, 4, 8, "
-                                       "16, ...); received 8.0 of type float")):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError,
+        match=re.escape(
+            "micro_batches must be an int, a power of two (1, 2, 4, 8, 16, ...); received 8.0 of type float"
+        ),
+    ):
         mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=8.0)
 
 
 def test_a_replica_count_that_does_not_divide_micro_batches_is_refused():
-    with pytest.raises(errors.InvalidArgumentError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=re.escape(
             "MirroredStrategy: replica_invariant=True cuts every global batch into "
             "micro_batches=8 micro-batches held in equal runs by the replicas, but 3 replicas "
             "do not divide 8. Use a replica count that divides it (1, 2, 4, 8; e.g. "
             "devices=jax.local_devices()[:2]), 3 is not a power of two, so it divides no "
-            "micro_batches; use 2 or 4 devices.")):
+            "micro_batches; use 2 or 4 devices."
+        ),
+    ):
         mirrax.MirroredStrategy(jax.devices()[:3], replica_invariant=True)
-    with pytest.raises(errors.InvalidArgumentError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=re.escape(
             "but 8 replicas do not divide 4. Use a replica count that divides it (1, 2, 4; e.g. "
             "devices=jax.local_devices()[:4]), or micro_batches=8 (or another power of two >= "
-            "8).")):
+            "8)."
+        ),
+    ):
         mirrax.MirroredStrategy(jax.devices()[:8], replica_invariant=True, micro_batches=4)
 
 
 def test_a_global_batch_that_micro_batches_does_not_divide_is_refused():
     strategy = _invariant(2)
     dataset = strategy.experimental_distribute_dataset([np.zeros((60, 1), np.float32)])
-    with pytest.raises(errors.InvalidBatchError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=re.escape(
             "experimental_distribute_dataset: replica_invariant=True cuts every global batch "
             "into micro_batches=8 equal micro-batches, but the first global batch has 60 "
             "examples, which 8 does not divide. Use a global batch size that is a multiple of "
-            "8 (e.g. 56 or 64)")):
+            "8 (e.g. 56 or 64)"
+        ),
+    ):
         next(iter(dataset))
     x, y = digits_data(100)
     with strategy.scope():
@@ -320,12 +365,17 @@ def test_a_global_batch_that_micro_batches_does_not_divide_is_refused():
 def test_a_batch_larger_than_the_first_is_refused():
     strategy = _invariant(2)
     dataset = strategy.experimental_distribute_dataset(
-        [np.zeros((16, 1), np.float32), np.zeros((32, 1), np.float32)])
+        [np.zeros((16, 1), np.float32), np.zeros((32, 1), np.float32)]
+    )
     iterator = iter(dataset)
     next(iterator)
-    with pytest.raises(errors.InvalidBatchError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=re.escape(
             "a global batch of 32 examples is larger than the first batch (16), which fixed "
-            "the micro-batch size at 2")):
+            "the micro-batch size at 2"
+        ),
+    ):
         next(iterator)
 
 
@@ -340,9 +390,13 @@ def test_a_loss_that_reads_the_batch_from_a_closure_is_refused():
         loss = lambda m: m(batch[0]).sum()  # noqa: E731  (the batch from the closure)
         return mirrax.value_and_grad(loss)(model)[0]
 
-    with pytest.raises(errors.InvalidBatchError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=re.escape(
             "the arguments after the module hold no array (a loss that reads the batch from a "
-            "closure cannot be split)")):
+            "closure cannot be split)"
+        ),
+    ):
         strategy.run(step, args=(model, batch))
 
 
@@ -359,15 +413,18 @@ def test_synchronized_batch_norm_is_refused_and_all_reduce_dtype_too():
 
     net = Net()
     batch = next(iter(strategy.experimental_distribute_dataset([x])))
-    with pytest.raises(errors.UnsupportedArgumentError, match=re.escape(
-            "BatchNorm norm synchronizes its statistics over the replicas "
-            "(axis_name='replica')")):
-        strategy.run(lambda m, b: mirrax.value_and_grad(lambda m, b: m(b).sum())(m, b)[0],
-                     args=(net, batch))
-    with pytest.raises(errors.UnsupportedArgumentError,
-                       match="all_reduce_dtype is not supported with replica_invariant=True"):
-        strategy.run(lambda m, b: mirrax.value_and_grad(
-            lambda m, b: m(b).sum(), all_reduce_dtype="bfloat16")(m, b)[0], args=(net, batch))
+    with pytest.raises(
+        errors.UnsupportedArgumentError,
+        match=re.escape("BatchNorm norm synchronizes its statistics over the replicas (axis_name='replica')"),
+    ):
+        strategy.run(lambda m, b: mirrax.value_and_grad(lambda m, b: m(b).sum())(m, b)[0], args=(net, batch))
+    with pytest.raises(
+        errors.UnsupportedArgumentError, match="all_reduce_dtype is not supported with replica_invariant=True"
+    ):
+        strategy.run(
+            lambda m, b: mirrax.value_and_grad(lambda m, b: m(b).sum(), all_reduce_dtype="bfloat16")(m, b)[0],
+            args=(net, batch),
+        )
 
 
 # -- several processes ------------------------------------------------------------------------------
@@ -378,15 +435,33 @@ def test_launch_2x2_equals_one_process_with_4_devices_and_4_processes_with_1(tmp
     # 1 process x 4 devices and 4 processes x 1 device: the same bits everywhere.
     out = tmp_path / "launch2x2"
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(harness.ROOT) + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(harness.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     env.pop("TF_CONFIG", None)
     launched = subprocess.run(
-        [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc", "2",
-         "--cpu-devices", "2", "--", sys.executable, "-m", "tests.multiworker.scenarios",
-         "invariant", str(out), "auto"],
-        cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mirrax._src.cli.main",
+            "launch",
+            "--nproc",
+            "2",
+            "--cpu-devices",
+            "2",
+            "--",
+            sys.executable,
+            "-m",
+            "tests.multiworker.scenarios",
+            "invariant",
+            str(out),
+            "auto",
+        ],
+        cwd=harness.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     two_by_two = [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
     one_by_four = harness.run("invariant", tmp_path / "1x4", num_workers=1, cpu_devices=4)
@@ -397,8 +472,7 @@ def test_launch_2x2_equals_one_process_with_4_devices_and_4_processes_with_1(tmp
     # 100 examples in batches of 32: 4 steps of the custom loop (the last of 4 examples).
     assert len(reference["custom_losses"]) == 4
     for report in reports:
-        assert {k: v for k, v in report.items() if k not in ("layout", "launch_rank")} \
-            == reference
+        assert {k: v for k, v in report.items() if k not in ("layout", "launch_rank")} == reference
 
 
 def test_a_batch_that_is_the_same_on_every_replica_is_refused():
@@ -410,9 +484,13 @@ def test_a_batch_that_is_the_same_on_every_replica_is_refused():
     def step(model, images):
         return mirrax.value_and_grad(lambda m, b: m(b).sum())(model, images)[0]
 
-    with pytest.raises(errors.InvalidBatchError, match=re.escape(
+    with pytest.raises(
+        errors.InvalidBatchError,
+        match=re.escape(
             "an array of shape (16, 8, 8, 1) after the module is the same on every replica (it "
-            "was passed to strategy.run as a plain array, not a distributed batch)")):
+            "was passed to strategy.run as a plain array, not a distributed batch)"
+        ),
+    ):
         strategy.run(step, args=(model, x))
 
 
@@ -442,8 +520,7 @@ def test_batch_norm_statistics_are_the_same_bits_on_every_replica_count():
             model.compile("adam", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
         history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
         stats = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model.module, nnx.BatchStat))]
-        results[r] = {"history": history.history, "weights": model.get_weights(),
-                      "batch_stats": stats}
+        results[r] = {"history": history.history, "weights": model.get_weights(), "batch_stats": stats}
     assert not np.array_equal(results[1]["batch_stats"][0], np.zeros(32, np.float32))
     _assert_same_bits(results)
 
@@ -489,8 +566,7 @@ def test_a_metric_passed_to_the_loss_is_combined_over_micro_batches_bit_for_bit(
             mean_loss = nnx.metrics.Average()
 
         def loss_fn(model, mean_loss, batch):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]),
-                                                                          batch[1])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1])
             mean_loss.update(values=per_example)
             return mirrax.compute_average_loss(per_example)
 
@@ -515,16 +591,19 @@ def test_gradients_taken_without_mirrax_value_and_grad_warn():
 
     def step(model, optimizer, batch):
         def loss_fn(model):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]),
-                                                                          batch[1])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1])
             return mirrax.compute_average_loss(per_example)
 
         _, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
 
-    with pytest.warns(UserWarning, match=re.escape(
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
             "changed parameters on a strategy with replica_invariant=True without computing "
-            "gradients through mirrax.value_and_grad(loss_fn)(model, batch)")):
+            "gradients through mirrax.value_and_grad(loss_fn)(model, batch)"
+        ),
+    ):
         strategy.run(step, args=(model, optimizer, batch))
 
 
@@ -540,10 +619,16 @@ def test_synchronized_batch_norm_is_refused_at_compile_and_per_replica_datasets_
 
     with strategy.scope():
         model = mirrax.Model(Net())
-    with pytest.raises(errors.UnsupportedArgumentError,
-                       match=re.escape("compile: BatchNorm norm synchronizes its statistics")):
+    with pytest.raises(
+        errors.UnsupportedArgumentError,
+        match=re.escape("compile: BatchNorm norm synchronizes its statistics"),
+    ):
         model.compile("adam", "mse")
-    with pytest.warns(UserWarning, match=re.escape(
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
             "distribute_datasets_from_function on a strategy with replica_invariant=True: its "
-            "batches are per replica")):
+            "batches are per replica"
+        ),
+    ):
         strategy.distribute_datasets_from_function(lambda ctx: [np.zeros((4, 3), np.float32)])

@@ -174,7 +174,9 @@ def test_mutation_through_an_attribute_is_refused(strategy):
         _registry.inner.model.kernel[...] = _registry.inner.model.kernel[...] + x.sum()
         return x
 
-    with pytest.raises(mirrax.errors.CapturedStateError, match="mutates an NNX object.*Pass the object in args"):
+    with pytest.raises(
+        mirrax.errors.CapturedStateError, match="mutates an NNX object.*Pass the object in args"
+    ):
         strategy.run(step, args=(np.ones((2, 2), np.float32),))
 
 
@@ -191,8 +193,7 @@ def test_a_module_read_through_a_plain_global_object_is_carried(strategy):
     _registry.model.kernel[...] = jnp.ones((2, 2))
     out = strategy.run(step, args=(x,))
     # [1, 1] @ ones((2, 2)) = [2, 2] on every replica (the same replicated input).
-    np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(out)[0]),
-                                  [[2, 2], [2, 2]])
+    np.testing.assert_array_equal(np.asarray(strategy.experimental_local_results(out)[0]), [[2, 2], [2, 2]])
 
 
 def test_gradient_through_an_unrelated_object_is_a_captured_state_error():
@@ -203,8 +204,10 @@ def test_gradient_through_an_unrelated_object_is_a_captured_state_error():
     def step(x):
         return nnx.grad(lambda m: m(x).sum())(_registry.inner.net)
 
-    with pytest.raises(mirrax.errors.CapturedStateError,
-                       match=r"reaches through an object that is not one of its arguments.*args=\(model, optimizer"):
+    with pytest.raises(
+        mirrax.errors.CapturedStateError,
+        match=r"reaches through an object that is not one of its arguments.*args=\(model, optimizer",
+    ):
         mirrored(2).run(step, args=(np.ones((2, 2), np.float32),))
 
 
@@ -215,8 +218,10 @@ class _Trainer:
 
 def test_a_plain_object_holding_a_module_as_an_argument_is_refused():
     trainer = _Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(mirrax.errors.CapturedStateError,
-                       match=r"args\[0\] is a _Trainer that holds NNX state \(args\[0\].model \(Linear\)\).*args=\(args\[0\].model"):
+    with pytest.raises(
+        mirrax.errors.CapturedStateError,
+        match=r"args\[0\] is a _Trainer that holds NNX state \(args\[0\].model \(Linear\)\).*args=\(args\[0\].model",
+    ):
         mirrored(2).run(lambda t, x: t.model(x), args=(trainer, np.ones((2, 2), np.float32)))
 
 
@@ -258,7 +263,10 @@ def test_varying_param_is_an_error_naming_its_path(multi_strategy):
     def step(counter):
         counter.param[...] = replica_value(counter.param[...])
 
-    with pytest.raises(mirrax.errors.VaryingVariableError, match=r"args\[0\]\.param \(Param, aggregation NONE\).*aggregation=mirrax.VariableAggregation"):
+    with pytest.raises(
+        mirrax.errors.VaryingVariableError,
+        match=r"args\[0\]\.param \(Param, aggregation NONE\).*aggregation=mirrax.VariableAggregation",
+    ):
         multi_strategy.run(step, args=(counter,))
 
 
@@ -401,7 +409,9 @@ def test_mixing_two_multi_replica_strategies_is_refused():
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     x = np.ones((2, 2), np.float32)
     first.run(lambda m, x: m(x), args=(model, x))  # places model on cpu:0, cpu:1
-    with pytest.raises(mirrax.errors.MixedStrategyError, match=r"another strategy's devices \(cpu:0, cpu:1\)"):
+    with pytest.raises(
+        mirrax.errors.MixedStrategyError, match=r"another strategy's devices \(cpu:0, cpu:1\)"
+    ):
         second.run(lambda m, x: m(x), args=(model, x))
     batch = next(iter(first.experimental_distribute_dataset(x)))
     with pytest.raises(mirrax.errors.MixedStrategyError, match="created by another strategy"):
@@ -514,8 +524,7 @@ def test_a_jitted_step_around_run_on_a_captured_model_is_a_replica_context_error
     batch = next(iter(strategy.experimental_distribute_dataset(np.ones((4, 2), np.float32))))
 
     def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(
-            lambda m: mirrax.compute_average_loss(m(batch).sum(-1)))(model)
+        loss, grads = nnx.value_and_grad(lambda m: mirrax.compute_average_loss(m(batch).sum(-1)))(model)
         optimizer.update(model, grads)
         return loss
 
@@ -524,8 +533,10 @@ def test_a_jitted_step_around_run_on_a_captured_model_is_a_replica_context_error
         return strategy.run(step, args=(model, optimizer, batch))
 
     kernel = np.asarray(model.kernel[...])
-    with pytest.raises(mirrax.errors.ReplicaContextError,
-                       match="inside jax.jit.*call it directly with the plain step function"):
+    with pytest.raises(
+        mirrax.errors.ReplicaContextError,
+        match="inside jax.jit.*call it directly with the plain step function",
+    ):
         train_step()
     np.testing.assert_array_equal(np.asarray(model.kernel[...]), kernel)  # nothing half-written
     # The fix the message gives works: the same call without the decorator trains.
@@ -536,7 +547,9 @@ def test_a_jitted_step_around_run_on_a_captured_model_is_a_replica_context_error
 def test_passing_the_dataset_instead_of_a_batch():
     strategy = mirrored(2)
     dataset = strategy.experimental_distribute_dataset(np.ones((4, 2), np.float32))
-    with pytest.raises(TypeError, match=r"args\[0\] is a DistributedDataset, not a batch.*for batch in dist_dataset"):
+    with pytest.raises(
+        TypeError, match=r"args\[0\] is a DistributedDataset, not a batch.*for batch in dist_dataset"
+    ):
         strategy.run(lambda b: b, args=(dataset,))
 
 
@@ -588,7 +601,9 @@ def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():
 
     def step(model, optimizer, x):
         # Normalising the input is undefined on an all-zero row.
-        loss_fn = lambda m: mirrax.compute_average_loss(m(x / jnp.linalg.norm(x, axis=1, keepdims=True))[:, 0] ** 2)  # noqa: E731
+        loss_fn = lambda m: mirrax.compute_average_loss(
+            m(x / jnp.linalg.norm(x, axis=1, keepdims=True))[:, 0] ** 2
+        )  # noqa: E731
         optimizer.update(model, nnx.grad(loss_fn)(model))
 
     for batch in strategy.experimental_distribute_dataset(data):
@@ -604,8 +619,7 @@ def test_experimental_lower_gives_the_program_run_executes_without_running_it():
     batch = next(iter(strategy.experimental_distribute_dataset(np.ones((4, 3), np.float32))))
 
     def step(module, optimizer, x):
-        loss, grads = nnx.value_and_grad(lambda m: mirrax.compute_average_loss(m(x)[:, 0]))(
-            module)
+        loss, grads = nnx.value_and_grad(lambda m: mirrax.compute_average_loss(m(x)[:, 0]))(module)
         optimizer.update(module, grads)
         return loss
 
@@ -617,7 +631,11 @@ def test_experimental_lower_gives_the_program_run_executes_without_running_it():
     assert " all-reduce(" in lowered.compile().as_text()
     strategy.run(step, args=(module, optimizer, batch))
     assert not np.array_equal(np.asarray(module.kernel[...]), before)
-    with pytest.raises(mirrax.errors.InvalidArgumentTypeError, match=re.escape(
+    with pytest.raises(
+        mirrax.errors.InvalidArgumentTypeError,
+        match=re.escape(
             "strategy.experimental_lower: fn must be callable (a function, method or NNX "
-            "module); received 3 of type int.")):
+            "module); received 3 of type int."
+        ),
+    ):
         strategy.experimental_lower(3)

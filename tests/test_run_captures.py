@@ -24,8 +24,10 @@ def _setup(strategy):
 
 
 def _weights(model):
-    return [np.asarray(v) for v in (model.l1.kernel[...], model.l1.bias[...],
-                                    model.l2.kernel[...], model.l2.bias[...])]
+    return [
+        np.asarray(v)
+        for v in (model.l1.kernel[...], model.l1.bias[...], model.l2.kernel[...], model.l2.bias[...])
+    ]
 
 
 @pytest.mark.parametrize("name", ["OneDevice", "Mirrored4CPU"])
@@ -67,8 +69,9 @@ def test_the_tutorials_captured_step_trains_the_same_bits_as_arguments(name):
 
     for _ in range(3):
         loss = distributed_train_step(batch)
-        ref = strategy.reduce("sum", strategy.run(ref_step, args=(ref_model, ref_optimizer,
-                                                                  batch)), axis=None)
+        ref = strategy.reduce(
+            "sum", strategy.run(ref_step, args=(ref_model, ref_optimizer, batch)), axis=None
+        )
         # The same program arithmetic (only the order of the state arguments differs).
         assert np.asarray(loss).tobytes() == np.asarray(ref).tobytes()
     for a, b in zip(_weights(model), _weights(ref_model)):
@@ -173,8 +176,7 @@ def test_captured_dropout_draws_per_replica_masks_as_the_argument_step():
 
     for _ in range(2):
         out = strategy.experimental_local_results(strategy.run(step, args=(x,)))
-        ref = strategy.experimental_local_results(
-            strategy.run(lambda d, b: d(b), args=(passed, x)))
+        ref = strategy.experimental_local_results(strategy.run(lambda d, b: d(b), args=(passed, x)))
         for a, b in zip(out, ref):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert not np.array_equal(np.asarray(out[0]), np.asarray(out[1]))  # folded per replica
@@ -192,6 +194,7 @@ def test_a_step_defined_inside_a_function_compiles_once():
         def step(inputs):
             traces.append(1)  # a Python side effect runs only while tracing
             return sgd_step(model, optimizer, inputs)
+
         return strategy.run(step, args=(batch,))
 
     for _ in range(3):
@@ -207,6 +210,7 @@ def test_a_changed_captured_constant_recompiles():
     def scaled(scale):
         def step(batch):
             return batch * scale
+
         return _total(strategy, strategy.run(step, args=(x,)))
 
     assert scaled(2.0) == 4.0  # 2 rows x 2.0
@@ -222,7 +226,7 @@ def test_a_capture_that_is_also_an_argument_is_one_object():
 
     def step(m, batch):
         m.kernel[...] = m.kernel[...] + 1.0  # through the argument ...
-        return model(batch)                   # ... seen through the capture
+        return model(batch)  # ... seen through the capture
 
     x = next(iter(strategy.experimental_distribute_dataset(np.ones((2, 2), np.float32))))
     out = strategy.run(step, args=(model, x))
@@ -267,8 +271,10 @@ def test_state_held_by_an_object_that_cannot_be_copied_is_refused_with_the_fix()
     def step(x):
         return holder.model(x)
 
-    with pytest.raises(mirrax.errors.CapturedStateError,
-                       match=r"through a _Uncopyable \(model\).*could not copy.*Pass the NNX objects"):
+    with pytest.raises(
+        mirrax.errors.CapturedStateError,
+        match=r"through a _Uncopyable \(model\).*could not copy.*Pass the NNX objects",
+    ):
         mirrored(2).run(step, args=(np.ones((2, 2), np.float32),))
 
 

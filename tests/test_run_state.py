@@ -67,10 +67,17 @@ def test_donation_gives_the_same_numbers_as_a_copy_of_every_array():
         held, out = [], []
         for _ in range(3):
             if hold:
-                held.append([v.get_raw_value() for v in jax.tree.leaves(
-                    nnx.state((model, optimizer)), is_leaf=lambda v: isinstance(v, nnx.Variable))])
-            out.append(np.asarray(strategy.reduce("sum", strategy.run(
-                sgd_step, args=(model, optimizer, batch)))))
+                held.append(
+                    [
+                        v.get_raw_value()
+                        for v in jax.tree.leaves(
+                            nnx.state((model, optimizer)), is_leaf=lambda v: isinstance(v, nnx.Variable)
+                        )
+                    ]
+                )
+            out.append(
+                np.asarray(strategy.reduce("sum", strategy.run(sgd_step, args=(model, optimizer, batch))))
+            )
         losses[hold] = (out, np.asarray(model.l2.kernel.get_value()))
     np.testing.assert_array_equal(losses[False][0], losses[True][0])
     np.testing.assert_array_equal(losses[False][1], losses[True][1])
@@ -172,6 +179,7 @@ def test_variables_holding_no_array_or_several_are_written_back_to_themselves():
     for a parameter outside a group) carries no array, one holding a tuple carries two; the
     step's new values go to their own Variables (on main the flat list was written in order
     into the three Variables, each getting another's value)."""
+
     class Held(nnx.Module):
         def __init__(self):
             self.empty = nnx.Variable(optax.MaskedNode())

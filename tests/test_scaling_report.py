@@ -27,8 +27,7 @@ ADAM_BYTES = 2 * GRADIENT_BYTES + 4  # mu and nu, float32 like the parameters, a
 # 1 GB/s, 10 µs per ring step, 5 µs per collective: easy numbers to check by hand.
 LINK = LinkModel("test", bandwidth_gbps=1.0, latency_us=10.0, base_latency_us=5.0)
 _RNG = np.random.default_rng(0)
-BATCH = (_RNG.standard_normal((4, 8)).astype(np.float32),
-         _RNG.integers(0, 4, 4).astype(np.int32))
+BATCH = (_RNG.standard_normal((4, 8)).astype(np.float32), _RNG.integers(0, 4, 4).astype(np.int32))
 
 
 class MLP(nnx.Module):
@@ -60,14 +59,23 @@ def _objects():
 @pytest.fixture(scope="module")
 def report():
     # 8 replicas on 4 of this process's devices: rows 1, 2, 4 compiled, 8 extrapolated.
-    return scaling_report(train_step, BATCH, _objects(), max_replicas=8, link=LINK,
-                          timing_windows=1, devices=jax.devices()[:4])
+    return scaling_report(
+        train_step, BATCH, _objects(), max_replicas=8, link=LINK, timing_windows=1, devices=jax.devices()[:4]
+    )
 
 
 @pytest.fixture(scope="module")
 def sharded_report():
-    return scaling_report(train_step, BATCH, _objects(), max_replicas=2, link=LINK,
-                          overlap=0.5, shard_optimizer_state=True, timing_windows=1)
+    return scaling_report(
+        train_step,
+        BATCH,
+        _objects(),
+        max_replicas=2,
+        link=LINK,
+        overlap=0.5,
+        shard_optimizer_state=True,
+        timing_windows=1,
+    )
 
 
 def test_the_collectives_move_the_gradient_bytes_once(report):
@@ -117,7 +125,8 @@ def test_the_step_time_is_the_link_arithmetic_on_the_measured_step(report):
     # Gloo's way: a combined all-reduce of 10 arrays pays the 2 ring steps of each of them.
     gloo = LinkModel("gloo", bandwidth_gbps=1.0, latency_us=10.0, per_operand=True)
     assert gloo.seconds("all-reduce", 1e6, 2, operands=10) == pytest.approx(
-        10 * 2 * 10e-6 + 1e6 / 1e9)  # 0.2 ms + 1 ms
+        10 * 2 * 10e-6 + 1e6 / 1e9
+    )  # 0.2 ms + 1 ms
 
 
 def test_sharded_state_is_one_over_r_with_reduce_scatter_and_all_gather(sharded_report):
@@ -143,7 +152,8 @@ def test_the_table_json_and_caller_objects(report):
     data = json.loads(report.to_json())
     assert [r["replicas"] for r in data["rows"]] == [1, 2, 4, 8]
     assert data["rows"][1]["collectives"] == {
-        "all-reduce": {"instructions": 1, "payload_bytes": GRADIENT_BYTES}}
+        "all-reduce": {"instructions": 1, "payload_bytes": GRADIENT_BYTES}
+    }
     assert data["link"]["bandwidth_gbps"] == 1.0
 
 
@@ -162,8 +172,7 @@ def jax_leaves(objects):
 
 def test_cli_prints_json_and_writes_the_plot(capsys, tmp_path):
     png = tmp_path / "speedup.png"
-    assert main(["report", "--max-replicas", "4", "--json", "--plot", str(png),
-                 "--timing-windows", "1"]) == 0
+    assert main(["report", "--max-replicas", "4", "--json", "--plot", str(png), "--timing-windows", "1"]) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     # The tutorial CNN on 8x8 digits: conv 3*3*1*32 + 32, conv 3*3*32*64 + 64,
@@ -171,28 +180,44 @@ def test_cli_prints_json_and_writes_the_plot(capsys, tmp_path):
     assert data["parameters"] == 72_842 and data["gradient_bytes"] == 4 * 72_842
     assert [r["replicas"] for r in data["rows"]] == [1, 2, 4]
     assert data["per_replica_batch"] == 16 and data["rows"][2]["global_batch"] == 64
-    assert data["rows"][2]["sent_bytes"] == pytest.approx(2 * 3 / 4 * data["rows"][2][
-        "payload_bytes"])
+    assert data["rows"][2]["sent_bytes"] == pytest.approx(2 * 3 / 4 * data["rows"][2]["payload_bytes"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote the speedup plot to {png}" in captured.err
 
 
-@pytest.mark.parametrize("kwargs, error, fragments", [
-    (dict(link="nvlnk"), errors.InvalidArgumentError,
-     ("unknown link 'nvlnk'", "nvlink, pcie, ethernet-100g, local", "bandwidth_gbps=")),
-    (dict(bandwidth_gbps=0), errors.InvalidArgumentError,
-     ("bandwidth_gbps must be a finite number > 0 (GB/s); received 0", "e.g. 25")),
-    (dict(bandwidth_gbps=-3.0), errors.InvalidArgumentError, ("received -3.0",)),
-    (dict(latency_us=5.0), errors.InvalidArgumentError,
-     ("latency_us=5.0 was given without a bandwidth", "Add bandwidth_gbps=")),
-    (dict(max_replicas=3), errors.InvalidArgumentError,
-     ("max_replicas must be a power of two", "received 3. Use 2 or 4")),
-    (dict(max_replicas=0), errors.InvalidArgumentError,
-     ("max_replicas must be >= 1; received 0",)),
-    (dict(max_replicas=4.0), errors.InvalidArgumentTypeError,
-     ("max_replicas must be an int >= 1; received 4.0 (float)",)),
-    (dict(overlap=1.5), errors.InvalidArgumentError, ("in [0, 1]; received 1.5",)),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, fragments",
+    [
+        (
+            dict(link="nvlnk"),
+            errors.InvalidArgumentError,
+            ("unknown link 'nvlnk'", "nvlink, pcie, ethernet-100g, local", "bandwidth_gbps="),
+        ),
+        (
+            dict(bandwidth_gbps=0),
+            errors.InvalidArgumentError,
+            ("bandwidth_gbps must be a finite number > 0 (GB/s); received 0", "e.g. 25"),
+        ),
+        (dict(bandwidth_gbps=-3.0), errors.InvalidArgumentError, ("received -3.0",)),
+        (
+            dict(latency_us=5.0),
+            errors.InvalidArgumentError,
+            ("latency_us=5.0 was given without a bandwidth", "Add bandwidth_gbps="),
+        ),
+        (
+            dict(max_replicas=3),
+            errors.InvalidArgumentError,
+            ("max_replicas must be a power of two", "received 3. Use 2 or 4"),
+        ),
+        (dict(max_replicas=0), errors.InvalidArgumentError, ("max_replicas must be >= 1; received 0",)),
+        (
+            dict(max_replicas=4.0),
+            errors.InvalidArgumentTypeError,
+            ("max_replicas must be an int >= 1; received 4.0 (float)",),
+        ),
+        (dict(overlap=1.5), errors.InvalidArgumentError, ("in [0, 1]; received 1.5",)),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_work(kwargs, error, fragments):
     with pytest.raises(error) as info:
         scaling_report(train_step, BATCH, _objects(), **kwargs)
@@ -201,8 +226,9 @@ def test_bad_arguments_are_refused_before_any_work(kwargs, error, fragments):
 
 
 def test_an_uncompiled_model_is_refused():
-    with pytest.raises(errors.NotCompiledError,
-                       match=r"scaling_report: the model is not compiled\. Call model\.compile"):
+    with pytest.raises(
+        errors.NotCompiledError, match=r"scaling_report: the model is not compiled\. Call model\.compile"
+    ):
         scaling_report(mirrax.Model(MLP()), BATCH)
 
 
@@ -229,20 +255,30 @@ def _compiled_model():
     return model
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max-replicas", "3"], "argument --max-replicas: expected a power of two >= 1 (1, 2, 4, "
-     "8, ...), received '3'"),
-    (["--max-replicas", "0"], "received '0'"),
-    (["--link", "nvlnk"], "argument --link: invalid choice: 'nvlnk'"),
-    (["--bandwidth", "0"], "argument --bandwidth: expected a finite number > 0"),
-    (["--latency", "-1"], "argument --latency: expected a finite number >= 0"),
-    (["--overlap", "2"], "argument --overlap: expected a number from 0 to 1"),
-    # Before: refused by scaling_report, after loading the data and building the model (20 s).
-    (["--latency", "5"], "--latency 5 was given without --bandwidth; a link needs both. Add "
-     "--bandwidth GB/S"),
-    (["--link", "local", "--bandwidth", "3"], "--link local is measured on this machine, so it "
-     "takes no numbers; received --bandwidth 3. Drop --bandwidth 3"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--max-replicas", "3"],
+            "argument --max-replicas: expected a power of two >= 1 (1, 2, 4, 8, ...), received '3'",
+        ),
+        (["--max-replicas", "0"], "received '0'"),
+        (["--link", "nvlnk"], "argument --link: invalid choice: 'nvlnk'"),
+        (["--bandwidth", "0"], "argument --bandwidth: expected a finite number > 0"),
+        (["--latency", "-1"], "argument --latency: expected a finite number >= 0"),
+        (["--overlap", "2"], "argument --overlap: expected a number from 0 to 1"),
+        # Before: refused by scaling_report, after loading the data and building the model (20 s).
+        (
+            ["--latency", "5"],
+            "--latency 5 was given without --bandwidth; a link needs both. Add --bandwidth GB/S",
+        ),
+        (
+            ["--link", "local", "--bandwidth", "3"],
+            "--link local is measured on this machine, so it "
+            "takes no numbers; received --bandwidth 3. Drop --bandwidth 3",
+        ),
+    ],
+)
 def test_cli_bad_arguments_exit_2_naming_the_value(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["report", *argv])
@@ -250,23 +286,23 @@ def test_cli_bad_arguments_exit_2_naming_the_value(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_refuses_a_plot_suffix_that_is_no_image_format_before_any_work(capsys, tmp_path,
-                                                                         monkeypatch):
+def test_cli_refuses_a_plot_suffix_that_is_no_image_format_before_any_work(capsys, tmp_path, monkeypatch):
     from mirrax._src.cli import report as cli_report
 
     # Before: the whole report ran, then PNG bytes were written to out.txt.
     monkeypatch.setattr(cli_report, "report", lambda args: pytest.fail("the report ran"))
     assert main(["report", "--plot", str(tmp_path / "out.txt")]) == 1
-    assert "mirrax report: error: plot: the file's suffix names its format, one of .png, " \
+    assert (
+        "mirrax report: error: plot: the file's suffix names its format, one of .png, "
         ".svg, .pdf; received" in capsys.readouterr().err
+    )
     assert not (tmp_path / "out.txt").exists()
 
 
 def test_the_plot_is_written_in_the_format_its_suffix_names(report, tmp_path):
     # Each format's signature: PNG's 8 bytes, SVG's XML prologue, PDF's header (before: PNG
     # bytes under every name).
-    for name, signature in (("s.svg", b"<?xml"), ("s.PDF", b"%PDF-"),
-                            ("s.png", b"\x89PNG\r\n\x1a\n")):
+    for name, signature in (("s.svg", b"<?xml"), ("s.PDF", b"%PDF-"), ("s.png", b"\x89PNG\r\n\x1a\n")):
         report.plot(tmp_path / name)
         assert (tmp_path / name).read_bytes().startswith(signature), name
 
@@ -274,9 +310,11 @@ def test_the_plot_is_written_in_the_format_its_suffix_names(report, tmp_path):
 def test_a_bare_module_is_refused_with_the_mirrax_model_route():
     # Before: the module ran as the step on the (x, y) tuple and JAX said "Cannot concatenate
     # arrays with different numbers of dimensions".
-    with pytest.raises(errors.InvalidArgumentTypeError,
-                       match=r"step_or_model is a bare model \(MLP\).*Wrap it in a compiled "
-                             r"mirrax\.Model: model = mirrax\.Model\(module\)"):
+    with pytest.raises(
+        errors.InvalidArgumentTypeError,
+        match=r"step_or_model is a bare model \(MLP\).*Wrap it in a compiled "
+        r"mirrax\.Model: model = mirrax\.Model\(module\)",
+    ):
         scaling_report(MLP(), BATCH)
     keras = pytest.importorskip("keras")
     dense = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
@@ -287,11 +325,13 @@ def test_a_bare_module_is_refused_with_the_mirrax_model_route():
 def test_the_hlo_reader_takes_the_outputs_of_asynchronous_starts_and_fp8_sizes():
     from mirrax._src.report import hlo
 
-    text = "\n".join([
-        "  %ag = (f32[128], f32[1024]) all-gather-start(f32[128] %p), dimensions={0}",
-        "  %cp = (f8e4m3fn[64], f8e4m3fn[64], u32[], u32[]) collective-permute-start(f8e4m3fn[64] %q)",
-        "  %ar = f32[10] all-reduce(f32[10] %r), to_apply=%add",
-    ])
+    text = "\n".join(
+        [
+            "  %ag = (f32[128], f32[1024]) all-gather-start(f32[128] %p), dimensions={0}",
+            "  %cp = (f8e4m3fn[64], f8e4m3fn[64], u32[], u32[]) collective-permute-start(f8e4m3fn[64] %q)",
+            "  %ar = f32[10] all-reduce(f32[10] %r), to_apply=%add",
+        ]
+    )
     ops = hlo.collectives(text)
     # all-gather-start's (operand, output): the 1024-float output, 4 * 1024 bytes, not + 4 * 128;
     # collective-permute-start's output: 64 one-byte floats; the all-reduce: 4 * 10.
@@ -309,8 +349,7 @@ def test_batch_bytes_count_what_the_device_receives():
     from mirrax._src.report import subject
 
     model, optimizer = _objects()
-    study = subject.from_step(train_step, (np.zeros((4, 8)), np.zeros(4, np.int64)),
-                              (model, optimizer), None)
+    study = subject.from_step(train_step, (np.zeros((4, 8)), np.zeros(4, np.int64)), (model, optimizer), None)
     # float64 and int64 on the host are float32 and int32 on the device (x64 off):
     # 4 * 8 * 4 + 4 * 4 = 144 bytes, not the host's 288.
     assert study.batch_bytes == 144

@@ -30,9 +30,9 @@ def test_a_scan_from_zeros_over_the_batch_sums_each_replicas_rows(unroll):
     def step(rows, w):
         def final(w):
             # carry' = w * carry + row, from 0: c4 = w^3 a + w^2 b + w c + d
-            carry, _ = jax.lax.scan(lambda c, r: (w * c + r, None), jnp.zeros(()), rows,
-                                    unroll=unroll)
+            carry, _ = jax.lax.scan(lambda c, r: (w * c + r, None), jnp.zeros(()), rows, unroll=unroll)
             return carry
+
         return final(w), jax.grad(final)(w)
 
     carry, grad = strategy.run(step, args=(_rows(strategy, x), jnp.float32(1.0)))
@@ -49,8 +49,9 @@ def test_fori_loop_and_while_loop_from_zeros_over_the_batch_run_too():
 
     def step(rows):
         fori = jax.lax.fori_loop(0, 4, lambda i, c: c + rows[i], jnp.zeros(()))
-        total, _ = jax.lax.while_loop(lambda c: c[1] < 4, lambda c: (c[0] + rows[c[1]], c[1] + 1),
-                                      (jnp.zeros(()), 0))
+        total, _ = jax.lax.while_loop(
+            lambda c: c[1] < 4, lambda c: (c[0] + rows[c[1]], c[1] + 1), (jnp.zeros(()), 0)
+        )
         return fori, total
 
     fori, total = strategy.run(step, args=(_rows(strategy, x),))
@@ -67,8 +68,11 @@ def _series(n=16, steps=5):
 _KERAS_STACKS = {
     "lstm": lambda: [layers.LSTM(4)],
     "gru_simple_bidirectional": lambda: [
-        layers.GRU(4, return_sequences=True), layers.SimpleRNN(3, return_sequences=True),
-        layers.Bidirectional(layers.LSTM(3, return_sequences=True)), layers.Flatten()],
+        layers.GRU(4, return_sequences=True),
+        layers.SimpleRNN(3, return_sequences=True),
+        layers.Bidirectional(layers.LSTM(3, return_sequences=True)),
+        layers.Flatten(),
+    ],
 }
 
 
@@ -76,8 +80,9 @@ def _keras_fitted(strategy, stack="lstm", batch_size=8, epochs=2, **compile_kwar
     x, y = _series()
     keras.utils.set_random_seed(0)
     with strategy.scope(), jax.numpy_rank_promotion("allow"):
-        model = mirrax.Model(keras.Sequential([keras.Input((5, 2)), *_KERAS_STACKS[stack](),
-                                               layers.Dense(1)]))
+        model = mirrax.Model(
+            keras.Sequential([keras.Input((5, 2)), *_KERAS_STACKS[stack](), layers.Dense(1)])
+        )
         model.compile(optimizer="adam", loss="mse", **compile_kwargs)
         model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model
@@ -87,8 +92,7 @@ def _keras_fit(strategy, stack):
     return _keras_fitted(strategy, stack).get_weights()
 
 
-@pytest.mark.parametrize("stack, replicas", [("lstm", (1, 2, 4)),
-                                             ("gru_simple_bidirectional", (1, 4))])
+@pytest.mark.parametrize("stack, replicas", [("lstm", (1, 2, 4)), ("gru_simple_bidirectional", (1, 4))])
 def test_keras_recurrent_layers_fit_alike_on_1_2_and_4_replicas(stack, replicas):
     one, *others = [_keras_fit(mirrored(r), stack) for r in replicas]
     for weights in others:
@@ -116,7 +120,8 @@ def _nnx_loop(strategy):
     def step(model, optimizer, batch):
         xb, yb = batch
         loss_fn = lambda m: mirrax.compute_average_loss(  # noqa: E731
-            jnp.mean((m(xb) - yb) ** 2, axis=-1), global_batch_size=8)
+            jnp.mean((m(xb) - yb) ** 2, axis=-1), global_batch_size=8
+        )
         loss, grads = mirrax.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
         return loss
@@ -134,9 +139,13 @@ def test_an_nnx_rnn_trains_alike_on_1_2_and_4_replicas():
 
 
 def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replicas():
-    results = [_keras_fit(strategy, "lstm") for strategy in (
-        mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=4),
-        mirrax.MirroredStrategy(jax.devices()[:4], replica_invariant=True, micro_batches=4))]
+    results = [
+        _keras_fit(strategy, "lstm")
+        for strategy in (
+            mirrax.OneDeviceStrategy("cpu:0", replica_invariant=True, micro_batches=4),
+            mirrax.MirroredStrategy(jax.devices()[:4], replica_invariant=True, micro_batches=4),
+        )
+    ]
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 
@@ -144,14 +153,17 @@ def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replica
 def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alike():
     x, y = _series()
     results = []
-    for strategy in (mirrored(1), mirrax.MirroredStrategy(jax.devices()[:4],
-                                                          shard_optimizer_state=True)):
+    for strategy in (mirrored(1), mirrax.MirroredStrategy(jax.devices()[:4], shard_optimizer_state=True)):
         model = _keras_fitted(strategy)
         with jax.numpy_rank_promotion("allow"):
             # 6 rows at a batch of 4: a padded, masked last batch on 4 replicas (1,1,0,0).
-            results.append((model.get_weights(),
-                            model.evaluate(x[:6], y[:6], batch_size=4, verbose=0),
-                            model.predict(x[:6], batch_size=4, verbose=0)))
+            results.append(
+                (
+                    model.get_weights(),
+                    model.evaluate(x[:6], y[:6], batch_size=4, verbose=0),
+                    model.predict(x[:6], batch_size=4, verbose=0),
+                )
+            )
     (w1, loss1, p1), (w4, loss4, p4) = results
     assert p4.shape == p1.shape == (6, 1)
     # 1e-6: the same terms summed in another order across replicas (and the sharded update).
@@ -162,7 +174,9 @@ def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alik
 
 
 def test_an_lstm_fits_k_steps_per_execution_as_one_at_a_time():
-    results = [_keras_fitted(mirrored(4), batch_size=4, epochs=1,
-                             steps_per_execution=k).get_weights() for k in (1, 2)]
+    results = [
+        _keras_fitted(mirrored(4), batch_size=4, epochs=1, steps_per_execution=k).get_weights()
+        for k in (1, 2)
+    ]
     for a, b in zip(*results):
         assert np.array_equal(a, b)  # the same steps in the same order: k only groups them

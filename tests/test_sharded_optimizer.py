@@ -36,8 +36,7 @@ SIZES = (8, 16, 16, 10)  # the 10-wide bias has no dimension 4 divides: it stays
 
 
 def _strategy(replicas, shard=True, **options):
-    return mirrax.MirroredStrategy(jax.devices()[:replicas], shard_optimizer_state=shard,
-                                   **options)
+    return mirrax.MirroredStrategy(jax.devices()[:replicas], shard_optimizer_state=shard, **options)
 
 
 def _data(seed=0, features=SIZES[0]):
@@ -55,8 +54,7 @@ def _build(strategy, tx, sizes=SIZES):
 
 
 def _loss(model, x, y):
-    return mirrax.compute_average_loss(
-        optax.softmax_cross_entropy_with_integer_labels(model(x), y))
+    return mirrax.compute_average_loss(optax.softmax_cross_entropy_with_integer_labels(model(x), y))
 
 
 def _run_once(strategy, model, optimizer, step):
@@ -67,6 +65,7 @@ def _run_once(strategy, model, optimizer, step):
 def _step(grad="mirrax", **options):
     """A train step: gradients from `mirrax.value_and_grad(_loss, **options)` (or
     `nnx.value_and_grad`), one `optimizer.update`; returns this replica's loss share."""
+
     def step(model, optimizer, batch):
         if grad == "mirrax":
             loss, grads = mirrax.value_and_grad(_loss, **options)(model, *batch)
@@ -98,19 +97,19 @@ def _assert_close(left, right, tolerance=TOLERANCE):
 TRANSFORMS = {
     "adam": lambda: optax.adam(1e-2),
     # The norm is global: XLA sums the squares over every slice of every gradient.
-    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05),
-                                               optax.adam(1e-2)),
+    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
     "masked_weight_decay": lambda: optax.adamw(
-        1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)),
+        1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+    ),
 }
 
 
 def test_shard_dimension_is_the_first_one_the_replica_count_divides():
     assert sharded_optimizer.shard_dimension((16, 10), 4) == 0
-    assert sharded_optimizer.shard_dimension((10, 16), 4) == 1   # 10 % 4 = 2, 16 % 4 = 0
-    assert sharded_optimizer.shard_dimension((10,), 4) is None   # kept whole
-    assert sharded_optimizer.shard_dimension((2,), 4) is None    # smaller than the count
-    assert sharded_optimizer.shard_dimension((), 4) is None      # a scalar (a step count)
+    assert sharded_optimizer.shard_dimension((10, 16), 4) == 1  # 10 % 4 = 2, 16 % 4 = 0
+    assert sharded_optimizer.shard_dimension((10,), 4) is None  # kept whole
+    assert sharded_optimizer.shard_dimension((2,), 4) is None  # smaller than the count
+    assert sharded_optimizer.shard_dimension((), 4) is None  # a scalar (a step count)
     assert sharded_optimizer.shard_dimension((9, 4), 3) == 0
 
 
@@ -130,16 +129,17 @@ def test_state_arrays_are_split_and_small_ones_stay_whole():
     strategy = _strategy(4)
     model, optimizer = _build(strategy, optax.adam(1e-2))
     _train(strategy, model, optimizer, 1)
-    specs = {"/".join(map(str, path)): variable.get_value().sharding.spec
-             for path, variable in nnx.to_flat_state(nnx.state(optimizer))}
+    specs = {
+        "/".join(map(str, path)): variable.get_value().sharding.spec
+        for path, variable in nnx.to_flat_state(nnx.state(optimizer))
+    }
     replicated, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("replica")
-    assert specs["opt_state/0/count"] == replicated          # int32 scalar
+    assert specs["opt_state/0/count"] == replicated  # int32 scalar
     assert specs["opt_state/0/mu/layers/0/kernel"] == split  # (8, 16): dimension 0
     assert specs["opt_state/0/nu/layers/2/kernel"] == split  # (16, 10): dimension 0
     assert specs["opt_state/0/mu/layers/2/bias"] == replicated  # (10,): 4 divides nothing
     assert specs["step"] == replicated
-    for variable in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(
-            v, nnx.Variable)):
+    for variable in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)):
         assert variable.get_value().sharding.spec == replicated  # parameters stay whole
 
 
@@ -156,8 +156,7 @@ def test_three_replicas_split_what_three_divides():
         results.append(_arrays(model, optimizer))
         mu = optimizer.opt_state[0].mu["layers"]
         if shard:
-            assert mu[0]["bias"].get_value().sharding.spec == jax.sharding.PartitionSpec(
-                "replica")
+            assert mu[0]["bias"].get_value().sharding.spec == jax.sharding.PartitionSpec("replica")
             assert mu[1]["bias"].get_value().sharding.spec == jax.sharding.PartitionSpec()
     _assert_close(*results)
 
@@ -170,13 +169,15 @@ def test_fit_matches_the_unsharded_fit():
         strategy = _strategy(4, shard)
         with strategy.scope():
             model = mirrax.Model(MLP(SIZES, nnx.Rngs(0)))
-            model.compile(optimizer=optax.adam(1e-2), metrics=["accuracy"],
-                          loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=optax.adam(1e-2),
+                metrics=["accuracy"],
+                loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, verbose=0)
         histories.append(history.history)
         weights.append([np.asarray(w) for w in model.get_weights()])
-    np.testing.assert_allclose(histories[0]["loss"], histories[1]["loss"], rtol=0,
-                               atol=TOLERANCE)
+    np.testing.assert_allclose(histories[0]["loss"], histories[1]["loss"], rtol=0, atol=TOLERANCE)
     assert histories[0]["accuracy"] == histories[1]["accuracy"]
     _assert_close(*weights)
 
@@ -194,8 +195,12 @@ def test_replica_invariant_mode_is_bitwise_the_unsharded_one():
 
 def _device_bytes(objects, device) -> int:
     """Bytes of the objects' arrays held on `device` (their shards there)."""
-    return sum(shard.data.nbytes for a in jax.tree.leaves(nnx.state(objects))
-               for shard in a.addressable_shards if shard.device == device)
+    return sum(
+        shard.data.nbytes
+        for a in jax.tree.leaves(nnx.state(objects))
+        for shard in a.addressable_shards
+        if shard.device == device
+    )
 
 
 def test_adam_state_per_device_is_a_quarter_at_four_replicas():
@@ -209,8 +214,9 @@ def test_adam_state_per_device_is_a_quarter_at_four_replicas():
         _train(strategy, model, optimizer, 1, data=data)
         sizes_by_mode[shard] = _device_bytes((model, optimizer), jax.devices()[0])
         batch = next(iter(strategy.experimental_distribute_dataset(data)))
-        lowered[shard] = strategy.experimental_lower(
-            _step(), args=(model, optimizer, batch)).compile().memory_analysis()
+        lowered[shard] = (
+            strategy.experimental_lower(_step(), args=(model, optimizer, batch)).compile().memory_analysis()
+        )
     # P = 64*256 + 256 + 256*256 + 256 + 256*10 + 10 = 84,746 float32 parameters. Unsharded:
     # P + 2P (Adam's moments) + 2 scalars. Sharded: P + 2(P - 10)/4 + 2*10 (the 10-wide
     # bias's moments stay whole) + 2 scalars: 0.5000x of 3P to four digits, <= 0.55 required.
@@ -219,12 +225,13 @@ def test_adam_state_per_device_is_a_quarter_at_four_replicas():
     assert sizes_by_mode[True] == 4 * (p + 2 * (p - 10) // 4 + 2 * 10) + 4 + 4
     assert sizes_by_mode[True] <= 0.55 * sizes_by_mode[False]
     if lowered[True] is not None:  # XLA's own count of the program's inputs per device
-        assert (lowered[True].argument_size_in_bytes
-                <= 0.55 * lowered[False].argument_size_in_bytes + 4 * 16 * 64 // 4 + 1024)
+        assert (
+            lowered[True].argument_size_in_bytes
+            <= 0.55 * lowered[False].argument_size_in_bytes + 4 * 16 * 64 // 4 + 1024
+        )
 
 
-_COLLECTIVE = re.compile(
-    r"=\s*(\(.*?\)|\S+)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
 _ARRAY = re.compile(r"(f32|s32|u32|bf16|f16)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2}
 
@@ -237,8 +244,10 @@ def _wire_bytes(hlo: str, replicas: int) -> dict:
     traffic.) Shapes read are the instructions' results."""
     sent = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
     for shape, kind in _COLLECTIVE.findall(hlo):
-        size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                   for t, dims in _ARRAY.findall(shape))
+        size = sum(
+            _BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            for t, dims in _ARRAY.findall(shape)
+        )
         whole = size * replicas if kind == "reduce-scatter" else size
         factor = 2 if kind == "all-reduce" else 1
         sent[kind] += factor * (replicas - 1) / replicas * whole
@@ -251,8 +260,7 @@ def test_the_bytes_on_the_wire_are_one_all_reduces():
         strategy = _strategy(4, shard)
         model, optimizer = _build(strategy, optax.adam(1e-3))
         batch = next(iter(strategy.experimental_distribute_dataset(_data())))
-        hlo = strategy.experimental_lower(_step(), args=(model, optimizer, batch)).compile(
-        ).as_text()
+        hlo = strategy.experimental_lower(_step(), args=(model, optimizer, batch)).compile().as_text()
         sent[shard] = _wire_bytes(hlo, 4)
     assert sent[False]["reduce-scatter"] == sent[False]["all-gather"] == 0
     assert sent[True]["reduce-scatter"] > 0 and sent[True]["all-gather"] > 0
@@ -300,10 +308,10 @@ def test_two_workers_of_two_devices_equal_one_process_of_four(tmp_path):
         # Each worker holds 2 of the 4 rows of the (4, 8) kernel's first moment: one per device.
         assert worker["mu_spec"] == single["mu_spec"] == ["replica"]
         assert worker["mu_local_rows"] == [1, 1] and single["mu_local_rows"] == [1, 1, 1, 1]
-        np.testing.assert_allclose(worker["history"]["loss"], single["history"]["loss"],
-                                   rtol=0, atol=TOLERANCE)
-        np.testing.assert_allclose(worker["custom_losses"], single["custom_losses"], rtol=0,
-                                   atol=TOLERANCE)
+        np.testing.assert_allclose(
+            worker["history"]["loss"], single["history"]["loss"], rtol=0, atol=TOLERANCE
+        )
+        np.testing.assert_allclose(worker["custom_losses"], single["custom_losses"], rtol=0, atol=TOLERANCE)
         for key in ("weights", "custom_weights"):
             for mine, reference in zip(worker[key], single[key]):
                 np.testing.assert_allclose(mine, reference, rtol=0, atol=TOLERANCE)
@@ -313,9 +321,11 @@ def test_two_workers_of_two_devices_equal_one_process_of_four(tmp_path):
 
 
 def test_a_flag_that_is_not_a_bool_is_refused():
-    with pytest.raises(mirrax.errors.InvalidArgumentTypeError,
-                       match=r"MirroredStrategy: shard_optimizer_state must be True or False; "
-                             r"received 'yes' of type str"):
+    with pytest.raises(
+        mirrax.errors.InvalidArgumentTypeError,
+        match=r"MirroredStrategy: shard_optimizer_state must be True or False; "
+        r"received 'yes' of type str",
+    ):
         mirrax.MirroredStrategy(shard_optimizer_state="yes")
 
 
@@ -329,9 +339,11 @@ def test_two_updates_in_one_step_are_refused():
         optimizer.update(model, grads)
         return loss
 
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"twice calls optimizer.update twice in one step .* "
-                             r"shard_optimizer_state=True"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"twice calls optimizer.update twice in one step .* "
+        r"shard_optimizer_state=True",
+    ):
         _run_once(strategy, model, optimizer, twice)
 
 
@@ -345,9 +357,11 @@ def test_gradients_that_differ_across_replicas_are_refused():
         optimizer.update(model, jax.tree.map(lambda g: g * (1 + replica), grads))
         return loss
 
-    with pytest.raises(mirrax.errors.VaryingVariableError,
-                       match=r"skewed passes optimizer.update gradients that differ across "
-                             r"replicas"):
+    with pytest.raises(
+        mirrax.errors.VaryingVariableError,
+        match=r"skewed passes optimizer.update gradients that differ across "
+        r"replicas",
+    ):
         _run_once(strategy, model, optimizer, skewed)
 
 
@@ -355,15 +369,19 @@ def test_fit_refuses_several_steps_per_execution_and_dynamic_loss_scaling():
     strategy = _strategy(2)
     with strategy.scope():
         model = mirrax.Model(MLP(SIZES, nnx.Rngs(0)))
-        with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                           match=r"steps_per_execution=2 is not supported on a strategy with "
-                                 r"shard_optimizer_state=True"):
+        with pytest.raises(
+            mirrax.errors.UnsupportedArgumentError,
+            match=r"steps_per_execution=2 is not supported on a strategy with "
+            r"shard_optimizer_state=True",
+        ):
             model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
         mirrax.mixed_precision.set_global_policy("mixed_float16")
         try:
-            with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                               match=r"'mixed_float16' policy's dynamic loss scaling is not "
-                                     r"supported"):
+            with pytest.raises(
+                mirrax.errors.UnsupportedArgumentError,
+                match=r"'mixed_float16' policy's dynamic loss scaling is not "
+                r"supported",
+            ):
                 model.compile(optimizer="adam", loss="mse")
         finally:
             mirrax.mixed_precision.set_global_policy("float32")
@@ -383,9 +401,11 @@ def test_a_step_that_creates_a_variable_is_refused():
         model.extra = nnx.Param(jnp.zeros(3))
         return batch[0].sum()
 
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"grows creates or removes variables, which a strategy with "
-                             r"shard_optimizer_state=True does not support"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"grows creates or removes variables, which a strategy with "
+        r"shard_optimizer_state=True does not support",
+    ):
         strategy.run(grows, args=(model, optimizer, batch))
 
 
@@ -401,8 +421,7 @@ def test_the_update_is_deferred_whatever_splits():
     for replicas, tx in ((4, optax.sgd(0.1)), (3, optax.adam(1e-2))):
         strategy = _strategy(replicas)
         model, optimizer = _build(strategy, tx)
-        batch = next(iter(strategy.experimental_distribute_dataset(
-            (_data()[0][:12], _data()[1][:12]))))
+        batch = next(iter(strategy.experimental_distribute_dataset((_data()[0][:12], _data()[1][:12]))))
         change, returned_none = strategy.run(step, args=(model, optimizer, batch))
         assert float(strategy.experimental_local_results(change)[0]) == 0.0
         assert bool(strategy.experimental_local_results(returned_none)[0])
@@ -423,14 +442,18 @@ def test_changing_parameters_after_the_update_is_refused():
         finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
         before = jax.tree.map(lambda a: a, nnx.state((model, optimizer)))
         optimizer.update(model, grads)
-        nnx.update((model, optimizer), jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), nnx.state((model, optimizer)), before))
+        nnx.update(
+            (model, optimizer),
+            jax.tree.map(lambda new, old: jnp.where(finite, new, old), nnx.state((model, optimizer)), before),
+        )
         return loss
 
     for step in (constrained, guarded):
-        with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                           match=rf"{step.__name__} changes parameters or optimizer state after "
-                                 r"optimizer.update .*optax.apply_if_finite"):
+        with pytest.raises(
+            mirrax.errors.UnsupportedArgumentError,
+            match=rf"{step.__name__} changes parameters or optimizer state after "
+            r"optimizer.update .*optax.apply_if_finite",
+        ):
             _run_once(strategy, model, optimizer, step)
 
 
@@ -445,13 +468,17 @@ def test_unsupported_optimizers_are_named():
         model = MLP(SIZES, nnx.Rngs(0))
         counting = Counting(model, optax.adam(1e-2), wrt=nnx.Param)
         nested = nnx.Optimizer(model, optax.sm3(1e-2), wrt=nnx.Param)
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"takes a Counting, a subclass of nnx.Optimizer that overrides "
-                             r"update"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"takes a Counting, a subclass of nnx.Optimizer that overrides "
+        r"update",
+    ):
         _run_once(strategy, model, counting, step)
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"the state of Optimizer's transformation \(chain, in its "
-                             r"ScaleBySM3State\) holds nested lists or tuples"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"the state of Optimizer's transformation \(chain, in its "
+        r"ScaleBySM3State\) holds nested lists or tuples",
+    ):
         _run_once(strategy, model, nested, step)
 
 
@@ -461,12 +488,13 @@ def test_an_update_inside_a_transformation_and_varying_keywords_are_refused():
 
     def inside_cond(model, optimizer, batch):
         loss, grads = mirrax.value_and_grad(_loss)(model, *batch)
-        nnx.cond(loss < 100.0, lambda m, o, g: o.update(m, g), lambda m, o, g: None,
-                 model, optimizer, grads)
+        nnx.cond(loss < 100.0, lambda m, o, g: o.update(m, g), lambda m, o, g: None, model, optimizer, grads)
         return loss
 
-    with pytest.raises(mirrax.errors.UnsupportedArgumentError,
-                       match=r"inside a JAX or NNX transformation \(nnx.cond, nnx.fori_loop"):
+    with pytest.raises(
+        mirrax.errors.UnsupportedArgumentError,
+        match=r"inside a JAX or NNX transformation \(nnx.cond, nnx.fori_loop",
+    ):
         _run_once(strategy, model, optimizer, inside_cond)
 
     plateau = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=0))
@@ -477,8 +505,9 @@ def test_an_update_inside_a_transformation_and_varying_keywords_are_refused():
         optimizer.update(model, grads, value=loss)  # this replica's share: it varies
         return loss
 
-    with pytest.raises(mirrax.errors.VaryingVariableError,
-                       match=r"keyword arguments that differ across replicas \(value\)"):
+    with pytest.raises(
+        mirrax.errors.VaryingVariableError, match=r"keyword arguments that differ across replicas \(value\)"
+    ):
         _run_once(strategy, model, optimizer, local_value)
 
 
@@ -487,8 +516,9 @@ def test_the_sharded_step_donates_its_state():
     model, optimizer = _build(strategy, optax.adam(1e-3), (64, 256, 256, 10))
     _train(strategy, model, optimizer, 1, data=_data(features=64))  # placed: sharded
     batch = next(iter(strategy.experimental_distribute_dataset(_data(features=64))))
-    analysis = strategy.experimental_lower(_step(), args=(model, optimizer, batch)).compile(
-    ).memory_analysis()
+    analysis = (
+        strategy.experimental_lower(_step(), args=(model, optimizer, batch)).compile().memory_analysis()
+    )
     if analysis is None:
         pytest.skip("no memory analysis on this backend")
     # Parameters (replicated) and this device's moments are rewritten in place: the aliased
@@ -514,8 +544,7 @@ def test_packed_gradients_are_one_reduce_scatter_with_the_same_numbers():
             strategy.run(step, args=(model, optimizer, batch))
         results.append(_arrays(model, optimizer))
         if shard:
-            hlo = strategy.experimental_lower(step, args=(model, optimizer, batch)).compile(
-            ).as_text()
+            hlo = strategy.experimental_lower(step, args=(model, optimizer, batch)).compile().as_text()
             kinds = [kind for _, kind in _COLLECTIVE.findall(hlo)]
             assert kinds.count("reduce-scatter") == 1
     _assert_close(*results)

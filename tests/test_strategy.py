@@ -15,11 +15,14 @@ def test_mirrored_defaults_to_every_local_device():
     assert strategy.mesh.axis_names == (mirrax.REPLICA_AXIS,) == ("replica",)
 
 
-@pytest.mark.parametrize("names", [
-    ["cpu:0", "cpu:1"],
-    ["/cpu:0", "/CPU:1"],
-    ["/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"],
-])
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["cpu:0", "cpu:1"],
+        ["/cpu:0", "/CPU:1"],
+        ["/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"],
+    ],
+)
 def test_device_strings_in_tf_spellings(names):
     strategy = mirrax.MirroredStrategy(names)
     assert list(strategy.mesh.devices.flat) == jax.local_devices()[:2]
@@ -36,7 +39,10 @@ def test_jax_devices_are_accepted():
 
 @pytest.mark.parametrize("bad", ["gpu:0", "cpu:99", "banana"])
 def test_unknown_device_string_lists_the_devices_there_are(bad):
-    with pytest.raises(mirrax.errors.InvalidDeviceError, match=rf"'{bad}' names no device of this process.*this process has: cpu:0, cpu:1"):
+    with pytest.raises(
+        mirrax.errors.InvalidDeviceError,
+        match=rf"'{bad}' names no device of this process.*this process has: cpu:0, cpu:1",
+    ):
         mirrax.MirroredStrategy([bad])
 
 
@@ -47,11 +53,16 @@ def test_empty_and_duplicate_device_lists_are_refused():
         mirrax.MirroredStrategy(["cpu:0", "/cpu:0"])
 
 
-@pytest.mark.parametrize("ops", [mirrax.NcclAllReduce(), mirrax.HierarchicalCopyAllReduce(num_packs=2), mirrax.ReductionToOneDevice()])
+@pytest.mark.parametrize(
+    "ops",
+    [mirrax.NcclAllReduce(), mirrax.HierarchicalCopyAllReduce(num_packs=2), mirrax.ReductionToOneDevice()],
+)
 def test_cross_device_ops_are_accepted_and_change_nothing(ops):
     strategy = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
     assert strategy.cross_device_ops is ops
-    value = strategy.experimental_distribute_values_from_function(lambda c: np.float32(c.replica_id_in_sync_group))
+    value = strategy.experimental_distribute_values_from_function(
+        lambda c: np.float32(c.replica_id_in_sync_group)
+    )
     assert float(strategy.reduce("sum", value)) == 1.0  # 0 + 1
     with pytest.raises(TypeError, match="cross_device_ops must be a mirrax.CrossDeviceOps"):
         mirrax.MirroredStrategy(cross_device_ops="nccl")
@@ -67,7 +78,9 @@ def test_one_device_strategy_runs_on_its_device():
 
 
 def test_tpu_strategy_without_tpus_says_what_to_use():
-    with pytest.raises(mirrax.errors.InvalidDeviceError, match="no TPU devices.*'cpu' with 8 device.*MirroredStrategy"):
+    with pytest.raises(
+        mirrax.errors.InvalidDeviceError, match="no TPU devices.*'cpu' with 8 device.*MirroredStrategy"
+    ):
         mirrax.TPUStrategy()
 
 

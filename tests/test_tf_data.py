@@ -18,7 +18,8 @@ from tests.conftest import mirrored
 from tests.test_training_model import Linear1, identity_model
 
 tf = pytest.importorskip(
-    "tensorflow", reason="TensorFlow is not installed (the test extra has it on x86_64, Python 3.11)")
+    "tensorflow", reason="TensorFlow is not installed (the test extra has it on x86_64, Python 3.11)"
+)
 # TF sizes its op thread pools to the machine's cores; one each, so the tests' JAX devices
 # keep the CPU (set before TF runs any op, which is at collection: before every test).
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -36,8 +37,10 @@ def _dataset():
 
 def _ids(strategy, batches):
     """Each step's per-replica example ids (x[i] = i)."""
-    return [[np.asarray(v)[:, 0].astype(int).tolist()
-             for v in strategy.experimental_local_results(batch[0])] for batch in batches]
+    return [
+        [np.asarray(v)[:, 0].astype(int).tolist() for v in strategy.experimental_local_results(batch[0])]
+        for batch in batches
+    ]
 
 
 def test_importing_tensorflow_leaves_jax_its_8_cpu_devices():

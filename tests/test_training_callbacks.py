@@ -64,8 +64,18 @@ class FakeTTY(io.StringIO):
         return True
 
 
-def fit(model, cbs, epoch_logs, steps=2, batch_logs=None, verbose=0, step_counts=None,
-        clock=None, step_seconds=0.25, params_steps="same"):
+def fit(
+    model,
+    cbs,
+    epoch_logs,
+    steps=2,
+    batch_logs=None,
+    verbose=0,
+    step_counts=None,
+    clock=None,
+    step_seconds=0.25,
+    params_steps="same",
+):
     """Drives the hooks as `Model.fit` does (Keras 3's order).
 
     epoch_logs: one dict per epoch (the number of epochs); `learning_rate` is added as fit does.
@@ -75,8 +85,13 @@ def fit(model, cbs, epoch_logs, steps=2, batch_logs=None, verbose=0, step_counts
     """
     epochs = len(epoch_logs)
     callback_list = callbacks.CallbackList(
-        cbs, add_history=True, add_progbar=verbose != 0, model=model, verbose=verbose,
-        epochs=epochs, steps=steps if params_steps == "same" else params_steps,
+        cbs,
+        add_history=True,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps if params_steps == "same" else params_steps,
     )
     model.stop_training = False
     callback_list.on_train_begin()
@@ -127,8 +142,9 @@ def test_callback_list_dispatches_every_hook_in_order_with_model_and_params():
 
     model = FakeModel()
     first, second = Recorder("a"), Recorder("b")
-    cbl = callbacks.CallbackList([first, [second]], add_history=True, model=model,
-                                 epochs=3, steps=5, verbose=0)
+    cbl = callbacks.CallbackList(
+        [first, [second]], add_history=True, model=model, epochs=3, steps=5, verbose=0
+    )
     assert [type(c).__name__ for c in cbl.callbacks] == ["Recorder", "Recorder", "History"]
     assert first.model is model and second.params == {"epochs": 3, "steps": 5, "verbose": 0}
     assert model.history is cbl.callbacks[2]
@@ -161,13 +177,14 @@ def test_batch_logs_become_python_floats_and_keep_their_order():
 
 def test_history_records_every_epoch_and_is_set_on_the_model():
     model = FakeModel(learning_rate=0.5)
-    logs = [{"loss": 1.0, "accuracy": 0.5, "val_loss": 1.1}, {"loss": 0.5, "accuracy": 0.75,
-                                                              "val_loss": 0.9}]
+    logs = [{"loss": 1.0, "accuracy": 0.5, "val_loss": 1.1}, {"loss": 0.5, "accuracy": 0.75, "val_loss": 0.9}]
     history = fit(model, [], logs)
     assert isinstance(history, callbacks.History) and model.history is history
     assert history.epoch == [0, 1]
     assert history.history == {
-        "loss": [1.0, 0.5], "accuracy": [0.5, 0.75], "val_loss": [1.1, 0.9],
+        "loss": [1.0, 0.5],
+        "accuracy": [0.5, 0.75],
+        "val_loss": [1.1, 0.9],
         "learning_rate": [0.5, 0.5],
     }
 
@@ -182,8 +199,7 @@ def test_lambda_callback_calls_the_functions_and_refuses_unknown_hooks():
     )
     fit(FakeModel(), [cb], losses("loss", [3.0]), steps=2)
     cb.on_test_end({"loss": 2.0})
-    assert events == [("begin", 0), ("batch", 0, 3.0), ("batch", 1, 3.0), ("end",),
-                      ("test", 2.0)]
+    assert events == [("begin", 0), ("batch", 0, 3.0), ("batch", 1, 3.0), ("end",), ("test", 2.0)]
     with pytest.raises(TypeError, match=r"'on_epoch_ends', which is not a hook"):
         callbacks.LambdaCallback(on_epoch_ends=print)
 
@@ -225,8 +241,7 @@ def test_early_stopping_restores_the_best_weights_when_it_stops(capsys):
     fit(model, [es], losses("val_loss", [1.0, 0.5, 0.6, 0.7, 0.4]))
     np.testing.assert_array_equal(model.weights[0], [2.0, 2.0])
     assert capsys.readouterr().out == (
-        "Epoch 4: early stopping\n"
-        "Restoring model weights from the end of the best epoch: 2.\n"
+        "Epoch 4: early stopping\nRestoring model weights from the end of the best epoch: 2.\n"
     )
 
 
@@ -281,12 +296,22 @@ def test_early_stopping_can_be_reused():
     assert es.stopped_epoch == 0 and es.best == 3.0
 
 
-@pytest.mark.parametrize("monitor, mode", [
-    ("val_loss", "min"), ("loss", "min"), ("val_output_1_loss", "min"),
-    ("accuracy", "max"), ("val_sparse_categorical_accuracy", "max"), ("val_auc", "max"),
-    ("precision", "max"), ("val_recall", "max"), ("val_mean_squared_error", "min"),
-    ("mae", "min"), ("val_categorical_crossentropy", "min"),
-])
+@pytest.mark.parametrize(
+    "monitor, mode",
+    [
+        ("val_loss", "min"),
+        ("loss", "min"),
+        ("val_output_1_loss", "min"),
+        ("accuracy", "max"),
+        ("val_sparse_categorical_accuracy", "max"),
+        ("val_auc", "max"),
+        ("precision", "max"),
+        ("val_recall", "max"),
+        ("val_mean_squared_error", "min"),
+        ("mae", "min"),
+        ("val_categorical_crossentropy", "min"),
+    ],
+)
 def test_early_stopping_infers_the_mode_from_the_name(monitor, mode):
     es = callbacks.EarlyStopping(monitor=monitor)
     es.set_model(FakeModel())
@@ -319,8 +344,11 @@ def test_early_stopping_reads_a_direction_declared_by_a_model_metric():
 
 def test_early_stopping_warns_when_the_monitor_is_missing():
     es = callbacks.EarlyStopping(patience=0)
-    with pytest.warns(UserWarning, match=r"`val_loss` which is not available.*"
-                                         r"Available metrics are: loss,learning_rate"):
+    with pytest.warns(
+        UserWarning,
+        match=r"`val_loss` which is not available.*"
+        r"Available metrics are: loss,learning_rate",
+    ):
         history = fit(FakeModel(), [es], losses("loss", [1.0, 2.0]))
     assert history.epoch == [0, 1]  # never stopped
 
@@ -372,8 +400,7 @@ def test_reduce_lr_on_plateau_min_lr():
 def test_reduce_lr_on_plateau_min_delta_and_max_mode():
     # val_accuracy is maximized: 0.5 -> 0.55 is not above 0.5 + min_delta 0.1 (wait 1 -> cut).
     model = FakeModel(learning_rate=1.0)
-    rlr = callbacks.ReduceLROnPlateau(monitor="val_accuracy", factor=0.5, patience=1,
-                                      min_delta=0.1)
+    rlr = callbacks.ReduceLROnPlateau(monitor="val_accuracy", factor=0.5, patience=1, min_delta=0.1)
     fit(model, [rlr], losses("val_accuracy", [0.5, 0.55, 0.7, 0.75]))
     # epoch 1: cut; epoch 2: 0.7 > 0.6 improves; epoch 3: 0.75 < 0.8, cut.
     assert model.rates_used == [1.0, 1.0, 0.5, 0.5]
@@ -384,9 +411,7 @@ def test_reduce_lr_on_plateau_message_and_logs(capsys):
     model = FakeModel(learning_rate=1.0)
     rlr = callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, verbose=1)
     history = fit(model, [rlr], losses("loss", [1.0, 1.0]))
-    assert capsys.readouterr().out == (
-        "\nEpoch 2: ReduceLROnPlateau reducing learning rate to 0.5.\n"
-    )
+    assert capsys.readouterr().out == ("\nEpoch 2: ReduceLROnPlateau reducing learning rate to 0.5.\n")
     assert history.history["learning_rate"] == [1.0, 1.0]  # the rate the epoch ran with
 
 
@@ -401,8 +426,10 @@ def test_reduce_lr_on_plateau_needs_a_learning_rate():
     rlr = callbacks.ReduceLROnPlateau(monitor="loss")
     rlr.set_model(model)
     # Refused at train begin (before any step), naming the fixes; the epoch end says the same.
-    with pytest.raises(mirrax.errors.FixedLearningRateError,
-                       match=r"ReduceLROnPlateau changes the learning rate.*'adam'.*inject_hyper"):
+    with pytest.raises(
+        mirrax.errors.FixedLearningRateError,
+        match=r"ReduceLROnPlateau changes the learning rate.*'adam'.*inject_hyper",
+    ):
         rlr.on_train_begin()
     with pytest.raises(mirrax.errors.FixedLearningRateError, match=r"inject_hyperparams"):
         rlr.on_epoch_end(0, {"loss": 1.0})
@@ -422,7 +449,7 @@ def test_learning_rate_scheduler_sets_the_rate_at_each_epoch_begin():
 
 def test_learning_rate_scheduler_accepts_a_schedule_of_the_epoch_only(capsys):
     model = FakeModel(learning_rate=1.0)
-    scheduler = callbacks.LearningRateScheduler(lambda epoch: 0.1 * 2 ** -epoch, verbose=1)
+    scheduler = callbacks.LearningRateScheduler(lambda epoch: 0.1 * 2**-epoch, verbose=1)
     fit(model, [scheduler], losses("loss", [1.0] * 3))
     assert model.rates_used == [0.1, 0.05, 0.025]
     assert capsys.readouterr().out.splitlines()[1] == (
@@ -434,8 +461,11 @@ def test_learning_rate_scheduler_accepts_numpy_scalars_and_refuses_other_results
     model = FakeModel(learning_rate=1.0)
     fit(model, [callbacks.LearningRateScheduler(lambda e, lr: np.float32(0.5))], [{"loss": 1.0}])
     assert model.rates_used == [0.5]
-    with pytest.raises(ValueError, match=r"must return a float learning rate; it returned "
-                                         r"NoneType None"):
+    with pytest.raises(
+        ValueError,
+        match=r"must return a float learning rate; it returned "
+        r"NoneType None",
+    ):
         fit(FakeModel(), [callbacks.LearningRateScheduler(lambda e, lr: None)], [{"loss": 1.0}])
     with pytest.raises(TypeError, match=r"needs a function schedule\(epoch, lr\)"):
         callbacks.LearningRateScheduler(0.1)
@@ -450,8 +480,13 @@ def test_terminate_on_nan_stops_at_the_bad_batch(capsys, bad):
     batches = []
     recorder = callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
     step_losses = [1.0, bad, 2.0]
-    history = fit(model, [callbacks.TerminateOnNaN(), recorder], losses("loss", [1.0, 1.0]),
-                  steps=3, batch_logs=lambda epoch, step: {"loss": step_losses[step]})
+    history = fit(
+        model,
+        [callbacks.TerminateOnNaN(), recorder],
+        losses("loss", [1.0, 1.0]),
+        steps=3,
+        batch_logs=lambda epoch, step: {"loss": step_losses[step]},
+    )
     assert capsys.readouterr().out == "Batch 1: Invalid loss, terminating training\n"
     assert model.stop_training is True
     assert batches == [0, 1] and history.epoch == [0]  # no batch 2, no second epoch
@@ -467,22 +502,24 @@ def test_terminate_on_nan_can_raise():
 
 def test_csv_logger_writes_sorted_columns_with_epoch_first(tmp_path):
     path = tmp_path / "log.csv"
-    logs = [{"loss": 0.5, "accuracy": 0.25, "val_loss": 0.75},
-            {"loss": 0.25, "accuracy": 0.5, "val_loss": 0.625}]
+    logs = [
+        {"loss": 0.5, "accuracy": 0.25, "val_loss": 0.75},
+        {"loss": 0.25, "accuracy": 0.5, "val_loss": 0.625},
+    ]
     fit(FakeModel(learning_rate=0.1), [callbacks.CSVLogger(path)], logs)
     assert path.read_bytes().decode() == (
-        "epoch,accuracy,learning_rate,loss,val_loss\r\n"
-        "0,0.25,0.1,0.5,0.75\r\n"
-        "1,0.5,0.1,0.25,0.625\r\n"
+        "epoch,accuracy,learning_rate,loss,val_loss\r\n0,0.25,0.1,0.5,0.75\r\n1,0.5,0.1,0.25,0.625\r\n"
     )
 
 
 def test_csv_logger_adds_val_columns_and_appends_without_a_second_header(tmp_path):
     path = tmp_path / "log.csv"
-    fit(FakeModel(learning_rate=0.5), [callbacks.CSVLogger(path, separator=";")],
-        [{"loss": 2.0}])
-    fit(FakeModel(learning_rate=0.5), [callbacks.CSVLogger(path, separator=";", append=True)],
-        [{"loss": 1.0, "val_loss": 3.0}])
+    fit(FakeModel(learning_rate=0.5), [callbacks.CSVLogger(path, separator=";")], [{"loss": 2.0}])
+    fit(
+        FakeModel(learning_rate=0.5),
+        [callbacks.CSVLogger(path, separator=";", append=True)],
+        [{"loss": 1.0, "val_loss": 3.0}],
+    )
     assert path.read_bytes().decode() == (
         "epoch;learning_rate;loss;val_learning_rate;val_loss\r\n"
         "0;0.5;2.0;NA;NA\r\n"
@@ -512,8 +549,8 @@ def read_scalars(folder):
         data = open(os.path.join(folder, name), "rb").read()
         offset = 0
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            record = data[offset + 12:offset + 12 + length]  # after length and its CRC
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            record = data[offset + 12 : offset + 12 + length]  # after length and its CRC
             offset += 12 + length + 4
             event = event_pb2.Event.FromString(record)
             for value in event.summary.value:
@@ -525,13 +562,19 @@ def read_scalars(folder):
 
 
 def test_tensorboard_writes_keras_tags_under_train_and_validation(tmp_path):
-    tb = callbacks.TensorBoard(tmp_path, update_freq=2, write_steps_per_second=True,
-                               histogram_freq=2)
-    logs = [{"loss": 1.0, "accuracy": 0.5, "val_loss": 1.5, "val_accuracy": 0.25},
-            {"loss": 0.5, "accuracy": 0.75, "val_loss": 1.25, "val_accuracy": 0.5}]
+    tb = callbacks.TensorBoard(tmp_path, update_freq=2, write_steps_per_second=True, histogram_freq=2)
+    logs = [
+        {"loss": 1.0, "accuracy": 0.5, "val_loss": 1.5, "val_accuracy": 0.25},
+        {"loss": 0.5, "accuracy": 0.75, "val_loss": 1.25, "val_accuracy": 0.5},
+    ]
     step_losses = iter([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
-    fit(FakeModel(learning_rate=0.25), [tb], logs, steps=3,
-        batch_logs=lambda epoch, step: {"loss": next(step_losses)})
+    fit(
+        FakeModel(learning_rate=0.25),
+        [tb],
+        logs,
+        steps=3,
+        batch_logs=lambda epoch, step: {"loss": next(step_losses)},
+    )
     assert tb._writers == {}  # closed at the end of training
     train = read_scalars(tmp_path / "train")
     validation = read_scalars(tmp_path / "validation")
@@ -540,12 +583,10 @@ def test_tensorboard_writes_keras_tags_under_train_and_validation(tmp_path):
     assert train["epoch_learning_rate"] == [(0, 0.25), (1, 0.25)]
     assert [step for step, _ in train["epoch_steps_per_second"]] == [0, 1]
     # 2 epochs x 3 steps = global steps 1..6; every 2nd step: 2, 4, 6.
-    assert train["batch_loss"] == [(2, pytest.approx(0.8)), (4, pytest.approx(0.6)),
-                                   (6, pytest.approx(0.4))]
+    assert train["batch_loss"] == [(2, pytest.approx(0.8)), (4, pytest.approx(0.6)), (6, pytest.approx(0.4))]
     assert [step for step, _ in train["batch_steps_per_second"]] == [2, 4, 6]
     assert [step for step, _ in train["weight_0/histogram"]] == [0]  # epochs 0, 2, ...
-    assert validation == {"epoch_loss": [(0, 1.5), (1, 1.25)],
-                          "epoch_accuracy": [(0, 0.25), (1, 0.5)]}
+    assert validation == {"epoch_loss": [(0, 1.5), (1, 1.25)], "epoch_accuracy": [(0, 0.25), (1, 0.5)]}
 
 
 def test_tensorboard_epoch_only_writes_no_batch_scalars_and_logs_evaluations(tmp_path):
@@ -557,9 +598,7 @@ def test_tensorboard_epoch_only_writes_no_batch_scalars_and_logs_evaluations(tmp
     train = read_scalars(tmp_path / "train")
     assert sorted(train) == ["epoch_learning_rate", "epoch_loss"]
     # 4 training steps were done when the evaluation ran.
-    assert read_scalars(tmp_path / "validation") == {
-        "evaluation_loss_vs_iterations": [(4, 0.5)]
-    }
+    assert read_scalars(tmp_path / "validation") == {"evaluation_loss_vs_iterations": [(4, 0.5)]}
 
 
 def test_tensorboard_validates_its_arguments():
@@ -587,8 +626,10 @@ def run_with_output(stream, model, cbs, epoch_logs, **kwargs):
     return stream.getvalue()
 
 
-EPOCHS = [{"loss": 0.5, "accuracy": 0.75, "val_loss": 0.25, "val_accuracy": 0.875},
-          {"loss": 0.25, "accuracy": 0.875, "val_loss": math.nan, "val_accuracy": 0.9375}]
+EPOCHS = [
+    {"loss": 0.5, "accuracy": 0.75, "val_loss": 0.25, "val_accuracy": 0.875},
+    {"loss": 0.25, "accuracy": 0.875, "val_loss": math.nan, "val_accuracy": 0.9375},
+]
 
 
 def running(epoch, step):
@@ -598,8 +639,16 @@ def running(epoch, step):
 def test_progbar_verbose_1_without_a_terminal_writes_one_line_per_epoch(clock):
     # 3 steps of 0.25 s: elapsed 0.75 s ("1s"); per step, leaving out the first:
     # (0.75 - 0.25) / 2 = 250ms. learning_rate 0.001 is not above 1e-3: "%.4e".
-    out = run_with_output(io.StringIO(), FakeModel(learning_rate=1e-3), [], EPOCHS, steps=3,
-                          batch_logs=running, verbose=1, clock=clock)
+    out = run_with_output(
+        io.StringIO(),
+        FakeModel(learning_rate=1e-3),
+        [],
+        EPOCHS,
+        steps=3,
+        batch_logs=running,
+        verbose=1,
+        clock=clock,
+    )
     assert "\r" not in out
     assert out == (
         "Epoch 1/2\n"
@@ -612,8 +661,16 @@ def test_progbar_verbose_1_without_a_terminal_writes_one_line_per_epoch(clock):
 
 
 def test_progbar_verbose_2_writes_one_line_per_epoch_without_the_bar(clock):
-    out = run_with_output(FakeTTY(), FakeModel(learning_rate=0.5), [], EPOCHS[:1], steps=3,
-                          batch_logs=running, verbose=2, clock=clock)
+    out = run_with_output(
+        FakeTTY(),
+        FakeModel(learning_rate=0.5),
+        [],
+        EPOCHS[:1],
+        steps=3,
+        batch_logs=running,
+        verbose=2,
+        clock=clock,
+    )
     assert out == (
         "Epoch 1/1\n"
         "3/3 - 1s 250ms/step - loss: 0.5000 - accuracy: 0.7500 - val_loss: 0.2500 - "
@@ -623,20 +680,29 @@ def test_progbar_verbose_2_writes_one_line_per_epoch_without_the_bar(clock):
 
 def test_progbar_verbose_0_writes_nothing(clock):
     cbs = [callbacks.ProgbarLogger()]  # even when given explicitly
-    assert run_with_output(FakeTTY(), FakeModel(), cbs, EPOCHS, steps=3, verbose=0,
-                           clock=clock) == ""
+    assert run_with_output(FakeTTY(), FakeModel(), cbs, EPOCHS, steps=3, verbose=0, clock=clock) == ""
 
 
 def test_progbar_on_a_terminal_redraws_the_bar_in_place(clock):
-    out = run_with_output(FakeTTY(), FakeModel(learning_rate=0.5), [], EPOCHS[:1], steps=3,
-                          batch_logs=running, verbose=1, clock=clock)
+    out = run_with_output(
+        FakeTTY(),
+        FakeModel(learning_rate=0.5),
+        [],
+        EPOCHS[:1],
+        steps=3,
+        batch_logs=running,
+        verbose=1,
+        clock=clock,
+    )
     # step 1: int(30 * 1/3) = 10 -> 9 "=" + ">" + 20 "."; ETA 0.25 s x 2 steps left = "0s".
     # step 2: 20 -> 19 "=" + ">" + 10 "."; step 3 (epoch end): the final line, longer, "\n".
     step1 = "1/3 [=========>....................] - ETA: 0s - loss: 1.0000 - accuracy: 0.5000"
     step2 = "2/3 [===================>..........] - ETA: 0s - loss: 0.7500 - accuracy: 0.5000"
     step3 = "3/3 [==============================] - ETA: 0s - loss: 0.5000 - accuracy: 0.5000"
-    final = ("3/3 [==============================] - 1s 250ms/step - loss: 0.5000 - accuracy: "
-             "0.7500 - val_loss: 0.2500 - val_accuracy: 0.8750 - learning_rate: 0.5000")
+    final = (
+        "3/3 [==============================] - 1s 250ms/step - loss: 0.5000 - accuracy: "
+        "0.7500 - val_loss: 0.2500 - val_accuracy: 0.8750 - learning_rate: 0.5000"
+    )
     assert out == "Epoch 1/1\n\r" + step1 + "\r" + step2 + "\r" + step3 + "\r" + final + "\n"
 
 
@@ -658,27 +724,61 @@ def test_progbar_with_unknown_steps_counts_and_never_shows_more_than_the_target(
     # Epoch 0 has 3 steps, with params["steps"] None: "N/Unknown" while running, "3/3" at the
     # end. Epoch 1 uses 3 as its target until step 4 goes past it: "4/Unknown", then "5/5".
     stream = FakeTTY()
-    out = run_with_output(stream, FakeModel(learning_rate=0.5), [], [{"loss": 1.0}] * 2,
-                          steps=3, step_counts=[3, 5], params_steps=None,
-                          batch_logs=lambda e, s: {"loss": 1.0}, verbose=1, clock=clock)
+    out = run_with_output(
+        stream,
+        FakeModel(learning_rate=0.5),
+        [],
+        [{"loss": 1.0}] * 2,
+        steps=3,
+        step_counts=[3, 5],
+        params_steps=None,
+        batch_logs=lambda e, s: {"loss": 1.0},
+        verbose=1,
+        clock=clock,
+    )
     lines = [part.rstrip() for part in out.replace("\n", "\r").split("\r") if part]
-    counts = [line.split(" ")[0] if not line.startswith(" ") else line.split()[0]
-              for line in lines]
-    assert counts == ["Epoch", "1/Unknown", "2/Unknown", "3/Unknown", "3/3",
-                      "Epoch", "1/3", "2/3", "3/3", "4/Unknown", "5/Unknown", "5/5"]
+    counts = [line.split(" ")[0] if not line.startswith(" ") else line.split()[0] for line in lines]
+    assert counts == [
+        "Epoch",
+        "1/Unknown",
+        "2/Unknown",
+        "3/Unknown",
+        "3/3",
+        "Epoch",
+        "1/3",
+        "2/3",
+        "3/3",
+        "4/Unknown",
+        "5/Unknown",
+        "5/5",
+    ]
     assert "      1/Unknown - 0s 250ms/step - loss: 1.0000" in lines[1]
     # Without a terminal: only the epochs' final lines.
-    out = run_with_output(io.StringIO(), FakeModel(learning_rate=0.5), [],
-                          [{"loss": 1.0}] * 2, steps=3, step_counts=[3, 5], params_steps=None,
-                          verbose=1, clock=clock)
+    out = run_with_output(
+        io.StringIO(),
+        FakeModel(learning_rate=0.5),
+        [],
+        [{"loss": 1.0}] * 2,
+        steps=3,
+        step_counts=[3, 5],
+        params_steps=None,
+        verbose=1,
+        clock=clock,
+    )
     assert [line.split(" ")[0] for line in out.splitlines()] == ["Epoch", "3/3", "Epoch", "5/5"]
 
 
 def test_progbar_shows_the_steps_done_when_training_stops_mid_epoch(clock):
-    out = run_with_output(io.StringIO(), FakeModel(), [callbacks.TerminateOnNaN()],
-                          [{"loss": math.nan}], steps=5,
-                          batch_logs=lambda e, s: {"loss": [1.0, math.nan][s]}, verbose=1,
-                          clock=clock)
+    out = run_with_output(
+        io.StringIO(),
+        FakeModel(),
+        [callbacks.TerminateOnNaN()],
+        [{"loss": math.nan}],
+        steps=5,
+        batch_logs=lambda e, s: {"loss": [1.0, math.nan][s]},
+        verbose=1,
+        clock=clock,
+    )
     # Stopped after step 2 of 5: int(30 * 2/5) = 12 -> 11 "=" + ">" + 18 ".".
     assert out.splitlines()[2].startswith("2/5 [===========>..................] - ")
     assert "loss: nan" in out.splitlines()[2]
@@ -701,15 +801,22 @@ def test_progbar_logger_is_silent_in_fit_validation_and_shows_evaluate(clock):
         clock.now += 0.5
         cbl.on_test_batch_end(1, {"loss": 0.5})
         cbl.on_test_end({"loss": 0.5})
-    assert stream.getvalue() == (
-        "2/2 [==============================] - 1s 500ms/step - loss: 0.5000\n"
-    )
+    assert stream.getvalue() == ("2/2 [==============================] - 1s 500ms/step - loss: 0.5000\n")
 
 
-@pytest.mark.parametrize("value, shown", [
-    (1.23456, "1.2346"), (0.0005, "5.0000e-04"), (0.0, "0.0000e+00"), (-2.5, "-2.5000"),
-    (math.nan, "nan"), (math.inf, "inf"), (np.float32(0.5), "0.5000"), ("text", "text"),
-])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (1.23456, "1.2346"),
+        (0.0005, "5.0000e-04"),
+        (0.0, "0.0000e+00"),
+        (-2.5, "-2.5000"),
+        (math.nan, "nan"),
+        (math.inf, "inf"),
+        (np.float32(0.5), "0.5000"),
+        ("text", "text"),
+    ],
+)
 def test_values_are_formatted_as_keras(value, shown):
     assert progbar_lib.format_value(value) == shown
 
@@ -733,11 +840,18 @@ def test_progbar_refuses_inconsistent_arguments():
 def test_callbacks_do_not_warn_in_a_clean_run(tmp_path, clock):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(FakeModel(), [
-            callbacks.EarlyStopping(patience=1), callbacks.ReduceLROnPlateau(patience=1),
-            callbacks.CSVLogger(tmp_path / "log.csv"), callbacks.TerminateOnNaN(),
-            callbacks.TensorBoard(tmp_path / "tb"),
-        ], [{"loss": 1.0, "val_loss": 1.0}] * 2, verbose=0)
+        fit(
+            FakeModel(),
+            [
+                callbacks.EarlyStopping(patience=1),
+                callbacks.ReduceLROnPlateau(patience=1),
+                callbacks.CSVLogger(tmp_path / "log.csv"),
+                callbacks.TerminateOnNaN(),
+                callbacks.TensorBoard(tmp_path / "tb"),
+            ],
+            [{"loss": 1.0, "val_loss": 1.0}] * 2,
+            verbose=0,
+        )
     assert [str(w.message) for w in caught] == []
 
 

@@ -75,11 +75,14 @@ def test_binary_crossentropy_matches_keras():
     per = losses.BinaryCrossentropy().per_example(y_true, probs)
     np.testing.assert_allclose(per, [-math.log(0.4), -(math.log(0.6) + math.log(0.4)) / 2], rtol=1e-5)
     assert float(losses.BinaryCrossentropy()(y_true, probs)) == pytest.approx(0.815, abs=1e-3)
-    assert float(losses.BinaryCrossentropy()(y_true, probs, np.array([1.0, 0.0]))) == pytest.approx(0.458, abs=1e-3)
+    assert float(losses.BinaryCrossentropy()(y_true, probs, np.array([1.0, 0.0]))) == pytest.approx(
+        0.458, abs=1e-3
+    )
     # (batch,) labels fit (batch, 1) predictions (Keras's rank matching).
     np.testing.assert_allclose(
         losses.BinaryCrossentropy().per_example(np.array([0.0, 1.0]), np.array([[0.6], [0.6]])),
-        [-math.log(0.4), -math.log(0.6)], rtol=1e-5,
+        [-math.log(0.4), -math.log(0.6)],
+        rtol=1e-5,
     )
 
 
@@ -135,14 +138,18 @@ def test_shape_errors_name_the_shapes_and_the_fix():
 def test_out_of_range_labels_give_nan_in_the_step_and_an_error_on_the_host():
     for from_logits in (False, True):
         per = losses.SparseCategoricalCrossentropy(from_logits=from_logits).per_example(
-            np.array([1, 3, -1]), np.full((3, 3), 1 / 3, np.float32))
+            np.array([1, 3, -1]), np.full((3, 3), 1 / 3, np.float32)
+        )
         assert float(per[0]) == pytest.approx(math.log(3), rel=1e-5)
         assert np.isnan(per[1]) and np.isnan(per[2])  # never a silent wrap-around or 0
     check = losses.SparseCategoricalCrossentropy.check_labels
     check(np.array([0, 1, 2, 2]), 3)  # valid: no error
     check(np.array([[0.0], [2.0]]), 3)  # integer-valued floats, (n, 1)
-    with pytest.raises(ValueError, match=r"3 of 6 labels .* valid range \[0, 3\): values -1, 3, 7; "
-                                         r"the first is at flat index 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"3 of 6 labels .* valid range \[0, 3\): values -1, 3, 7; "
+        r"the first is at flat index 1",
+    ):
         check(np.array([0, 3, 1, 7, -1, 2]), 3)
     with pytest.raises(mirrax.errors.MirraxError, match=r"values 1.5"):
         check(np.array([1.5, 0.0]), 3)
@@ -198,8 +205,9 @@ def _replica_loss(y, p, w):
 def test_distributed_partial_batch_gives_the_unsplit_mean(strategy):
     # 5 examples: over 4 replicas the shards are 2, 2, 1, 0 (+ padding); every example counts once.
     labels = np.array([0, 1, 2, 1, 0])
-    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [0.5, 0.25, 0.25],
-                      [0.4, 0.4, 0.2]], np.float32)
+    probs = np.array(
+        [[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [0.5, 0.25, 0.25], [0.4, 0.4, 0.2]], np.float32
+    )
     weights = np.array([1.0, 2.0, 0.5, 1.0, 0.0], np.float32)
     batch = next(iter(strategy.experimental_distribute_dataset((labels, probs, weights))))
     shares = strategy.run(lambda b: _replica_loss(*b), args=(batch,))

@@ -36,17 +36,35 @@ def _model(metric):
     return model
 
 
-@pytest.mark.parametrize("make", [lambda: mirrax.metrics.Precision(thresholds=[0.3, 0.6]),
-                                  lambda: keras.metrics.Precision(thresholds=[0.3, 0.6])],
-                         ids=["mirrax", "keras"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mirrax.metrics.Precision(thresholds=[0.3, 0.6]),
+        lambda: keras.metrics.Precision(thresholds=[0.3, 0.6]),
+    ],
+    ids=["mirrax", "keras"],
+)
 def test_several_thresholds_log_one_scalar_per_threshold(make, tmp_path):
     model = _model(make())
     path = tmp_path / "log.csv"
-    history = model.fit(X, Y, batch_size=4, epochs=1, verbose=0, validation_data=(X, Y),
-                        callbacks=[mirrax.callbacks.CSVLogger(str(path)),
-                                   mirrax.callbacks.EarlyStopping(monitor="val_precision_0.6")])
+    history = model.fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=1,
+        verbose=0,
+        validation_data=(X, Y),
+        callbacks=[
+            mirrax.callbacks.CSVLogger(str(path)),
+            mirrax.callbacks.EarlyStopping(monitor="val_precision_0.6"),
+        ],
+    )
     assert set(history.history) - {"learning_rate"} == {
-        "loss", *EXPECTED, "val_loss", *(f"val_{key}" for key in EXPECTED)}
+        "loss",
+        *EXPECTED,
+        "val_loss",
+        *(f"val_{key}" for key in EXPECTED),
+    }
     for key, value in EXPECTED.items():
         assert history.history[key] == [pytest.approx(value)]
         assert history.history[f"val_{key}"] == [pytest.approx(value)]
@@ -75,7 +93,8 @@ def test_several_thresholds_under_a_mirrored_strategy():
 
 def test_one_threshold_in_a_list_keeps_the_plain_name():
     logs = _model(mirrax.metrics.Recall(thresholds=[0.3])).evaluate(
-        X, Y, batch_size=4, verbose=0, return_dict=True)
+        X, Y, batch_size=4, verbose=0, return_dict=True
+    )
     # Threshold 0.3: labels 1 at 0.4 and 0.9, both above -> recall 2 / 2.
     assert logs["recall"] == pytest.approx(1.0)
 

@@ -25,8 +25,9 @@ def test_mean_and_sum_match_keras():
     assert result(metrics.Mean(), np.array([[1, 2], [3, 4]]), sample_weight=[1, 3]) == 3.0
     # Weights per element (Keras): example 0 -> (1*1 + 2*0) / 2 = 0.5 over weight 0.5;
     # example 1 -> (3 + 4) / 2 = 3.5 over weight 1; (0.5 + 3.5) / (0.5 + 1) = 2.6667.
-    assert result(metrics.Mean(), np.array([[1, 2], [3, 4]]), sample_weight=np.array([[1, 0], [1, 1]])) \
-        == pytest.approx(4 / 1.5)
+    assert result(
+        metrics.Mean(), np.array([[1, 2], [3, 4]]), sample_weight=np.array([[1, 0], [1, 1]])
+    ) == pytest.approx(4 / 1.5)
     mean = metrics.Mean()
     mean.update_state(2.0)  # a scalar counts once
     mean.update_state(np.array([5.0, 8.0]))
@@ -36,17 +37,24 @@ def test_mean_and_sum_match_keras():
 
 def test_accuracy_metrics_match_keras():
     assert result(metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]]) == 0.75
-    assert result(metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]], sample_weight=[1, 1, 0, 0]) == 0.5
+    assert (
+        result(metrics.Accuracy(), [[1], [2], [3], [4]], [[0], [2], [3], [4]], sample_weight=[1, 1, 0, 0])
+        == 0.5
+    )
     y, p = [[1], [1], [0], [0]], [[0.98], [1], [0], [0.6]]
     assert result(metrics.BinaryAccuracy(), y, p) == 0.75  # 0.6 > 0.5 -> 1, wrong
     assert result(metrics.BinaryAccuracy(), y, p, sample_weight=[1, 0, 0, 1]) == 0.5
     assert result(metrics.BinaryAccuracy(threshold=0.7), y, p) == 1.0  # 0.6 -> 0, right
     onehot, probs = [[0, 0, 1], [0, 1, 0]], [[0.1, 0.9, 0.8], [0.05, 0.95, 0]]
     assert result(metrics.CategoricalAccuracy(), onehot, probs) == 0.5
-    assert result(metrics.CategoricalAccuracy(), onehot, probs, sample_weight=[0.7, 0.3]) == pytest.approx(0.3)
+    assert result(metrics.CategoricalAccuracy(), onehot, probs, sample_weight=[0.7, 0.3]) == pytest.approx(
+        0.3
+    )
     sparse, probs = [[2], [1]], [[0.1, 0.6, 0.3], [0.05, 0.95, 0]]
     assert result(metrics.SparseCategoricalAccuracy(), sparse, probs) == 0.5
-    assert result(metrics.SparseCategoricalAccuracy(), [2, 1], probs, sample_weight=[0.7, 0.3]) == pytest.approx(0.3)
+    assert result(
+        metrics.SparseCategoricalAccuracy(), [2, 1], probs, sample_weight=[0.7, 0.3]
+    ) == pytest.approx(0.3)
 
 
 def test_regression_metrics_match_keras():
@@ -84,21 +92,26 @@ def test_auc_matches_keras():
     w = [1, 2, 3, 4]
     # ROC: recall [1, 4/7, 0], fpr [1, 0, 0]: (1 + 4/7) / 2 = 0.7857.
     assert result(metrics.AUC(num_thresholds=3), y, p, sample_weight=w) == pytest.approx((1 + 4 / 7) / 2)
-    assert result(metrics.AUC(num_thresholds=3, summation_method="majoring"), y, p, sample_weight=w) \
-        == pytest.approx(1.0)
-    assert result(metrics.AUC(num_thresholds=3, summation_method="minoring"), y, p, sample_weight=w) \
-        == pytest.approx(4 / 7)
+    assert result(
+        metrics.AUC(num_thresholds=3, summation_method="majoring"), y, p, sample_weight=w
+    ) == pytest.approx(1.0)
+    assert result(
+        metrics.AUC(num_thresholds=3, summation_method="minoring"), y, p, sample_weight=w
+    ) == pytest.approx(4 / 7)
     # PR interpolation (Davis & Goadrich): P = [10, 4, 0], slope [0.5, 1], intercept [2, 0]:
     # (0.5 (3 + 2 ln 2.5) + 1 * 4) / 7 = 0.9166.
-    assert result(metrics.AUC(num_thresholds=3, curve="pr"), y, p, sample_weight=w) \
-        == pytest.approx((0.5 * (3 + 2 * np.log(2.5)) + 4) / 7, rel=1e-5)
+    assert result(metrics.AUC(num_thresholds=3, curve="pr"), y, p, sample_weight=w) == pytest.approx(
+        (0.5 * (3 + 2 * np.log(2.5)) + 4) / 7, rel=1e-5
+    )
     # PR majoring: precision [0.7, 1, 0], recall [1, 4/7, 0]: 1 * 3/7 + 1 * 4/7 = 1.
-    assert result(metrics.AUC(num_thresholds=3, curve="PR", summation_method="majoring"), y, p,
-                  sample_weight=w) == pytest.approx(1.0)
+    assert result(
+        metrics.AUC(num_thresholds=3, curve="PR", summation_method="majoring"), y, p, sample_weight=w
+    ) == pytest.approx(1.0)
     # Logits: sigmoid first; 2-D inputs are flattened (Keras's multi_label=False).
     logits = np.log(np.array([0.01, 0.5, 0.3, 0.9]) / (1 - np.array([0.01, 0.5, 0.3, 0.9])))
-    assert result(metrics.AUC(num_thresholds=3, from_logits=True), np.array(y)[:, None], logits[:, None]) \
-        == pytest.approx(0.75)
+    assert result(
+        metrics.AUC(num_thresholds=3, from_logits=True), np.array(y)[:, None], logits[:, None]
+    ) == pytest.approx(0.75)
     auc = metrics.AUC()
     assert auc.num_thresholds == 200 and auc.thresholds[1] == pytest.approx(1 / 199)
     assert float(auc.result()) == 0.0
@@ -131,7 +144,9 @@ def test_argument_errors_say_what_was_received():
         metrics.AUC(summation_method="avg")
     with pytest.raises(ValueError, match="float32 state; received dtype='float16'"):
         metrics.Mean(dtype="float16")
-    with pytest.raises(ValueError, match=r"sample_weight of shape \(3,\) does not fit values of shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"sample_weight of shape \(3,\) does not fit values of shape \(2,\)"
+    ):
         metrics.Mean().update_state([1.0, 2.0], sample_weight=[1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match=r"y_true of shape \(2, 3\) does not fit .*CategoricalAccuracy"):
         metrics.SparseCategoricalAccuracy().update_state(np.eye(3)[:2], np.eye(3)[:2])
@@ -166,10 +181,16 @@ def test_get_accuracy_without_a_crossentropy_loss_follows_keras_3_shape_rule():
 
 def test_get_resolves_names_and_refuses_unknown_ones():
     expected = {
-        "precision": metrics.Precision, "recall": metrics.Recall, "auc": metrics.AUC,
-        "AUC": metrics.AUC, "mse": metrics.MeanSquaredError, "MSE": metrics.MeanSquaredError,
-        "mean_squared_error": metrics.MeanSquaredError, "mae": metrics.MeanAbsoluteError,
-        "binary_accuracy": metrics.BinaryAccuracy, "Mean": metrics.Mean,
+        "precision": metrics.Precision,
+        "recall": metrics.Recall,
+        "auc": metrics.AUC,
+        "AUC": metrics.AUC,
+        "mse": metrics.MeanSquaredError,
+        "MSE": metrics.MeanSquaredError,
+        "mean_squared_error": metrics.MeanSquaredError,
+        "mae": metrics.MeanAbsoluteError,
+        "binary_accuracy": metrics.BinaryAccuracy,
+        "Mean": metrics.Mean,
         "sparse_categorical_accuracy": metrics.SparseCategoricalAccuracy,
         "CategoricalAccuracy": metrics.CategoricalAccuracy,
     }
@@ -248,12 +269,16 @@ def test_partial_batches_under_every_strategy_equal_the_unsplit_metrics(strategy
     unsplit = _metrics()
     _update(unsplit, data)  # eagerly, outside every strategy, all 13 examples at once
     for name in unsplit:
-        np.testing.assert_allclose(distributed[name].result(), unsplit[name].result(), rtol=2e-6,
-                                   atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(
+            distributed[name].result(), unsplit[name].result(), rtol=2e-6, atol=1e-7, err_msg=name
+        )
     # Every example counted once: the weight count is the sum of the 13 weights.
-    assert float(distributed["mean"].count.get_value()) == pytest.approx(float(data["weights"].sum()), rel=1e-6)
+    assert float(distributed["mean"].count.get_value()) == pytest.approx(
+        float(data["weights"].sum()), rel=1e-6
+    )
     assert float(distributed["auc"].true_positives.get_value()[0]) == pytest.approx(
-        float((data["weights"] * data["binary"][:, 0]).sum()), rel=1e-6)  # every positive above -1e-7
+        float((data["weights"] * data["binary"][:, 0]).sum()), rel=1e-6
+    )  # every positive above -1e-7
 
 
 def test_confusion_counts_are_summed_not_per_replica_results_averaged(multi_strategy):

@@ -42,9 +42,11 @@ def fit_mlp(strategy, **fit_kwargs):
     w1, w2, x, y = mlp_data()
     with strategy.scope():
         model = mirrax.Model(MLP(w1, w2))
-        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, **fit_kwargs)
     return model, history
 
@@ -102,7 +104,8 @@ def test_predict_copies_outputs_at_the_end_unless_a_callback_reads_each_batch():
     np.testing.assert_array_equal(model.predict(x, batch_size=2, verbose=0), x)
     seen = []
     reader = mirrax.callbacks.LambdaCallback(
-        on_predict_batch_end=lambda batch, logs: seen.append(logs["outputs"]))
+        on_predict_batch_end=lambda batch, logs: seen.append(logs["outputs"])
+    )
     np.testing.assert_array_equal(model.predict(x, batch_size=2, verbose=0, callbacks=[reader]), x)
     assert len(seen) == 41 and seen[-1].shape == (1, 1)  # 81 = 40 * 2 + 1
     np.testing.assert_array_equal(np.concatenate(seen), x)
@@ -120,16 +123,25 @@ def test_reduce_lr_on_plateau_changes_the_next_update():
     strategy = mirrored(2)
     with strategy.scope():
         model = mirrax.Model(Linear1())
-        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                      loss=lambda y, y_pred: y_pred[:, 0])
+        model.compile(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss=lambda y, y_pred: y_pred[:, 0]
+        )
     weights = []
-    record = mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0])))
+    record = mirrax.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0]))
+    )
     # loss = w * x with x = 1: the gradient is 1, so each epoch (one step) moves w by -lr.
     # min_delta=10 makes every epoch "no improvement": with patience 0 the rate halves after
     # epochs 1 and 2 (Keras's rule), so the steps are 0.1, 0.1, 0.05, 0.025.
     plateau = mirrax.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0)
-    history = model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=4,
-                        callbacks=[plateau, record], verbose=0)
+    history = model.fit(
+        np.ones((2, 1), np.float32),
+        np.zeros(2, np.float32),
+        batch_size=2,
+        epochs=4,
+        callbacks=[plateau, record],
+        verbose=0,
+    )
     steps = -np.diff([1.0] + weights)
     np.testing.assert_allclose(steps, [0.1, 0.1, 0.05, 0.025], atol=1e-7)
     # As Keras, the log holds the rate each epoch trained with.
@@ -140,14 +152,24 @@ def test_early_stopping_restores_the_best_weights():
     strategy = mirrored(2)
     with strategy.scope():
         model = mirrax.Model(Linear1())
-        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss=lambda y, y_pred: y_pred[:, 0])
+        model.compile(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), loss=lambda y, y_pred: y_pred[:, 0]
+        )
     weights = []
-    record = mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0])))
+    record = mirrax.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: weights.append(float(model.get_weights()[0]))
+    )
     # The loss falls every epoch; with mode="max" the best epoch is the first (w = 0.9), and
     # with patience 1 training stops after epoch index 1 and goes back to 0.9.
     stop = mirrax.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
-    history = model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=10,
-                        callbacks=[record, stop], verbose=0)
+    history = model.fit(
+        np.ones((2, 1), np.float32),
+        np.zeros(2, np.float32),
+        batch_size=2,
+        epochs=10,
+        callbacks=[record, stop],
+        verbose=0,
+    )
     assert len(history.history["loss"]) == 2
     assert weights == pytest.approx([0.9, 0.8])
     assert float(model.get_weights()[0]) == pytest.approx(0.9)
@@ -182,8 +204,7 @@ def test_weights_of_a_dropout_model_leave_out_its_prng_state_as_keras():
     # EarlyStopping's restore_best_weights and TensorBoard's histograms go through them.
     x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
     y = np.zeros((8, 3), np.float32)
-    stop = mirrax.callbacks.EarlyStopping(monitor="loss", mode="max", patience=0,
-                                          restore_best_weights=True)
+    stop = mirrax.callbacks.EarlyStopping(monitor="loss", mode="max", patience=0, restore_best_weights=True)
     history = model.fit(x, y, batch_size=4, epochs=3, callbacks=[stop], verbose=0)
     assert len(history.history["loss"]) <= 3 and stop.best_weights is not None
 
@@ -198,16 +219,29 @@ def test_callbacks_changes_to_weights_are_used_by_the_next_step():
         on_epoch_end=lambda epoch, logs: model.set_weights([np.float32(5.0)]),
         on_train_batch_begin=lambda batch, logs: seen.append(float(model.get_weights()[0])),
     )
-    model.fit(np.ones((2, 1), np.float32), np.zeros(2, np.float32), batch_size=2, epochs=2,
-              callbacks=[reset], verbose=0)
+    model.fit(
+        np.ones((2, 1), np.float32),
+        np.zeros(2, np.float32),
+        batch_size=2,
+        epochs=2,
+        callbacks=[reset],
+        verbose=0,
+    )
     assert seen == pytest.approx([1.0, 5.0])  # epoch 2 starts from the weights the callback set
 
 
 def test_terminate_on_nan_stops_after_the_batch(capsys):
     x = np.array([[1.0], [1.0], [np.nan], [1.0]], np.float32)
     model = identity_model(mirrored(2))
-    history = model.fit(x, np.zeros(4, np.float32), batch_size=1, epochs=3, shuffle=False,
-                        callbacks=[mirrax.callbacks.TerminateOnNaN()], verbose=0)
+    history = model.fit(
+        x,
+        np.zeros(4, np.float32),
+        batch_size=1,
+        epochs=3,
+        shuffle=False,
+        callbacks=[mirrax.callbacks.TerminateOnNaN()],
+        verbose=0,
+    )
     assert "Batch 2: Invalid loss, terminating training" in capsys.readouterr().out
     assert np.isnan(history.history["loss"][0]) and len(history.history["loss"]) == 1
     model = identity_model(mirrored(2))
@@ -308,11 +342,15 @@ def test_steps_per_execution_gives_the_same_training():
     strategy = mirrored(4)
     with strategy.scope():
         model = mirrax.Model(MLP(w1_init, w2))
-        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=2)
+        model.compile(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
     batches_seen = []
-    record = mirrax.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches_seen.append(batch))
+    record = mirrax.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batches_seen.append(batch)
+    )
     history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[record])
     np.testing.assert_allclose(history.history["loss"], expected, atol=1e-5)
     np.testing.assert_allclose(np.asarray(model.module.l1.kernel[...]), w1, atol=1e-5)
@@ -327,9 +365,11 @@ def test_steps_per_execution_with_a_partial_last_batch_divides_by_its_own_exampl
     for steps_per_execution in (1, 2):
         with strategy.scope():
             model = mirrax.Model(MLP(w1, w2))
-            model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                          mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          steps_per_execution=steps_per_execution)
+            model.compile(
+                optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution,
+            )
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         results.append((history.history["loss"], model.get_weights()))
     # The second micro-step's loss is its sum over 4 examples / 4 (the first step's 8 would halve
@@ -372,8 +412,12 @@ def test_steps_per_execution_runs_evaluate_and_predict_k_steps_per_call_as_keras
     # The identity's outputs: every example once, in order; Keras's hooks run once per call,
     # with the first and last step's index, and predict's gets all three steps' outputs.
     assert model.predict(x, batch_size=4, verbose=0, callbacks=[recorder]).tolist() == x.tolist()
-    assert recorder.calls == [("test begin", 0), ("test end", 2), ("predict begin", 0),
-                              ("predict end", 2, list(range(1, 11)))]
+    assert recorder.calls == [
+        ("test begin", 0),
+        ("test end", 2),
+        ("predict begin", 0),
+        ("predict end", 2, list(range(1, 11))),
+    ]
     # Without hooks that read the outputs, predict copies them late: the same rows.
     assert model.predict(x, batch_size=4, verbose=0).tolist() == x.tolist()
     # fit's validation is evaluate's loop: the same 5.5 (the identity's w gets zero gradient).
@@ -382,8 +426,7 @@ def test_steps_per_execution_runs_evaluate_and_predict_k_steps_per_call_as_keras
 
 
 @pytest.mark.parametrize("steps_per_execution", [2, 3])
-def test_steps_per_execution_gives_evaluate_and_predict_of_one_step_per_call(
-        steps_per_execution):
+def test_steps_per_execution_gives_evaluate_and_predict_of_one_step_per_call(steps_per_execution):
     # The same computation per batch, in one program or several: equal to float32 rounding
     # (XLA may fuse one program's ops differently; the sums are of the same values).
     w1, w2, x, y = mlp_data()
@@ -392,10 +435,18 @@ def test_steps_per_execution_gives_evaluate_and_predict_of_one_step_per_call(
     for k in (1, steps_per_execution):
         with mirrored(2).scope():
             model = mirrax.Model(MLP(w1, w2))
-            model.compile("sgd", mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"], steps_per_execution=k)
-        results.append((model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True),
-                        model.predict(x, batch_size=4, verbose=0)))
+            model.compile(
+                "sgd",
+                mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                steps_per_execution=k,
+            )
+        results.append(
+            (
+                model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True),
+                model.predict(x, batch_size=4, verbose=0),
+            )
+        )
     (logs_1, predicted_1), (logs_k, predicted_k) = results
     assert logs_1.keys() == logs_k.keys()
     for key in logs_1:
@@ -411,9 +462,11 @@ def test_gradient_accumulation_equals_one_step_on_the_larger_batch():
     for batch_size, accumulation in ((16, 1), (4, 4)):
         with strategy.scope():
             model = mirrax.Model(MLP(w1, w2))
-            model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                          mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          gradient_accumulation_steps=accumulation)
+            model.compile(
+                optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                gradient_accumulation_steps=accumulation,
+            )
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
         results.append(model.get_weights())
         assert model.optimizer.learning_rate == pytest.approx(0.1)
@@ -438,12 +491,14 @@ def test_a_generator_is_read_across_epochs_with_steps_per_epoch():
     # exhausted, so fit refuses before any step (Keras trains epoch 2 on nothing).
     finite = ((np.ones((2, 1), np.float32), np.zeros(2, np.float32)) for _ in range(2))
     model = identity_model(mirrored(2))
-    with pytest.raises(mirrax.errors.EmptyDatasetError,
-                       match="x is a generator .* read 2 times without steps_per_epoch"):
+    with pytest.raises(
+        mirrax.errors.EmptyDatasetError, match="x is a generator .* read 2 times without steps_per_epoch"
+    ):
         model.fit(finite, epochs=2, verbose=0)
-    with pytest.raises(mirrax.errors.EmptyDatasetError,
-                       match="validation_data is a generator .* read 3 times without "
-                             "validation_steps"):
+    with pytest.raises(
+        mirrax.errors.EmptyDatasetError,
+        match="validation_data is a generator .* read 3 times without validation_steps",
+    ):
         model.fit(endless(), steps_per_epoch=1, epochs=3, validation_data=finite, verbose=0)
     assert model.optimizer.iterations == 0
     # With steps_per_epoch, a finite generator that runs dry in a later epoch says so then.
@@ -481,7 +536,9 @@ def test_fit_and_evaluate_take_an_already_distributed_dataset():
     strategy = mirrored(2)
     model = identity_model(strategy)
     x = np.array([[2.0], [3.0], [4.0], [5.0], [6.0]], np.float32)
-    dataset = strategy.experimental_distribute_dataset([(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(1, np.float32))])
+    dataset = strategy.experimental_distribute_dataset(
+        [(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(1, np.float32))]
+    )
     history = model.fit(dataset, epochs=1, verbose=0)
     assert history.history["loss"] == [4.0]  # (2 + 3 + 4 + 5 + 6) / 5, the partial batch counted once
     assert model.evaluate(dataset, verbose=0) == pytest.approx(4.0)
@@ -500,8 +557,7 @@ def test_fits_array_batches_are_those_of_experimental_distribute_dataset():
         assert len(fast) == len(general) == 3
         for a, b in zip(fast, general):
             for leaf_a, leaf_b in zip(a, b):
-                np.testing.assert_array_equal(np.asarray(leaf_a.stacked),
-                                              np.asarray(leaf_b.stacked))
+                np.testing.assert_array_equal(np.asarray(leaf_a.stacked), np.asarray(leaf_b.stacked))
                 np.testing.assert_array_equal(np.asarray(leaf_a.mask), np.asarray(leaf_b.mask))
                 assert leaf_a.lengths == leaf_b.lengths
                 assert leaf_a.stacked.sharding == leaf_b.stacked.sharding
@@ -555,8 +611,7 @@ def test_fit_resumes_where_a_callback_says():
     model = identity_model(mirrored(2))
     x = np.ones((4, 1), np.float32)
     resumer = _Recorder(needs=False, point=(2, 0))
-    history = model.fit(x, np.zeros(4, np.float32), batch_size=4, epochs=4, verbose=0,
-                        callbacks=[resumer])
+    history = model.fit(x, np.zeros(4, np.float32), batch_size=4, epochs=4, verbose=0, callbacks=[resumer])
     assert resumer.epochs == [2, 3]  # epochs 0 and 1 were done before the resume point
     assert len(history.history["loss"]) == 2
 
@@ -566,8 +621,9 @@ class _ClippedModel(mirrax.Model):
 
     def train_step(self, data):
         super().train_step(data)
-        for variable in jax.tree.leaves(nnx.state(self.module, nnx.Param),
-                                        is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        for variable in jax.tree.leaves(
+            nnx.state(self.module, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)
+        ):
             variable[...] = jnp.clip(variable[...], 0.0, 1.5)
 
 
@@ -578,13 +634,17 @@ def test_an_overridden_train_step_is_what_fit_runs_on_every_replica():
         model.compile(optax.sgd(1.0), loss=lambda y, y_pred: y_pred[:, 0])
     # loss = w * x with x = -1: the gradient is -1, so SGD(1.0) moves w from 1 to 2 each step;
     # the override clips it to 1.5, and the loss tracker (the default step's) logs -w * 1 = -1.
-    history = model.fit(-np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4,
-                        epochs=2, verbose=0)
+    history = model.fit(
+        -np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4, epochs=2, verbose=0
+    )
     assert float(model.get_weights()[0]) == 1.5
     assert history.history["loss"] == [-1.0, -1.5]
     train_function = model.make_train_function()
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        (-np.ones((4, 1), np.float32), np.zeros(4, np.float32)))))
+    batch = next(
+        iter(
+            strategy.experimental_distribute_dataset((-np.ones((4, 1), np.float32), np.zeros(4, np.float32)))
+        )
+    )
     train_function(batch)
     assert float(model.get_weights()[0]) == 1.5 and model.get_metrics_result()["loss"] == -1.5
 
@@ -598,17 +658,30 @@ def test_train_step_outside_fit_says_where_it_runs():
 @pytest.mark.parametrize("point", [(-1, 0), (1,), "ab", (1.5, 0), (True, 0), (0, -2)])
 def test_a_malformed_resume_point_is_refused_by_name(point):
     model = identity_model(mirrored(2))
-    with pytest.raises(mirrax.errors.InvalidArgumentError,
-                       match=r"_Recorder.resume_point\(\) returned .* two ints >= 0"):
-        model.fit(np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4, epochs=2,
-                  verbose=0, callbacks=[_Recorder(needs=False, point=point)])
+    with pytest.raises(
+        mirrax.errors.InvalidArgumentError, match=r"_Recorder.resume_point\(\) returned .* two ints >= 0"
+    ):
+        model.fit(
+            np.ones((4, 1), np.float32),
+            np.zeros(4, np.float32),
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[_Recorder(needs=False, point=point)],
+        )
 
 
 def test_a_resume_point_past_the_last_epoch_warns_that_nothing_trains():
     model = identity_model(mirrored(2))
     with pytest.warns(UserWarning, match="at or after epochs=3: training is already done"):
-        history = model.fit(np.ones((4, 1), np.float32), np.zeros(4, np.float32), batch_size=4,
-                            epochs=3, verbose=0, callbacks=[_Recorder(needs=False, point=(3, 0))])
+        history = model.fit(
+            np.ones((4, 1), np.float32),
+            np.zeros(4, np.float32),
+            batch_size=4,
+            epochs=3,
+            verbose=0,
+            callbacks=[_Recorder(needs=False, point=(3, 0))],
+        )
     assert history.history == {}
 
 
@@ -640,12 +713,14 @@ def test_test_function_runs_evaluate_steps_on_distributed_batches_as_keras():
     x = np.arange(1.0, 7.0, dtype=np.float32)[:, None]
     model.reset_metrics()
     for batch in strategy.experimental_distribute_dataset(
-            [(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(2, np.float32))]):
+        [(x[:4], np.zeros(4, np.float32)), (x[4:], np.zeros(2, np.float32))]
+    ):
         assert test_function(batch) is None
     # Dropout off (inference): the mean loss is the mean of x, (1 + ... + 6) / 6 = 3.5.
     assert model.get_metrics_result() == {"loss": 3.5}
-    with pytest.raises(mirrax.errors.InvalidArgumentTypeError,
-                       match="test_function: batch must be a distributed batch"):
+    with pytest.raises(
+        mirrax.errors.InvalidArgumentTypeError, match="test_function: batch must be a distributed batch"
+    ):
         test_function((x, np.zeros(6, np.float32)))
     with pytest.raises(mirrax.errors.NotCompiledError, match="make_test_function"):
         mirrax.Model(_DropoutIdentity()).make_test_function()
@@ -670,8 +745,10 @@ def test_train_and_test_functions_alternate_modes_and_name_a_batch_without_label
     assert model.module.dropout.deterministic is True
     (inputs_only,) = strategy.experimental_distribute_dataset([x])
     for function in (train_function, test_function):
-        with pytest.raises(mirrax.errors.InvalidBatchError,
-                           match=r"\(and train_function / test_function\): each batch must be a "
-                                 r"tuple \(x, y\) or \(x, y, sample_weight\); received an array "
-                                 r"\(x alone\)\. Give the labels"):
+        with pytest.raises(
+            mirrax.errors.InvalidBatchError,
+            match=r"\(and train_function / test_function\): each batch must be a "
+            r"tuple \(x, y\) or \(x, y, sample_weight\); received an array "
+            r"\(x alone\)\. Give the labels",
+        ):
             function(inputs_only)

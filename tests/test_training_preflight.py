@@ -20,8 +20,7 @@ class SyncedNorm(nnx.Module):
     """Synchronized BatchNorm alone (the README's recipe), keeping each batch's statistics."""
 
     def __init__(self):
-        self.norm = nnx.BatchNorm(1, momentum=0.0, axis_name=mirrax.REPLICA_AXIS,
-                                  rngs=nnx.Rngs(0))
+        self.norm = nnx.BatchNorm(1, momentum=0.0, axis_name=mirrax.REPLICA_AXIS, rngs=nnx.Rngs(0))
 
     def __call__(self, x):
         return self.norm(x)
@@ -48,7 +47,8 @@ def test_synchronized_batch_norm_fits_with_the_global_batchs_statistics(replicas
     expected = (X - 7.5) / np.sqrt(21.25 + 1e-5) * scale + bias
     np.testing.assert_allclose(predictions, expected, rtol=1e-5, atol=1e-5)
     assert model.evaluate(X, X, batch_size=16, verbose=0) == pytest.approx(
-        float(np.mean((expected - X) ** 2)), rel=1e-5)
+        float(np.mean((expected - X) ** 2)), rel=1e-5
+    )
 
 
 class _Undefined(nnx.Module):
@@ -69,11 +69,13 @@ class _PythonBranch(nnx.Module):
         return x
 
 
-@pytest.mark.parametrize("module, error, text", [
-    (_Undefined, NameError, "name 'undefined_scale' is not defined"),
-    (_PythonBranch, jax.errors.TracerBoolConversionError,
-     "Attempted boolean conversion"),
-])
+@pytest.mark.parametrize(
+    "module, error, text",
+    [
+        (_Undefined, NameError, "name 'undefined_scale' is not defined"),
+        (_PythonBranch, jax.errors.TracerBoolConversionError, "Attempted boolean conversion"),
+    ],
+)
 def test_an_error_of_the_modules_own_code_is_not_reported_as_an_input_error(module, error, text):
     with mirrored(2).scope():
         model = mirrax.Model(module())
@@ -88,6 +90,7 @@ def test_an_input_that_does_not_fit_is_still_named_inside_the_replica_mesh():
         model = mirrax.Model(SyncedNorm())
         model.compile("sgd", "mse")
     # BatchNorm(1) cannot take 3 features: flax's shape error, as an input error.
-    with pytest.raises(errors.IncompatibleInputError,
-                       match=r"fit: the model cannot take x of shape \(16, 3\) \(float32\)"):
+    with pytest.raises(
+        errors.IncompatibleInputError, match=r"fit: the model cannot take x of shape \(16, 3\) \(float32\)"
+    ):
         model.fit(np.zeros((16, 3), np.float32), X, batch_size=16, verbose=0)

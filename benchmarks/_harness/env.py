@@ -29,10 +29,15 @@ def log(message: str) -> None:
 
 def add_device_arguments(parser: argparse.ArgumentParser, default: str = "1,4") -> None:
     """--devices (comma-separated replica counts), --platform and --json."""
-    parser.add_argument("--devices", default=default,
-                        help=f"replica counts, one subprocess each (default: {default})")
-    parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"],
-                        help="cpu: N fake host devices; gpu/tpu: the first N accelerators")
+    parser.add_argument(
+        "--devices", default=default, help=f"replica counts, one subprocess each (default: {default})"
+    )
+    parser.add_argument(
+        "--platform",
+        default="cpu",
+        choices=["cpu", "gpu", "tpu"],
+        help="cpu: N fake host devices; gpu/tpu: the first N accelerators",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
 
 
@@ -55,7 +60,8 @@ def check_divides(parser, args, global_batches: dict) -> None:
             parser.error(
                 f"--devices {args.devices}: the {name + ' ' if name else ''}global batch of "
                 f"{batch} does not split evenly over {bad} replicas; use counts that divide it, "
-                f"e.g. {fits}")
+                f"e.g. {fits}"
+            )
 
 
 def names_option(parser, flag: str, value: str, allowed) -> list:
@@ -73,7 +79,8 @@ def check_json_path(path) -> None:
     folder = os.path.dirname(os.path.abspath(path)) if path else None
     if folder and not os.path.isdir(folder):
         raise SystemExit(
-            f"--json {path}: the folder {folder} does not exist; create it or give another path.")
+            f"--json {path}: the folder {folder} does not exist; create it or give another path."
+        )
 
 
 def write_json(path, results) -> None:
@@ -99,11 +106,13 @@ def local_devices(platform_name: str, devices: int, script: str) -> list:
         raise SystemExit(
             f"{script}: asked for --platform {platform_name} but JAX's devices are "
             f"{local[0].platform} ({local[0].device_kind}). Install the matching jax extra "
-            "(e.g. jax[cuda12]) or pass --platform cpu.")
+            "(e.g. jax[cuda12]) or pass --platform cpu."
+        )
     if len(local) < devices:
         raise SystemExit(
             f"{script}: asked for {devices} devices but this process has {len(local)} "
-            f"{platform_name} device(s).")
+            f"{platform_name} device(s)."
+        )
     return local[:devices]
 
 
@@ -119,15 +128,24 @@ def processor_name() -> str:
 def environment(devices=None) -> dict:
     """Date, versions, platform and host CPU of this run, for the note under a results table.
     With `devices` (JAX devices) JAX's versions and the device kind are included."""
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-           "host_cpus": os.cpu_count(), "processor": processor_name()}
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+        "processor": processor_name(),
+    }
     if devices is not None:
         import flax  # JAX has started: the caller holds its devices
         import jax
         import optax
 
-        env.update(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__,
-                   platform=devices[0].platform, device_kind=devices[0].device_kind)
+        env.update(
+            jax=jax.__version__,
+            flax=flax.__version__,
+            optax=optax.__version__,
+            platform=devices[0].platform,
+            device_kind=devices[0].device_kind,
+        )
     return env
 
 
@@ -136,7 +154,8 @@ def environment_note(env: dict) -> str:
     return (
         f"{env['platform']} ({env['device_kind']}), {env['host_cpus']} host CPUs "
         f"({env['processor']}); jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, "
-        f"Python {env['python']}.")
+        f"Python {env['python']}."
+    )
 
 
 def forward_arguments(args, options, flags=()) -> list:
@@ -156,8 +175,7 @@ def child_environment(extra: dict | None = None) -> dict:
     """This process's environment with the repository first on PYTHONPATH (so `-m benchmarks.x`
     resolves from any folder) and `extra` set (a None value removes the variable)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for name, value in (extra or {}).items():
         if value is None:
             env.pop(name, None)
@@ -173,8 +191,7 @@ def _run_subprocess(module: str, child_argv: list, devices: int) -> dict:
         # The child prints its own table on stdout; only its progress lines (stderr) show here.
         done = subprocess.run(command, stdout=subprocess.DEVNULL, env=child_environment())
         if done.returncode != 0:
-            raise SystemExit(
-                f"{module}: the run with --devices {devices} failed (exit {done.returncode}).")
+            raise SystemExit(f"{module}: the run with --devices {devices} failed (exit {done.returncode}).")
         with open(path) as f:
             return json.load(f)[0]
 

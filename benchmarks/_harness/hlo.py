@@ -11,8 +11,18 @@ import importlib
 PER_REPLICA_BATCH = 32
 # The library's HLO reading, by name: `hlo.collectives(text)` here is
 # `mirrax._src.report.hlo.collectives(text)`.
-_LIBRARY = ("COLLECTIVES", "BYTES_PER_ELEMENT", "collectives", "all_reduces", "nbytes",
-            "describe", "kind", "payload_bytes", "entry_instructions", "ring_bytes")
+_LIBRARY = (
+    "COLLECTIVES",
+    "BYTES_PER_ELEMENT",
+    "collectives",
+    "all_reduces",
+    "nbytes",
+    "describe",
+    "kind",
+    "payload_bytes",
+    "entry_instructions",
+    "ring_bytes",
+)
 
 
 def __getattr__(name: str):
@@ -23,8 +33,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def compile_train_step(devices, name: str, per_replica_batch: int, packed: bool = False,
-                       **strategy_options) -> dict:
+def compile_train_step(
+    devices, name: str, per_replica_batch: int, packed: bool = False, **strategy_options
+) -> dict:
     """Runs one `strategy.run` train step of `models.WORKLOADS[name]` on a MirroredStrategy
     over `devices` (`models.mirrax_state`, `models.strategy_run_step`), then lowers it with
     `strategy.experimental_lower` on the same arguments and compiles it: the program
@@ -46,8 +57,7 @@ def compile_train_step(devices, name: str, per_replica_batch: int, packed: bool 
     builder, make_batch = models.WORKLOADS[name]
     global_batch = per_replica_batch * len(devices)
     x, y = make_batch(global_batch)
-    strategy, model, optimizer, batch = models.mirrax_state(devices, builder, x, y,
-                                                             **strategy_options)
+    strategy, model, optimizer, batch = models.mirrax_state(devices, builder, x, y, **strategy_options)
     step = models.strategy_run_step(global_batch, packed)
     strategy.run(step, args=(model, optimizer, batch))
     lowered = strategy.experimental_lower(step, args=(model, optimizer, batch))
@@ -57,10 +67,14 @@ def compile_train_step(devices, name: str, per_replica_batch: int, packed: bool 
         "compiled": lowered.compile(),
         "param_shapes": [tuple(p.shape) for p in params],
         "parameters": int(sum(p.size for p in params)),
-        "state_bytes": int(sum(np.asarray(a).nbytes
-                               for a in jax.tree.leaves(nnx.state((model, optimizer))))),
-        "device_state_bytes": int(sum(
-            shard.data.nbytes for a in jax.tree.leaves(nnx.state((model, optimizer)))
-            for shard in a.addressable_shards if shard.device == devices[0])),
+        "state_bytes": int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(nnx.state((model, optimizer))))),
+        "device_state_bytes": int(
+            sum(
+                shard.data.nbytes
+                for a in jax.tree.leaves(nnx.state((model, optimizer)))
+                for shard in a.addressable_shards
+                if shard.device == devices[0]
+            )
+        ),
         "batch_bytes": (x.nbytes + y.nbytes) // len(devices),
     }

@@ -82,14 +82,25 @@ class Transformer(nnx.Module):
     Tokens (batch, sequence) int32 in [0, vocabulary), logits (batch, classes). `exact_gelu`
     and `epsilon` match the peers' defaults (Keras and PyTorch: erf GELU, 1e-5)."""
 
-    def __init__(self, rngs: nnx.Rngs, *, layers=4, d_model=256, heads=4, mlp=1024,
-                 sequence=SEQUENCE_LENGTH, vocabulary=VOCABULARY, classes=NUM_CLASSES,
-                 epsilon=1e-6, exact_gelu=False):
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        *,
+        layers=4,
+        d_model=256,
+        heads=4,
+        mlp=1024,
+        sequence=SEQUENCE_LENGTH,
+        vocabulary=VOCABULARY,
+        classes=NUM_CLASSES,
+        epsilon=1e-6,
+        exact_gelu=False,
+    ):
         self.embed = nnx.Embed(vocabulary, d_model, rngs=rngs)
-        self.position = nnx.Param(
-            0.02 * jax.random.normal(rngs.params(), (sequence, d_model), jnp.float32))
-        self.blocks = nnx.List([_EncoderBlock(d_model, heads, mlp, epsilon, exact_gelu, rngs)
-                                for _ in range(layers)])
+        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (sequence, d_model), jnp.float32))
+        self.blocks = nnx.List(
+            [_EncoderBlock(d_model, heads, mlp, epsilon, exact_gelu, rngs) for _ in range(layers)]
+        )
         self.norm = nnx.LayerNorm(d_model, epsilon=epsilon, rngs=rngs)
         self.head = nnx.Linear(d_model, classes, rngs=rngs)
 
@@ -106,8 +117,7 @@ class _Bottleneck(nnx.Module):
         self.conv2, self.bn2 = conv(width, width, 3, stride), bn(width)
         self.conv3, self.bn3 = conv(width, 4 * width, 1), bn(4 * width)
         needed = stride != 1 or cin != 4 * width
-        self.project = (nnx.Sequential(conv(cin, 4 * width, 1, stride), bn(4 * width))
-                        if needed else None)
+        self.project = nnx.Sequential(conv(cin, 4 * width, 1, stride), bn(4 * width)) if needed else None
 
     def __call__(self, x):
         h = nnx.relu(self.bn1(self.conv1(x)))
@@ -126,8 +136,15 @@ class ResNet50(nnx.Module):
 
         def conv(cin, cout, k, stride=1):
             pad = (k - 1) // 2
-            return nnx.Conv(cin, cout, (k, k), strides=(stride, stride),
-                            padding=((pad, pad), (pad, pad)), use_bias=False, rngs=rngs)
+            return nnx.Conv(
+                cin,
+                cout,
+                (k, k),
+                strides=(stride, stride),
+                padding=((pad, pad), (pad, pad)),
+                use_bias=False,
+                rngs=rngs,
+            )
 
         self.stem, self.stem_bn = conv(3, 64, 7, 2), bn(64)
         blocks, cin = [], 64
@@ -155,8 +172,9 @@ def random_batch(x_shape: tuple, global_batch: int, seed: int = 0, classes: int 
     return x, y
 
 
-def random_tokens(global_batch: int, sequence: int = SEQUENCE_LENGTH, seed: int = 0,
-                  classes: int = NUM_CLASSES):
+def random_tokens(
+    global_batch: int, sequence: int = SEQUENCE_LENGTH, seed: int = 0, classes: int = NUM_CLASSES
+):
     """x (global_batch, sequence) int32 token ids in [0, VOCABULARY), y (global_batch,) int32."""
     rng = np.random.default_rng(seed)
     x = rng.integers(0, VOCABULARY, size=(global_batch, sequence)).astype(np.int32)
@@ -195,10 +213,16 @@ def strategy_run_step(global_batch: int, packed: bool = False):
     weights are ignored. The loss is `compute_average_loss` with `global_batch` given, so the
     step's only cross-replica sum is the gradients'. Returns this replica's loss share.
     """
+
     def train_step(model, optimizer, batch):
-        return update(model, optimizer, batch[0], batch[1],
-                      lambda l: mirrax.compute_average_loss(l, global_batch_size=global_batch),
-                      packed)
+        return update(
+            model,
+            optimizer,
+            batch[0],
+            batch[1],
+            lambda l: mirrax.compute_average_loss(l, global_batch_size=global_batch),
+            packed,
+        )
 
     return train_step
 
@@ -250,9 +274,11 @@ def make_handwritten(module_cls, x, y, global_batch, devices, donate=True):
         return jax.tree.leaves(nnx.state((model, optimizer))), loss[None]
 
     compiled = jax.jit(
-        jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("replica"), P("replica")),
-                      out_specs=(P(), P("replica"))),
-        donate_argnums=0 if donate else ())
+        jax.shard_map(
+            per_replica, mesh=mesh, in_specs=(P(), P("replica"), P("replica")), out_specs=(P(), P("replica"))
+        ),
+        donate_argnums=0 if donate else (),
+    )
 
     def step():
         holder["state"], loss = compiled(holder["state"], x_dev, y_dev)

@@ -17,8 +17,17 @@ CLASSES = 10
 MLP_SIZES = (784, 1024, 1024, CLASSES)
 # `models.Transformer`'s keyword options as the peers use them: exact GELU and LayerNorm
 # epsilon 1e-5 are Keras's and PyTorch's defaults.
-TRANSFORMER = {"layers": 4, "d_model": 256, "heads": 4, "mlp": 1024, "sequence": 64,
-               "vocabulary": 1000, "classes": CLASSES, "epsilon": 1e-5, "exact_gelu": True}
+TRANSFORMER = {
+    "layers": 4,
+    "d_model": 256,
+    "heads": 4,
+    "mlp": 1024,
+    "sequence": 64,
+    "vocabulary": 1000,
+    "classes": CLASSES,
+    "epsilon": 1e-5,
+    "exact_gelu": True,
+}
 
 
 def random_data(workload: str, examples: int, seed: int):
@@ -41,22 +50,32 @@ def keras_model(keras, workload: str):
     (batch, 784) float32, the transformer (batch, 64) int32 tokens."""
     layers = keras.layers
     if workload == "cnn":
-        return keras.Sequential([
-            keras.Input(IMAGE_SHAPE),
-            layers.Conv2D(32, 3, activation="relu", padding="same"), layers.MaxPooling2D(2),
-            layers.Conv2D(64, 3, activation="relu", padding="same"), layers.MaxPooling2D(2),
-            layers.Conv2D(64, 3, activation="relu", padding="same"), layers.Flatten(),
-            layers.Dense(64, activation="relu"), layers.Dense(CLASSES)])
+        return keras.Sequential(
+            [
+                keras.Input(IMAGE_SHAPE),
+                layers.Conv2D(32, 3, activation="relu", padding="same"),
+                layers.MaxPooling2D(2),
+                layers.Conv2D(64, 3, activation="relu", padding="same"),
+                layers.MaxPooling2D(2),
+                layers.Conv2D(64, 3, activation="relu", padding="same"),
+                layers.Flatten(),
+                layers.Dense(64, activation="relu"),
+                layers.Dense(CLASSES),
+            ]
+        )
     if workload == "mlp":
-        return keras.Sequential([keras.Input(MLP_SIZES[:1])]
-                                + [layers.Dense(n, activation="relu") for n in MLP_SIZES[1:-1]]
-                                + [layers.Dense(MLP_SIZES[-1])])
+        return keras.Sequential(
+            [keras.Input(MLP_SIZES[:1])]
+            + [layers.Dense(n, activation="relu") for n in MLP_SIZES[1:-1]]
+            + [layers.Dense(MLP_SIZES[-1])]
+        )
     t = TRANSFORMER
 
     class PositionEmbedding(layers.Layer):
         def build(self, input_shape):
-            self.position = self.add_weight(shape=(t["sequence"], t["d_model"]),
-                                            initializer=keras.initializers.RandomNormal(0, 0.02))
+            self.position = self.add_weight(
+                shape=(t["sequence"], t["d_model"]), initializer=keras.initializers.RandomNormal(0, 0.02)
+            )
 
         def call(self, x):
             return x + self.position
@@ -85,14 +104,21 @@ def torch_model(workload: str, **transformer):
 
     if workload == "cnn":
         return nn.Sequential(
-            nn.Conv2d(IMAGE_SHAPE[-1], 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(),
-            nn.Linear(64 * (IMAGE_SHAPE[0] // 4) * (IMAGE_SHAPE[1] // 4), 64), nn.ReLU(),
-            nn.Linear(64, CLASSES))
+            nn.Conv2d(IMAGE_SHAPE[-1], 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(64 * (IMAGE_SHAPE[0] // 4) * (IMAGE_SHAPE[1] // 4), 64),
+            nn.ReLU(),
+            nn.Linear(64, CLASSES),
+        )
     if workload == "mlp":
-        hidden = [m for a, b in zip(MLP_SIZES[:-2], MLP_SIZES[1:-1])
-                  for m in (nn.Linear(a, b), nn.ReLU())]
+        hidden = [m for a, b in zip(MLP_SIZES[:-2], MLP_SIZES[1:-1]) for m in (nn.Linear(a, b), nn.ReLU())]
         return nn.Sequential(*hidden, nn.Linear(*MLP_SIZES[-2:]))
     t = {**TRANSFORMER, **transformer}
     gelu = "gelu" if t["exact_gelu"] else functools.partial(nn.functional.gelu, approximate="tanh")
@@ -102,15 +128,24 @@ def torch_model(workload: str, **transformer):
             super().__init__()
             self.embed = nn.Embedding(t["vocabulary"], t["d_model"])
             self.position = nn.Parameter(0.02 * torch.randn(t["sequence"], t["d_model"]))
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(
-                t["d_model"], t["heads"], t["mlp"], dropout=0.0, activation=gelu,
-                layer_norm_eps=t["epsilon"], batch_first=True, norm_first=True)
-                for _ in range(t["layers"]))
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(
+                    t["d_model"],
+                    t["heads"],
+                    t["mlp"],
+                    dropout=0.0,
+                    activation=gelu,
+                    layer_norm_eps=t["epsilon"],
+                    batch_first=True,
+                    norm_first=True,
+                )
+                for _ in range(t["layers"])
+            )
             self.norm = nn.LayerNorm(t["d_model"], eps=t["epsilon"])
             self.head = nn.Linear(t["d_model"], t["classes"])
 
         def forward(self, tokens):
-            x = self.embed(tokens) + self.position[:tokens.shape[1]]
+            x = self.embed(tokens) + self.position[: tokens.shape[1]]
             for block in self.blocks:
                 x = block(x)
             return self.head(self.norm(x).mean(dim=1))

@@ -40,14 +40,13 @@ class Worker:
     """One worker process running `command`; its replies go to the shared `replies` queue as
     (worker, reply), and (worker, None) when it exits. `log` None: its stderr passes through."""
 
-    def __init__(self, command: list, *, env: dict, log: str | None, label: str,
-                 replies: queue.Queue):
+    def __init__(self, command: list, *, env: dict, log: str | None, label: str, replies: queue.Queue):
         self.label, self.log = label, log
         sink = open(log, "wb") if log else None
         try:
-            self.process = subprocess.Popen(command, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=sink, text=True,
-                                            env=env)
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True, env=env
+            )
         finally:
             if sink:
                 sink.close()
@@ -56,7 +55,7 @@ class Worker:
     def _read(self, replies: queue.Queue):
         for line in self.process.stdout:
             if line.startswith(REPLY):
-                replies.put((self, json.loads(line[len(REPLY):])))
+                replies.put((self, json.loads(line[len(REPLY) :])))
         replies.put((self, None))
 
     def send(self, obj):
@@ -68,8 +67,7 @@ class Worker:
         if self.log:
             with open(self.log, errors="replace") as f:
                 tail = f" Its log ({self.log}) ends:\n{f.read()[-4000:]}"
-        error = WorkerFailedError(
-            f"worker {self.label!r} (exit code {self.process.poll()}): {what}.{tail}")
+        error = WorkerFailedError(f"worker {self.label!r} (exit code {self.process.poll()}): {what}.{tail}")
         error.worker = self
         raise error
 
@@ -142,22 +140,34 @@ def serve(build, handle, core: int | None = None) -> None:
 STARTUP_TIMEOUT_S = 600  # a worker's start: imports, a cluster's rendezvous, compiles
 WINDOW_TIMEOUT_S = 300
 
+
 def environment(devices: int = 1, one_core: bool = True, **extra) -> dict:
     """`env.child_environment` of a worker: JAX on `devices` fake CPU devices, no GPU, output
     unbuffered, TensorFlow's info logs off; `one_core`: one XLA intra-op and one OpenMP thread.
     `extra` sets more variables (None removes one)."""
     flags = f"--xla_force_host_platform_device_count={devices}"
-    return env.child_environment({
-        "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-        "TF_CPP_MIN_LOG_LEVEL": "2", **({"OMP_NUM_THREADS": "1"} if one_core else {}),
-        "XLA_FLAGS": flags + (" --xla_cpu_multi_thread_eigen=false" if one_core else ""), **extra})
+    return env.child_environment(
+        {
+            "JAX_PLATFORMS": "cpu",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONUNBUFFERED": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            **({"OMP_NUM_THREADS": "1"} if one_core else {}),
+            "XLA_FLAGS": flags + (" --xla_cpu_multi_thread_eigen=false" if one_core else ""),
+            **extra,
+        }
+    )
 
 
 def tf_config(ports: list, index: int) -> str:
     """TF_CONFIG of worker `index` in a cluster on the loopback `ports` (as mirrax's and TF's
     MultiWorkerMirroredStrategy read it)."""
-    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-                       "task": {"type": "worker", "index": index}})
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
 
 
 def timed(run, times: int = 1) -> dict:
@@ -180,8 +190,7 @@ class Pool:
 
     def start(self, command: list, label: str, environment: dict) -> Worker:
         log = os.path.join(self._logs.name, f"{len(self.started)} {label}.log".replace(" ", "_"))
-        self.started.append(Worker(command, env=environment, log=log, label=label,
-                                           replies=self.replies))
+        self.started.append(Worker(command, env=environment, log=log, label=label, replies=self.replies))
         return self.started[-1]
 
     def ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict:
@@ -204,6 +213,7 @@ class Pool:
         every case, each round starting at the next group. {"ms" | "cpu_ms": {"group | task":
         [ms per step, one per round]}}: the slowest worker's wall time, the workers' mean CPU
         time."""
+
         def window(group, task, n):
             return self.ask(groups[group], {"op": "window", "task": task, "steps": n})
 
@@ -213,13 +223,13 @@ class Pool:
         order = list(dict.fromkeys(group for group, _ in cases))
         samples = {unit: {f"{g} | {t}": [] for g, t in cases} for unit in ("ms", "cpu_ms")}
         for r in range(repeats):
-            turn = order[r % len(order):] + order[:r % len(order)]
+            turn = order[r % len(order) :] + order[: r % len(order)]
             for group, task in sorted(cases, key=lambda case: turn.index(case[0])):
                 answers = window(group, task, steps)
-                samples["ms"][f"{group} | {task}"].append(
-                    max(a["seconds"] for a in answers) / steps * 1e3)
+                samples["ms"][f"{group} | {task}"].append(max(a["seconds"] for a in answers) / steps * 1e3)
                 samples["cpu_ms"][f"{group} | {task}"].append(
-                    statistics.mean(a["cpu_seconds"] for a in answers) / steps * 1e3)
+                    statistics.mean(a["cpu_seconds"] for a in answers) / steps * 1e3
+                )
         return samples
 
     def __enter__(self):
@@ -240,8 +250,10 @@ def begin(script: str, pinned: bool = True) -> tuple:
     """The start time and load average that `finish` reports; with `pinned`, first exits unless
     this process may use cores 0 and 1 (a worker pinned on each)."""
     if pinned and not {0, 1} <= os.sched_getaffinity(0):
-        raise SystemExit(f"{script}: needs cores 0 and 1, a worker on each; this process may use "
-                         f"{sorted(os.sched_getaffinity(0))}.")
+        raise SystemExit(
+            f"{script}: needs cores 0 and 1, a worker on each; this process may use "
+            f"{sorted(os.sched_getaffinity(0))}."
+        )
     return time.perf_counter(), os.getloadavg()[0]
 
 
@@ -249,8 +261,14 @@ def finish(began: tuple, what: str, path, results: dict) -> None:
     """Logs `what`, the total time and the load average before and after (other work on the
     machine distorts every number); writes them, the command and the machine to --json `path`."""
     total, load = time.perf_counter() - began[0], [began[1], os.getloadavg()[0]]
-    env.log(f"\n{what}; total {total:.0f} s; load average {load[0]:.2f} before, "
-            f"{load[1]:.2f} after")
-    env.write_json(path, {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                          **env.environment(), **results, "total_s": total,
-                          "load_average_before_after": load})
+    env.log(f"\n{what}; total {total:.0f} s; load average {load[0]:.2f} before, {load[1]:.2f} after")
+    env.write_json(
+        path,
+        {
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            **env.environment(),
+            **results,
+            "total_s": total,
+            "load_average_before_after": load,
+        },
+    )

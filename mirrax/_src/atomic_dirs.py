@@ -126,8 +126,12 @@ def leftovers(path: str) -> list:
         names = os.listdir(parent)
     except FileNotFoundError:
         return []
-    prefixes = (base + NEW_SUFFIX, base + OLD_SUFFIX, base + DELETING_SUFFIX,
-                base + ocp.path.step.TMP_DIR_SUFFIX)
+    prefixes = (
+        base + NEW_SUFFIX,
+        base + OLD_SUFFIX,
+        base + DELETING_SUFFIX,
+        base + ocp.path.step.TMP_DIR_SUFFIX,
+    )
     return [os.path.join(parent, n) for n in names if n.startswith(prefixes)]
 
 
@@ -137,8 +141,11 @@ def finish_interrupted_replace(path: str, complete) -> None:
     if not os.path.lexists(path):
         for candidate in (new, old):
             if os.path.isdir(candidate) and complete(candidate):
-                _LOG.warning("mirrax: %s was missing (a save was interrupted); restored %s "
-                             "in its place.", path, candidate)
+                _LOG.warning(
+                    "mirrax: %s was missing (a save was interrupted); restored %s in its place.",
+                    path,
+                    candidate,
+                )
                 rename(candidate, path)
                 break
     for leftover in leftovers(path):
@@ -188,10 +195,14 @@ def resolve(path: str, what: str, complete, missing=None) -> str:
         return path
     for candidate in (path + NEW_SUFFIX, path + OLD_SUFFIX):
         if os.path.isdir(candidate) and complete(candidate):
-            _LOG.warning("mirrax: %s is missing (a save was interrupted while replacing it); "
-                         "reading %s instead.", path, candidate)
+            _LOG.warning(
+                "mirrax: %s is missing (a save was interrupted while replacing it); reading %s instead.",
+                path,
+                candidate,
+            )
             return candidate
     raise errors.MissingCheckpointError(
-        missing or f"{what}: no checkpoint directory at {path}; write one with "
+        missing
+        or f"{what}: no checkpoint directory at {path}; write one with "
         "Checkpoint.write(path), Checkpoint.save(prefix) or CheckpointManager.save()."
     )

@@ -37,7 +37,10 @@ def default_to_jax() -> None:
             "trains Keras models on the JAX backend only, so mirrax.Model(keras_model) will "
             "refuse them. Import mirrax before Keras (it then defaults KERAS_BACKEND to jax), "
             "or set KERAS_BACKEND=jax before Keras is first imported. NNX models are not "
-            "affected.", UserWarning, stacklevel=2)
+            "affected.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 default_to_jax()

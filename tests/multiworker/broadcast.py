@@ -21,7 +21,8 @@ def _strategy(**options):
 
     timeout = float(os.environ.get("MIRRAX_TEST_TIMEOUT", 0)) or None
     return mirrax.MultiWorkerMirroredStrategy(
-        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout), **options)
+        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout), **options
+    )
 
 
 def _problem(n=32):
@@ -62,8 +63,9 @@ def _keys(module) -> list:
     import jax
     from flax import nnx
 
-    return [np.asarray(jax.random.key_data(k)).tolist()
-            for k in jax.tree.leaves(nnx.state(module, nnx.RngKey))]
+    return [
+        np.asarray(jax.random.key_data(k)).tolist() for k in jax.tree.leaves(nnx.state(module, nnx.RngKey))
+    ]
 
 
 def _read(module, *others):
@@ -95,8 +97,9 @@ def mirrored(out_dir, index):
     out["fit"] = _params(model.module)
 
     # A Keras model with its own unseeded initializers: evaluate first, then fit.
-    keras_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
-                                    keras.layers.Dense(2)])
+    keras_model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(2)]
+    )
     out["keras_initial"] = [w.ravel().tolist() for w in keras_model.get_weights()]
     with strategy.scope():
         wrapped = mirrax.Model(keras_model)
@@ -115,8 +118,7 @@ def mirrored(out_dir, index):
 
     def step(module, optimizer, batch):
         def loss_fn(module):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(module(batch[0]),
-                                                                          batch[1])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(module(batch[0]), batch[1])
             return mirrax.compute_average_loss(per_example)
 
         value, grads = nnx.value_and_grad(loss_fn)(module)
@@ -124,7 +126,8 @@ def mirrored(out_dir, index):
         return value
 
     for batch in strategy.experimental_distribute_dataset(
-            [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]):
+        [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    ):
         strategy.run(step, args=(module, optimizer, batch))
     out["custom_trained"] = _params(module)
     # A host assignment that differs between workers after the first step: worker 0's wins,

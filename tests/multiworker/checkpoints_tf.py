@@ -63,7 +63,8 @@ def checkpoints_tf(out_dir, index):
     result["chief_dir_after_cleanup"] = _listing(checkpoint_dir)
     probe = nnx.Variable(jnp.asarray(-1.0))
     mirrax.train.Checkpoint(marker=probe).restore(
-        mirrax.train.latest_checkpoint(checkpoint_dir)).expect_partial()
+        mirrax.train.latest_checkpoint(checkpoint_dir)
+    ).expect_partial()
     result["untouched_marker"] = float(probe[...])
 
     # Two epochs, a save after each, cleanup after each (the tutorial's loop).
@@ -107,15 +108,17 @@ def checkpoints_tf(out_dir, index):
     # A refusal on one worker (the chief's path is a file) is raised on every worker.
     if index == 0:
         (out / "a_file").write_text("keep")
-    result["file_refused"] = _refused(lambda: mirrax.train.Checkpoint(step=1).write(
-        str(out / ("a_file" if index == 0 else f"own{index}"))))
+    result["file_refused"] = _refused(
+        lambda: mirrax.train.Checkpoint(step=1).write(str(out / ("a_file" if index == 0 else f"own{index}")))
+    )
     # A bad prefix on worker 1 only (a directory, refused before there is a path): the chief
     # gets the refusal at the path exchange instead of waiting there for an hour.
     bad_prefix = str(out / "saved") + "/" if index == 1 else str(out / "saved2" / "ckpt")
     result["prefix_refused"] = _refused(lambda: mirrax.train.Checkpoint(step=1).save(bad_prefix))
     # Orbax's barriers still line up afterwards: one more save on every worker.
     result["after_refusal"] = mirrax.train.Checkpoint(step=2).write(
-        _write_filepath(str(out / "after" / "ckpt"), task_type, task_id))
+        _write_filepath(str(out / "after" / "ckpt"), task_type, task_id)
+    )
     return result
 
 

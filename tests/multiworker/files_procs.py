@@ -25,8 +25,9 @@ def _one_strategy(out: pathlib.Path, name: str) -> dict:
     model, x, y = _compiled_mlp(strategy)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     seen = 0
-    for batch in strategy.experimental_distribute_dataset([(x[i:i + 8], y[i:i + 8])
-                                                           for i in range(0, 32, 8)]):
+    for batch in strategy.experimental_distribute_dataset(
+        [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    ):
         seen += sum(len(v) for v in strategy.experimental_local_results(batch[0]))
     manager = mirrax.CheckpointManager(mirrax.Checkpoint(model=model), out / name)
     path = manager.save()
@@ -34,9 +35,14 @@ def _one_strategy(out: pathlib.Path, name: str) -> dict:
     # Only the chief reads it: the others' view may race with the chief's release.
     owner = json.loads(lock.read_text())["pid"] if jax.process_index() == 0 else None
     manager.close()
-    return {"loss": history.history["loss"], "seen": seen, "path": path, "lock_owner": owner,
-            "weights": [np.asarray(w).ravel().tolist() for w in model.get_weights()],
-            "lock_released": not lock.exists() if jax.process_index() == 0 else None}
+    return {
+        "loss": history.history["loss"],
+        "seen": seen,
+        "path": path,
+        "lock_owner": owner,
+        "weights": [np.asarray(w).ravel().tolist() for w in model.get_weights()],
+        "lock_released": not lock.exists() if jax.process_index() == 0 else None,
+    }
 
 
 def second_strategy(out_dir, index):
@@ -47,8 +53,7 @@ def second_strategy(out_dir, index):
     first = _one_strategy(out, "first")
     second = _one_strategy(out, "second")
     multihost_utils.sync_global_devices("files_procs_done")
-    return {"first": first, "second": second, "process": jax.process_index(),
-            "pid": os.getpid()}
+    return {"first": first, "second": second, "process": jax.process_index(), "pid": os.getpid()}
 
 
 SCENARIOS = {"second_strategy": second_strategy}

@@ -27,8 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tf_config(port: int, num_workers: int, index: int, chief: bool = False,
-              evaluator: bool = False) -> str:
+def tf_config(port: int, num_workers: int, index: int, chief: bool = False, evaluator: bool = False) -> str:
     """TF_CONFIG for task `index` of a loopback cluster (the first task's port is `port`).
 
     With `chief`, task 0 is the "chief" and tasks 1.. are workers 0..; else all are workers.
@@ -36,8 +35,7 @@ def tf_config(port: int, num_workers: int, index: int, chief: bool = False,
     addresses = [f"127.0.0.1:{port + i}" for i in range(num_workers)]
     if chief:
         cluster = {"chief": addresses[:1], "worker": addresses[1:]}
-        task = {"type": "chief", "index": 0} if index == 0 else {"type": "worker",
-                                                                  "index": index - 1}
+        task = {"type": "chief", "index": 0} if index == 0 else {"type": "worker", "index": index - 1}
     else:
         cluster = {"worker": addresses}
         task = {"type": "worker", "index": index}
@@ -57,9 +55,18 @@ class Worker:
         return self.log.read_text(errors="replace")
 
 
-def start(scenario: str, out_dir, num_workers: int = 2, cpu_devices: int = 2,
-          chief: bool = False, evaluator: bool = False, only: list[int] | None = None,
-          args: list[str] | None = None, port: int | None = None, env: dict | None = None):
+def start(
+    scenario: str,
+    out_dir,
+    num_workers: int = 2,
+    cpu_devices: int = 2,
+    chief: bool = False,
+    evaluator: bool = False,
+    only: list[int] | None = None,
+    args: list[str] | None = None,
+    port: int | None = None,
+    env: dict | None = None,
+):
     """Starts the workers (all, or the task indices in `only`) of `scenario`; returns them."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,9 +86,19 @@ def start(scenario: str, out_dir, num_workers: int = 2, cpu_devices: int = 2,
         log = out_dir / f"log{index}.txt"
         with open(log, "wb") as sink:
             process = subprocess.Popen(
-                [sys.executable, "-m", "tests.multiworker.scenarios", scenario, str(out_dir),
-                 str(index), *(args or [])],
-                cwd=ROOT, env=worker_env, stdout=sink, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.multiworker.scenarios",
+                    scenario,
+                    str(out_dir),
+                    str(index),
+                    *(args or []),
+                ],
+                cwd=ROOT,
+                env=worker_env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
             )
         workers.append(Worker(index, process, log))
     return workers

@@ -30,8 +30,8 @@ def _strategy(timeout_seconds=None, **options):
 
     timeout_seconds = timeout_seconds or float(os.environ.get("MIRRAX_TEST_TIMEOUT", 0)) or None
     return mirrax.MultiWorkerMirroredStrategy(
-        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout_seconds),
-        **options)
+        communication_options=mirrax.CommunicationOptions(timeout_seconds=timeout_seconds), **options
+    )
 
 
 def facts(out_dir, index):
@@ -83,9 +83,13 @@ def _outside_the_scope(batches) -> dict:
     default = mirrax.get_strategy()
     contexts = []
     default.distribute_datasets_from_function(
-        lambda ctx: contexts.append(ctx) or [np.zeros((8, 1), np.float32)])
-    rows = [int(np.asarray(local).shape[0]) for batch in default.experimental_distribute_dataset(
-        [batches[:48]]) for local in default.experimental_local_results(batch)]
+        lambda ctx: contexts.append(ctx) or [np.zeros((8, 1), np.float32)]
+    )
+    rows = [
+        int(np.asarray(local).shape[0])
+        for batch in default.experimental_distribute_dataset([batches[:48]])
+        for local in default.experimental_local_results(batch)
+    ]
     module = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
     module.kernel[...] = np.full((1, 1), 2.0, np.float32)
     module.bias[...] = np.ones((1,), np.float32)
@@ -164,27 +168,36 @@ def fit(out_dir, index):
     w1, w2, x, y = _mlp_problem()
     with strategy.scope():
         model = mirrax.Model(_mlp(w1, w2))
-        model.compile(optax.adam(0.05),
-                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
-                        validation_data=(x[:10], y[:10]))
+        model.compile(
+            optax.adam(0.05),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(
+        x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, validation_data=(x[:10], y[:10])
+    )
     evaluation = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     predictions = model.predict(x[:13], batch_size=8, verbose=0)
     # The same MLP given x as a list of two column blocks (several inputs) that it joins.
     with strategy.scope():
         joined = mirrax.Model(_Joined(_mlp(w1, w2)))
-        joined.compile(optax.adam(0.05),
-                       mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+        joined.compile(optax.adam(0.05), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
     blocks = [x[:, :1], x[:, 1:]]
-    joined_history = joined.fit(blocks, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
-                                validation_data=([b[:10] for b in blocks], y[:10]))
+    joined_history = joined.fit(
+        blocks,
+        y,
+        batch_size=8,
+        epochs=3,
+        shuffle=True,
+        verbose=0,
+        validation_data=([b[:10] for b in blocks], y[:10]),
+    )
 
     with strategy.scope():
         module = _mlp(w1, w2)
         optimizer = nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Param)
     dataset = strategy.experimental_distribute_dataset(
-        [(x[i:i + 8], y[i:i + 8]) for i in range(0, 36, 8)]
+        [(x[i : i + 8], y[i : i + 8]) for i in range(0, 36, 8)]
     )
 
     def step(module, optimizer, batch):
@@ -210,8 +223,9 @@ def fit(out_dir, index):
         "predictions": np.asarray(predictions).tolist(),
         "joined_history": joined_history.history,
         "joined_weights": _weights(joined.module.inner),
-        "joined_predictions": np.asarray(joined.predict(
-            [b[:13] for b in blocks], batch_size=8, verbose=0)).tolist(),
+        "joined_predictions": np.asarray(
+            joined.predict([b[:13] for b in blocks], batch_size=8, verbose=0)
+        ).tolist(),
         "custom_losses": losses,
         "custom_weights": _weights(module),
     }
@@ -239,15 +253,15 @@ def sharded(out_dir, index):
     _, _, x, y = _mlp_problem(32)
     with strategy.scope():
         model = mirrax.Model(Net(nnx.Rngs(0)))
-        model.compile(optax.adam(0.05),
-                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(optax.adam(0.05), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 
     with strategy.scope():
         module = Net(nnx.Rngs(1))
         optimizer = nnx.Optimizer(module, optax.adam(0.05), wrt=nnx.Param)
     dataset = strategy.experimental_distribute_dataset(
-        [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)])
+        [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    )
 
     def step(module, optimizer, batch):
         def loss_fn(module, xb, yb):
@@ -261,8 +275,9 @@ def sharded(out_dir, index):
     losses = []
     for _ in range(2):
         for batch in dataset:
-            losses.append(float(strategy.reduce(
-                "sum", strategy.run(step, args=(module, optimizer, batch)), axis=None)))
+            losses.append(
+                float(strategy.reduce("sum", strategy.run(step, args=(module, optimizer, batch)), axis=None))
+            )
     mu = optimizer.opt_state[0].mu["l1"]["kernel"].get_value()
     return {
         "history": history.history,
@@ -302,15 +317,15 @@ def invariant(out_dir, index):
             return self.dense(x.reshape(x.shape[0], -1))
 
     def crcs(module):
-        return [zlib.crc32(np.asarray(p).tobytes())
-                for p in jax.tree.leaves(nnx.state(module, nnx.Param))]
+        return [zlib.crc32(np.asarray(p).tobytes()) for p in jax.tree.leaves(nnx.state(module, nnx.Param))]
 
     loss = mirrax.losses.SparseCategoricalCrossentropy(from_logits=True)
     with strategy.scope():
         model = mirrax.Model(CNN(nnx.Rngs(0, dropout=1)))
         model.compile("adam", loss, metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0,
-                        validation_data=(x[:40], y[:40]))
+    history = model.fit(
+        x, y, batch_size=32, epochs=2, shuffle=True, verbose=0, validation_data=(x[:40], y[:40])
+    )
     predictions = model.predict(x[:24], batch_size=16, verbose=0)
 
     with strategy.scope():
@@ -327,9 +342,9 @@ def invariant(out_dir, index):
         return value
 
     dataset = strategy.experimental_distribute_dataset(
-        [(x[i:i + 32], y[i:i + 32]) for i in range(0, 100, 32)])
-    losses = [float(strategy.reduce("sum", strategy.run(step, args=(module, optimizer, b))))
-              for b in dataset]
+        [(x[i : i + 32], y[i : i + 32]) for i in range(0, 100, 32)]
+    )
+    losses = [float(strategy.reduce("sum", strategy.run(step, args=(module, optimizer, b)))) for b in dataset]
     return {
         "layout": [jax.process_count(), len(jax.local_devices())],
         "launch_rank": os.environ.get("MIRRAX_LAUNCH_RANK"),
@@ -357,8 +372,10 @@ def autoshard(out_dir, index):
 
     def steps(dataset, policy):
         options = mirrax.InputOptions(experimental_auto_shard_policy=policy)
-        return [np.asarray(strategy.experimental_local_results(b)[0]).tolist()
-                for b in strategy.experimental_distribute_dataset(dataset, options)]
+        return [
+            np.asarray(strategy.experimental_local_results(b)[0]).tolist()
+            for b in strategy.experimental_distribute_dataset(dataset, options)
+        ]
 
     result = {
         "FILE": steps(two_files, "FILE"),
@@ -373,10 +390,14 @@ def autoshard(out_dir, index):
     except ValueError as e:
         result["FILE_one_file_error"] = str(e)
     per_worker = strategy.distribute_datasets_from_function(
-        lambda ctx: [np.arange(20 * ctx.input_pipeline_id + i, 20 * ctx.input_pipeline_id + i + 4)
-                     for i in range(0, 20, 4)])
-    result["from_function"] = [np.asarray(strategy.experimental_local_results(b)[0]).tolist()
-                               for b in per_worker]
+        lambda ctx: [
+            np.arange(20 * ctx.input_pipeline_id + i, 20 * ctx.input_pipeline_id + i + 4)
+            for i in range(0, 20, 4)
+        ]
+    )
+    result["from_function"] = [
+        np.asarray(strategy.experimental_local_results(b)[0]).tolist() for b in per_worker
+    ]
     return result
 
 
@@ -394,7 +415,7 @@ def uneven(out_dir, index):
     def per_worker(ctx):
         i = ctx.input_pipeline_id
         ids = np.arange(start[i], start[i] + 4 * counts[i], dtype=np.float32)
-        return [(ids[j:j + 4, None], ids[j:j + 4]) for j in range(0, len(ids), 4)]
+        return [(ids[j : j + 4, None], ids[j : j + 4]) for j in range(0, len(ids), 4)]
 
     dataset = strategy.distribute_datasets_from_function(per_worker)
     steps, gathered, totals = 0, [], []
@@ -416,7 +437,8 @@ def uneven(out_dir, index):
         model.compile("sgd", "mse")
     # MSE against 0 is the mean of x**2 over the examples the evaluation saw.
     zeros = strategy.distribute_datasets_from_function(
-        lambda ctx: [(x, np.zeros_like(y)) for x, y in per_worker(ctx)])
+        lambda ctx: [(x, np.zeros_like(y)) for x, y in per_worker(ctx)]
+    )
     mse = model.evaluate(zeros, verbose=0)
     return {"steps": steps, "gathered": gathered, "totals": totals, "evaluate_mse": mse}
 
@@ -429,8 +451,11 @@ def _compiled_mlp(strategy, lr=0.05):
     w1, w2, x, y = _mlp_problem()
     with strategy.scope():
         model = mirrax.Model(_mlp(w1, w2))
-        model.compile(optax.adam(lr), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optax.adam(lr),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     return model, x, y
 
 
@@ -441,9 +466,18 @@ def chief_writes(out_dir, index):
 
     model, x, y = _compiled_mlp(strategy)
     ckpt = pathlib.Path(out_dir) / "ckpt"
-    model.fit(x, y, batch_size=12, epochs=2, verbose=2, callbacks=[
-        mirrax.callbacks.ModelCheckpoint(str(ckpt / "epoch{epoch:02d}"), save_weights_only=True,
-                                         verbose=1)])
+    model.fit(
+        x,
+        y,
+        batch_size=12,
+        epochs=2,
+        verbose=2,
+        callbacks=[
+            mirrax.callbacks.ModelCheckpoint(
+                str(ckpt / "epoch{epoch:02d}"), save_weights_only=True, verbose=1
+            )
+        ],
+    )
     model.save_weights(str(ckpt / "final"))
     return {"weights": _weights(model.module)}
 
@@ -465,8 +499,11 @@ def killed(out_dir, index, phase):
     def on_batch_end(batch, logs):
         seen.append((epoch_now[0], batch))
         (out / f"progress{index}").write_text(f"{epoch_now[0]} {batch}")
-        if phase in ("kill", "default") and index == 1 and (epoch_now[0], batch) == (
-                (2, 2) if phase == "kill" else (1, 0)):
+        if (
+            phase in ("kill", "default")
+            and index == 1
+            and (epoch_now[0], batch) == ((2, 2) if phase == "kill" else (1, 0))
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         if phase == "raise" and index == 1 and (epoch_now[0], batch) == (1, 0):
             raise RuntimeError("worker 1 fails on purpose")
@@ -475,7 +512,8 @@ def killed(out_dir, index, phase):
     callbacks = [
         mirrax.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
-            on_train_batch_end=on_batch_end),
+            on_train_batch_end=on_batch_end,
+        ),
     ]
     if phase != "plain":
         callbacks.insert(0, mirrax.callbacks.BackupAndRestore(str(out / "backup")))
@@ -494,27 +532,35 @@ def decisions(out_dir, index):
 
     model, _, _ = _compiled_mlp(strategy)
     with strategy.scope():
-        model.compile(optax.inject_hyperparams(optax.sgd)(learning_rate=3.0),
-                      mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=3.0),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     rng = np.random.default_rng(10 + index)
 
     def per_worker(ctx):
         x = rng.standard_normal((24, 4)).astype(np.float32) * (1 + 3 * ctx.input_pipeline_id)
         y = rng.integers(0, 2, 24).astype(np.int32)
-        return [(x[i:i + 4], y[i:i + 4]) for i in range(0, 24, 4)]
+        return [(x[i : i + 4], y[i : i + 4]) for i in range(0, 24, 4)]
 
     dataset = strategy.distribute_datasets_from_function(per_worker)
     stopper = mirrax.callbacks.EarlyStopping(monitor="loss", patience=1)
     rates = []
-    history = model.fit(dataset, epochs=12, verbose=0, callbacks=[
-        stopper,
-        mirrax.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
-                                           min_delta=0.0),
-        mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: rates.append(
-            float(np.asarray(model.optimizer.learning_rate)))),
-    ])
-    return {"loss": history.history["loss"], "stopped_epoch": stopper.stopped_epoch,
-            "rates": rates}
+    history = model.fit(
+        dataset,
+        epochs=12,
+        verbose=0,
+        callbacks=[
+            stopper,
+            mirrax.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.0),
+            mirrax.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: rates.append(
+                    float(np.asarray(model.optimizer.learning_rate))
+                )
+            ),
+        ],
+    )
+    return {"loss": history.history["loss"], "stopped_epoch": stopper.stopped_epoch, "rates": rates}
 
 
 def divergent(out_dir, index, mode):
@@ -530,8 +576,7 @@ def divergent(out_dir, index, mode):
             pass
     elif mode == "dtype":
         dtype = np.float32 if index == 0 else np.int32
-        for _ in strategy.distribute_datasets_from_function(
-                lambda ctx: [np.ones((4, 2), dtype)] * 2):
+        for _ in strategy.distribute_datasets_from_function(lambda ctx: [np.ones((4, 2), dtype)] * 2):
             pass
     elif mode == "data":
         # AutoShardPolicy.DATA with 5 global batches on worker 0 and 3 on worker 1.
@@ -587,21 +632,36 @@ def loader_inputs():
     grain_map = grain.MapDataset.source(Source()).batch(LOADER_BATCH)
     return {
         "torch": (lambda: DataLoader(tensors, batch_size=LOADER_BATCH), "pairs"),
-        "torch_shuffled": (lambda: DataLoader(tensors, batch_size=LOADER_BATCH, shuffle=True,
-                                              generator=torch.Generator().manual_seed(0)),
-                           "pairs"),
+        "torch_shuffled": (
+            lambda: DataLoader(
+                tensors, batch_size=LOADER_BATCH, shuffle=True, generator=torch.Generator().manual_seed(0)
+            ),
+            "pairs",
+        ),
         "hf_iter": (lambda: hf.iter(batch_size=LOADER_BATCH), "dicts"),
         "hf_batch": (lambda: hf.batch(LOADER_BATCH), "dicts"),
-        "hf_grain": (lambda: grain.MapDataset.source(hf).map(lambda b: (b["x"], b["y"]))
-                     .batch(LOADER_BATCH), "pairs"),
+        "hf_grain": (
+            lambda: grain.MapDataset.source(hf).map(lambda b: (b["x"], b["y"])).batch(LOADER_BATCH),
+            "pairs",
+        ),
         "grain_map": (lambda: grain_map, "pairs"),
         "grain_iter": (lambda: grain_map.to_iter_dataset(), "pairs"),
-        "grain_loader": (lambda: grain.DataLoader(
-            data_source=Source(), operations=[grain.transforms.Batch(LOADER_BATCH)],
-            sampler=grain.samplers.IndexSampler(LOADER_EXAMPLES, shuffle=False, num_epochs=1),
-            worker_count=0), "pairs"),
-        "generator": (lambda: ((x[i:i + LOADER_BATCH], y[i:i + LOADER_BATCH])
-                               for i in range(0, LOADER_EXAMPLES, LOADER_BATCH)), "pairs"),
+        "grain_loader": (
+            lambda: grain.DataLoader(
+                data_source=Source(),
+                operations=[grain.transforms.Batch(LOADER_BATCH)],
+                sampler=grain.samplers.IndexSampler(LOADER_EXAMPLES, shuffle=False, num_epochs=1),
+                worker_count=0,
+            ),
+            "pairs",
+        ),
+        "generator": (
+            lambda: (
+                (x[i : i + LOADER_BATCH], y[i : i + LOADER_BATCH])
+                for i in range(0, LOADER_EXAMPLES, LOADER_BATCH)
+            ),
+            "pairs",
+        ),
     }
 
 
@@ -622,8 +682,12 @@ def loader_runs(strategy) -> dict:
         steps = []
         for batch in dist:
             xs = batch["x"] if isinstance(batch, dict) else batch[0]
-            steps.append([np.log2(np.asarray(v)[:, 0]).astype(int).tolist()
-                          for v in strategy.experimental_local_results(xs)])
+            steps.append(
+                [
+                    np.log2(np.asarray(v)[:, 0]).astype(int).tolist()
+                    for v in strategy.experimental_local_results(xs)
+                ]
+            )
         return steps
 
     class Identity(nnx.Module):  # the loss is x itself: a mean of x over the examples
@@ -650,8 +714,7 @@ def loader_runs(strategy) -> dict:
         if kind == "pairs":
             told = Steps()
             epochs = 1 if name == "generator" else 2  # a generator is one pass (Keras)
-            out["fit"] = model.fit(make(), epochs=epochs, verbose=0,
-                                   callbacks=[told]).history["loss"]
+            out["fit"] = model.fit(make(), epochs=epochs, verbose=0, callbacks=[told]).history["loss"]
             out["fit_steps"] = told.steps
             out["evaluate"] = model.evaluate(make(), verbose=0)
             out["predict"] = np.log2(model.predict(make(), verbose=0)[:, 0]).astype(int).tolist()
@@ -662,31 +725,32 @@ def loader_runs(strategy) -> dict:
 
     def torch_fn(ctx):
         rows = range(ctx.input_pipeline_id, LOADER_EXAMPLES, ctx.num_input_pipelines)
-        return DataLoader(Subset(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
-                                 list(rows)),
-                          batch_size=ctx.get_per_replica_batch_size(LOADER_BATCH))
+        return DataLoader(
+            Subset(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), list(rows)),
+            batch_size=ctx.get_per_replica_batch_size(LOADER_BATCH),
+        )
 
     def hf_fn(ctx):
-        shard = hf.shard(num_shards=ctx.num_input_pipelines, index=ctx.input_pipeline_id,
-                         contiguous=True)
+        shard = hf.shard(num_shards=ctx.num_input_pipelines, index=ctx.input_pipeline_id, contiguous=True)
         return shard.iter(batch_size=ctx.get_per_replica_batch_size(LOADER_BATCH))
 
     def grain_fn(ctx):
-        return grain.MapDataset.range(LOADER_EXAMPLES)[
-            ctx.input_pipeline_id::ctx.num_input_pipelines].map(
-            lambda i: (x[i], y[i])).batch(ctx.get_per_replica_batch_size(LOADER_BATCH))
+        return (
+            grain.MapDataset.range(LOADER_EXAMPLES)[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+            .map(lambda i: (x[i], y[i]))
+            .batch(ctx.get_per_replica_batch_size(LOADER_BATCH))
+        )
 
     for name, fn in (("torch", torch_fn), ("hf", hf_fn), ("grain", grain_fn)):
-        result[f"from_function_{name}"] = ids_per_step(
-            strategy.distribute_datasets_from_function(fn))
+        result[f"from_function_{name}"] = ids_per_step(strategy.distribute_datasets_from_function(fn))
     result["from_function_evaluate"] = model.evaluate(
-        strategy.distribute_datasets_from_function(grain_fn), verbose=0)
+        strategy.distribute_datasets_from_function(grain_fn), verbose=0
+    )
     if jax.process_count() > 1:
         # Each worker shuffles with its own (unseeded) generator: AutoShardPolicy.DATA needs
         # the same batches on every worker, and says so.
         torch.manual_seed(jax.process_index())
-        unseeded = DataLoader(TensorDataset(torch.from_numpy(x)), batch_size=LOADER_BATCH,
-                              shuffle=True)
+        unseeded = DataLoader(TensorDataset(torch.from_numpy(x)), batch_size=LOADER_BATCH, shuffle=True)
         try:
             ids_per_step(strategy.experimental_distribute_dataset(unseeded))
         except mirrax.errors.DivergentWorkersError as error:
@@ -714,19 +778,25 @@ def keras_save(out_dir, index):
     keras.utils.set_random_seed(0)
     w1, w2, x, y = _mlp_problem()
     with strategy.scope():
-        model = mirrax.Model(keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8),
-                                               keras.layers.Dense(int(y.max()) + 1)]))
-        model.compile(keras.optimizers.Adam(0.05),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = mirrax.Model(
+            keras.Sequential(
+                [keras.Input((x.shape[1],)), keras.layers.Dense(8), keras.layers.Dense(int(y.max()) + 1)]
+            )
+        )
+        model.compile(
+            keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     model.fit(x, y, batch_size=12, epochs=1, verbose=0)
     chief_path = pathlib.Path(out_dir) / "m.keras"
     path = chief_path if index == 0 else pathlib.Path(out_dir) / f"workertemp_{index}" / "m.keras"
     model.save(path)
     with strategy.scope():
         loaded = mirrax.models.load_model(chief_path, compile=False)
-    return {"same_predictions": bool(np.array_equal(loaded.predict(x, verbose=0),
-                                                    model.predict(x, verbose=0))),
-            "wrote_own_path": path.exists() and path != chief_path}
+    return {
+        "same_predictions": bool(np.array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))),
+        "wrote_own_path": path.exists() and path != chief_path,
+    }
+
 
 from tests.multiworker.checkpoints_tf import checkpoints_tf  # noqa: E402
 from tests.multiworker.files_procs import SCENARIOS as _FILES_PROCS  # noqa: E402

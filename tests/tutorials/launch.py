@@ -18,18 +18,39 @@ from tests.tutorials import sections
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def launch(module: str, out_dir, *args: str, num_workers: int = 2, cpu_devices: int = 2,
-           timeout: float = 150) -> tuple[list, str]:
+def launch(
+    module: str, out_dir, *args: str, num_workers: int = 2, cpu_devices: int = 2, timeout: float = 150
+) -> tuple[list, str]:
     """([outcomes of worker 0, worker 1, ...], the launcher's stdout + stderr)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("TF_CONFIG", None)
-    command = [sys.executable, "-m", "mirrax._src.cli.main", "launch", "--nproc",
-               str(num_workers), "--cpu-devices", str(cpu_devices), "--",
-               sys.executable, "-m", module, str(out_dir), *map(str, args)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "mirrax._src.cli.main",
+        "launch",
+        "--nproc",
+        str(num_workers),
+        "--cpu-devices",
+        str(cpu_devices),
+        "--",
+        sys.executable,
+        "-m",
+        module,
+        str(out_dir),
+        *map(str, args),
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
         output = f"exit {process.returncode}\n{output[-8000:]}"

@@ -33,6 +33,7 @@ NUM_EPOCHS, NUM_STEPS_PER_EPOCH = 3, 5  # 3 and 70 in the notebook
 
 # -- mnist.py -----------------------------------------------------------------------------------
 
+
 def mnist_dataset(batch_size):
     (x_train, y_train), _ = mirrax.data.load_digits()
     x_train = x_train[..., 0]  # (N, 8, 8) as MNIST's (N, 28, 28); already in [0, 1]
@@ -45,21 +46,23 @@ def dataset_fn(global_batch_size, input_context):
     batch_size = input_context.get_per_replica_batch_size(global_batch_size)
     x, y = mnist_dataset(batch_size)
     # .shard(num_input_pipelines, input_pipeline_id)
-    x = x[input_context.input_pipeline_id::input_context.num_input_pipelines]
-    y = y[input_context.input_pipeline_id::input_context.num_input_pipelines]
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    x = x[input_context.input_pipeline_id :: input_context.num_input_pipelines]
+    y = y[input_context.input_pipeline_id :: input_context.num_input_pipelines]
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
 def build_cnn_model():
     regularizer = keras.regularizers.L2(1e-5)
-    return keras.Sequential([
-        keras.Input(shape=(8, 8)),
-        keras.layers.Reshape(target_shape=(8, 8, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
-        keras.layers.Dense(10, kernel_regularizer=regularizer),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(8, 8)),
+            keras.layers.Reshape(target_shape=(8, 8, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Dense(10, kernel_regularizer=regularizer),
+        ]
+    )
 
 
 def weight_sums(model):
@@ -67,6 +70,7 @@ def weight_sums(model):
 
 
 # -- the sections -------------------------------------------------------------------------------
+
 
 @tutorial.section
 def dataset_and_model_definition(ns):
@@ -88,8 +92,11 @@ def multiworkermirroredstrategy(ns):
     with ns.strategy.scope():
         # Model building needs to be within `strategy.scope()`.
         ns.multi_worker_model = mirrax.Model(build_cnn_model())
-    return {"replicas": ns.strategy.num_replicas_in_sync, "processes": jax.process_count(),
-            "params": ns.multi_worker_model.count_params()}
+    return {
+        "replicas": ns.strategy.num_replicas_in_sync,
+        "processes": jax.process_count(),
+        "params": ns.multi_worker_model.count_params(),
+    }
 
 
 @tutorial.section
@@ -97,11 +104,14 @@ def auto_shard_your_data_across_workers(ns):
     ns.global_batch_size = PER_WORKER_BATCH_SIZE * ns.num_workers
     with ns.strategy.scope():
         ns.multi_worker_dataset = ns.strategy.distribute_datasets_from_function(
-            lambda input_context: dataset_fn(ns.global_batch_size, input_context))
+            lambda input_context: dataset_fn(ns.global_batch_size, input_context)
+        )
     x, y = next(iter(ns.multi_worker_dataset))
     local = ns.strategy.experimental_local_results(y)
-    return {"global_batch_size": ns.global_batch_size,
-            "local_shards": [int(np.asarray(v).shape[0]) for v in local]}
+    return {
+        "global_batch_size": ns.global_batch_size,
+        "local_shards": [int(np.asarray(v).shape[0]) for v in local],
+    }
 
 
 @tutorial.section
@@ -110,8 +120,7 @@ def define_a_custom_training_loop_and_train_the_model(ns):
     with strategy.scope():
         # The optimizer and train_accuracy create variables: built under the scope too.
         # A Keras optimizer in a custom loop: the documented one-line translation.
-        optimizer = mirrax.KerasOptimizer(multi_worker_model,
-                                          keras.optimizers.RMSprop(learning_rate=0.001))
+        optimizer = mirrax.KerasOptimizer(multi_worker_model, keras.optimizers.RMSprop(learning_rate=0.001))
         train_accuracy = mirrax.metrics.SparseCategoricalAccuracy(name="train_accuracy")
     ns.optimizer, ns.train_accuracy = optimizer, train_accuracy
     before = weight_sums(multi_worker_model)
@@ -126,7 +135,8 @@ def define_a_custom_training_loop_and_train_the_model(ns):
             def loss_fn(multi_worker_model):  # tf.GradientTape -> value_and_grad
                 predictions = multi_worker_model(x, training=True)
                 per_example_loss = keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True, reduction=None)(y, predictions)
+                    from_logits=True, reduction=None
+                )(y, predictions)
                 loss = mirrax.compute_average_loss(per_example_loss)
                 model_losses = multi_worker_model.losses
                 if model_losses:
@@ -137,9 +147,9 @@ def define_a_custom_training_loop_and_train_the_model(ns):
             # models"): JAX differentiates the model's NNX module; the gradients come back as
             # NNX state shaped like it, its leaves in trainable_variables' order.
             (loss, predictions), grads = mirrax.value_and_grad(loss_fn, has_aux=True)(
-                multi_worker_model.module)
-            optimizer.apply_gradients(
-                zip(jax.tree.leaves(grads), multi_worker_model.trainable_variables))
+                multi_worker_model.module
+            )
+            optimizer.apply_gradients(zip(jax.tree.leaves(grads), multi_worker_model.trainable_variables))
             train_accuracy.update_state(y, predictions)
             return loss
 
@@ -148,16 +158,15 @@ def define_a_custom_training_loop_and_train_the_model(ns):
 
     ns.train_step = train_step
     loss = float(train_step(iter(ns.multi_worker_dataset)))  # one step, to check it runs
-    return {"loss": loss, "weights_before": before,
-            "weights_after": weight_sums(multi_worker_model)}
+    return {"loss": loss, "weights_before": before, "weights_after": weight_sums(multi_worker_model)}
 
 
 def _is_chief(task_type, task_id, cluster_spec):
-    return (task_type is None
-            or task_type == "chief"
-            or (task_type == "worker"
-                and task_id == 0
-                and "chief" not in cluster_spec.as_dict()))
+    return (
+        task_type is None
+        or task_type == "chief"
+        or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict())
+    )
 
 
 def _get_temp_dir(dirpath, task_id):
@@ -180,16 +189,22 @@ def make_checkpoint(ns, model):
     epoch = nnx.Variable(jnp.asarray(0, jnp.int64 if jax.config.x64_enabled else jnp.int32))
     step_in_epoch = nnx.Variable(jnp.zeros_like(epoch.value))
     resolver = ns.strategy.cluster_resolver
-    task_type, task_id, cluster_spec = (resolver.task_type, resolver.task_id,
-                                        resolver.cluster_spec())
+    task_type, task_id, cluster_spec = (resolver.task_type, resolver.task_id, resolver.cluster_spec())
     checkpoint = mirrax.train.Checkpoint(model=model, epoch=epoch, step_in_epoch=step_in_epoch)
     write_checkpoint_dir = write_filepath(ns.checkpoint_dir, task_type, task_id, cluster_spec)
     checkpoint_manager = mirrax.train.CheckpointManager(
-        checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
-    return types.SimpleNamespace(epoch=epoch, step_in_epoch=step_in_epoch, task_type=task_type,
-                                 task_id=task_id, cluster_spec=cluster_spec,
-                                 checkpoint=checkpoint, manager=checkpoint_manager,
-                                 write_checkpoint_dir=write_checkpoint_dir)
+        checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+    )
+    return types.SimpleNamespace(
+        epoch=epoch,
+        step_in_epoch=step_in_epoch,
+        task_type=task_type,
+        task_id=task_id,
+        cluster_spec=cluster_spec,
+        checkpoint=checkpoint,
+        manager=checkpoint_manager,
+        write_checkpoint_dir=write_checkpoint_dir,
+    )
 
 
 def train(ns, state):
@@ -204,8 +219,7 @@ def train(ns, state):
             num_batches += 1
             state.step_in_epoch.value = state.step_in_epoch.value + 1  # assign_add(1)
         train_loss = total_loss / num_batches
-        printed.append([int(state.epoch.value), float(ns.train_accuracy.result()),
-                        float(train_loss)])
+        printed.append([int(state.epoch.value), float(ns.train_accuracy.result()), float(train_loss)])
         ns.train_accuracy.reset_states()
         # Save, and remove the checkpoints non-chief workers saved.
         state.manager.save()
@@ -223,14 +237,17 @@ def checkpoint_saving_and_restoring(ns):
     if latest_checkpoint:
         ns.state.checkpoint.restore(latest_checkpoint)
     printed = train(ns, ns.state)
-    return {"latest_before": latest_checkpoint, "printed": printed,
-            "weights": weight_sums(ns.multi_worker_model),
-            "latest_after": mirrax.train.latest_checkpoint(ns.checkpoint_dir),
-            "chief_dir": sorted(os.listdir(ns.checkpoint_dir)),
-            # What the tutorial's tf.io.gfile.rmtree(write_checkpoint_dir) deleted (it leaves the
-            # empty workertemp_<i> that _get_temp_dir made, as TF's does).
-            "workertemp_left": os.path.exists(ns.state.write_checkpoint_dir)
-            and not _is_chief(ns.state.task_type, ns.state.task_id, ns.state.cluster_spec)}
+    return {
+        "latest_before": latest_checkpoint,
+        "printed": printed,
+        "weights": weight_sums(ns.multi_worker_model),
+        "latest_after": mirrax.train.latest_checkpoint(ns.checkpoint_dir),
+        "chief_dir": sorted(os.listdir(ns.checkpoint_dir)),
+        # What the tutorial's tf.io.gfile.rmtree(write_checkpoint_dir) deleted (it leaves the
+        # empty workertemp_<i> that _get_temp_dir made, as TF's does).
+        "workertemp_left": os.path.exists(ns.state.write_checkpoint_dir)
+        and not _is_chief(ns.state.task_type, ns.state.task_id, ns.state.cluster_spec),
+    }
 
 
 @tutorial.section
@@ -250,8 +267,13 @@ def complete_code_at_a_glance(ns):
         printed, error = train(ns, state), None
     except ZeroDivisionError as e:
         printed, error = None, f"{type(e).__name__}: {e}"
-    return {"latest": latest_checkpoint, "restored": restored, "printed": printed,
-            "error": error, "weights": weight_sums(restarted_model)}
+    return {
+        "latest": latest_checkpoint,
+        "restored": restored,
+        "printed": printed,
+        "error": error,
+        "weights": weight_sums(restarted_model),
+    }
 
 
 def main(out_dir, checkpoint_base):

@@ -31,6 +31,7 @@ EPOCHS, STEPS_PER_EPOCH = 3, 5  # 3 and 70 in the notebook
 
 # -- mnist_setup.py -----------------------------------------------------------------------------
 
+
 def mnist_dataset(batch_size):
     (x_train, y_train), _ = mirrax.data.load_digits()
     x_train = x_train[..., 0]  # (N, 8, 8) as MNIST's (N, 28, 28); already in [0, 1]
@@ -41,23 +42,29 @@ def mnist_dataset(batch_size):
         while True:
             order = rng.permutation(len(x_train))
             for i in range(0, len(order) - batch_size + 1, batch_size):
-                yield x_train[order[i:i + batch_size]], y_train[order[i:i + batch_size]]
+                yield x_train[order[i : i + batch_size]], y_train[order[i : i + batch_size]]
+
     return batches()
 
 
 def build_and_compile_cnn_model():
-    model = mirrax.Model(keras.Sequential([
-        keras.layers.InputLayer(shape=(8, 8)),  # Keras 3's name for input_shape
-        keras.layers.Reshape(target_shape=(8, 8, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ]))
+    model = mirrax.Model(
+        keras.Sequential(
+            [
+                keras.layers.InputLayer(shape=(8, 8)),  # Keras 3's name for input_shape
+                keras.layers.Reshape(target_shape=(8, 8, 1)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+    )
     model.compile(
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.SGD(learning_rate=0.001),
-        metrics=["accuracy"])
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -70,6 +77,7 @@ def fit_logs(history):
 
 
 # -- the sections -------------------------------------------------------------------------------
+
 
 @tutorial.section
 def a_cluster_with_jobs_and_tasks(ns):
@@ -86,18 +94,21 @@ def train_the_model(ns):
     with ns.strategy.scope():
         # Model building/compiling need to be within `strategy.scope()`.
         ns.multi_worker_model = build_and_compile_cnn_model()
-    history = ns.multi_worker_model.fit(ns.multi_worker_dataset, epochs=EPOCHS,
-                                        steps_per_epoch=STEPS_PER_EPOCH, verbose=0)
-    return {"replicas": ns.strategy.num_replicas_in_sync, "history": fit_logs(history),
-            "weights": weight_sums(ns.multi_worker_model)}
+    history = ns.multi_worker_model.fit(
+        ns.multi_worker_dataset, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0
+    )
+    return {
+        "replicas": ns.strategy.num_replicas_in_sync,
+        "history": fit_logs(history),
+        "weights": weight_sums(ns.multi_worker_model),
+    }
 
 
 @tutorial.section
 def dataset_sharding(ns):
     options = mirrax.InputOptions(experimental_auto_shard_policy=mirrax.AutoShardPolicy.OFF)
     multi_worker_dataset = mnist_dataset(batch_size=64)
-    dataset_no_auto_shard = ns.strategy.experimental_distribute_dataset(
-        multi_worker_dataset, options)
+    dataset_no_auto_shard = ns.strategy.experimental_distribute_dataset(multi_worker_dataset, options)
     _, labels = next(iter(dataset_no_auto_shard))
     local = [np.asarray(v).tolist() for v in ns.strategy.experimental_local_results(labels)]
     return {"local_labels": local}
@@ -127,8 +138,7 @@ def write_filepath(filepath, task_type, task_id):
 def model_saving_and_loading(ns):
     # Keras 3 saves to a ".keras" file (the notebook's SavedModel directory /tmp/keras-model).
     model_path = os.path.join(ns.work_dir, "keras-model.keras")
-    ns.task_type, ns.task_id = (ns.strategy.cluster_resolver.task_type,
-                                ns.strategy.cluster_resolver.task_id)
+    ns.task_type, ns.task_id = (ns.strategy.cluster_resolver.task_type, ns.strategy.cluster_resolver.task_id)
     write_model_path = write_filepath(model_path, ns.task_type, ns.task_id)
     ns.multi_worker_model.save(write_model_path)
     if not _is_chief(ns.task_type, ns.task_id):
@@ -138,9 +148,12 @@ def model_saving_and_loading(ns):
     # Now that the model is restored, and can continue with the training.
     single_worker_dataset = mnist_dataset(PER_WORKER_BATCH_SIZE)
     history = loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=3, verbose=0)
-    return {"loaded_weights": loaded_weights, "history": fit_logs(history),
-            "loaded_replicas": loaded_model.distribute_strategy.num_replicas_in_sync,
-            "chief_file": os.path.exists(model_path)}
+    return {
+        "loaded_weights": loaded_weights,
+        "history": fit_logs(history),
+        "loaded_replicas": loaded_model.distribute_strategy.num_replicas_in_sync,
+        "chief_file": os.path.exists(model_path),
+    }
 
 
 @tutorial.section
@@ -149,7 +162,8 @@ def checkpoint_saving_and_restoring(ns):
     checkpoint = mirrax.train.Checkpoint(model=ns.multi_worker_model)
     write_checkpoint_dir = write_filepath(checkpoint_dir, ns.task_type, ns.task_id)
     checkpoint_manager = mirrax.train.CheckpointManager(
-        checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+        checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+    )
     checkpoint_manager.save()
     if not _is_chief(ns.task_type, ns.task_id):
         shutil.rmtree(write_checkpoint_dir)  # tf.io.gfile.rmtree
@@ -157,10 +171,13 @@ def checkpoint_saving_and_restoring(ns):
     latest_checkpoint = mirrax.train.latest_checkpoint(checkpoint_dir)
     checkpoint.restore(latest_checkpoint)
     restored = weight_sums(ns.multi_worker_model)
-    history = ns.multi_worker_model.fit(ns.multi_worker_dataset, epochs=2, steps_per_epoch=3,
-                                        verbose=0)
-    return {"latest": latest_checkpoint and os.path.relpath(latest_checkpoint, ns.work_dir),
-            "saved": saved, "restored": restored, "history": fit_logs(history)}
+    history = ns.multi_worker_model.fit(ns.multi_worker_dataset, epochs=2, steps_per_epoch=3, verbose=0)
+    return {
+        "latest": latest_checkpoint and os.path.relpath(latest_checkpoint, ns.work_dir),
+        "saved": saved,
+        "restored": restored,
+        "history": fit_logs(history),
+    }
 
 
 @tutorial.section
@@ -170,15 +187,21 @@ def the_backupandrestore_callback(ns):
     # and third (save_freq=30) are not repeated: each run compiles a new model, ~9 s here, and
     # tests/test_checkpoint_callbacks.py covers an int save_freq.
     for save_freq in ("epoch",):
-        callbacks = [mirrax_callbacks.BackupAndRestore(
-            backup_dir=os.path.join(ns.work_dir, "backup"), save_freq=save_freq)]
+        callbacks = [
+            mirrax_callbacks.BackupAndRestore(
+                backup_dir=os.path.join(ns.work_dir, "backup"), save_freq=save_freq
+            )
+        ]
         with ns.strategy.scope():
             multi_worker_model = build_and_compile_cnn_model()
-        history = multi_worker_model.fit(ns.multi_worker_dataset, epochs=EPOCHS,
-                                         steps_per_epoch=STEPS_PER_EPOCH, callbacks=callbacks,
-                                         verbose=0)
-        runs.append({"epochs": len(history.history["loss"]),
-                     "weights": weight_sums(multi_worker_model)})
+        history = multi_worker_model.fit(
+            ns.multi_worker_dataset,
+            epochs=EPOCHS,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            callbacks=callbacks,
+            verbose=0,
+        )
+        runs.append({"epochs": len(history.history["loss"]), "weights": weight_sums(multi_worker_model)})
     return {"runs": runs, "backup_left": os.path.exists(os.path.join(ns.work_dir, "backup"))}
 
 

@@ -49,8 +49,11 @@ class Tutorial:
             try:
                 outcomes[fn.__name__] = {"ok": True, "values": fn(ns)}
             except Exception as e:  # noqa: BLE001 - recorded, raised again by the section's test
-                outcomes[fn.__name__] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                         "traceback": traceback.format_exc()[-4000:]}
+                outcomes[fn.__name__] = {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-4000:],
+                }
             outcomes[fn.__name__]["seconds"] = round(time.monotonic() - start, 2)
             if on_result is not None:
                 on_result(outcomes)
@@ -60,8 +63,9 @@ class Tutorial:
 def result(outcomes: dict, name: str):
     """The values section `name` returned; raises its error when it failed or never ran."""
     if name not in outcomes:
-        raise SectionError(f"section {name!r} never ran (the process stopped before it); ran: "
-                           f"{sorted(outcomes)}")
+        raise SectionError(
+            f"section {name!r} never ran (the process stopped before it); ran: {sorted(outcomes)}"
+        )
     outcome = outcomes[name]
     if not outcome["ok"]:
         raise SectionError(f"section {name!r} raised {outcome['error']}\n{outcome['traceback']}")

@@ -42,8 +42,11 @@ def download_the_dataset(ns):
     (ns.train_images, ns.train_labels), (ns.test_images, ns.test_labels) = mirrax.data.load_digits()
     # The digits already are (N, 8, 8, 1) floats in [0, 1]: the tutorial's `[..., None]` and
     # `/ 255` are done by load_digits.
-    return {"train": ns.train_images.shape, "test": ns.test_images.shape,
-            "range": [float(ns.train_images.min()), float(ns.train_images.max())]}
+    return {
+        "train": ns.train_images.shape,
+        "test": ns.test_images.shape,
+        "range": [float(ns.train_images.min()), float(ns.train_images.max())],
+    }
 
 
 @tutorial.section
@@ -62,33 +65,33 @@ def setup_input_pipeline(ns):
     order = rng.permutation(ns.BUFFER_SIZE)
     images, labels = ns.train_images[order], ns.train_labels[order]
     g = ns.GLOBAL_BATCH_SIZE
-    train_dataset = [(images[i:i + g], labels[i:i + g]) for i in range(0, len(images), g)]
-    test_dataset = [(ns.test_images[i:i + g], ns.test_labels[i:i + g])
-                    for i in range(0, len(ns.test_images), g)]
+    train_dataset = [(images[i : i + g], labels[i : i + g]) for i in range(0, len(images), g)]
+    test_dataset = [
+        (ns.test_images[i : i + g], ns.test_labels[i : i + g]) for i in range(0, len(ns.test_images), g)
+    ]
     ns.train_dist_dataset = ns.strategy.experimental_distribute_dataset(train_dataset)
     ns.test_dist_dataset = ns.strategy.experimental_distribute_dataset(test_dataset)
     first = next(iter(ns.train_dist_dataset))
     shards = [np.asarray(x).shape[0] for x in ns.strategy.experimental_local_results(first[0])]
     last = list(ns.test_dist_dataset)[-1]
-    last_shards = [np.asarray(x).shape[0]
-                   for x in ns.strategy.experimental_local_results(last[1])]
+    last_shards = [np.asarray(x).shape[0] for x in ns.strategy.experimental_local_results(last[1])]
     return {"global": g, "first_shards": shards, "test_last_shards": last_shards}
 
 
 def create_model():
     regularizer = keras.regularizers.L2(1e-5)
-    model = keras.Sequential([
-        keras.Input((8, 8, 1)),  # Keras 3 builds the model here (TF builds at the first call)
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu",
-                            kernel_regularizer=regularizer),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, padding="same", activation="relu",
-                            kernel_regularizer=regularizer),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu", kernel_regularizer=regularizer),
-        keras.layers.Dense(10, kernel_regularizer=regularizer),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),  # Keras 3 builds the model here (TF builds at the first call)
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu", kernel_regularizer=regularizer),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu", kernel_regularizer=regularizer),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu", kernel_regularizer=regularizer),
+            keras.layers.Dense(10, kernel_regularizer=regularizer),
+        ]
+    )
     return model
 
 
@@ -104,8 +107,7 @@ def create_the_model(ns):
 def define_the_loss_function(ns):
     with ns.strategy.scope():
         # Set reduction to `NONE` so you can do the reduction yourself.
-        ns.loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                                    reduction=None)
+        ns.loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
         def compute_loss(labels, predictions, model_losses):
             per_example_loss = ns.loss_object(labels, predictions)
@@ -113,6 +115,7 @@ def define_the_loss_function(ns):
             if model_losses:
                 loss += mirrax.scale_regularization_loss(sum(model_losses))
             return loss
+
     ns.compute_loss = compute_loss
     # Uniform logits over 10 classes: each example's loss is log(10) = 2.302585; the replicas'
     # shares of the average over a global batch of 8 examples sum to log(10).
@@ -191,13 +194,23 @@ def training_loop(ns):
             distributed_test_step(x)
         if epoch % 2 == 0:
             saved.append(checkpoint.save(ns.checkpoint_prefix))
-        history.append([float(train_loss), float(train_accuracy.result()),
-                        float(test_loss.result()), float(test_accuracy.result())])
+        history.append(
+            [
+                float(train_loss),
+                float(train_accuracy.result()),
+                float(test_loss.result()),
+                float(test_accuracy.result()),
+            ]
+        )
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
-    return {"history": history, "saved": saved, "prefix": ns.checkpoint_prefix,
-            "test_accuracy": history[-1][3]}
+    return {
+        "history": history,
+        "saved": saved,
+        "prefix": ns.checkpoint_prefix,
+        "test_accuracy": history[-1][3],
+    }
 
 
 @tutorial.section
@@ -206,8 +219,9 @@ def restore_the_latest_checkpoint_and_test(ns):
     new_model = mirrax.Model(create_model())
     new_optimizer = mirrax.KerasOptimizer(new_model, keras.optimizers.Adam())
     g = ns.GLOBAL_BATCH_SIZE
-    test_dataset = [(ns.test_images[i:i + g], ns.test_labels[i:i + g])
-                    for i in range(0, len(ns.test_images), g)]
+    test_dataset = [
+        (ns.test_images[i : i + g], ns.test_labels[i : i + g]) for i in range(0, len(ns.test_images), g)
+    ]
 
     def eval_step(images, labels):
         predictions = new_model(images, training=False)
@@ -315,7 +329,8 @@ def test_define_the_loss_function(outcomes):
 
 def test_define_the_metrics(outcomes):
     assert sections.result(outcomes, "define_the_metrics") == {
-        "names": ["test_loss", "train_accuracy", "test_accuracy"]}
+        "names": ["test_loss", "train_accuracy", "test_accuracy"]
+    }
 
 
 def test_training_loop(outcomes):
@@ -365,10 +380,13 @@ def test_tracking_training_loss_across_replicas(outcomes):
     assert 0.5 * test_loss < train_loss < 2 * test_loss + 0.1
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26 (between items 7 and 8, open on the "
-                   "merged branches): nnx.value_and_grad over the captured mirrax.Model "
-                   "(TypeError: not a valid JAX type), and zip(gradients, "
-                   "model.trainable_variables) with NNX-state gradients (1 pair for 8 variables)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26 (between items 7 and 8, open on the "
+    "merged branches): nnx.value_and_grad over the captured mirrax.Model "
+    "(TypeError: not a valid JAX type), and zip(gradients, "
+    "model.trainable_variables) with NNX-state gradients (1 pair for 8 variables)",
+)
 def test_the_training_step_as_tf_writes_it(outcomes):
     # One more Adam step on the trained model: a finite loss below the first epoch's.
     training = sections.result(outcomes, "training_loop")

@@ -51,8 +51,10 @@ def distributed_datasets(ns):
     global_batch_size = 16
     dataset = ones_dataset(100, global_batch_size)
     outputs = [np.asarray(train_step(inputs)) for inputs in dataset]
-    return {"batches": [len(o) for o in outputs],
-            "values": sorted({round(float(v), 6) for o in outputs for v in o.ravel()})}
+    return {
+        "batches": [len(o) for o in outputs],
+        "values": sorted({round(float(v), 6) for o in outputs for v in o.ravel()}),
+    }
 
 
 @tutorial.section
@@ -62,8 +64,7 @@ def experimental_distribute_dataset_usage(ns):
     dataset = ones_dataset(100, global_batch_size)
     dist_dataset = ns.mirrored_strategy.experimental_distribute_dataset(dataset)
     features, labels = next(iter(dist_dataset))  # 1 global batch fed to the model in 1 step
-    return {"features": shard_sizes(ns.mirrored_strategy, features),
-            "repr": repr(features).split("\n")[0]}
+    return {"features": shard_sizes(ns.mirrored_strategy, features), "repr": repr(features).split("\n")[0]}
 
 
 @tutorial.section
@@ -83,16 +84,18 @@ def distribute_datasets_from_function_usage(ns):
         contexts.append(input_context)
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
         rows = [np.ones((16, 1), np.float32)] * 4  # from_tensors([1.]).repeat(64).batch(16)
-        rows = rows[input_context.input_pipeline_id::input_context.num_input_pipelines]
+        rows = rows[input_context.input_pipeline_id :: input_context.num_input_pipelines]
         # .batch(batch_size): batches of batch_size elements of shape (16, 1).
-        return [np.stack(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+        return [np.stack(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
 
     dist_dataset = ns.mirrored_strategy.distribute_datasets_from_function(dataset_fn)
     first = next(iter(dist_dataset))
     ctx = contexts[0]
-    return {"pipelines": ctx.num_input_pipelines, "per_replica": ctx.get_per_replica_batch_size(16),
-            "shapes": [list(np.asarray(v).shape)
-                       for v in ns.mirrored_strategy.experimental_local_results(first)]}
+    return {
+        "pipelines": ctx.num_input_pipelines,
+        "per_replica": ctx.get_per_replica_batch_size(16),
+        "shapes": [list(np.asarray(v).shape) for v in ns.mirrored_strategy.experimental_local_results(first)],
+    }
 
 
 @tutorial.section
@@ -102,10 +105,12 @@ def use_a_pythonic_for_loop_construct(ns):
     losses = []
     for x in ns.dist_dataset:
         loss = strategy.run(train_step, args=(x,))
-        losses.append([np.asarray(v).ravel().tolist()
-                       for v in strategy.experimental_local_results(loss)])
-    return {"steps": len(losses), "last": losses[-1],
-            "values": sorted({round(v, 6) for step in losses for shard in step for v in shard})}
+        losses.append([np.asarray(v).ravel().tolist() for v in strategy.experimental_local_results(loss)])
+    return {
+        "steps": len(losses),
+        "last": losses[-1],
+        "values": sorted({round(v, 6) for step in losses for shard in step for v in shard}),
+    }
 
 
 @tutorial.section
@@ -138,8 +143,9 @@ def get_next_as_optional(ns):
             if not optional_data.has_value():
                 break
             per_replica_results = strategy.run(lambda x: x, args=(optional_data.get_value(),))
-            printed.append([np.asarray(v).tolist()
-                            for v in strategy.experimental_local_results(per_replica_results)])
+            printed.append(
+                [np.asarray(v).tolist() for v in strategy.experimental_local_results(per_replica_results)]
+            )
 
     train_fn(distributed_iterator)
     return {"printed": printed}
@@ -155,6 +161,7 @@ def using_the_element_spec_property(ns):
     def train_step(per_replica_inputs):
         def step_fn(inputs):
             return 2 * inputs[0], 2 * inputs[1]
+
         return strategy.run(step_fn, args=(per_replica_inputs,))
 
     outputs = []
@@ -184,11 +191,15 @@ def preprocessing_with_a_custom_training_loop(ns):
             strings = np.array(["a", "c", "e"])
             while True:  # .repeat().batch(batch_size), then the layer as .map
                 yield np.asarray(layer(np.resize(strings, batch_size)))
+
         return batches()
 
     distributed_dataset_iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
-    return {"batches": [np.asarray(strategy.gather(next(distributed_dataset_iterator), 0)).tolist()
-                        for _ in range(3)]}
+    return {
+        "batches": [
+            np.asarray(strategy.gather(next(distributed_dataset_iterator), 0)).tolist() for _ in range(3)
+        ]
+    }
 
 
 @tutorial.section
@@ -196,8 +207,10 @@ def caveats(ns):
     strategy = ns.mirrored_strategy
     dataset_size, batch_size = 24, 6
     # tf.data.Dataset.range(24).enumerate().batch(6): (index, value) batches.
-    dataset = [(np.arange(i, i + batch_size), np.arange(i, i + batch_size))
-               for i in range(0, dataset_size, batch_size)]
+    dataset = [
+        (np.arange(i, i + batch_size), np.arange(i, i + batch_size))
+        for i in range(0, dataset_size, batch_size)
+    ]
     dist_dataset = strategy.experimental_distribute_dataset(dataset)
 
     def predict(index, inputs):
@@ -258,14 +271,15 @@ def outcomes():
 
 def test_distributed_datasets(outcomes):
     # 100 examples in batches of 16: 6 full and one of 4; labels - 0.3 * features = 0.7.
-    assert sections.result(outcomes, "distributed_datasets") == {
-        "batches": [16] * 6 + [4], "values": [0.7]}
+    assert sections.result(outcomes, "distributed_datasets") == {"batches": [16] * 6 + [4], "values": [0.7]}
 
 
 def test_experimental_distribute_dataset_usage(outcomes):
     # One global batch of 16 over 8 replicas: 2 examples each, printed as a PerReplica.
     assert sections.result(outcomes, "experimental_distribute_dataset_usage") == {
-        "features": [2] * 8, "repr": "PerReplica:{"}
+        "features": [2] * 8,
+        "repr": "PerReplica:{",
+    }
 
 
 def test_sharding(outcomes):
@@ -298,10 +312,13 @@ def test_use_iter_to_create_an_explicit_iterator(outcomes):
 def test_get_next_as_optional(outcomes):
     # range(9).batch(4): [0..3], [4..7], [8]; 4 over 8 replicas: one each for replicas 0-3;
     # the loop breaks at the 4th get_next_as_optional (no value), as the notebook's 3 prints.
-    assert sections.result(outcomes, "get_next_as_optional") == {"printed": [
-        [[0], [1], [2], [3], [], [], [], []],
-        [[4], [5], [6], [7], [], [], [], []],
-        [[8], [], [], [], [], [], [], []]]}
+    assert sections.result(outcomes, "get_next_as_optional") == {
+        "printed": [
+            [[0], [1], [2], [3], [], [], [], []],
+            [[4], [5], [6], [7], [], [], [], []],
+            [[8], [], [], [], [], [], [], []],
+        ]
+    }
 
 
 def test_using_the_element_spec_property(outcomes):
@@ -310,8 +327,11 @@ def test_using_the_element_spec_property(outcomes):
     assert values["outputs"] == [2.0] * 25
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: Keras 3's StringLookup requires "
-                   "TensorFlow (ImportError: Layer StringLookup requires TensorFlow)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: Keras 3's StringLookup requires "
+    "TensorFlow (ImportError: Layer StringLookup requires TensorFlow)",
+)
 def test_preprocessing_with_a_custom_training_loop(outcomes):
     # "a" -> 1, "c" -> 3, "e" (out of vocabulary) -> 0; 4 per step (1 per replica... of 8:
     # get_per_replica_batch_size(4) over 8 replicas is refused by TF too).
@@ -330,7 +350,8 @@ def test_caveats(outcomes):
 def test_experimental_distribute_values_from_function(outcomes):
     # Each replica returns its own replica id, at every step.
     assert sections.result(outcomes, "experimental_distribute_values_from_function") == {
-        "results": [list(range(8))] * 4}
+        "results": [list(range(8))] * 4
+    }
 
 
 def test_from_generator(outcomes):

@@ -56,22 +56,25 @@ def test_dataset_and_model_definition(workers):
 def test_describe_your_cluster(workers):
     first, second = both(workers, "describe_your_cluster")
     assert first["num_workers"] == second["num_workers"] == 2
-    assert [first["task"], second["task"]] == [{"type": "worker", "index": 0},
-                                               {"type": "worker", "index": 1}]
+    assert [first["task"], second["task"]] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
 
 
 def test_multiworkermirroredstrategy(workers):
     # 2 workers x 2 devices; the model's parameters: conv 32 * (3 * 3 + 1) = 320, dense
     # 6 * 6 * 32 * 128 + 128 = 147584, output 128 * 10 + 10 = 1290: 149194.
-    assert both(workers, "multiworkermirroredstrategy") == [
-        {"replicas": 4, "processes": 2, "params": 149194}] * 2
+    assert (
+        both(workers, "multiworkermirroredstrategy")
+        == [{"replicas": 4, "processes": 2, "params": 149194}] * 2
+    )
 
 
 def test_auto_shard_your_data_across_workers(workers):
     # 16 per worker x 2 workers = 32 per global batch: 32 / 4 replicas = 8 for each of a
     # worker's 2 local replicas.
-    assert both(workers, "auto_shard_your_data_across_workers") == [
-        {"global_batch_size": 32, "local_shards": [8, 8]}] * 2
+    assert (
+        both(workers, "auto_shard_your_data_across_workers")
+        == [{"global_batch_size": 32, "local_shards": [8, 8]}] * 2
+    )
 
 
 def test_define_a_custom_training_loop_and_train_the_model(workers):

@@ -62,8 +62,7 @@ def test_model_training_on_a_single_worker():
     batch_size = 64
     single_worker_dataset = mw_keras_main.mnist_dataset(batch_size)
     single_worker_model = mw_keras_main.build_and_compile_cnn_model()
-    history = single_worker_model.fit(single_worker_dataset, epochs=3, steps_per_epoch=5,
-                                      verbose=0).history
+    history = single_worker_model.fit(single_worker_dataset, epochs=3, steps_per_epoch=5, verbose=0).history
     # The notebook's log, 3 epochs of loss and accuracy. 5 steps of SGD at 0.001 (70 in the
     # notebook) move the loss by less than the batches' noise: it stays near chance, log(10)
     # = 2.30, and the accuracy near 0.1.
@@ -74,8 +73,7 @@ def test_model_training_on_a_single_worker():
 
 def test_a_cluster_with_jobs_and_tasks(workers):
     first, second = both(workers, "a_cluster_with_jobs_and_tasks")
-    assert [first["task"], second["task"]] == [{"type": "worker", "index": 0},
-                                               {"type": "worker", "index": 1}]
+    assert [first["task"], second["task"]] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
     assert first["num_workers"] == second["num_workers"] == 2
 
 

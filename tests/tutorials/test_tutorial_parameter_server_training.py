@@ -60,9 +60,9 @@ def instantiate_a_parameterserverstrategy(ns):
     cluster_resolver = mirrax.RayClusterResolver(NUM_WORKERS, NUM_PS, worker_env=ONE_DEVICE)
     ns.cluster_resolver = cluster_resolver  # the module's teardown stops the cluster with it
     variable_partitioner = mirrax.partitioners.MinSizePartitioner(
-        min_shard_bytes=(256 << 10), max_shards=NUM_PS)
-    ns.strategy = mirrax.ParameterServerStrategy(cluster_resolver,
-                                                 variable_partitioner=variable_partitioner)
+        min_shard_bytes=(256 << 10), max_shards=NUM_PS
+    )
+    ns.strategy = mirrax.ParameterServerStrategy(cluster_resolver, variable_partitioner=variable_partitioner)
     return {"strategy": type(ns.strategy).__name__}
 
 
@@ -102,10 +102,12 @@ def callbacks_and_training(ns):
         mirrax_callbacks.ModelCheckpoint(filepath=ckpt_filepath),
         mirrax_callbacks.BackupAndRestore(backup_dir=backup_dir),
     ]
-    history = ns.model.fit(ns.dataset, epochs=5, steps_per_epoch=20, callbacks=callbacks,
-                           verbose=0).history
-    return {"loss": [float(v) for v in history["loss"]], "logs": os.path.isdir(log_dir),
-            "checkpoint": os.path.exists(ckpt_filepath)}
+    history = ns.model.fit(ns.dataset, epochs=5, steps_per_epoch=20, callbacks=callbacks, verbose=0).history
+    return {
+        "loss": [float(v) for v in history["loss"]],
+        "logs": os.path.isdir(log_dir),
+        "checkpoint": os.path.exists(ckpt_filepath),
+    }
 
 
 def lookup(vocabulary, words, num_oov_indices=1):
@@ -143,16 +145,20 @@ def set_up_the_data(ns):
             while True:
                 order = rng.permutation(200)
                 for i in range(0, 200, 32):
-                    rows = order[i:i + 32]
+                    rows = order[i : i + 32]
                     yield {"features": features["features"][rows]}, labels[rows]
+
         return batches()
 
     ns.feature_and_label_gen, ns.dataset_fn = feature_and_label_gen, dataset_fn
     ns.feature_preprocess_stage = feature_preprocess_stage
     ns.label_preprocess_stage = label_preprocess_stage
     first = next(dataset_fn(None))
-    return {"features": list(first[0]["features"].shape), "labels": list(first[1].shape),
-            "ids": sorted({int(i) for i in first[0]["features"].ravel()} - set(range(1, 8)))}
+    return {
+        "features": list(first[0]["features"].shape),
+        "labels": list(first[1].shape),
+        "ids": sorted({int(i) for i in first[0]["features"].ravel()} - set(range(1, 8))),
+    }
 
 
 @tutorial.section
@@ -164,7 +170,8 @@ def build_the_model(ns):
         emb_output = keras.ops.mean(emb_layer(model_input), axis=1)
         dense_output = keras.layers.Dense(
             units=1,  # the sigmoid goes into the loss: see LOGITS
-            kernel_regularizer=keras.regularizers.L2(1e-4))(emb_output)
+            kernel_regularizer=keras.regularizers.L2(1e-4),
+        )(emb_output)
         ns.model = mirrax.Model(keras.Model({"features": model_input}, dense_output))
         # A Keras optimizer in a custom loop: the documented one-line translation.
         ns.optimizer = mirrax.KerasOptimizer(ns.model, keras.optimizers.RMSprop(learning_rate=0.1))
@@ -186,8 +193,9 @@ def define_the_training_step(ns):
         def replica_fn(batch_data, labels):
             def loss_fn(model):  # tf.GradientTape -> value_and_grad
                 pred = model(batch_data, training=True)
-                per_example_loss = keras.losses.BinaryCrossentropy(
-                    from_logits=True, reduction=None)(labels, pred)
+                per_example_loss = keras.losses.BinaryCrossentropy(from_logits=True, reduction=None)(
+                    labels, pred
+                )
                 loss = mirrax.compute_average_loss(per_example_loss)
                 model_losses = model.losses
                 if model_losses:
@@ -239,7 +247,7 @@ def inline_evaluation(ns):
     rows = ns.feature_and_label_gen(num_examples=16)
     features = ns.feature_preprocess_stage(rows["features"])
     labels = ns.label_preprocess_stage(rows["label"])
-    eval_dataset = [({"features": features[i:i + 8]}, labels[i:i + 8]) for i in range(0, 16, 8)]
+    eval_dataset = [({"features": features[i : i + 8]}, labels[i : i + 8]) for i in range(0, 16, 8)]
     eval_accuracy = mirrax.metrics.Accuracy()
     for batch_data, labels in eval_dataset:
         pred = ns.model(batch_data, training=False)
@@ -259,6 +267,7 @@ def inline_evaluation_scheduled(ns):
             pred = model(batch_data, training=False)
             actual_pred = (pred > 0.0).astype("int64")
             eval_accuracy.update_state(labels, actual_pred)
+
         batch_data, labels = next(iterator)
         strategy.run(replica_fn, args=(batch_data, labels))
 
@@ -275,7 +284,8 @@ def inline_evaluation_scheduled(ns):
         def batches():  # .shuffle(16).repeat().batch(8)
             while True:
                 for i in range(0, 16, 8):
-                    yield {"features": features[i:i + 8]}, labels[i:i + 8]
+                    yield {"features": features[i : i + 8]}, labels[i : i + 8]
+
         return batches()
 
     per_worker_eval_iterator = iter(coordinator.create_per_worker_dataset(eval_dataset_fn))
@@ -292,43 +302,51 @@ def sidecar_evaluation(ns):
     mirrax.train.Checkpoint(model=ns.model).save(os.path.join(checkpoint_dir, "ckpt"))
     rows = ns.feature_and_label_gen(num_examples=16)
     # A dataset of batches, as TF's tf.data eval dataset (one batch of 16).
-    data = [({"features": ns.feature_preprocess_stage(rows["features"])},
-             ns.label_preprocess_stage(rows["label"]).astype(np.float32))]
+    data = [
+        (
+            {"features": ns.feature_preprocess_stage(rows["features"])},
+            ns.label_preprocess_stage(rows["label"]).astype(np.float32),
+        )
+    ]
     with mirrax.OneDeviceStrategy("cpu:0").scope():
         eval_model = mirrax.Model(keras.Model.from_config(ns.model.keras_model.get_config()))
         eval_model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    evaluator = mirrax.SidecarEvaluator(eval_model, data=data, checkpoint_dir=checkpoint_dir,
-                                        max_evaluations=1)
+    evaluator = mirrax.SidecarEvaluator(
+        eval_model, data=data, checkpoint_dir=checkpoint_dir, max_evaluations=1
+    )
     evaluator.start()
-    return {"weights_equal": all(np.array_equal(a, b) for a, b in zip(
-        eval_model.get_weights(), ns.model.get_weights()))}
+    return {
+        "weights_equal": all(
+            np.array_equal(a, b) for a, b in zip(eval_model.get_weights(), ns.model.get_weights())
+        )
+    }
 
 
 @tutorial.section
 def set_the_tf_config_environment_variable(ns):
-    worker = json.dumps({
-        "cluster": {
-            "worker": ["host1:2222", "host2:2222", "host3:2222"],
-            "ps": ["host4:2222", "host5:2222"],
-            "chief": ["host6:2222"],
-        },
-        "task": {"type": "worker", "index": 1},
-    })
+    worker = json.dumps(
+        {
+            "cluster": {
+                "worker": ["host1:2222", "host2:2222", "host3:2222"],
+                "ps": ["host4:2222", "host5:2222"],
+                "chief": ["host6:2222"],
+            },
+            "task": {"type": "worker", "index": 1},
+        }
+    )
     resolver = mirrax.TFConfigClusterResolver(tf_config=worker)
-    return {"worker": [resolver.task_type, resolver.task_id,
-                       resolver.cluster_spec().num_tasks("worker")]}
+    return {"worker": [resolver.task_type, resolver.task_id, resolver.cluster_spec().num_tasks("worker")]}
 
 
 @tutorial.section
 def set_the_tf_config_of_the_evaluator(ns):
-    evaluator = json.dumps({"cluster": {"evaluator": ["host7:2222"]},
-                            "task": {"type": "evaluator", "index": 0}})
+    evaluator = json.dumps(
+        {"cluster": {"evaluator": ["host7:2222"]}, "task": {"type": "evaluator", "index": 0}}
+    )
     resolver = mirrax.TFConfigClusterResolver(tf_config=evaluator)
     # The "cluster" part is optional for the evaluator.
-    bare = mirrax.TFConfigClusterResolver(
-        tf_config=json.dumps({"task": {"type": "evaluator", "index": 0}}))
-    return {"evaluator": [resolver.task_type, resolver.task_id],
-            "bare": [bare.task_type, bare.task_id]}
+    bare = mirrax.TFConfigClusterResolver(tf_config=json.dumps({"task": {"type": "evaluator", "index": 0}}))
+    return {"evaluator": [resolver.task_type, resolver.task_id], "bare": [bare.task_type, bare.task_id]}
 
 
 @pytest.fixture(scope="module")
@@ -347,24 +365,29 @@ def outcomes(tmp_path_factory):
 
 def test_instantiate_a_parameterserverstrategy(outcomes):
     assert sections.result(outcomes, "instantiate_a_parameterserverstrategy") == {
-        "strategy": "ParameterServerStrategy"}
+        "strategy": "ParameterServerStrategy"
+    }
 
 
 def test_input_data(outcomes):
     assert sections.result(outcomes, "input_data") == {"shapes": [[64, 10], [64]]}
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: mirrax.Model refuses a Keras model "
-                   "that is not built (Sequential([Dense(10)]) without an input shape; TF "
-                   "builds it at the first fit)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: mirrax.Model refuses a Keras model "
+    "that is not built (Sequential([Dense(10)]) without an input shape; TF "
+    "builds it at the first fit)",
+)
 def test_model_construction_and_compiling(outcomes):
     # Dense(10) built: its kernel and its bias.
-    assert sections.result(outcomes, "model_construction_and_compiling") == {
-        "trainable_variables": 2}
+    assert sections.result(outcomes, "model_construction_and_compiling") == {"trainable_variables": 2}
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: needs the model of the previous "
-                   "section (an unbuilt Keras model is refused)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: needs the model of the previous section (an unbuilt Keras model is refused)",
+)
 def test_callbacks_and_training(outcomes):
     values = sections.result(outcomes, "callbacks_and_training")
     # 5 epochs of 20 steps of SGD on a fixed 10-example regression: the loss falls.
@@ -374,13 +397,15 @@ def test_callbacks_and_training(outcomes):
 
 def test_set_up_the_data(outcomes):
     # Batches of 32 examples of 3 words; every word is in the vocabulary (ids 1..7, none OOV).
-    assert sections.result(outcomes, "set_up_the_data") == {
-        "features": [32, 3], "labels": [32, 1], "ids": []}
+    assert sections.result(outcomes, "set_up_the_data") == {"features": [32, 3], "labels": [32, 1], "ids": []}
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: a partitioned Keras variable is "
-                   "not seen as shards (len(emb_layer.weights) == 1, not 2 of (4, 16384)); "
-                   "partitioning is placement only")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: a partitioned Keras variable is "
+    "not seen as shards (len(emb_layer.weights) == 1, not 2 of (4, 16384)); "
+    "partitioning is placement only",
+)
 def test_build_the_model(outcomes):
     # The (8, 16384) table in 2 shards of 4 rows, one per parameter server.
     assert sections.result(outcomes, "build_the_model") == {"shards": [[4, 16384], [4, 16384]]}
@@ -423,10 +448,11 @@ def test_sidecar_evaluation(outcomes):
 
 
 def test_set_the_tf_config_environment_variable(outcomes):
-    assert sections.result(outcomes, "set_the_tf_config_environment_variable") == {
-        "worker": ["worker", 1, 3]}
+    assert sections.result(outcomes, "set_the_tf_config_environment_variable") == {"worker": ["worker", 1, 3]}
 
 
 def test_set_the_tf_config_of_the_evaluator(outcomes):
     assert sections.result(outcomes, "set_the_tf_config_of_the_evaluator") == {
-        "evaluator": ["evaluator", 0], "bare": ["evaluator", 0]}
+        "evaluator": ["evaluator", 0],
+        "bare": ["evaluator", 0],
+    }

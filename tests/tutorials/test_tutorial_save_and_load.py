@@ -48,24 +48,34 @@ def overview(ns):
         order = np.random.default_rng(0).permutation(len(x_train))  # .shuffle(BUFFER_SIZE)
         x_train, y_train = x_train[order], y_train[order]
         # map(scale): the digits already are float32 in [0, 1].
-        train_dataset = [(x_train[i:i + BATCH_SIZE], y_train[i:i + BATCH_SIZE])
-                         for i in range(0, len(x_train), BATCH_SIZE)]
-        eval_dataset = [(x_test[i:i + BATCH_SIZE], y_test[i:i + BATCH_SIZE])
-                        for i in range(0, len(x_test), BATCH_SIZE)]
+        train_dataset = [
+            (x_train[i : i + BATCH_SIZE], y_train[i : i + BATCH_SIZE])
+            for i in range(0, len(x_train), BATCH_SIZE)
+        ]
+        eval_dataset = [
+            (x_test[i : i + BATCH_SIZE], y_test[i : i + BATCH_SIZE])
+            for i in range(0, len(x_test), BATCH_SIZE)
+        ]
         return train_dataset, eval_dataset
 
     def get_model():
         with ns.mirrored_strategy.scope():
-            model = mirrax.Model(keras.Sequential([
-                keras.layers.Conv2D(32, 3, activation="relu", input_shape=(8, 8, 1)),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ]))
-            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          optimizer=keras.optimizers.Adam(),
-                          metrics=[keras.metrics.SparseCategoricalAccuracy()])
+            model = mirrax.Model(
+                keras.Sequential(
+                    [
+                        keras.layers.Conv2D(32, 3, activation="relu", input_shape=(8, 8, 1)),
+                        keras.layers.MaxPooling2D(),
+                        keras.layers.Flatten(),
+                        keras.layers.Dense(64, activation="relu"),
+                        keras.layers.Dense(10),
+                    ]
+                )
+            )
+            model.compile(
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=keras.optimizers.Adam(),
+                metrics=[keras.metrics.SparseCategoricalAccuracy()],
+            )
             return model
 
     ns.get_model = get_model
@@ -73,8 +83,10 @@ def overview(ns):
     ns.model = get_model()
     ns.train_dataset, ns.eval_dataset = get_data()
     history = ns.model.fit(ns.train_dataset, epochs=2, verbose=0).history
-    return {"history": {k: [float(v) for v in vs] for k, vs in history.items()},
-            "steps": len(ns.train_dataset)}
+    return {
+        "history": {k: [float(v) for v in vs] for k, vs in history.items()},
+        "steps": len(ns.train_dataset),
+    }
 
 
 @tutorial.section
@@ -89,19 +101,20 @@ def the_keras_api(ns):
     with another_strategy.scope():
         restored_keras_model_ds = mirrax.models.load_model(keras_model_path)
         ds_history = restored_keras_model_ds.fit(ns.train_dataset, epochs=2, verbose=0).history
-    return {"equal_predictions": bool(np.array_equal(before, restored)),
-            "type": type(restored_keras_model).__name__,
-            "restored_loss": [float(v) for v in restored_history["loss"]],
-            "ds_loss": [float(v) for v in ds_history["loss"]],
-            "ds_strategy": type(restored_keras_model_ds.distribute_strategy).__name__}
+    return {
+        "equal_predictions": bool(np.array_equal(before, restored)),
+        "type": type(restored_keras_model).__name__,
+        "restored_loss": [float(v) for v in restored_history["loss"]],
+        "ds_loss": [float(v) for v in ds_history["loss"]],
+        "ds_strategy": type(restored_keras_model_ds.distribute_strategy).__name__,
+    }
 
 
 @tutorial.section
 def the_tf_saved_model_api(ns):
     model = ns.get_model()  # get a fresh model
     saved_model_path = os.path.join(ns.tmp_dir, "tf_save")
-    mirrax.export(model, saved_model_path,
-                  input_signature=jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32))
+    mirrax.export(model, saved_model_path, input_signature=jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32))
     loaded = mirrax.load_exported(saved_model_path)
     inference_func = loaded.signatures[DEFAULT_FUNCTION_KEY]
     predict_dataset = [images for images, _ in ns.eval_dataset]  # .map(lambda i, l: i)
@@ -117,8 +130,11 @@ def the_tf_saved_model_api(ns):
             result = another_strategy.run(inference_func, args=(batch,))
             break
     distributed = np.asarray(another_strategy.gather(result, axis=0))
-    return {"shape": list(one.shape), "close": bool(np.allclose(one, expected, atol=1e-5)),
-            "distributed_close": bool(np.allclose(distributed, expected, atol=1e-5))}
+    return {
+        "shape": list(one.shape),
+        "close": bool(np.allclose(one, expected, atol=1e-5)),
+        "distributed_close": bool(np.allclose(distributed, expected, atol=1e-5)),
+    }
 
 
 @tutorial.section
@@ -160,8 +176,10 @@ def caveats(ns):
     BATCH_SIZE = BATCH_SIZE_PER_REPLICA * ns.mirrored_strategy.num_replicas_in_sync
     dataset_size = 100
     row = np.arange(5, dtype=np.float32)
-    dataset = [(np.tile(row, (n, 1)), np.tile(row, (n, 1)))
-               for n in [BATCH_SIZE] * (dataset_size // BATCH_SIZE) + [dataset_size % BATCH_SIZE]]
+    dataset = [
+        (np.tile(row, (n, 1)), np.tile(row, (n, 1)))
+        for n in [BATCH_SIZE] * (dataset_size // BATCH_SIZE) + [dataset_size % BATCH_SIZE]
+    ]
     my_model.compile(optimizer="adam", loss="mean_squared_error")
     my_model.fit(dataset, epochs=2, verbose=0)
     my_model.save(saved_model_path)
@@ -194,9 +212,12 @@ def test_the_keras_api(outcomes):
     assert values["ds_strategy"] == "OneDeviceStrategy"
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: mirrax.load_exported's artifact has "
-                   "no .signatures['serving_default'] (it is called directly); the "
-                   "tf.saved_model API has no mirrax name")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: mirrax.load_exported's artifact has "
+    "no .signatures['serving_default'] (it is called directly); the "
+    "tf.saved_model API has no mirrax name",
+)
 def test_the_tf_saved_model_api(outcomes):
     values = sections.result(outcomes, "the_tf_saved_model_api")
     # One eval batch of 128 images -> 128 x 10 logits, as the model's own predict, on one
@@ -209,9 +230,14 @@ def test_which_api_should_i_use(outcomes):
     assert values["refused"] is not None and ".keras" in values["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="not in issue 26: mirrax.Model refuses an unbuilt "
-                   "subclassed Keras model (TF builds it at the first fit); item 6: save")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not in issue 26: mirrax.Model refuses an unbuilt "
+    "subclassed Keras model (TF builds it at the first fit); item 6: save",
+)
 def test_caveats(outcomes):
     # Keras refuses to save a subclassed model before it is built; after fit it saves.
-    assert sections.result(outcomes, "caveats") == {"refused_before_fit": "ValueError",
-                                                    "saved_after_fit": True}
+    assert sections.result(outcomes, "caveats") == {
+        "refused_before_fit": "ValueError",
+        "saved_after_fit": True,
+    }

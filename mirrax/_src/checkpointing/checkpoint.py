@@ -23,13 +23,20 @@ from mirrax import errors
 from mirrax._src import atomic_dirs
 from mirrax._src.checkpointing import writer_lock
 from mirrax._src.checkpointing.directory import (
-    SAVE_COUNTER, is_complete, refuse_to_replace, stored_items, write_checkpoint,
+    SAVE_COUNTER,
+    is_complete,
+    refuse_to_replace,
+    stored_items,
+    write_checkpoint,
 )
 from mirrax._src.checkpointing.parts import as_arrays, nnx_part, tracked_parts
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus, restore_parts
 from mirrax._src.checkpointing.state_file import update_state
 from mirrax._src.checkpointing.workers import (
-    checked_everywhere, chief_path, for_save, write_stub,
+    checked_everywhere,
+    chief_path,
+    for_save,
+    write_stub,
 )
 
 
@@ -76,7 +83,8 @@ class Checkpoint:
                 return
             raise errors.InvalidArgumentError(
                 f"Checkpoint cannot track a name that starts with '_': {name!r}; rename it, "
-                "e.g. Checkpoint(model=...) (names starting with '_' are the Checkpoint's own).")
+                "e.g. Checkpoint(model=...) (names starting with '_' are the Checkpoint's own)."
+            )
         tracked_parts(self._objects, name, value)  # validates the kind
         self._objects[name] = value
 
@@ -87,8 +95,9 @@ class Checkpoint:
         raise AttributeError(f"Checkpoint tracks no object named {name!r}; it tracks {sorted(objects)}.")
 
     def _all_parts(self) -> list:
-        return [part for name, obj in self._objects.items()
-                for part in tracked_parts(self._objects, name, obj)]
+        return [
+            part for name, obj in self._objects.items() for part in tracked_parts(self._objects, name, obj)
+        ]
 
     def save(self, file_prefix) -> str:
         """Writes a new numbered checkpoint `<file_prefix>-<save_counter>`, as
@@ -117,8 +126,7 @@ class Checkpoint:
         prefix = checked_everywhere(lambda: _checked_prefix(file_prefix), "Checkpoint.save")
         self.save_counter += 1
         try:
-            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save",
-                                       numbered=True)
+            path, target = self._write(f"{prefix}-{self.save_counter}", "Checkpoint.save", numbered=True)
         except BaseException:
             self.save_counter -= 1
             raise
@@ -155,8 +163,7 @@ class Checkpoint:
             checkpoint that was at `path` is unchanged.
         """
         what = "Checkpoint.write"
-        return self._write(
-            checked_everywhere(lambda: atomic_dirs.checked_path(path, what), what), what)[0]
+        return self._write(checked_everywhere(lambda: atomic_dirs.checked_path(path, what), what), what)[0]
 
     def _write(self, path: str, what: str, numbered: bool = False) -> tuple:
         """Writes the checkpoint for this process's `path`; returns (`path`, the path written).
@@ -173,12 +180,14 @@ class Checkpoint:
             prefix = target.rsplit("-", 1)[0]
             if prefix not in self._writer_locks:
                 self._writer_locks[prefix] = writer_lock.take(
-                    prefix + writer_lock.SUFFIX, what, f"{prefix}-<n>")
+                    prefix + writer_lock.SUFFIX, what, f"{prefix}-<n>"
+                )
         else:
             token = writer_lock.take(target + writer_lock.SUFFIX, what, target)
         try:
             atomic_dirs.replace_atomically(
-                target, lambda new: write_checkpoint(new, save_args, what), is_complete)
+                target, lambda new: write_checkpoint(new, save_args, what), is_complete
+            )
         finally:
             writer_lock.release(token)
         if target != path:
@@ -222,12 +231,15 @@ class Checkpoint:
         if parts and items and not matched:
             # TF returns a status that asserts later; a restore that changes nothing is never
             # what was meant, so it is refused while nothing has been touched.
-            hint = (" It holds 'weights', Model.save_weights's output: read it with "
-                    "model.load_weights(path), or track the module as weights=model.module."
-                    if "weights" in items else
-                    " A mirrax.Model saved as NAME is stored as NAME.module (and NAME.optimizer): "
-                    "track a mirrax.Model under NAME to restore it." if any(
-                        i.endswith(".module") for i in items) else "")
+            hint = (
+                " It holds 'weights', Model.save_weights's output: read it with "
+                "model.load_weights(path), or track the module as weights=model.module."
+                if "weights" in items
+                else " A mirrax.Model saved as NAME is stored as NAME.module (and NAME.optimizer): "
+                "track a mirrax.Model under NAME to restore it."
+                if any(i.endswith(".module") for i in items)
+                else ""
+            )
             raise errors.IncompatibleCheckpointError(
                 f"{what}: nothing this Checkpoint tracks ({sorted(p.item for p in parts)}) is in "
                 f"the checkpoint at {path}, which holds {items}; nothing was restored. Track the "
@@ -267,8 +279,9 @@ def _release_all(locks: dict) -> None:
 def orbax_save_args(checkpoint: Checkpoint) -> ocp.args.Composite:
     """One save's Orbax arguments: every part `checkpoint` tracks, and its save_counter (for
     `Checkpoint.save` and `CheckpointManager.save`)."""
-    items = {part.item: ocp.args.StandardSave(for_save(as_arrays(part.get())))
-             for part in checkpoint._all_parts()}
+    items = {
+        part.item: ocp.args.StandardSave(for_save(as_arrays(part.get()))) for part in checkpoint._all_parts()
+    }
     counter = np.asarray(checkpoint.save_counter, np.int64)
     items[SAVE_COUNTER] = ocp.args.StandardSave({"value": counter})
     return ocp.args.Composite(**items)
@@ -286,9 +299,7 @@ def save_weights(model, filepath, overwrite: bool = True) -> None:
         )
     refuse_to_replace(path, "save_weights")
     if os.path.exists(path) and not overwrite:
-        raise errors.ExistingPathError(
-            f"save_weights: {path} exists; pass overwrite=True to replace it."
-        )
+        raise errors.ExistingPathError(f"save_weights: {path} exists; pass overwrite=True to replace it.")
     Checkpoint(weights=model.module).write(path)
 
 
@@ -296,9 +307,12 @@ def load_weights(model, filepath) -> None:
     """`Model.load_weights`: from `save_weights`'s output, or the module of a full checkpoint
     (`Checkpoint(model=model)`, `ModelCheckpoint`'s default), as Keras's from a full save."""
     path = atomic_dirs.resolve(
-        atomic_dirs.checked_path(filepath, "load_weights"), "load_weights", is_complete,
+        atomic_dirs.checked_path(filepath, "load_weights"),
+        "load_weights",
+        is_complete,
         missing=f"load_weights: no weights directory at {os.path.abspath(os.fspath(filepath))}; "
-                "write one with model.save_weights(path).")
+        "write one with model.save_weights(path).",
+    )
     stored = stored_items(path, "load_weights")
     modules = sorted(n for n in stored if n.endswith(".module"))
     if "weights" in stored:

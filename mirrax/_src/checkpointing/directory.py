@@ -138,5 +138,5 @@ def write_checkpoint(target: str, save_args, what: str = "Checkpoint.write") -> 
     except Exception as e:
         if not space.is_out_of_space(e):
             raise
-        shown = target[:-len(NEW_SUFFIX)] if target.endswith(NEW_SUFFIX) else target
+        shown = target[: -len(NEW_SUFFIX)] if target.endswith(NEW_SUFFIX) else target
         raise space.write_error(what, shown, e, space.save_bytes(save_args)) from None

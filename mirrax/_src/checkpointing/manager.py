@@ -27,7 +27,10 @@ from mirrax._src import atomic_dirs
 from mirrax._src.checkpointing import space, writer_lock
 from mirrax._src.checkpointing.checkpoint import Checkpoint, orbax_save_args
 from mirrax._src.checkpointing.directory import (
-    METADATA_FILE, is_complete, refuse_non_directory, write_checkpoint,
+    METADATA_FILE,
+    is_complete,
+    refuse_non_directory,
+    write_checkpoint,
 )
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
 from mirrax._src.checkpointing.workers import checked_everywhere, chief_path, write_stub
@@ -89,8 +92,7 @@ def _check_count(value, name: str, owner: str, minimum: int, allow_none: bool = 
         )
     if value < minimum:
         raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be >= {minimum}{' or None' if allow_none else ''}; "
-            f"received {value}."
+            f"{owner}: {name} must be >= {minimum}{' or None' if allow_none else ''}; received {value}."
         )
     return int(value)
 
@@ -138,9 +140,16 @@ class CheckpointManager:
     directory), as Orbax's own manager already is.
     """
 
-    def __init__(self, checkpoint: Checkpoint, directory, max_to_keep: int | None = 5,
-                 keep_checkpoint_every_n_hours: float | None = None,
-                 checkpoint_interval: int | None = None, init_fn=None, async_save: bool = False):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory,
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_interval: int | None = None,
+        init_fn=None,
+        async_save: bool = False,
+    ):
         owner = "CheckpointManager"
         if not isinstance(checkpoint, Checkpoint):
             raise errors.InvalidArgumentTypeError(
@@ -150,7 +159,8 @@ class CheckpointManager:
         max_to_keep = _check_count(max_to_keep, "max_to_keep", owner, 1)
         if keep_checkpoint_every_n_hours is not None:
             if isinstance(keep_checkpoint_every_n_hours, bool) or not isinstance(
-                    keep_checkpoint_every_n_hours, (int, float, np.integer, np.floating)):
+                keep_checkpoint_every_n_hours, (int, float, np.integer, np.floating)
+            ):
                 raise errors.InvalidArgumentTypeError(
                     "CheckpointManager: keep_checkpoint_every_n_hours must be a number of hours "
                     f"or None; received {keep_checkpoint_every_n_hours!r} of type "
@@ -171,11 +181,9 @@ class CheckpointManager:
                 f"CheckpointManager: async_save must be True or False; received {async_save!r}."
             )
         self.checkpoint = checkpoint
-        self.directory = checked_everywhere(
-            lambda: atomic_dirs.checked_path(directory, owner), owner)
+        self.directory = checked_everywhere(lambda: atomic_dirs.checked_path(directory, owner), owner)
         # Where the checkpoints live: the chief's directory, on every process (workers.py).
-        self._shared = chief_path(
-            self.directory, owner, lambda own: refuse_non_directory(own, owner))
+        self._shared = chief_path(self.directory, owner, lambda own: refuse_non_directory(own, owner))
         self.max_to_keep = max_to_keep
         self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self.checkpoint_interval = checkpoint_interval
@@ -186,7 +194,8 @@ class CheckpointManager:
         self._writer_lock: list | None = None
         self._saving, self._saving_bytes = None, 0  # the save in flight: number, bytes
         keep_time_interval = (
-            None if keep_checkpoint_every_n_hours is None
+            None
+            if keep_checkpoint_every_n_hours is None
             else datetime.timedelta(hours=float(keep_checkpoint_every_n_hours))
         )
         with quiet_orbax():
@@ -227,8 +236,9 @@ class CheckpointManager:
     def _raise_if_out_of_space(self, error: BaseException) -> None:
         if space.is_out_of_space(error):
             # The partial files are the next save's to remove (_tidy), once Orbax is done.
-            raise space.write_error("CheckpointManager.save", self._path(self._saving), error,
-                                    self._saving_bytes) from None
+            raise space.write_error(
+                "CheckpointManager.save", self._path(self._saving), error, self._saving_bytes
+            ) from None
 
     def close(self) -> None:
         """Waits for a save in flight, then gives back the directory's writer lock, so another
@@ -253,8 +263,11 @@ class CheckpointManager:
             if is_complete(self._path(number)):
                 complete.append(number)
             else:
-                _LOG.warning("mirrax: skipping %s: not a complete checkpoint (no %s).",
-                             self._path(number), METADATA_FILE)
+                _LOG.warning(
+                    "mirrax: skipping %s: not a complete checkpoint (no %s).",
+                    self._path(number),
+                    METADATA_FILE,
+                )
         return complete
 
     @property
@@ -281,8 +294,7 @@ class CheckpointManager:
                 elif name.isdigit() and os.path.isdir(full) and not is_complete(full):
                     aside = full + ".mirrax-incomplete"
                     atomic_dirs.delete_if_exists(aside)
-                    _LOG.warning("mirrax: %s is not a complete checkpoint; renamed it %s.",
-                                 full, aside)
+                    _LOG.warning("mirrax: %s is not a complete checkpoint; renamed it %s.", full, aside)
                     atomic_dirs.rename(full, aside)
         atomic_dirs.barrier(f"mirrax_manager_tidy:{self._shared}")
         with quiet_orbax():
@@ -308,12 +320,12 @@ class CheckpointManager:
           CheckpointWriteError: no space left (disk, quota or file size limit); the earlier
             checkpoints are unchanged and `save_counter` is as before the call.
         """
-        checkpoint_number = _check_count(
-            checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
+        checkpoint_number = _check_count(checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
         if self._writer_lock is None:
             os.makedirs(self._shared, exist_ok=True)
             self._writer_lock = writer_lock.take(
-                self._shared + writer_lock.SUFFIX, "CheckpointManager.save", self._shared)
+                self._shared + writer_lock.SUFFIX, "CheckpointManager.save", self._shared
+            )
             # `release` empties the token, so after close() this finalizer has nothing to do.
             weakref.finalize(self, writer_lock.release, self._writer_lock)
         self.wait_until_finished()
@@ -332,8 +344,10 @@ class CheckpointManager:
             # Orbax refuses an existing step; replace it as Checkpoint.save does.
             try:
                 atomic_dirs.replace_atomically(
-                    path, lambda target: write_checkpoint(target, save_args,
-                                                          "CheckpointManager.save"), is_complete)
+                    path,
+                    lambda target: write_checkpoint(target, save_args, "CheckpointManager.save"),
+                    is_complete,
+                )
             except BaseException:
                 ckpt.save_counter -= 1
                 raise

@@ -41,8 +41,10 @@ _RERAISED_IN_CALLER = (
 class _OrbaxNoiseFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not (message.startswith(_QUIET_ORBAX_MESSAGES) or any(
-            words in message for words in _RERAISED_IN_CALLER))
+        return not (
+            message.startswith(_QUIET_ORBAX_MESSAGES)
+            or any(words in message for words in _RERAISED_IN_CALLER)
+        )
 
 
 _NOISE_FILTER = _OrbaxNoiseFilter()
@@ -68,7 +70,6 @@ def quiet_orbax():
 _UNRAISABLE_FILTER: list = []
 
 
-
 def _orbax_coroutine_names() -> set:
     """The qualified names of the coroutine functions and methods of the loaded Orbax modules
     (the names Python's "never awaited" warning gives)."""
@@ -77,10 +78,8 @@ def _orbax_coroutine_names() -> set:
         if not name.startswith("orbax.") or module is None:
             continue
         for value in list(vars(module).values()):
-            for item in ([value] + list(vars(value).values())
-                         if isinstance(value, type) else [value]):
-                if inspect.iscoroutinefunction(item) and getattr(
-                        item, "__module__", "").startswith("orbax."):
+            for item in [value] + list(vars(value).values()) if isinstance(value, type) else [value]:
+                if inspect.iscoroutinefunction(item) and getattr(item, "__module__", "").startswith("orbax."):
                     names.add(item.__qualname__)
     return names
 
@@ -95,8 +94,11 @@ def _is_closed_loop_callback(unraisable) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     # Raised by asyncio itself (BaseEventLoop._check_closed), not by user code.
-    return (tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
-            and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
+    return (
+        tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"
+        and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+    )
 
 
 class _UnretrievedReadFilter(logging.Filter):
@@ -105,9 +107,13 @@ class _UnretrievedReadFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not (str(record.msg).startswith(("Future exception was never retrieved",
-                                                "Task exception was never retrieved"))
-                    and error is not None and "tensorstore_spec" in str(error))
+        return not (
+            str(record.msg).startswith(
+                ("Future exception was never retrieved", "Task exception was never retrieved")
+            )
+            and error is not None
+            and "tensorstore_spec" in str(error)
+        )
 
 
 def ignore_closed_loop_callbacks() -> None:
@@ -141,8 +147,9 @@ def ignore_closed_loop_callbacks() -> None:
     # tests/test_checkpoint_quiet.py for '_read_array_index_and_device_put' and
     # 'Store._get_array_metadatas'): ignored for the names of Orbax's own coroutines only.
     names = sorted(map(re.escape, _orbax_coroutine_names()))
-    warnings.filterwarnings("ignore", category=RuntimeWarning,
-                            message=f"coroutine '({'|'.join(names)})' was never awaited")
+    warnings.filterwarnings(
+        "ignore", category=RuntimeWarning, message=f"coroutine '({'|'.join(names)})' was never awaited"
+    )
     previous = sys.unraisablehook
 
     def hook(unraisable):

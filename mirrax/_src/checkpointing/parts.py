@@ -45,16 +45,18 @@ def _keys_like(tree, template):
     if not isinstance(tree, dict) or not isinstance(template, dict):
         return tree
     own = {str(key): key for key in template}
-    return {own.get(key, key): _keys_like(value, template.get(own.get(key, key)))
-            for key, value in tree.items()}
+    return {
+        own.get(key, key): _keys_like(value, template.get(own.get(key, key))) for key, value in tree.items()
+    }
 
 
 def flat_dict(tree, prefix: tuple = ()) -> dict:
     """{path: leaf} of nested dicts (string keys); anything else, an empty dict too, is a leaf."""
     if not isinstance(tree, dict) or not tree:
         return {prefix: tree}
-    return {path: leaf for key, value in tree.items()
-            for path, leaf in flat_dict(value, prefix + (key,)).items()}
+    return {
+        path: leaf for key, value in tree.items() for path, leaf in flat_dict(value, prefix + (key,)).items()
+    }
 
 
 def renamed(tree, rename: dict):
@@ -82,6 +84,7 @@ def module_aliases(module, item: str):
 
 def nnx_part(item: str, obj) -> Part:
     """An NNX object (module, optimizer, metric) stored as its pure-dict state."""
+
     def set_(restored):
         state = nnx.state(obj)
         nnx.replace_by_pure_dict(state, _keys_like(restored, nnx.to_pure_dict(state)))
@@ -114,8 +117,9 @@ def _value_part(item: str, objects: dict, name: str) -> Part:
 def _protocol_part(item: str, obj) -> Part:
     """An object that names its own state (`checkpoint_state()`, `restore_checkpoint_state(state)`,
     and optionally `check_restorable()`, called before any restore): a data iterator's position."""
-    return Part(item, obj.checkpoint_state, obj.restore_checkpoint_state,
-                getattr(obj, "check_restorable", None))
+    return Part(
+        item, obj.checkpoint_state, obj.restore_checkpoint_state, getattr(obj, "check_restorable", None)
+    )
 
 
 def tracked_parts(objects: dict, name: str, obj) -> list:
@@ -129,16 +133,20 @@ def tracked_parts(objects: dict, name: str, obj) -> list:
     """
     children = getattr(obj, "checkpoint_children", None)
     if callable(children):
-        parts = [part for key, child in children().items()
-                 for part in tracked_parts(objects, f"{name}.{key}", child)]
+        parts = [
+            part
+            for key, child in children().items()
+            for part in tracked_parts(objects, f"{name}.{key}", child)
+        ]
         # A Keras model's variables key the optimizer's state too: both follow the module's.
         aliases = module_aliases(getattr(obj, "module", None), f"{name}.module")
         for part in parts:
             part.aliases = part.aliases or aliases
         return parts
     if isinstance(obj, nnx.Variable):
-        return [Part(name, lambda: {"value": obj.get_value()},
-                     lambda restored: obj.set_value(restored["value"]))]
+        return [
+            Part(name, lambda: {"value": obj.get_value()}, lambda restored: obj.set_value(restored["value"]))
+        ]
     if isinstance(obj, nnx.Pytree):
         return [nnx_part(name, obj)]
     if callable(getattr(obj, "checkpoint_state", None)):
@@ -166,9 +174,12 @@ def storable(tree):
 def unstorable(restored, current):
     """Re-wraps restored key data as typed keys of the implementation the target holds now."""
     return jax.tree.map(
-        lambda now, new: jax.random.wrap_key_data(new, impl=jax.random.key_impl(now))
-        if _is_key(now) else new,
-        current, restored)
+        lambda now, new: (
+            jax.random.wrap_key_data(new, impl=jax.random.key_impl(now)) if _is_key(now) else new
+        ),
+        current,
+        restored,
+    )
 
 
 def abstract(tree):

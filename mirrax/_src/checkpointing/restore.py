@@ -23,7 +23,8 @@ def _mismatches(current: dict, stored: dict) -> list:
     flat_old = {
         jax.tree_util.keystr(k): v
         for k, v in jax.tree_util.tree_flatten_with_path(
-            stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+            stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+        )[0]
     }
     out = []
     for key in sorted(set(flat_now) | set(flat_old)):
@@ -34,11 +35,14 @@ def _mismatches(current: dict, stored: dict) -> list:
         elif not hasattr(flat_old[key], "shape"):
             out.append(f"{key} is stored as {type(flat_old[key]).__name__}, not an array")
         elif tuple(flat_now[key].shape) != tuple(flat_old[key].shape):
-            out.append(f"{key} has shape {tuple(flat_old[key].shape)} in the checkpoint, "
-                       f"{tuple(flat_now[key].shape)} in the model")
+            out.append(
+                f"{key} has shape {tuple(flat_old[key].shape)} in the checkpoint, "
+                f"{tuple(flat_now[key].shape)} in the model"
+            )
         elif np.dtype(flat_now[key].dtype) != np.dtype(flat_old[key].dtype):
-            out.append(f"{key} has dtype {flat_old[key].dtype} in the checkpoint, "
-                       f"{flat_now[key].dtype} in the model")
+            out.append(
+                f"{key} has dtype {flat_old[key].dtype} in the checkpoint, {flat_now[key].dtype} in the model"
+            )
     return out
 
 
@@ -64,15 +68,18 @@ def _stored_layout(part, stored: dict) -> tuple:
 
 def _keras_hint(part, lines: list) -> str:
     """Why a Keras model's variables may not be found, when some are not."""
-    if part.aliases is None or not any(line.endswith(("is missing from the checkpoint",
-                                                      "is in the checkpoint but not in the model"))
-                                       for line in lines):
+    if part.aliases is None or not any(
+        line.endswith(("is missing from the checkpoint", "is in the checkpoint but not in the model"))
+        for line in lines
+    ):
         return ""
-    return (f" ({part.item} holds a Keras model's variables, keyed by their Keras paths, e.g. "
-            "variables/dense/kernel; the same model built again in the process matches despite "
-            "Keras's renumbered layer names, and a checkpoint keyed by position, variables/0, "
-            "..., as mirrax wrote them before, restores only into the model that wrote it, the "
-            "same layers in the same order: build that model, restore, then save again)")
+    return (
+        f" ({part.item} holds a Keras model's variables, keyed by their Keras paths, e.g. "
+        "variables/dense/kernel; the same model built again in the process matches despite "
+        "Keras's renumbered layer names, and a checkpoint keyed by position, variables/0, "
+        "..., as mirrax wrote them before, restores only into the model that wrote it, the "
+        "same layers in the same order: build that model, restore, then save again)"
+    )
 
 
 def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool) -> dict:
@@ -93,7 +100,8 @@ def restore_parts(path: str, what: str, parts: list, stored: dict, counter: bool
             + "; ".join(problems[:20])
             + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
             + ". Restore a checkpoint saved from objects with the same structure and dtypes"
-            + hints + "."
+            + hints
+            + "."
         )
     for part in parts:
         if part.check is not None:
@@ -159,8 +167,11 @@ class CheckpointLoadStatus:
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Raises AssertionError if a tracked object found nothing in the checkpoint."""
         if self.not_in_checkpoint:
-            hint = (" It holds 'weights' (Model.save_weights's output): read it with "
-                    "model.load_weights(path)." if "weights" in self.unused_in_checkpoint else "")
+            hint = (
+                " It holds 'weights' (Model.save_weights's output): read it with model.load_weights(path)."
+                if "weights" in self.unused_in_checkpoint
+                else ""
+            )
             raise AssertionError(
                 f"The checkpoint at {self.path} has nothing for {self.not_in_checkpoint}; "
                 "they kept their current values. Restore from a checkpoint that tracked them "

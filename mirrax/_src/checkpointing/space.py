@@ -44,13 +44,17 @@ def _megabytes(n: float) -> str:
 
 def save_bytes(save_args) -> int:
     """The bytes of the arrays in an Orbax composite save (what the checkpoint needs)."""
-    return int(sum(np.prod(np.shape(a)) * np.dtype(a.dtype).itemsize
-                   for name in save_args.keys()
-                   for a in jax.tree.leaves(save_args[name].item) if hasattr(a, "dtype")))
+    return int(
+        sum(
+            np.prod(np.shape(a)) * np.dtype(a.dtype).itemsize
+            for name in save_args.keys()
+            for a in jax.tree.leaves(save_args[name].item)
+            if hasattr(a, "dtype")
+        )
+    )
 
 
-def write_error(what: str, target: str, error: BaseException,
-                needed: int) -> errors.CheckpointWriteError:
+def write_error(what: str, target: str, error: BaseException, needed: int) -> errors.CheckpointWriteError:
     """The CheckpointWriteError for a save of `needed` bytes to `target` that ran out of space."""
     parent = target
     while parent and not os.path.isdir(parent):
@@ -60,7 +64,8 @@ def write_error(what: str, target: str, error: BaseException,
     except OSError:
         free = "its filesystem's free space unknown"
     words = next((w for w in _WORDS if w in str(error)), None) or os.strerror(
-        getattr(error, "errno", None) or errno.ENOSPC)
+        getattr(error, "errno", None) or errno.ENOSPC
+    )
     return errors.CheckpointWriteError(
         f"{what}: could not write the checkpoint {target}: {words} (the disk or a quota is "
         f"full, or a file size limit such as `ulimit -f` was hit). It needs about "

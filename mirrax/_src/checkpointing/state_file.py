@@ -37,8 +37,7 @@ def update_state(save_dir: str, path: str) -> None:
     if jax.process_index() != 0:
         return
     relative = os.path.relpath(path, save_dir)
-    text = (f'model_checkpoint_path: "{_quote(relative)}"\n'
-            f'all_model_checkpoint_paths: "{_quote(relative)}"\n')
+    text = f'model_checkpoint_path: "{_quote(relative)}"\nall_model_checkpoint_paths: "{_quote(relative)}"\n'
     target = os.path.join(save_dir, STATE_FILE)
     tmp = target + ".tmp"
     with open(tmp, "w") as f:
@@ -91,8 +90,7 @@ def latest_checkpoint(checkpoint_dir) -> str | None:
         recorded = re.sub(r"\\(.)", r"\1", found.group(1))
         full = os.path.normpath(os.path.join(path, recorded))
         return full if os.path.isdir(full) and is_complete(full) else None
-    numbers = sorted(int(n) for n in os.listdir(path)
-                     if n.isdigit() and is_complete(os.path.join(path, n)))
+    numbers = sorted(int(n) for n in os.listdir(path) if n.isdigit() and is_complete(os.path.join(path, n)))
     return os.path.join(path, str(numbers[-1])) if numbers else None
 
 
@@ -107,8 +105,9 @@ def _check_seconds(value, name: str, allow_none: bool):
     return float(value)
 
 
-def wait_for_new_checkpoint(checkpoint_dir, last_checkpoint=None, seconds_to_sleep: float = 1,
-                            timeout: float | None = None) -> str | None:
+def wait_for_new_checkpoint(
+    checkpoint_dir, last_checkpoint=None, seconds_to_sleep: float = 1, timeout: float | None = None
+) -> str | None:
     """Waits until `latest_checkpoint(checkpoint_dir)` differs from `last_checkpoint`, as
     `tf.train.wait_for_new_checkpoint`; None once `timeout` seconds have passed."""
     stop = None if timeout is None else time.time() + timeout
@@ -121,8 +120,9 @@ def wait_for_new_checkpoint(checkpoint_dir, last_checkpoint=None, seconds_to_sle
         time.sleep(seconds_to_sleep)
 
 
-def checkpoints_iterator(checkpoint_dir, min_interval_secs: float = 0,
-                         timeout: float | None = None, timeout_fn=None):
+def checkpoints_iterator(
+    checkpoint_dir, min_interval_secs: float = 0, timeout: float | None = None, timeout_fn=None
+):
     """Yields each new checkpoint path in `checkpoint_dir`, as `tf.train.checkpoints_iterator`.
 
     Polls `latest_checkpoint` once a second. After a yield, waits until `min_interval_secs`

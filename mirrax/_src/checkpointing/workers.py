@@ -61,7 +61,8 @@ def chief_path(path: str | None, what: str, check, refused: Exception | None = N
     for process, (_, other) in enumerate(answers):
         if other is not None:
             raise errors.InvalidArgumentError(
-                f"{what}: worker process {process} refused its save, so no worker saved: {other}")
+                f"{what}: worker process {process} refused its save, so no worker saved: {other}"
+            )
     chief = answers[0][0]
     for process, (own, _) in enumerate(answers):
         if own != chief and os.path.commonpath([own, chief]) in (own, chief):
@@ -97,8 +98,10 @@ def write_stub(path: str, chief: str) -> None:
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, STUB_FILE + ".tmp")
     with open(tmp, "w") as f:
-        f.write(f"This worker (process {jax.process_index()}) is not the chief. The checkpoint "
-                f"it saved together with the other workers is at:\n{chief}\n")
+        f.write(
+            f"This worker (process {jax.process_index()}) is not the chief. The checkpoint "
+            f"it saved together with the other workers is at:\n{chief}\n"
+        )
     os.replace(tmp, os.path.join(path, STUB_FILE))
 
 
@@ -121,4 +124,5 @@ def for_save(tree):
     if jax.process_count() == 1:
         return tree
     return jax.tree.map(
-        lambda a: np.asarray(a) if isinstance(a, jax.Array) and a.is_fully_addressable else a, tree)
+        lambda a: np.asarray(a) if isinstance(a, jax.Array) and a.is_fully_addressable else a, tree
+    )

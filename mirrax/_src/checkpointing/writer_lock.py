@@ -67,8 +67,10 @@ def _read(fd: int) -> dict:
 def _describe(owner: dict) -> str:
     if not owner:
         return "a process that has not yet written its name (it is starting its save)"
-    return (f"process {owner.get('pid')} on host {owner.get('host')!r} "
-            f"({owner.get('what')}, since {owner.get('since')})")
+    return (
+        f"process {owner.get('pid')} on host {owner.get('host')!r} "
+        f"({owner.get('what')}, since {owner.get('since')})"
+    )
 
 
 def _acquire(lock_path: str, what: str, target: str) -> str | None:
@@ -92,8 +94,12 @@ def _acquire(lock_path: str, what: str, target: str) -> str | None:
             owner = _read(fd)
             os.close(fd)
             if e.errno in _UNSUPPORTED:
-                _LOG.info("mirrax: %s: the filesystem has no flock; saving to %s without "
-                          "guarding against a second writer.", what, target)
+                _LOG.info(
+                    "mirrax: %s: the filesystem has no flock; saving to %s without "
+                    "guarding against a second writer.",
+                    what,
+                    target,
+                )
                 return None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
@@ -115,11 +121,20 @@ def _acquire(lock_path: str, what: str, target: str) -> str | None:
         os.close(fd)
     stale = _read(fd)
     if stale:
-        _LOG.warning("mirrax: %s: took over %s from %s, which ended without releasing it "
-                     "(killed during a save?).", what, lock_path, _describe(stale))
-    mine = json.dumps({
-        "pid": os.getpid(), "host": socket.gethostname(), "what": what,
-        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
+        _LOG.warning(
+            "mirrax: %s: took over %s from %s, which ended without releasing it (killed during a save?).",
+            what,
+            lock_path,
+            _describe(stale),
+        )
+    mine = json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "what": what,
+            "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+    )
     if os.fstat(fd).st_size:
         # Only a stale file is truncated: ext4 flushes a truncated-and-rewritten file on close
         # (auto_da_alloc), which made every take-and-release cost ~3 ms instead of ~0.1 ms.

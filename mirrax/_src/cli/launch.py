@@ -39,13 +39,15 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # when fewer peers connected than expected, which tells why a collective waits).
 _GLOO_CONNECTED = re.compile(
     rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer "
-    rb"ranks is : (\d+)\s*")
+    rb"ranks is : (\d+)\s*"
+)
 # Two threads of one worker may print that line at once, and the C++ stream interleaves the
 # pieces ("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. ... : 23 is connected to 3"
 # then " peer ranks. Expected ... : 3"): a line made only of those pieces is dropped too.
 _GLOO_PIECES = re.compile(
     rb"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
-    rb"|\d+|\s+")
+    rb"|\d+|\s+"
+)
 _GLOO_WORDS = re.compile(rb"\[Gloo\] Rank|is connected to|connected peer ranks")
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -71,9 +73,16 @@ def parse_address(address: str, what: str = "--coordinator") -> tuple[str, int]:
     return host, int(port)
 
 
-def check_arguments(argv_command: Sequence[str], nproc: int, cpu_devices: int | None,
-                    port: int | None, nnodes: int, node_rank: int, coordinator: str | None,
-                    grace_period: float) -> None:
+def check_arguments(
+    argv_command: Sequence[str],
+    nproc: int,
+    cpu_devices: int | None,
+    port: int | None,
+    nnodes: int,
+    node_rank: int,
+    coordinator: str | None,
+    grace_period: float,
+) -> None:
     """Validates `launch`'s arguments (see there) without starting anything.
 
     Raises:
@@ -84,8 +93,7 @@ def check_arguments(argv_command: Sequence[str], nproc: int, cpu_devices: int | 
     """
     if not argv_command:
         raise ValueError(
-            "no program to run: put it after '--', e.g. mirrax launch --nproc 2 -- python "
-            "train.py"
+            "no program to run: put it after '--', e.g. mirrax launch --nproc 2 -- python train.py"
         )
     for name, value in (("--nproc", nproc), ("--nnodes", nnodes)):
         if value < 1:
@@ -118,9 +126,7 @@ def check_arguments(argv_command: Sequence[str], nproc: int, cpu_devices: int | 
             f"{_MAX_PORT}; choose a port <= {_MAX_PORT - total + 1}."
         )
     if not grace_period >= 0 or grace_period == float("inf"):
-        raise ValueError(
-            f"--grace-period must be a finite number of seconds >= 0; received {grace_period}."
-        )
+        raise ValueError(f"--grace-period must be a finite number of seconds >= 0; received {grace_period}.")
 
 
 def free_port(host: str = _LOCALHOST) -> int:
@@ -257,9 +263,16 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None = None,
-           port: int | None = None, nnodes: int = 1, node_rank: int = 0,
-           coordinator: str | None = None, grace_period: float = GRACE_PERIOD_S) -> int:
+def launch(
+    argv_command: Sequence[str],
+    nproc: int = 1,
+    cpu_devices: int | None = None,
+    port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    coordinator: str | None = None,
+    grace_period: float = GRACE_PERIOD_S,
+) -> int:
     """Runs `argv_command` as this node's `nproc` workers of a multi-worker job; waits for them.
 
     Worker i of this node (global index g = node_rank * nproc + i, of nnodes * nproc) runs
@@ -293,8 +306,7 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
     Raises:
       ValueError: invalid arguments, as `check_arguments` (nothing started).
     """
-    check_arguments(argv_command, nproc, cpu_devices, port, nnodes, node_rank, coordinator,
-                    grace_period)
+    check_arguments(argv_command, nproc, cpu_devices, port, nnodes, node_rank, coordinator, grace_period)
     if coordinator is None:
         coordinator = f"{_LOCALHOST}:{port if port is not None else free_port()}"
     configs = local_tf_configs(nproc, nnodes, node_rank, coordinator)
@@ -305,8 +317,7 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
     if threading.current_thread() is threading.main_thread():
         # Installed before any worker starts, so no signal can kill the launcher alone.
         for signum in _FORWARDED_SIGNALS:
-            previous_handlers[signum] = signal.signal(
-                signum, lambda signum, frame: received.append(signum))
+            previous_handlers[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
     workers: list[tuple[int, subprocess.Popen]] = []
     relays: list[threading.Thread] = []
     try:
@@ -314,9 +325,13 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
             index = config["task"]["index"]
             try:
                 process = subprocess.Popen(
-                    program, env=worker_env(os.environ, config, cpu_devices),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True)
+                    program,
+                    env=worker_env(os.environ, config, cpu_devices),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
             except OSError as e:
                 code = EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_NOT_EXECUTABLE
                 output.message(
@@ -330,10 +345,8 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
                 return code
             workers.append((index, process))
             prefix = f"[worker {index}] "
-            for pipe, stream in ((process.stdout, output.stdout),
-                                 (process.stderr, output.stderr)):
-                relay = threading.Thread(target=_relay, args=(pipe, prefix, output, stream),
-                                         daemon=True)
+            for pipe, stream in ((process.stdout, output.stdout), (process.stderr, output.stderr)):
+                relay = threading.Thread(target=_relay, args=(pipe, prefix, output, stream), daemon=True)
                 relay.start()
                 relays.append(relay)
         return _supervise(workers, received, output, grace_period)
@@ -347,8 +360,9 @@ def launch(argv_command: Sequence[str], nproc: int = 1, cpu_devices: int | None 
             relay.join(max(0.0, drain_until - time.monotonic()))
 
 
-def _supervise(workers: list[tuple[int, subprocess.Popen]], received: list[int],
-               output: _Output, grace_period: float) -> int:
+def _supervise(
+    workers: list[tuple[int, subprocess.Popen]], received: list[int], output: _Output, grace_period: float
+) -> int:
     """Polls the workers until all have exited; returns the launcher's exit status."""
     failure: int | None = None
     stop_signal: int | None = None
@@ -376,8 +390,10 @@ def _supervise(workers: list[tuple[int, subprocess.Popen]], received: list[int],
             if failed:
                 index, returncode = failed[0]
                 failure = exit_code(returncode)
-                output.message(f"worker {index} {_describe(returncode)}" + (
-                    f"; stopping the other {len(running)} worker(s)" if running else ""))
+                output.message(
+                    f"worker {index} {_describe(returncode)}"
+                    + (f"; stopping the other {len(running)} worker(s)" if running else "")
+                )
                 for _, process in running:
                     _signal_group(process, signal.SIGTERM)
                 kill_at = time.monotonic() + grace_period
@@ -390,8 +406,10 @@ def _supervise(workers: list[tuple[int, subprocess.Popen]], received: list[int],
                 _signal_group(process, signal.SIGKILL)
             killed_at = now
         if killed_at is not None and now - killed_at > _KILL_WAIT_S:
-            output.message("worker(s) " + ", ".join(str(i) for i, _ in running) + " survived "
-                           f"SIGKILL for {_KILL_WAIT_S:g} s (stuck in the kernel?); giving up")
+            output.message(
+                "worker(s) " + ", ".join(str(i) for i, _ in running) + " survived "
+                f"SIGKILL for {_KILL_WAIT_S:g} s (stuck in the kernel?); giving up"
+            )
             break
         time.sleep(_POLL_S)
     if failure is not None:

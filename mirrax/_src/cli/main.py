@@ -66,40 +66,78 @@ def build_parser() -> argparse.ArgumentParser:
             "strategy.reduce)."
         ),
     )
-    train.add_argument("--loop", choices=("fit", "custom"), default="fit",
-                       help="fit: Model.fit with 10%% of the training images held out for "
-                       "validation (default); custom: a custom training loop, tested every "
-                       "epoch")
-    train.add_argument("--data", choices=("digits", "cifar10"), default="digits",
-                       help="digits: scikit-learn's bundled 8x8 digits (default); cifar10: "
-                       "CIFAR-10 read from --data-dir")
-    train.add_argument("--data-dir", default="~/.mirrax/datasets", metavar="DIR",
-                       help="where the CIFAR-10 'python version' files are: the "
-                       "cifar-10-python.tar.gz archive, the extracted cifar-10-batches-py "
-                       "folder, or a folder holding either (default ~/.mirrax/datasets)")
-    train.add_argument("--epochs", type=_positive_int, default=10,
-                       help="epochs (default 10; with --loop fit, EarlyStopping may stop sooner)")
+    train.add_argument(
+        "--loop",
+        choices=("fit", "custom"),
+        default="fit",
+        help="fit: Model.fit with 10%% of the training images held out for "
+        "validation (default); custom: a custom training loop, tested every "
+        "epoch",
+    )
+    train.add_argument(
+        "--data",
+        choices=("digits", "cifar10"),
+        default="digits",
+        help="digits: scikit-learn's bundled 8x8 digits (default); cifar10: CIFAR-10 read from --data-dir",
+    )
+    train.add_argument(
+        "--data-dir",
+        default="~/.mirrax/datasets",
+        metavar="DIR",
+        help="where the CIFAR-10 'python version' files are: the "
+        "cifar-10-python.tar.gz archive, the extracted cifar-10-batches-py "
+        "folder, or a folder holding either (default ~/.mirrax/datasets)",
+    )
+    train.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=10,
+        help="epochs (default 10; with --loop fit, EarlyStopping may stop sooner)",
+    )
     # 16 x 4 fake CPU devices = global batch 64: 21 Adam steps per epoch on the 1293 digits
     # fit trains on (23 on the custom loop's 1437), enough for >= 0.95 test accuracy in 10
     # epochs; 64 per replica (6 steps per epoch) reaches only 0.91-0.92 (docs/design.md).
-    train.add_argument("--batch-size-per-replica", "--batch-per-replica", type=_positive_int,
-                       default=16, metavar="N", dest="batch_size_per_replica",
-                       help="examples per replica per step; the global batch is N times the "
-                       "number of replicas (default 16)")
+    train.add_argument(
+        "--batch-size-per-replica",
+        "--batch-per-replica",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        dest="batch_size_per_replica",
+        help="examples per replica per step; the global batch is N times the number of replicas (default 16)",
+    )
     add_cpu_devices(train)
-    train.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
-                       help="use only the first N devices (default: all of them)")
-    train.add_argument("--seed", type=_non_negative_int, default=0,
-                       help="seed of the initial weights (and, with --loop custom, of the "
-                       "shuffling) (default 0)")
-    train.add_argument("--lr", type=_positive_float, default=1e-3,
-                       help="Adam's (initial) learning rate (default 1e-3)")
-    train.add_argument("--mixed-precision", choices=MIXED_PRECISION_POLICIES, default="float32",
-                       metavar="POLICY",
-                       help="Keras dtype policy of --loop fit: " + ", ".join(
-                           MIXED_PRECISION_POLICIES) + " (default float32)")
-    train.add_argument("--tensorboard", default=None, metavar="DIR",
-                       help="with --loop fit, write TensorBoard event files to DIR")
+    train.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="use only the first N devices (default: all of them)",
+    )
+    train.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        default=0,
+        help="seed of the initial weights (and, with --loop custom, of the shuffling) (default 0)",
+    )
+    train.add_argument(
+        "--lr", type=_positive_float, default=1e-3, help="Adam's (initial) learning rate (default 1e-3)"
+    )
+    train.add_argument(
+        "--mixed-precision",
+        choices=MIXED_PRECISION_POLICIES,
+        default="float32",
+        metavar="POLICY",
+        help="Keras dtype policy of --loop fit: "
+        + ", ".join(MIXED_PRECISION_POLICIES)
+        + " (default float32)",
+    )
+    train.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="with --loop fit, write TensorBoard event files to DIR",
+    )
 
     report = commands.add_parser(
         "report",
@@ -111,50 +149,101 @@ def build_parser() -> argparse.ArgumentParser:
             "compiled step, per-device memory with and without a sharded optimizer state, and "
             "the step time and speedup predicted for a link from the measured one-device "
             "step. --loop fit (default) reports examples/keras_fit.py's Model.fit step, --loop "
-            "custom examples/custom_training_loop.py's train_step."),
+            "custom examples/custom_training_loop.py's train_step."
+        ),
     )
-    report.add_argument("--loop", choices=("fit", "custom"), default="fit",
-                        help="fit: the step of Model.fit (default); custom: the custom "
-                        "training loop's train_step")
-    report.add_argument("--data", choices=("digits", "cifar10"), default="digits",
-                        help="digits: the bundled 8x8 digits (default); cifar10: CIFAR-10 "
-                        "read from --data-dir")
-    report.add_argument("--data-dir", default="~/.mirrax/datasets", metavar="DIR",
-                        help="where the CIFAR-10 files are (as for mirrax train)")
-    report.add_argument("--batch-size-per-replica", "--batch-per-replica", type=_positive_int,
-                        default=16, metavar="N", dest="batch_size_per_replica",
-                        help="examples per replica per step, the same at every replica count "
-                        "(weak scaling) (default 16)")
-    report.add_argument("--max-replicas", type=_power_of_two, default=8, metavar="N",
-                        help="the largest replica count, a power of two (default 8)")
-    report.add_argument("--link", choices=LINK_NAMES, default=None,
-                        help="the link between replicas: nvlink (450 GB/s), pcie (31.5 GB/s), "
-                        "ethernet-100g (12.5 GB/s), or local (this machine's devices, "
-                        "measured); default nvlink, or the link of --bandwidth/--latency")
-    report.add_argument("--bandwidth", type=_positive_float, default=None, metavar="GB/S",
-                        help="your link's bandwidth each way per device, in GB/s (replaces "
-                        "the --link preset's)")
-    report.add_argument("--latency", type=_non_negative_float, default=None, metavar="US",
-                        help="your link's latency per ring step, in microseconds (default 0 "
-                        "with --bandwidth; replaces the --link preset's)")
-    report.add_argument("--overlap", type=_fraction, default=0.0, metavar="F",
-                        help="share of the communication hidden behind compute, 0 to 1 "
-                        "(default 0: none, as on XLA:CPU)")
-    report.add_argument("--shard-optimizer-state", action="store_true",
-                        help="predict the step with MirroredStrategy(shard_optimizer_state="
-                        "True) (memory is shown for both either way)")
-    report.add_argument("--timing-windows", type=_positive_int, default=5, metavar="N",
-                        help="timed windows of the one-device step (default 5)")
-    report.add_argument("--seed", type=_non_negative_int, default=0,
-                        help="seed of the initial weights (default 0)")
-    report.add_argument("--lr", type=_positive_float, default=1e-3,
-                        help="Adam's learning rate (default 1e-3)")
-    report.add_argument("--json", action="store_true",
-                        help="print the report as JSON instead of the table")
-    report.add_argument("--plot", default=None, metavar="FILE",
-                        help="also draw the predicted speedup against replicas (and the ideal) "
-                        "into FILE, in the format its suffix names: .png, .svg or .pdf (needs "
-                        "matplotlib)")
+    report.add_argument(
+        "--loop",
+        choices=("fit", "custom"),
+        default="fit",
+        help="fit: the step of Model.fit (default); custom: the custom training loop's train_step",
+    )
+    report.add_argument(
+        "--data",
+        choices=("digits", "cifar10"),
+        default="digits",
+        help="digits: the bundled 8x8 digits (default); cifar10: CIFAR-10 read from --data-dir",
+    )
+    report.add_argument(
+        "--data-dir",
+        default="~/.mirrax/datasets",
+        metavar="DIR",
+        help="where the CIFAR-10 files are (as for mirrax train)",
+    )
+    report.add_argument(
+        "--batch-size-per-replica",
+        "--batch-per-replica",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        dest="batch_size_per_replica",
+        help="examples per replica per step, the same at every replica count (weak scaling) (default 16)",
+    )
+    report.add_argument(
+        "--max-replicas",
+        type=_power_of_two,
+        default=8,
+        metavar="N",
+        help="the largest replica count, a power of two (default 8)",
+    )
+    report.add_argument(
+        "--link",
+        choices=LINK_NAMES,
+        default=None,
+        help="the link between replicas: nvlink (450 GB/s), pcie (31.5 GB/s), "
+        "ethernet-100g (12.5 GB/s), or local (this machine's devices, "
+        "measured); default nvlink, or the link of --bandwidth/--latency",
+    )
+    report.add_argument(
+        "--bandwidth",
+        type=_positive_float,
+        default=None,
+        metavar="GB/S",
+        help="your link's bandwidth each way per device, in GB/s (replaces the --link preset's)",
+    )
+    report.add_argument(
+        "--latency",
+        type=_non_negative_float,
+        default=None,
+        metavar="US",
+        help="your link's latency per ring step, in microseconds (default 0 "
+        "with --bandwidth; replaces the --link preset's)",
+    )
+    report.add_argument(
+        "--overlap",
+        type=_fraction,
+        default=0.0,
+        metavar="F",
+        help="share of the communication hidden behind compute, 0 to 1 (default 0: none, as on XLA:CPU)",
+    )
+    report.add_argument(
+        "--shard-optimizer-state",
+        action="store_true",
+        help="predict the step with MirroredStrategy(shard_optimizer_state="
+        "True) (memory is shown for both either way)",
+    )
+    report.add_argument(
+        "--timing-windows",
+        type=_positive_int,
+        default=5,
+        metavar="N",
+        help="timed windows of the one-device step (default 5)",
+    )
+    report.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="seed of the initial weights (default 0)"
+    )
+    report.add_argument(
+        "--lr", type=_positive_float, default=1e-3, help="Adam's learning rate (default 1e-3)"
+    )
+    report.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    report.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the predicted speedup against replicas (and the ideal) "
+        "into FILE, in the format its suffix names: .png, .svg or .pdf (needs "
+        "matplotlib)",
+    )
     add_cpu_devices(report, default="--max-replicas, at most 8")
 
     launch = commands.add_parser(
@@ -173,30 +262,64 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         usage="%(prog)s [options] -- PROGRAM [ARGS ...]",
     )
-    launch.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
-                        help="worker processes on this node (default 1)")
-    launch.add_argument("--cpu-devices", type=_positive_int, default=None, metavar="K",
-                        help=f"(fake) CPU devices per worker, through the workers' XLA_FLAGS="
-                        f"{_COUNT_FLAG}=K (default: XLA_FLAGS as inherited)")
-    launch.add_argument("--port", type=int, default=None, metavar="P",
-                        help="single node: the coordinator's port on 127.0.0.1 (worker i's "
-                        "address is 127.0.0.1:P+i, only worker 0's is used) (default: a free "
-                        "port)")
-    launch.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
-                        help="nodes running this same command (default 1)")
-    launch.add_argument("--node-rank", type=int, default=0, metavar="R",
-                        help="this node's index in [0, M); its workers are R*N .. R*N+N-1 of "
-                        "M*N (default 0)")
-    launch.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                        help="address of worker 0 on node 0, reachable from every node; "
-                        "required with --nnodes > 1")
-    launch.add_argument("--grace-period", type=float, default=None, metavar="SECONDS",
-                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL "
-                        "(default 10)")
-    launch.add_argument("program", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS ...]",
-                        help="the program and its arguments, run as given (no shell); "
-                        "python or python3 means this interpreter ("
-                        + sys.executable.replace("%", "%%") + ")")
+    launch.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="worker processes on this node (default 1)",
+    )
+    launch.add_argument(
+        "--cpu-devices",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help=f"(fake) CPU devices per worker, through the workers' XLA_FLAGS="
+        f"{_COUNT_FLAG}=K (default: XLA_FLAGS as inherited)",
+    )
+    launch.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="single node: the coordinator's port on 127.0.0.1 (worker i's "
+        "address is 127.0.0.1:P+i, only worker 0's is used) (default: a free "
+        "port)",
+    )
+    launch.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=1,
+        metavar="M",
+        help="nodes running this same command (default 1)",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's index in [0, M); its workers are R*N .. R*N+N-1 of M*N (default 0)",
+    )
+    launch.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of worker 0 on node 0, reachable from every node; required with --nnodes > 1",
+    )
+    launch.add_argument(
+        "--grace-period",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default 10)",
+    )
+    launch.add_argument(
+        "program",
+        nargs=argparse.REMAINDER,
+        metavar="-- PROGRAM [ARGS ...]",
+        help="the program and its arguments, run as given (no shell); "
+        "python or python3 means this interpreter (" + sys.executable.replace("%", "%%") + ")",
+    )
     return parser
 
 
@@ -218,17 +341,22 @@ def main(argv=None) -> int:
         # --cpu-devices to its workers and never touches devices itself.
         return _launch(parser, args)
     if args.command == "train" and args.loop == "custom":
-        for option, value, default in (("--mixed-precision", args.mixed_precision, "float32"),
-                                       ("--tensorboard", args.tensorboard, None)):
+        for option, value, default in (
+            ("--mixed-precision", args.mixed_precision, "float32"),
+            ("--tensorboard", args.tensorboard, None),
+        ):
             if value != default:
                 parser.error(
                     f"{option} {value} applies to --loop fit (mirrax.Model) only; the custom "
                     "training loop computes in float32 and writes no TensorBoard logs. Drop "
                     f"{option} or use --loop fit."
                 )
-    if args.command == "train" and args.tensorboard is not None and os.path.exists(
-            os.path.expanduser(args.tensorboard)) and not os.path.isdir(
-            os.path.expanduser(args.tensorboard)):
+    if (
+        args.command == "train"
+        and args.tensorboard is not None
+        and os.path.exists(os.path.expanduser(args.tensorboard))
+        and not os.path.isdir(os.path.expanduser(args.tensorboard))
+    ):
         parser.error(
             f"--tensorboard {args.tensorboard} is a file, not a folder; TensorBoard writes its "
             "event files into a folder. Give a folder path (it is created if missing)."
@@ -246,8 +374,10 @@ def main(argv=None) -> int:
                 return 1
     # The report compiles its step at every replica count there are devices for, up to 8
     # (more fake devices than that cost compile time and say little more).
-    configure_cpu_devices(args.cpu_devices, default=min(args.max_replicas, 8)
-                          if args.command == "report" else DEFAULT_CPU_DEVICES)
+    configure_cpu_devices(
+        args.cpu_devices,
+        default=min(args.max_replicas, 8) if args.command == "report" else DEFAULT_CPU_DEVICES,
+    )
     # The commands' modules are imported only now, inside `try`: they must see XLA_FLAGS first.
     try:
         if args.command == "devices":
@@ -272,14 +402,21 @@ def _report_link_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with `mirrax report`'s link options, or None (the checks of
     `mirrax._src.report.links.resolve`, worded for the command line)."""
     if args.link == LOCAL and (args.bandwidth is not None or args.latency is not None):
-        given = " ".join(f"{option} {value:g}" for option, value in (
-            ("--bandwidth", args.bandwidth), ("--latency", args.latency)) if value is not None)
-        return (f"--link local is measured on this machine, so it takes no numbers; received "
-                f"{given}. Drop {given}, or pick another --link.")
+        given = " ".join(
+            f"{option} {value:g}"
+            for option, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency))
+            if value is not None
+        )
+        return (
+            f"--link local is measured on this machine, so it takes no numbers; received "
+            f"{given}. Drop {given}, or pick another --link."
+        )
     if args.link is None and args.bandwidth is None and args.latency is not None:
-        return (f"--latency {args.latency:g} was given without --bandwidth; a link needs both. "
-                "Add --bandwidth GB/S (your link's bandwidth each way), or pick a preset with "
-                "--link (--latency then replaces its latency).")
+        return (
+            f"--latency {args.latency:g} was given without --bandwidth; a link needs both. "
+            "Add --bandwidth GB/S (your link's bandwidth each way), or pick a preset with "
+            "--link (--latency then replaces its latency)."
+        )
     return None
 
 
@@ -288,8 +425,16 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     grace_period = launch.GRACE_PERIOD_S if args.grace_period is None else args.grace_period
-    arguments = (program, args.nproc, args.cpu_devices, args.port, args.nnodes, args.node_rank,
-                 args.coordinator, grace_period)
+    arguments = (
+        program,
+        args.nproc,
+        args.cpu_devices,
+        args.port,
+        args.nnodes,
+        args.node_rank,
+        args.coordinator,
+        grace_period,
+    )
     try:
         launch.check_arguments(*arguments)
     except ValueError as e:
@@ -360,8 +505,7 @@ def _positive_int(text: str) -> int:
 def _power_of_two(text: str) -> int:
     value = _number(text, int, 1, "a power of two >= 1 (1, 2, 4, 8, ...)")
     if value & (value - 1):
-        raise argparse.ArgumentTypeError(
-            f"expected a power of two >= 1 (1, 2, 4, 8, ...), received {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 1 (1, 2, 4, 8, ...), received {text!r}")
     return value
 
 
@@ -372,8 +516,7 @@ def _non_negative_float(text: str) -> float:
 def _fraction(text: str) -> float:
     value = _number(text, float, 0.0, "a number from 0 to 1 (e.g. 0.5)")
     if value > 1:
-        raise argparse.ArgumentTypeError(
-            f"expected a number from 0 to 1 (e.g. 0.5), received {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1 (e.g. 0.5), received {text!r}")
     return value
 
 

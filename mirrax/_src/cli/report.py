@@ -45,26 +45,36 @@ def report(args):
     if args.batch_size_per_replica > len(y):
         raise mirrax.errors.InvalidArgumentError(
             f"--batch-size-per-replica {args.batch_size_per_replica} is more than the "
-            f"{len(y)} training images of {args.data}. Use at most {len(y)}.")
-    batch = (x[:args.batch_size_per_replica], y[:args.batch_size_per_replica])
+            f"{len(y)} training images of {args.data}. Use at most {len(y)}."
+        )
+    batch = (x[: args.batch_size_per_replica], y[: args.batch_size_per_replica])
     if args.loop == "fit":
         model = mirrax.Model(keras_fit.TutorialCNN(x.shape[1:], rngs=nnx.Rngs(args.seed)))
         # Compiled as examples/keras_fit.py's `train` compiles it.
-        model.compile(optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=args.lr),
-                      loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=args.lr),
+            loss=mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
         step, step_args = model, ()
     else:
         model = keras_fit.TutorialCNN(x.shape[1:], rngs=nnx.Rngs(args.seed))
         optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
         step, step_args = custom_training_loop.train_step, (model, optimizer)
     result = mirrax.experimental.scaling_report(
-        step, batch, step_args, max_replicas=args.max_replicas, link=args.link,
-        bandwidth_gbps=args.bandwidth, latency_us=args.latency, overlap=args.overlap,
-        shard_optimizer_state=args.shard_optimizer_state, timing_windows=args.timing_windows)
+        step,
+        batch,
+        step_args,
+        max_replicas=args.max_replicas,
+        link=args.link,
+        bandwidth_gbps=args.bandwidth,
+        latency_us=args.latency,
+        overlap=args.overlap,
+        shard_optimizer_state=args.shard_optimizer_state,
+        timing_windows=args.timing_windows,
+    )
     print(result.to_json() if args.json else str(result), flush=True)
     if args.plot is not None:
         result.plot(args.plot)
-        print(f"mirrax report: wrote the speedup plot to {args.plot}", file=sys.stderr,
-              flush=True)
+        print(f"mirrax report: wrote the speedup plot to {args.plot}", file=sys.stderr, flush=True)
     return result

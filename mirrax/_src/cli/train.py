@@ -50,23 +50,27 @@ def train(args):
     train_data, test_data = load_data(args.data, args.data_dir)
     strategy = _make_strategy(args.replicas)
     global_batch_size = args.batch_size_per_replica * strategy.num_replicas_in_sync
-    held_out = (f" ({keras_fit.VALIDATION_SPLIT:.0%} of them held out for validation)"
-                if args.loop == "fit" else "")
+    held_out = (
+        f" ({keras_fit.VALIDATION_SPLIT:.0%} of them held out for validation)" if args.loop == "fit" else ""
+    )
     print(
         f"{strategy!r}: global batch {global_batch_size} ({args.batch_size_per_replica} per "
         f"replica); {args.data}: {len(train_data[1])} training images{held_out}, "
         f"{len(test_data[1])} test images",
         flush=True,
     )
-    options = dict(epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
-                   learning_rate=args.lr, seed=args.seed)
+    options = dict(
+        epochs=args.epochs,
+        batch_size_per_replica=args.batch_size_per_replica,
+        learning_rate=args.lr,
+        seed=args.seed,
+    )
     if args.loop == "custom":
         return custom_training_loop.train(strategy, train_data, test_data, **options)
     previous_policy = mirrax.mixed_precision.global_policy()
     mirrax.mixed_precision.set_global_policy(args.mixed_precision)
     try:
-        return keras_fit.train(strategy, train_data, test_data,
-                               tensorboard_dir=args.tensorboard, **options)
+        return keras_fit.train(strategy, train_data, test_data, tensorboard_dir=args.tensorboard, **options)
     finally:
         mirrax.mixed_precision.set_global_policy(previous_policy)
 

@@ -258,19 +258,25 @@ def _to_arrays(name: str, batch):
         )
     data, labels = batch[b"data"], batch[b"labels"]
     pixels = int(np.prod(IMAGE_SHAPE))
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or (
-        data.shape[1] != pixels
+    if (
+        not isinstance(data, np.ndarray)
+        or data.dtype != np.uint8
+        or data.ndim != 2
+        or (data.shape[1] != pixels)
     ):
-        got = f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray) else (
-            type(data).__name__
+        got = (
+            f"{data.dtype} array of shape {data.shape}"
+            if isinstance(data, np.ndarray)
+            else (type(data).__name__)
         )
         raise errors.InvalidArgumentError(
-            f"CIFAR-10 file {name!r}: b'data' must be a uint8 array of shape (N, {pixels}); "
-            f"received a {got}."
+            f"CIFAR-10 file {name!r}: b'data' must be a uint8 array of shape (N, {pixels}); received a {got}."
         )
     labels = np.asarray(labels)
-    if labels.shape != (data.shape[0],) or not np.issubdtype(labels.dtype, np.integer) or (
-        labels.size and not 0 <= labels.min() <= labels.max() < NUM_CLASSES
+    if (
+        labels.shape != (data.shape[0],)
+        or not np.issubdtype(labels.dtype, np.integer)
+        or (labels.size and not 0 <= labels.min() <= labels.max() < NUM_CLASSES)
     ):
         raise errors.InvalidArgumentError(
             f"CIFAR-10 file {name!r}: b'labels' must hold {data.shape[0]} ints in "

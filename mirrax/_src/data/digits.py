@@ -36,8 +36,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
             f"load_digits: test_fraction must be a number strictly between 0 and 1 (the share "
             f"of images held out for testing); received {test_fraction!r}. Use e.g. 0.2."
         )
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
-            0 <= seed < 2**32):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (0 <= seed < 2**32):
         raise errors.InvalidArgumentError(
             f"load_digits: seed must be an int in [0, 2**32) (the seed of the split); received "
             f"{seed!r}. Use e.g. seed=0."

@@ -70,7 +70,8 @@ class FileDataset:
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise errors.InvalidArgumentError(
-                f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}.")
+                f"FileDataset: batch_size must be an int >= 1; received {batch_size!r}."
+            )
         self.files = files
         self.read_file = read_file
         self.batch_size = batch_size
@@ -82,9 +83,14 @@ class FileDataset:
           InvalidArgumentError: num_shards < 1, index outside [0, num_shards), or no file
             left for this shard.
         """
-        if (isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
-                or isinstance(index, bool) or not isinstance(index, int)
-                or not 0 <= index < num_shards):
+        if (
+            isinstance(num_shards, bool)
+            or not isinstance(num_shards, int)
+            or num_shards < 1
+            or isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < num_shards
+        ):
             raise errors.InvalidArgumentError(
                 f"FileDataset.shard: num_shards must be an int >= 1 and index an int in [0, "
                 f"num_shards); received num_shards={num_shards!r}, index={index!r}."

@@ -77,8 +77,9 @@ def variable_metadata(variable):
     return metadata if type(metadata) is dict else None
 
 
-raw_value = operator.attrgetter(RAW_VALUE_SLOT) if HAS_RAW_VALUE_SLOT else (
-    lambda variable: variable.get_raw_value())
+raw_value = (
+    operator.attrgetter(RAW_VALUE_SLOT) if HAS_RAW_VALUE_SLOT else (lambda variable: variable.get_raw_value())
+)
 
 
 def set_raw_values(variables, values) -> None:
@@ -93,8 +94,8 @@ def set_raw_values(variables, values) -> None:
         return
     if HAS_RAW_VALUE_SLOT and not getattr(variables[0], "hijax", False):
         collections.deque(
-            map(object.__setattr__, variables, itertools.repeat(RAW_VALUE_SLOT), values),
-            maxlen=0)
+            map(object.__setattr__, variables, itertools.repeat(RAW_VALUE_SLOT), values), maxlen=0
+        )
     else:
         for variable, value in zip(variables, values):
             variable.set_raw_value(value, _unsafe_bypass_check=True)

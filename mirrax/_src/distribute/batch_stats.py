@@ -92,14 +92,16 @@ def _count(keep, shape, axes, dtype, keepdims=False):
 # -- nnx.BatchNorm ----------------------------------------------------------------------------
 
 
-def _stats(x, axes, dtype, axis_name=None, axis_index_groups=None, use_mean=True,
-           use_fast_variance=True, mask=None):
+def _stats(
+    x, axes, dtype, axis_name=None, axis_index_groups=None, use_mean=True, use_fast_variance=True, mask=None
+):
     """flax's `_compute_stats` over the real rows of the BatchNorm call now traced: flax's own
     result on a full batch (selected: the same values as without masking), the masked one on
     a padded batch."""
     rows = _active.rows
-    unmasked = _original_compute_stats(x, axes, dtype, axis_name, axis_index_groups, use_mean,
-                                       use_fast_variance, mask)
+    unmasked = _original_compute_stats(
+        x, axes, dtype, axis_name, axis_index_groups, use_mean, use_fast_variance, mask
+    )
     if rows is None or mask is not None or axis_index_groups is not None:
         return unmasked
     _active.used = True
@@ -144,8 +146,11 @@ def _stats(x, axes, dtype, axis_name=None, axis_index_groups=None, use_mean=True
 def _nnx_call(self, x, use_running_average=None, *, mask=None):
     rows = None if mask is not None else _rows_of(x)
     feature_axes = tuple(self.axis) if isinstance(self.axis, (tuple, list)) else (self.axis,)
-    if (rows is None or 0 in {a % jnp.ndim(x) for a in feature_axes}
-            or self.axis_name not in (None, REPLICA_AXIS)):
+    if (
+        rows is None
+        or 0 in {a % jnp.ndim(x) for a in feature_axes}
+        or self.axis_name not in (None, REPLICA_AXIS)
+    ):
         return _original_nnx_call(self, x, use_running_average, mask=mask)
     old = self.mean[...], self.var[...]
     saved = _active.rows, _active.used
@@ -222,19 +227,16 @@ class _MaskedActivity:
         rows = _rows_of(output)
         if rows is None:
             return self.regularizer(output)
-        loss = self.regularizer(jnp.where(_expand(rows, output.ndim), output,
-                                          jnp.zeros((), output.dtype)))
+        loss = self.regularizer(jnp.where(_expand(rows, output.ndim), output, jnp.zeros((), output.dtype)))
         ctx = current_replica_context()
         strategy = ctx.strategy
-        shares = strategy.micro_batches if strategy.replica_invariant else \
-            strategy.num_replicas_in_sync
+        shares = strategy.micro_batches if strategy.replica_invariant else strategy.num_replicas_in_sync
         count = ctx.example_count
         if count is None:
             count = jax.lax.psum(rows.sum(dtype=jnp.int32), REPLICA_AXIS)
         dtype = jnp.result_type(loss)
         # On a full batch count == rows * shares, so the factor is exactly 1.
-        factor = jnp.asarray(rows.shape[0] * shares, dtype) / jnp.maximum(
-            jnp.asarray(count, dtype), 1)
+        factor = jnp.asarray(rows.shape[0] * shares, dtype) / jnp.maximum(jnp.asarray(count, dtype), 1)
         return loss * factor
 
 
@@ -262,9 +264,11 @@ def _keras_patches() -> list:
     call, moments = bn.__dict__.get("call"), bn.__dict__.get("_moments")
     if call is None or moments is None:
         return []
-    return [(bn, "call", functools.wraps(call)(functools.partial(_keras_call, call))),
-            (bn, "_moments", functools.wraps(moments)(functools.partial(_keras_moments, moments))),
-            (layers.Layer, "activity_regularizer", _activity_property())]
+    return [
+        (bn, "call", functools.wraps(call)(functools.partial(_keras_call, call))),
+        (bn, "_moments", functools.wraps(moments)(functools.partial(_keras_moments, moments))),
+        (layers.Layer, "activity_regularizer", _activity_property()),
+    ]
 
 
 class _Method:
@@ -278,11 +282,9 @@ class _Method:
 
 
 def _patches() -> list:
-    patches = [(nnx.BatchNorm, "__call__", _nnx_call),
-               (flax_normalization, "_compute_stats", _stats)]
+    patches = [(nnx.BatchNorm, "__call__", _nnx_call), (flax_normalization, "_compute_stats", _stats)]
     for owner, name, wrapper in _keras_patches():
-        patches.append((owner, name, wrapper if isinstance(wrapper, property)
-                        else _Method(wrapper)))
+        patches.append((owner, name, wrapper if isinstance(wrapper, property) else _Method(wrapper)))
     return patches
 
 

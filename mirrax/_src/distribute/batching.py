@@ -74,9 +74,11 @@ def put_stacked(strategy, host):
     sharding = replica_devices.stacked
     if not replica_devices.spans_processes:
         leaves = jax.tree.leaves(host)
-        if _jitted_placement(replica_devices) and all(
-                type(a) is np.ndarray for a in leaves) and sum(
-                a.nbytes for a in leaves) <= _JITTED_PLACEMENT_BYTES:
+        if (
+            _jitted_placement(replica_devices)
+            and all(type(a) is np.ndarray for a in leaves)
+            and sum(a.nbytes for a in leaves) <= _JITTED_PLACEMENT_BYTES
+        ):
             return _single_device_put(sharding)(host)
         return jax.device_put(host, sharding)
     return jax.tree.map(
@@ -152,9 +154,7 @@ def to_host_batch(batch):
     """
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
     if not with_paths:
-        raise errors.InvalidBatchError(
-            f"A batch must contain at least one array; received {batch!r}."
-        )
+        raise errors.InvalidBatchError(f"A batch must contain at least one array; received {batch!r}.")
     leaves, sizes = [], {}
     for path, leaf in with_paths:
         name = "batch" + jax.tree_util.keystr(path)
@@ -175,8 +175,7 @@ def to_host_batch(batch):
         if leaf.ndim == 0:
             raise errors.InvalidBatchError(
                 f"{name} is a scalar ({leaf!r}); every leaf of a batch needs a leading batch "
-                "axis. Give it shape (batch_size, ...), e.g. np.full(batch_size, value). "
-                + UNBATCHED_HINT
+                "axis. Give it shape (batch_size, ...), e.g. np.full(batch_size, value). " + UNBATCHED_HINT
             )
         leaves.append(leaf)
         sizes[name] = leaf.shape[0]
@@ -242,9 +241,7 @@ class Placer:
         if all(n == self.rows for n in lengths):
             key = (self.rows, len(lengths))
             if key not in self._full_masks:
-                self._full_masks[key] = put_stacked(
-                    self.strategy, mask_from_lengths(lengths, self.rows)
-                )
+                self._full_masks[key] = put_stacked(self.strategy, mask_from_lengths(lengths, self.rows))
             return self._full_masks[key]
         return put_stacked(self.strategy, mask_from_lengths(lengths, self.rows))
 
@@ -253,8 +250,7 @@ def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> li
     """TF's split rule: replica r gets examples [r*c, min(n, (r+1)*c)) with c = ceil(n/R)."""
     per = math.ceil(n / num_replicas)
     return [
-        jax.tree.map(lambda a: a[min(r * per, n) : min(n, (r + 1) * per)], host_batch)
-        for r in replica_ids
+        jax.tree.map(lambda a: a[min(r * per, n) : min(n, (r + 1) * per)], host_batch) for r in replica_ids
     ]
 
 
@@ -301,13 +297,12 @@ def split_invariant(strategy, host_batch, n: int, rows: int, replica_ids) -> tup
         return np.concatenate([a, np.repeat(filler, total - n, axis=0)])
 
     padded = jax.tree.map(pad, host_batch)
-    shards = [jax.tree.map(lambda a: a[r * rows:(r + 1) * rows], padded) for r in replica_ids]
+    shards = [jax.tree.map(lambda a: a[r * rows : (r + 1) * rows], padded) for r in replica_ids]
     lengths = [min(max(n - r * rows, 0), rows) for r in replica_ids]
     return shards, lengths
 
 
-def place_host_batches(strategy, batches, batch_size: int | None = None,
-                       what: str = "the input") -> Iterator:
+def place_host_batches(strategy, batches, batch_size: int | None = None, what: str = "the input") -> Iterator:
     """Distributed batches of host global batches, made in the caller's thread, one process.
 
     The same batches `experimental_distribute_dataset(batches)` yields (TF's split rule, the
@@ -335,15 +330,15 @@ def place_host_batches(strategy, batches, batch_size: int | None = None,
             lengths = (rows,) * replicas
             stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
             mask = placer.mask(lengths)
-            yield jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths),
-                               put_stacked(strategy, stacked))
+            yield jax.tree.map(
+                lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, stacked)
+            )
         elif strategy.replica_invariant:
             # The batch size, not the first batch (which may be the only, partial, one), fixes
             # the micro-batch size.
             rows = invariant_rows(strategy, placer.rows, batch_size, f"{what} (batch_size)")
             shards, lengths = split_invariant(strategy, batch, n, rows, local)
-            yield placer.place(shards, f"global batch of {n} over {replicas} replicas",
-                               lengths=lengths)
+            yield placer.place(shards, f"global batch of {n} over {replicas} replicas", lengths=lengths)
         else:
             shards = split_global_batch(batch, n, replicas, local)
             yield placer.place(shards, f"global batch of {n} over {replicas} replicas")

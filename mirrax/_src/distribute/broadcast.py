@@ -89,11 +89,10 @@ def _from_words(words, leaf: _Leaf):
     size = int(np.prod(leaf.shape, dtype=np.int64))
     if dtype == jnp.bool_:
         return (data[:size] != 0).reshape(leaf.shape)
-    data = data[:size * dtype.itemsize]
+    data = data[: size * dtype.itemsize]
     if dtype.itemsize == 1:
         return jax.lax.bitcast_convert_type(data, dtype).reshape(leaf.shape)
-    return jax.lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype).reshape(
-        leaf.shape)
+    return jax.lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype).reshape(leaf.shape)
 
 
 @jax.jit(static_argnums=1)
@@ -106,8 +105,12 @@ def _compare(xs, words, leaves, wanted):
     """Per flagged array (indices `wanted`), whether the bits of `xs` differ from `words`."""
     mine = _pack(xs, leaves)
     ends = list(itertools.accumulate(leaf.words for leaf in leaves))
-    return jnp.stack([jnp.any(mine[ends[i] - leaves[i].words:ends[i]]
-                              != words[ends[i] - leaves[i].words:ends[i]]) for i in wanted])
+    return jnp.stack(
+        [
+            jnp.any(mine[ends[i] - leaves[i].words : ends[i]] != words[ends[i] - leaves[i].words : ends[i]])
+            for i in wanted
+        ]
+    )
 
 
 def _process_mesh(replica_devices):
@@ -118,8 +121,7 @@ def _process_mesh(replica_devices):
         rows.setdefault(device.process_index, []).append(device)
     grid = [rows[p] for p in sorted(rows)]
     if len({len(row) for row in grid}) != 1:  # uneven processes: one flat axis
-        return Mesh(np.array(replica_devices.devices, dtype=object).reshape(-1, 1),
-                    (_PROCESSES, _LOCAL))
+        return Mesh(np.array(replica_devices.devices, dtype=object).reshape(-1, 1), (_PROCESSES, _LOCAL))
     return Mesh(np.array(grid, dtype=object), (_PROCESSES, _LOCAL))
 
 
@@ -145,14 +147,13 @@ def _program(leaves, segments, mesh, shardings):
         return jax.lax.psum([r[0] for r in rows], _PROCESSES)
 
     def broadcast(rows):
-        summed = jax.shard_map(sum_rows, mesh=mesh, in_specs=P(_PROCESSES),
-                               out_specs=P())(rows)
+        summed = jax.shard_map(sum_rows, mesh=mesh, in_specs=P(_PROCESSES), out_specs=P())(rows)
         out = [None] * len(leaves)
         words = [jax.lax.bitcast_convert_type(w, jnp.uint32) for w in summed]
         for segment, segment_words in zip(segments, words):
             offset = 0
             for i in segment:
-                out[i] = _from_words(segment_words[offset:offset + leaves[i].words], leaves[i])
+                out[i] = _from_words(segment_words[offset : offset + leaves[i].words], leaves[i])
                 offset += leaves[i].words
         return out, words
 
@@ -166,8 +167,10 @@ def _program(leaves, segments, mesh, shardings):
 
 def _signature(leaves) -> str:
     layout = repr([leaf.key() for leaf in leaves])
-    return (f"{len(leaves)} arrays, {4 * sum(leaf.words for leaf in leaves)} bytes, shapes and "
-            f"dtypes CRC-32 {zlib.crc32(layout.encode()):08x}")
+    return (
+        f"{len(leaves)} arrays, {4 * sum(leaf.words for leaf in leaves)} bytes, shapes and "
+        f"dtypes CRC-32 {zlib.crc32(layout.encode()):08x}"
+    )
 
 
 def from_worker_zero(strategy, xs: list, shardings: list, check=None) -> tuple[list, list]:
@@ -200,8 +203,11 @@ def from_worker_zero(strategy, xs: list, shardings: list, check=None) -> tuple[l
     if n >= 2:
         multihost.forget(f"broadcast/{n - 2}")
     multihost.check_same(
-        name, "the shapes and dtypes of the mirrored state placed on the replicas at its first "
-        "use (every worker must build the same models, optimizers and metrics)", votes)
+        name,
+        "the shapes and dtypes of the mirrored state placed on the replicas at its first "
+        "use (every worker must build the same models, optimizers and metrics)",
+        votes,
+    )
     replica_devices = strategy.extended.replica_devices
     mesh = _process_mesh(replica_devices)
     segments = _segments(leaves)
@@ -216,18 +222,19 @@ def from_worker_zero(strategy, xs: list, shardings: list, check=None) -> tuple[l
             if device.process_index != source.process_index:
                 rows.append(jnp.zeros((1, total), jnp.int32, device=device))
             elif not rows:
-                packed = _pack([jax.device_put(xs[i], device) for i in segment],
-                               _Hashable([leaves[i] for i in segment]))
+                packed = _pack(
+                    [jax.device_put(xs[i], device) for i in segment], _Hashable([leaves[i] for i in segment])
+                )
                 rows.append(jax.lax.bitcast_convert_type(packed, jnp.int32)[None])
             else:
                 rows.append(jax.device_put(rows[0], device))
-        stacked.append(jax.make_array_from_single_device_arrays(
-            (mesh.devices.shape[0], total), sharding, rows))
+        stacked.append(
+            jax.make_array_from_single_device_arrays((mesh.devices.shape[0], total), sharding, rows)
+        )
     results, words = _program(leaves, segments, mesh, shardings)(stacked)
     differing = []
     if check is not None and any(check) and jax.process_index() != 0:
-        differing = _differing(xs, leaves, segments, check,
-                               [w.addressable_data(0) for w in words])
+        differing = _differing(xs, leaves, segments, check, [w.addressable_data(0) for w in words])
     return results, differing
 
 
@@ -239,9 +246,14 @@ def _differing(xs, leaves, segments, check, words) -> list:
         if not wanted:
             continue
         device = next(iter(segment_words.devices()))
-        flags = np.asarray(_compare([jax.device_put(xs[i], device) for i in segment],
-                                    segment_words, _Hashable([leaves[i] for i in segment]),
-                                    wanted))
+        flags = np.asarray(
+            _compare(
+                [jax.device_put(xs[i], device) for i in segment],
+                segment_words,
+                _Hashable([leaves[i] for i in segment]),
+                wanted,
+            )
+        )
         found.extend(segment[k] for k, flag in zip(wanted, flags) if flag)
     return sorted(found)
 

@@ -75,8 +75,7 @@ class ClusterSpec:
             for index, address in tasks.items():
                 if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                     raise errors.InvalidArgumentError(
-                        f"ClusterSpec: task indices of job {job!r} must be ints >= 0; received "
-                        f"{index!r}."
+                        f"ClusterSpec: task indices of job {job!r} must be ints >= 0; received {index!r}."
                     )
                 checked[index] = _check_address(job, index, address)
             self._jobs[job] = dict(sorted(checked.items()))
@@ -158,8 +157,9 @@ class ClusterResolver:
         """The cluster, as `tf.distribute.cluster_resolver.ClusterResolver.cluster_spec`."""
         return self._cluster
 
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
+    def master(
+        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
+    ) -> str:
         """The address of a task (this one by default), prefixed "rpc_layer://" when one is set.
 
         Returns "" for an empty cluster, as TF.
@@ -173,8 +173,12 @@ class ClusterResolver:
         return f"{layer}://{address}" if layer else address
 
     def _training_tasks(self) -> list[tuple[str, int]]:
-        return [(job, index) for job in _TRAINING_JOBS if job in self._cluster.jobs
-                for index in self._cluster.task_indices(job)]
+        return [
+            (job, index)
+            for job in _TRAINING_JOBS
+            if job in self._cluster.jobs
+            for index in self._cluster.task_indices(job)
+        ]
 
     @property
     def num_workers(self) -> int:
@@ -256,7 +260,7 @@ class ClusterResolver:
         if not isinstance(self.task_id, int) or isinstance(self.task_id, bool):
             raise errors.InvalidArgumentTypeError(
                 f"{source}: the task index must be an int; received {self.task_id!r} of type "
-                f"{type(self.task_id).__name__}. Write e.g. task_id=0 (or \"index\": 0 in "
+                f'{type(self.task_id).__name__}. Write e.g. task_id=0 (or "index": 0 in '
                 "TF_CONFIG)."
             )
         if self.task_id not in cluster.task_indices(self.task_type):
@@ -268,8 +272,10 @@ class ClusterResolver:
             )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(cluster_spec={self._cluster!r}, task_type="
-                f"{self.task_type!r}, task_id={self.task_id!r})")
+        return (
+            f"{type(self).__name__}(cluster_spec={self._cluster!r}, task_type="
+            f"{self.task_type!r}, task_id={self.task_id!r})"
+        )
 
 
 class SimpleClusterResolver(ClusterResolver):
@@ -288,8 +294,13 @@ class SimpleClusterResolver(ClusterResolver):
         chief or evaluator, no training task, or type/index unset in a non-empty cluster.
     """
 
-    def __init__(self, cluster_spec: ClusterSpec | Mapping, task_type: str | None = None,
-                 task_id: int | None = None, rpc_layer: str | None = None):
+    def __init__(
+        self,
+        cluster_spec: ClusterSpec | Mapping,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
+    ):
         self._cluster = ClusterSpec(cluster_spec)
         self.task_type = task_type
         self.task_id = task_id
@@ -325,15 +336,13 @@ def _parse_tf_config(tf_config) -> dict:
             ) from None
     if not isinstance(config, Mapping):
         raise errors.InvalidArgumentError(
-            f"TF_CONFIG must be a JSON object with keys 'cluster' and 'task'; received "
-            f"{config!r}."
+            f"TF_CONFIG must be a JSON object with keys 'cluster' and 'task'; received {config!r}."
         )
     cluster = config.get("cluster") or {}
     task = config.get("task") or {}
     if not isinstance(task, Mapping):
         raise errors.InvalidArgumentError(
-            f"TF_CONFIG 'task' must be an object like {{\"type\": \"worker\", \"index\": 0}}; "
-            f"received {task!r}."
+            f'TF_CONFIG \'task\' must be an object like {{"type": "worker", "index": 0}}; received {task!r}.'
         )
     task_type, task_id = task.get("type"), task.get("index")
     if task_type is not None and not isinstance(task_type, str):
@@ -346,13 +355,13 @@ def _parse_tf_config(tf_config) -> dict:
         )
     rpc_layer = config.get("rpc_layer")
     if rpc_layer is not None and not isinstance(rpc_layer, str):
-        raise errors.InvalidArgumentError(
-            f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
+        raise errors.InvalidArgumentError(f"TF_CONFIG 'rpc_layer' must be a string; received {rpc_layer!r}.")
     # JSON object keys are strings: a sparse job {"1": "h:2222"} means task index 1.
     if isinstance(cluster, Mapping):
-        cluster = {job: ({_json_index(job, k): v for k, v in tasks.items()}
-                         if isinstance(tasks, Mapping) else tasks)
-                   for job, tasks in cluster.items()}
+        cluster = {
+            job: ({_json_index(job, k): v for k, v in tasks.items()} if isinstance(tasks, Mapping) else tasks)
+            for job, tasks in cluster.items()
+        }
     return {"cluster": cluster, "type": task_type, "index": task_id, "rpc_layer": rpc_layer}
 
 
@@ -362,7 +371,7 @@ def _json_index(job, key):
     if isinstance(key, int):
         return key
     raise errors.InvalidArgumentError(
-        f"TF_CONFIG: the task indices of sparse job {job!r} must be digit strings such as \"0\"; "
+        f'TF_CONFIG: the task indices of sparse job {job!r} must be digit strings such as "0"; '
         f"received {key!r}."
     )
 
@@ -386,9 +395,15 @@ class TFConfigClusterResolver(ClusterResolver):
         types; or any error of `SimpleClusterResolver` (unknown task type, index out of range).
     """
 
-    def __init__(self, task_type: str | None = None, task_id: int | None = None,
-                 rpc_layer: str | None = None, *, tf_config: str | Mapping | None = None,
-                 required: bool = False):
+    def __init__(
+        self,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
+        *,
+        tf_config: str | Mapping | None = None,
+        required: bool = False,
+    ):
         if tf_config is None:
             tf_config = os.environ.get("TF_CONFIG", "")
         if isinstance(tf_config, str) and not tf_config.strip():

@@ -43,8 +43,7 @@ class ReplicaDevices:
         self.replicated = NamedSharding(self.mesh, P())
         self.stacked = NamedSharding(self.mesh, P(REPLICA_AXIS))
         me = jax.process_index()
-        self.local_replica_ids = tuple(
-            i for i, d in enumerate(self.devices) if d.process_index == me)
+        self.local_replica_ids = tuple(i for i, d in enumerate(self.devices) if d.process_index == me)
         self.process_indices = tuple(sorted({d.process_index for d in self.devices}))
         self.spans_processes = self.process_indices != (me,)
 
@@ -99,8 +98,7 @@ def tf_device_name(device, job: str = "localhost", task: int | None = None) -> s
     `task` defaults to the device's process index.
     """
     task = device.process_index if task is None else task
-    return (f"/job:{job}/replica:0/task:{task}/device:"
-            f"{device.platform.upper()}:{local_index(device)}")
+    return f"/job:{job}/replica:0/task:{task}/device:{device.platform.upper()}:{local_index(device)}"
 
 
 def short_name(device) -> str:

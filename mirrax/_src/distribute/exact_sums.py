@@ -60,7 +60,7 @@ def exact_psum(tree):
         offset = 0
         for i in indices:
             size = leaves[i].size
-            out[i] = total[offset:offset + size].reshape(leaves[i].shape)
+            out[i] = total[offset : offset + size].reshape(leaves[i].shape)
             offset += size
     return jax.tree.unflatten(treedef, out)
 

@@ -28,8 +28,9 @@ from mirrax._src.distribute import _compat, invariant, sharded_optimizer
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
 
-def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
-                   pack: bool | None = None) -> Callable:
+def value_and_grad(
+    fn: Callable, has_aux: bool = False, all_reduce_dtype=None, pack: bool | None = None
+) -> Callable:
     """`nnx.value_and_grad(fn, has_aux)` whose gradients are summed in ONE packed all-reduce.
 
     Use it in place of `nnx.value_and_grad` in a step that `strategy.run` runs:
@@ -87,8 +88,7 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
             f"value_and_grad: pack must be None, True or False; received {pack!r}."
         )
     try:
-        floating = all_reduce_dtype is None or jnp.issubdtype(jnp.dtype(all_reduce_dtype),
-                                                              jnp.floating)
+        floating = all_reduce_dtype is None or jnp.issubdtype(jnp.dtype(all_reduce_dtype), jnp.floating)
     except TypeError:
         floating = False
     if not floating:
@@ -100,8 +100,7 @@ def value_and_grad(fn: Callable, has_aux: bool = False, all_reduce_dtype=None,
     def wrapped(module, *args):
         if invariant.active():
             return _micro_batch_value_and_grad(fn, module, args, has_aux, all_reduce_dtype)
-        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype,
-                                     pack)
+        return packed_value_and_grad(lambda m: fn(m, *args), module, has_aux, all_reduce_dtype, pack)
 
     return wrapped
 
@@ -125,13 +124,14 @@ def _micro_batch_value_and_grad(fn, module, args, has_aux, all_reduce_dtype):
         return fn(nodes[0], *rebuilt)
 
     value, aux, grads = invariant.micro_batch_call(
-        call, (module,) + tuple(args[i] for i in held), batch, differentiate=True,
-        has_aux=has_aux)
+        call, (module,) + tuple(args[i] for i in held), batch, differentiate=True, has_aux=has_aux
+    )
     return ((value, aux) if has_aux else value), grads[0]
 
 
-def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
-                          all_reduce_dtype=None, pack: bool | None = None):
+def packed_value_and_grad(
+    loss_fn: Callable, module, has_aux: bool = False, all_reduce_dtype=None, pack: bool | None = None
+):
     """`nnx.value_and_grad(loss_fn, has_aux)(module)` with gradients of `nnx.Param`s summed
     over replicas in one packed all-reduce per dtype.
 
@@ -150,8 +150,7 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
     ctx = current_replica_context()
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=has_aux)
     if pack is None:
-        pack = all_reduce_dtype is not None or (
-            jax.process_count() > 1 and jax.default_backend() == "cpu")
+        pack = all_reduce_dtype is not None or (jax.process_count() > 1 and jax.default_backend() == "cpu")
     in_step = ctx is not None and ctx._traced and ctx.num_replicas_in_sync > 1
     scatter = in_step and ctx.strategy.extended.shard_optimizer_state
     if not (pack or scatter) or not in_step:
@@ -171,15 +170,22 @@ def packed_value_and_grad(loss_fn: Callable, module, has_aux: bool = False,
     if scatter:
         # Sharded optimizer state: each replica needs only its slice of each gradient.
         summed = sharded_optimizer.scatter_gradients(
-            leaves, ctx.num_replicas_in_sync, ctx.scattered_gradients, all_reduce_dtype,
-            (lambda whole: _packed_psum(whole, all_reduce_dtype)) if pack else None)
+            leaves,
+            ctx.num_replicas_in_sync,
+            ctx.scattered_gradients,
+            all_reduce_dtype,
+            (lambda whole: _packed_psum(whole, all_reduce_dtype)) if pack else None,
+        )
         return value, jax.tree.unflatten(treedef, summed)
     return value, jax.tree.unflatten(treedef, _packed_psum(leaves, all_reduce_dtype))
 
 
 def _packable(x) -> bool:
-    return (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-            and REPLICA_AXIS not in _compat.varying_axes(x))
+    return (
+        isinstance(x, jax.Array)
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and REPLICA_AXIS not in _compat.varying_axes(x)
+    )
 
 
 def _by_dtype(arrays: list) -> dict:
@@ -197,7 +203,7 @@ def _concat_split(arrays: list, transform: Callable) -> list:
         offset = 0
         for i in indices:
             size = arrays[i].size
-            out[i] = flat[offset:offset + size].reshape(arrays[i].shape)
+            out[i] = flat[offset : offset + size].reshape(arrays[i].shape)
             offset += size
     return out
 

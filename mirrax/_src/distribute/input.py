@@ -44,17 +44,22 @@ def not_batches_hint(source) -> str:
     kind = type(source)
     if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "Column":
         name = getattr(source, "column_name", "name")
-        return (f" It is a Hugging Face Column (ds[{name!r}]), a lazy view of one column, not "
-                f"an array; pass its values as an array: ds[{name!r}][:] (NumPy when the "
-                "dataset has .with_format('numpy')).")
+        return (
+            f" It is a Hugging Face Column (ds[{name!r}]), a lazy view of one column, not "
+            f"an array; pass its values as an array: ds[{name!r}][:] (NumPy when the "
+            "dataset has .with_format('numpy'))."
+        )
     if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "DatasetDict":
-        return (f" It is a Hugging Face DatasetDict of the splits {list(source)}; pass one "
-                "split, e.g. ds['train'], as batches.")
-    if hasattr(source, "__getitem__") and hasattr(source, "__len__") and not hasattr(
-            source, "__iter__"):
-        return (" It has __len__ and __getitem__ but no __iter__: a map-style dataset of single "
-                "examples (a torch Dataset); batch it: torch.utils.data.DataLoader(ds, "
-                "batch_size=B), or grain.MapDataset.source(ds).batch(B).")
+        return (
+            f" It is a Hugging Face DatasetDict of the splits {list(source)}; pass one "
+            "split, e.g. ds['train'], as batches."
+        )
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__") and not hasattr(source, "__iter__"):
+        return (
+            " It has __len__ and __getitem__ but no __iter__: a map-style dataset of single "
+            "examples (a torch Dataset); batch it: torch.utils.data.DataLoader(ds, "
+            "batch_size=B), or grain.MapDataset.source(ds).batch(B)."
+        )
     return ""
 
 
@@ -76,14 +81,15 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
         is_array(leaf) for leaf in jax.tree.leaves(dataset)
     ):
         return lambda: iter([dataset])
-    if (isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__")
-            or not_batches_hint(dataset)):
+    if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__iter__") or not_batches_hint(dataset):
         hint = not_batches_hint(dataset)
         if callable(dataset):
-            hint = (f" {getattr(dataset, '__name__', 'It')} is a function: pass what it returns, "
-                    f"e.g. experimental_distribute_dataset({getattr(dataset, '__name__', 'fn')}"
-                    "()), or use distribute_datasets_from_function for a function of the "
-                    "InputContext.")
+            hint = (
+                f" {getattr(dataset, '__name__', 'It')} is a function: pass what it returns, "
+                f"e.g. experimental_distribute_dataset({getattr(dataset, '__name__', 'fn')}"
+                "()), or use distribute_datasets_from_function for a function of the "
+                "InputContext."
+            )
         raise errors.InvalidArgumentTypeError(
             "The dataset must be a tuple/dict of arrays (one global batch), an iterable of such "
             "batches (list, generator, Grain loader, torch DataLoader) or a tf.data.Dataset; "
@@ -132,11 +138,13 @@ class DatasetCreator:
             raise errors.InvalidArgumentTypeError(
                 "DatasetCreator: dataset_fn must be a callable of one argument, the "
                 f"InputContext, returning batches; received {type(dataset_fn).__name__} "
-                f"({dataset_fn!r:.60}). Pass the function itself: DatasetCreator(dataset_fn).")
+                f"({dataset_fn!r:.60}). Pass the function itself: DatasetCreator(dataset_fn)."
+            )
         if input_options is not None and not isinstance(input_options, InputOptions):
             raise errors.InvalidArgumentTypeError(
                 "DatasetCreator: input_options must be a mirrax.InputOptions or None; "
-                f"received {type(input_options).__name__} ({input_options!r:.60}).")
+                f"received {type(input_options).__name__} ({input_options!r:.60})."
+            )
         self.dataset_fn = dataset_fn
         self.input_options = input_options
 
@@ -149,7 +157,8 @@ class DatasetCreator:
             raise errors.InvalidArgumentTypeError(
                 f"DatasetCreator: {name} must return a dataset (batches: a tuple/dict of "
                 "arrays, an iterable of such batches, a tf.data.Dataset); it returned "
-                f"{type(dataset).__name__} ({dataset!r:.60}). ({e})") from None
+                f"{type(dataset).__name__} ({dataset!r:.60}). ({e})"
+            ) from None
         return dataset
 
     def __repr__(self) -> str:
@@ -197,11 +206,9 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
         self._strategy = strategy
         self._options = check_options(options)
         workers, index = _workers(strategy)
-        self._policy = _shard_policy(dataset, self._options.experimental_auto_shard_policy,
-                                     workers)
+        self._policy = _shard_policy(dataset, self._options.experimental_auto_shard_policy, workers)
         if self._policy is AutoShardPolicy.FILE:
-            dataset = dataset.shard(workers, index,
-                                    _worker_batch_size(dataset.batch_size, workers))
+            dataset = dataset.shard(workers, index, _worker_batch_size(dataset.batch_size, workers))
         self._source = _batch_source(dataset)
         self._placer = Placer(strategy)
         self._rows = None  # replica-invariant mode: per-replica rows, fixed by the first batch
@@ -225,14 +232,17 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
                 name = f"global batch of {n} over {strategy.num_replicas_in_sync} replicas"
                 fingerprint = batch_fingerprint(host, n) if workers > 1 else n
                 if invariant_mode:
-                    self._rows = invariant_rows(strategy, self._rows, n,
-                                                "experimental_distribute_dataset")
-                    shards, lengths = split_invariant(strategy, host, n, self._rows,
-                                                      strategy.extended.replica_devices.local_replica_ids)
+                    self._rows = invariant_rows(strategy, self._rows, n, "experimental_distribute_dataset")
+                    shards, lengths = split_invariant(
+                        strategy, host, n, self._rows, strategy.extended.replica_devices.local_replica_ids
+                    )
                     yield shards, name, fingerprint, lengths
                     continue
                 shards = split_global_batch(
-                    host, n, strategy.num_replicas_in_sync, strategy.extended.replica_devices.local_replica_ids
+                    host,
+                    n,
+                    strategy.num_replicas_in_sync,
+                    strategy.extended.replica_devices.local_replica_ids,
                 )
                 yield shards, name, fingerprint, None
             return
@@ -243,18 +253,28 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
             host, n = to_host_batch(batch)
             if self._policy is AutoShardPolicy.OFF:
                 per_worker = math.ceil(n / workers)
-                pieces = [jax.tree.map(lambda a: a[i : i + per_worker], host)
-                          for i in range(0, n, per_worker)]
+                pieces = [
+                    jax.tree.map(lambda a: a[i : i + per_worker], host) for i in range(0, n, per_worker)
+                ]
             else:
                 pieces = [host]
             for piece in pieces:
                 size = jax.tree.leaves(piece)[0].shape[0]
-                yield (split_global_batch(piece, size, local, range(local)),
-                       f"worker batch of {size} over {local} replicas", None, None)
+                yield (
+                    split_global_batch(piece, size, local, range(local)),
+                    f"worker batch of {size} over {local} replicas",
+                    None,
+                    None,
+                )
 
     def _start(self) -> "DistributedIterator":
-        producer = place_agreed(self._strategy, self._placer, self._local_batches(),
-                                self._uid, self._strategy.extended.pipeline_names.next_pass())
+        producer = place_agreed(
+            self._strategy,
+            self._placer,
+            self._local_batches(),
+            self._uid,
+            self._strategy.extended.pipeline_names.next_pass(),
+        )
         return DistributedIterator(producer, self._options)
 
 
@@ -278,14 +298,15 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
             input_pipeline_id=index,
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
-        check_one_argument(dataset_fn, "distribute_datasets_from_function: dataset_fn",
-                           "InputContext")
+        check_one_argument(dataset_fn, "distribute_datasets_from_function: dataset_fn", "InputContext")
         if strategy.replica_invariant:
             warnings.warn(
                 "distribute_datasets_from_function on a strategy with replica_invariant=True: "
                 "its batches are per replica, so which examples share a step depends on the "
                 "replica count and results are not replica-invariant. Use "
-                "experimental_distribute_dataset with global batches for that.", stacklevel=3)
+                "experimental_distribute_dataset with global batches for that.",
+                stacklevel=3,
+            )
         self._source = _batch_source(dataset_fn(self.input_context))
         self._placer = Placer(strategy)
         self._uid = strategy.extended.pipeline_names.dataset("distribute_datasets_from_function")
@@ -303,8 +324,13 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
             yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None, None
 
     def _start(self) -> "DistributedIterator":
-        producer = place_agreed(self._strategy, self._placer, self._local_batches(),
-                                self._uid, self._strategy.extended.pipeline_names.next_pass())
+        producer = place_agreed(
+            self._strategy,
+            self._placer,
+            self._local_batches(),
+            self._uid,
+            self._strategy.extended.pipeline_names.next_pass(),
+        )
         return DistributedIterator(producer, self._options)
 
 
@@ -329,8 +355,7 @@ def _shard_policy(dataset, policy: AutoShardPolicy, workers: int) -> AutoShardPo
         return AutoShardPolicy.DATA
     files = len(dataset.files) if isinstance(dataset, FileDataset) else None
     if policy is AutoShardPolicy.AUTO:
-        return AutoShardPolicy.FILE if files is not None and files >= workers else (
-            AutoShardPolicy.DATA)
+        return AutoShardPolicy.FILE if files is not None and files >= workers else (AutoShardPolicy.DATA)
     if policy is AutoShardPolicy.FILE and files is None:
         raise errors.InvalidArgumentError(
             f"AutoShardPolicy.FILE needs a dataset made of files (mirrax.data.FileDataset); "

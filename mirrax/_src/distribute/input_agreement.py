@@ -36,8 +36,7 @@ def _signature(shards: list) -> str:
     return f"{treedef} " + ", ".join(f"{a.dtype}{list(a.shape[1:])}" for a in leaves)
 
 
-def place_agreed(strategy, placer: Placer, local_batches: Iterator, uid: str,
-                 iteration: int) -> Iterator:
+def place_agreed(strategy, placer: Placer, local_batches: Iterator, uid: str, iteration: int) -> Iterator:
     """Places each local batch; with several processes, first agrees with the peers on it.
 
     Multi-worker (docs/design.md, "Input"): before each step every process publishes the true
@@ -70,33 +69,42 @@ def place_agreed(strategy, placer: Placer, local_batches: Iterator, uid: str,
     while True:
         item = None if ended else next(local_batches, None)
         ended = item is None
-        lengths = None if ended else item[3] or [
-            int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
+        lengths = None if ended else item[3] or [int(jax.tree.leaves(s)[0].shape[0]) for s in item[0]]
         name = f"input/{iteration}/{step}"
-        votes = multihost.exchange(name, {
-            "dataset": uid, "lengths": lengths, "had_data": last is not None or not ended,
-            "batch": None if ended else _signature(item[0]),
-            "global": None if ended else item[2],
-        }, timeout)
+        votes = multihost.exchange(
+            name,
+            {
+                "dataset": uid,
+                "lengths": lengths,
+                "had_data": last is not None or not ended,
+                "batch": None if ended else _signature(item[0]),
+                "global": None if ended else item[2],
+            },
+            timeout,
+        )
         if step >= 3:
             multihost.forget(f"input/{iteration}/{step - 3}")
-        multihost.check_same(name, "which distributed dataset is read",
-                             [v["dataset"] for v in votes])
+        multihost.check_same(name, "which distributed dataset is read", [v["dataset"] for v in votes])
         without = [p for p, v in enumerate(votes) if v.get("replicas") == 0]
         if without:
             raise _no_replicas(strategy, without)
-        multihost.check_same(name, "the structure, trailing shapes and dtypes of the batches",
-                             [v["batch"] for v in votes if v["batch"] is not None])
+        multihost.check_same(
+            name,
+            "the structure, trailing shapes and dtypes of the batches",
+            [v["batch"] for v in votes if v["batch"] is not None],
+        )
         if any(v["global"] is not None for v in votes):
             # DATA sharding: every worker reads the same global batches (their size and a
             # digest of their bytes); a difference means the workers read different data, and
             # each would train on its own part of a batch that exists nowhere: a silent mix.
             multihost.check_same(
-                name, "the global batch every worker reads (AutoShardPolicy.DATA: every worker "
+                name,
+                "the global batch every worker reads (AutoShardPolicy.DATA: every worker "
                 "must read the same batches, in the same order: the same files and the same "
                 "shuffle seed; for each worker to read its own data, use "
                 "distribute_datasets_from_function)",
-                [v["global"] for v in votes])
+                [v["global"] for v in votes],
+            )
         if all(v["lengths"] is None for v in votes):
             return
         empty = [p for p, v in enumerate(votes) if not v["had_data"]]
@@ -109,8 +117,7 @@ def place_agreed(strategy, placer: Placer, local_batches: Iterator, uid: str,
             )
         all_lengths = by_replica(strategy, [v["lengths"] or [0] * local for v in votes])
         if ended:
-            yield placer.place([last] * local, "filler", lengths=(0,) * local,
-                               all_lengths=all_lengths)
+            yield placer.place([last] * local, "filler", lengths=(0,) * local, all_lengths=all_lengths)
         else:
             shards, first_name, _, given = item
             real = next((s for s in shards if jax.tree.leaves(s)[0].shape[0]), None)

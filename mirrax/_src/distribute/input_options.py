@@ -78,8 +78,7 @@ class InputOptions:
             )
         policy = self.experimental_auto_shard_policy
         if isinstance(policy, str) and policy.upper() in AutoShardPolicy.__members__:
-            object.__setattr__(self, "experimental_auto_shard_policy",
-                               AutoShardPolicy[policy.upper()])
+            object.__setattr__(self, "experimental_auto_shard_policy", AutoShardPolicy[policy.upper()])
         elif not isinstance(policy, AutoShardPolicy):
             raise errors.InvalidArgumentError(
                 "InputOptions.experimental_auto_shard_policy must be one of "
@@ -88,8 +87,7 @@ class InputOptions:
         size = self.experimental_per_replica_buffer_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise errors.InvalidArgumentError(
-                "InputOptions.experimental_per_replica_buffer_size must be an int >= 1; "
-                f"received {size!r}."
+                f"InputOptions.experimental_per_replica_buffer_size must be an int >= 1; received {size!r}."
             )
 
 
@@ -102,11 +100,14 @@ class InputContext:
       num_replicas_in_sync: replicas over all workers.
     """
 
-    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
-                 num_replicas_in_sync: int = 1):
-        for name, value, low in (("num_input_pipelines", num_input_pipelines, 1),
-                                 ("input_pipeline_id", input_pipeline_id, 0),
-                                 ("num_replicas_in_sync", num_replicas_in_sync, 1)):
+    def __init__(
+        self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1
+    ):
+        for name, value, low in (
+            ("num_input_pipelines", num_input_pipelines, 1),
+            ("input_pipeline_id", input_pipeline_id, 0),
+            ("num_replicas_in_sync", num_replicas_in_sync, 1),
+        ):
             _check_count(f"InputContext: {name}", value, low)
         if input_pipeline_id >= num_input_pipelines:
             raise errors.InvalidArgumentError(
@@ -214,9 +215,11 @@ class PipelineNames:
         # run) exchanges nothing and may run on one worker alone (TF's `if is_chief:
         # model.evaluate(...)`): it counts on its own, so the shared counts stay alike on
         # every process.
-        self._counters = (PipelineNames._datasets, PipelineNames._passes,
-                          PipelineNames._values) if shared else (
-            itertools.count(1), itertools.count(), itertools.count(1))
+        self._counters = (
+            (PipelineNames._datasets, PipelineNames._passes, PipelineNames._values)
+            if shared
+            else (itertools.count(1), itertools.count(), itertools.count(1))
+        )
 
     def dataset(self, kind: str) -> str:
         """A new dataset's name: f"{kind}#{n}"."""

@@ -45,8 +45,7 @@ def check_flag(owner: str, name: str, value) -> None:
     """
     if not isinstance(value, (bool, np.bool_)):
         raise errors.InvalidArgumentTypeError(
-            f"{owner}: {name} must be True or False; received {value!r} of type "
-            f"{type(value).__name__}."
+            f"{owner}: {name} must be True or False; received {value!r} of type {type(value).__name__}."
         )
 
 
@@ -65,8 +64,11 @@ def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
         )
     if micro_batches < 1 or micro_batches & (micro_batches - 1):
         below = 1 << max(int(micro_batches).bit_length() - 1, 0)
-        fix = (f"Use {below} or {below * 2}" if micro_batches > 1 else
-               "Use a power of two >= 1, e.g. 8 (the default)")
+        fix = (
+            f"Use {below} or {below * 2}"
+            if micro_batches > 1
+            else "Use a power of two >= 1, e.g. 8 (the default)"
+        )
         raise errors.InvalidArgumentError(
             f"{owner}: micro_batches must be a power of two (1, 2, 4, 8, 16, ...), so that one "
             f"pairwise summation tree covers it at every replica count; received "
@@ -87,8 +89,10 @@ def check_replicas(owner: str, micro_batches: int, num_replicas: int) -> None:
     if num_replicas & (num_replicas - 1) == 0:
         more = f"or micro_batches={num_replicas} (or another power of two >= {num_replicas})"
     else:
-        more = (f"{num_replicas} is not a power of two, so it divides no micro_batches; "
-                f"use {fewer} or {fewer * 2} devices")
+        more = (
+            f"{num_replicas} is not a power of two, so it divides no micro_batches; "
+            f"use {fewer} or {fewer * 2} devices"
+        )
     raise errors.InvalidArgumentError(
         f"{owner}: replica_invariant=True cuts every global batch into micro_batches="
         f"{micro_batches} micro-batches held in equal runs by the replicas, but "
@@ -144,8 +148,14 @@ def active(ctx=None) -> bool:
     return ctx is not None and ctx.traced and ctx.strategy.replica_invariant
 
 
-def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bool,
-                     has_aux: bool = False, what: str = "mirrax.value_and_grad"):
+def micro_batch_call(
+    fn: Callable,
+    nodes: tuple,
+    batch: tuple,
+    differentiate: bool,
+    has_aux: bool = False,
+    what: str = "mirrax.value_and_grad",
+):
     """Runs `fn(nodes, *batch)` once per local micro-batch; sums and aggregates in the fixed tree.
 
     Inside `strategy.run` in replica-invariant mode. `fn` returns a scalar value (or
@@ -181,8 +191,9 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
 
     leaves, batch_def = jax.tree.flatten(batch)
     # Scalars (a temperature, a step count) are no batch: every micro-batch gets them as is.
-    arrays = [i for i, leaf in enumerate(leaves)
-              if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0]
+    arrays = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0
+    ]
     mask = ctx.peek_batch_mask()  # the split only: the loss itself must read the mask
     if not arrays:
         raise errors.InvalidBatchError(
@@ -221,8 +232,7 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
         mask = jnp.ones((rows,), bool)
     count = ctx.example_count
     if count is None:
-        count = jax.lax.psum(_compat.pvary(mask.sum(dtype=jnp.int32), REPLICA_AXIS),
-                             REPLICA_AXIS)
+        count = jax.lax.psum(_compat.pvary(mask.sum(dtype=jnp.int32), REPLICA_AXIS), REPLICA_AXIS)
     masks = mask.reshape(local, size)
 
     graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
@@ -236,8 +246,9 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
     changed: list = []
 
     def one(p_leaves, r_leaves, micro, micro_mask, index):
-        module = nnx.merge(graphdef, jax.tree.unflatten(param_def, p_leaves),
-                           jax.tree.unflatten(rest_def, r_leaves))
+        module = nnx.merge(
+            graphdef, jax.tree.unflatten(param_def, p_leaves), jax.tree.unflatten(rest_def, r_leaves)
+        )
         keys = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.RngKey)]
         originals = [v.get_value() for v in keys]
         for variable in keys:
@@ -259,37 +270,37 @@ def micro_batch_call(fn: Callable, nodes: tuple, batch: tuple, differentiate: bo
                 "variable before training (in the module's __init__)."
             )
         if not changed:
-            changed.append([i for i, (a, b) in enumerate(zip(new_leaves, r_leaves))
-                            if a is not b])
+            changed.append([i for i, (a, b) in enumerate(zip(new_leaves, r_leaves)) if a is not b])
         return jnp.asarray(value), (aux, [new_leaves[i] for i in changed[0]])
 
     def body(inputs, index):
         p_leaves, r_leaves, micro, micro_mask = inputs
         if differentiate:
             (value, (aux, new)), grads = jax.value_and_grad(one, has_aux=True)(
-                p_leaves, r_leaves, micro, micro_mask, index)
+                p_leaves, r_leaves, micro, micro_mask, index
+            )
         else:
             value, (aux, new) = one(p_leaves, r_leaves, micro, micro_mask, index)
             grads = None
         return value, aux, new, grads
 
     values, auxs, news, grads = _each_micro_batch(
-        body, (varying_params, rest_leaves), (micro_leaves, masks), local)
+        body, (varying_params, rest_leaves), (micro_leaves, masks), local
+    )
 
     ctx.micro_batches_used = True
     if changed and changed[0]:
         final = list(rest_leaves)
         for position, i in enumerate(changed[0]):
-            final[i] = _combine(rest_variables[i], rest_leaves[i], news[position],
-                                strategy.micro_batches)
+            final[i] = _combine(rest_variables[i], rest_leaves[i], news[position], strategy.micro_batches)
             ctx.mark_combined(final[i])
         nnx.update(nodes, jax.tree.unflatten(rest_def, final))
     if differentiate:
         summed = exact_sums.exact_psum([exact_sums.pairwise_sum(g) for g in grads])
         grads = jax.tree.unflatten(param_def, summed)
     aux = jax.tree.map(
-        lambda a: a.reshape((rows,) + a.shape[2:]) if a.ndim >= 2 and a.shape[1] == size
-        else a, auxs)
+        lambda a: a.reshape((rows,) + a.shape[2:]) if a.ndim >= 2 and a.shape[1] == size else a, auxs
+    )
     return exact_sums.pairwise_sum(values), aux, grads
 
 
@@ -321,7 +332,9 @@ def _combine(variable, before, stacked, micro_batches: int):
     if aggregation is VariableAggregation.SUM:
         return before + exact_sums.exact_psum(exact_sums.pairwise_sum(stacked - before[None]))
     if aggregation is VariableAggregation.MEAN:
-        total = exact_sums.exact_psum(exact_sums.pairwise_sum(stacked.astype(jnp.result_type(stacked, jnp.float32))))
+        total = exact_sums.exact_psum(
+            exact_sums.pairwise_sum(stacked.astype(jnp.result_type(stacked, jnp.float32)))
+        )
         return (total / micro_batches).astype(stacked.dtype)
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         return _compat.all_gather_invariant(stacked[0][None], REPLICA_AXIS)[0]

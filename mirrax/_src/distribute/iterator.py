@@ -19,8 +19,11 @@ from mirrax._src.distribute.values import DistributedInput, PerReplica
 def element_spec_of(element):
     """The per-replica spec of a distributed batch: its structure with a
     `jax.ShapeDtypeStruct` per leaf, of shape (per-replica rows, ...)."""
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.stacked.shape[1:], v.stacked.dtype),
-                        element, is_leaf=lambda v: isinstance(v, PerReplica))
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.stacked.shape[1:], v.stacked.dtype),
+        element,
+        is_leaf=lambda v: isinstance(v, PerReplica),
+    )
 
 
 class _End:
@@ -76,7 +79,9 @@ class DistributedIterator(DistributedInput):
             self._queue: queue.Queue = queue.Queue(options.experimental_per_replica_buffer_size)
             self._stop = threading.Event()
             self._thread = threading.Thread(
-                target=_fill, args=(producer, self._queue, self._stop), daemon=True,
+                target=_fill,
+                args=(producer, self._queue, self._stop),
+                daemon=True,
                 name="mirrax-prefetch",
             )
             self._thread.start()
@@ -144,7 +149,8 @@ class DistributedIterator(DistributedInput):
                     raise errors.EmptyDatasetError(
                         "element_spec: this distributed iterator has no batch left to read the "
                         "element structure from (the dataset is empty or used up); ask the "
-                        "dataset's element_spec, or a fresh iter(dataset)'s.") from None
+                        "dataset's element_spec, or a fresh iter(dataset)'s."
+                    ) from None
             self._spec = element_spec_of(self._peeked)
         return self._spec
 
@@ -221,7 +227,8 @@ class Optional:
         if not self._has_value:
             raise errors.InvalidArgumentError(
                 "Optional.get_value: the optional has no value (the distributed iterator was at "
-                "the end of its data). Check optional.has_value() before get_value().")
+                "the end of its data). Check optional.has_value() before get_value()."
+            )
         return self._value
 
     def __repr__(self) -> str:

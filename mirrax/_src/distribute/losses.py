@@ -55,10 +55,14 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         )
     if global_batch_size is not None and (
         isinstance(global_batch_size, bool)
-        or not (isinstance(global_batch_size, (int, np.integer)) or (
-            isinstance(global_batch_size, (jax.Array, np.ndarray))
-            and global_batch_size.ndim == 0
-            and jnp.issubdtype(global_batch_size.dtype, jnp.integer)))
+        or not (
+            isinstance(global_batch_size, (int, np.integer))
+            or (
+                isinstance(global_batch_size, (jax.Array, np.ndarray))
+                and global_batch_size.ndim == 0
+                and jnp.issubdtype(global_batch_size.dtype, jnp.integer)
+            )
+        )
     ):
         # A fractional size (len(x) / 2) would scale the loss and gradients silently.
         raise errors.InvalidArgumentTypeError(

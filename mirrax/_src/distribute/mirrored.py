@@ -108,8 +108,14 @@ class MirroredStrategy(Strategy):
         the replica count does not divide it.
     """
 
-    def __init__(self, devices=None, cross_device_ops=None, replica_invariant: bool = False,
-                 micro_batches: int = 8, shard_optimizer_state: bool = False):
+    def __init__(
+        self,
+        devices=None,
+        cross_device_ops=None,
+        replica_invariant: bool = False,
+        micro_batches: int = 8,
+        shard_optimizer_state: bool = False,
+    ):
         if devices is None:
             resolved = list(jax.local_devices())
             cpu_devices.warn_if_count_ignored(resolved)

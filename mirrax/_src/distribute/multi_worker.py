@@ -62,8 +62,12 @@ class CommunicationOptions:
       ValueError: a non-positive timeout or an unknown implementation.
     """
 
-    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
-                 implementation=CommunicationImplementation.AUTO):
+    def __init__(
+        self,
+        bytes_per_pack: int = 0,
+        timeout_seconds: float | None = None,
+        implementation=CommunicationImplementation.AUTO,
+    ):
         if timeout_seconds is not None and (
             isinstance(timeout_seconds, bool)
             or not isinstance(timeout_seconds, (int, float))
@@ -73,8 +77,7 @@ class CommunicationOptions:
                 f"CommunicationOptions: timeout_seconds must be None or a number > 0 (seconds); "
                 f"received {timeout_seconds!r}."
             )
-        if (isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int)
-                or bytes_per_pack < 0):
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             # TF's meaning: a byte count, 0 for no packing; a fraction or a negative count is
             # a mistake even though mirrax ignores the value.
             raise errors.InvalidArgumentError(
@@ -135,8 +138,10 @@ class MultiWorkerExtended(StrategyExtended):
 
     @property
     def worker_devices(self) -> tuple:
-        return tuple(tf_device_name(d, job=self.task_type, task=self.task_id)
-                     for d in self.replica_devices.local_devices)
+        return tuple(
+            tf_device_name(d, job=self.task_type, task=self.task_id)
+            for d in self.replica_devices.local_devices
+        )
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -176,10 +181,14 @@ class MultiWorkerMirroredStrategy(Strategy):
     on a private network only.
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None,
-                 replica_invariant: bool = False, micro_batches: int = 8,
-                 shard_optimizer_state: bool = False):
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        replica_invariant: bool = False,
+        micro_batches: int = 8,
+        shard_optimizer_state: bool = False,
+    ):
         invariant.check_arguments(type(self).__name__, replica_invariant, micro_batches)
         invariant.check_flag(type(self).__name__, "shard_optimizer_state", shard_optimizer_state)
         if cluster_resolver is None:
@@ -209,8 +218,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.communication_options = communication_options
         if cluster_resolver.num_workers > 1:
             _initialize(cluster_resolver, communication_options)
-        if (communication_options.implementation is CommunicationImplementation.NCCL
-                and jax.default_backend() != "gpu"):
+        if (
+            communication_options.implementation is CommunicationImplementation.NCCL
+            and jax.default_backend() != "gpu"
+        ):
             raise errors.InvalidArgumentError(
                 "MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL needs GPUs, but "
                 f"JAX's backend is {jax.default_backend()!r}. Use AUTO (Gloo on CPU)."
@@ -262,7 +273,9 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
     heartbeat = options.timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
     done = threading.Event()
     watchdog = threading.Thread(
-        target=_startup_watchdog, args=(resolver, startup, done), daemon=True,
+        target=_startup_watchdog,
+        args=(resolver, startup, done),
+        daemon=True,
         name="mirrax-startup-watchdog",
     )
     watchdog.start()
@@ -322,8 +335,10 @@ def _exit_at_once(previous):
         status = 130 if issubclass(kind, KeyboardInterrupt) else 1
         me = jax.process_index()
         if _is_lost_peer(value):
-            what = (f"worker {me} lost a peer worker during a collective (the peer exited or "
-                    "crashed; see its log for why)")
+            what = (
+                f"worker {me} lost a peer worker during a collective (the peer exited or "
+                "crashed; see its log for why)"
+            )
         else:
             what = f"worker {me} failed with {kind.__name__}"
         print(
@@ -393,8 +408,7 @@ def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading
     spec = resolver.cluster_spec()
     me = (resolver.task_type, resolver.task_id)
     others = [
-        f"{job}:{i} ({spec.task_address(job, i)})"
-        for job, i in resolver._training_tasks() if (job, i) != me
+        f"{job}:{i} ({spec.task_address(job, i)})" for job, i in resolver._training_tasks() if (job, i) != me
     ]
     if resolver.is_chief:
         what = (
@@ -424,5 +438,12 @@ def _is_lost_peer(error: BaseException) -> bool:
     """A collective failed because a peer's connection closed (Gloo on CPU, NCCL on GPU)."""
     text = str(error)
     return ("Gloo" in text or "NCCL" in text or "nccl" in text) and any(
-        sign in text for sign in ("closed by peer", "reset by peer", "Connection refused",
-                                  "remote process exited", "Broken pipe"))
+        sign in text
+        for sign in (
+            "closed by peer",
+            "reset by peer",
+            "Connection refused",
+            "remote process exited",
+            "Broken pipe",
+        )
+    )

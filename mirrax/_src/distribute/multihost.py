@@ -90,8 +90,7 @@ def publish(name: str, value) -> None:
     """Publishes this process's `value` for the exchange `name` without waiting for the peers
     (a process that leaves the program afterwards, so that the peers' exchange gets its word)."""
     if jax.process_count() > 1:
-        coordination_client().key_value_set(
-            f"mirrax/{name}/{jax.process_index()}", json.dumps(value))
+        coordination_client().key_value_set(f"mirrax/{name}/{jax.process_index()}", json.dumps(value))
 
 
 def forget(name: str) -> None:

@@ -23,7 +23,6 @@ from mirrax._src.distribute.axis import REPLICA_AXIS
 from mirrax._src.distribute.reduce import ReduceOp
 
 
-
 class _ThreadState(threading.local):
     def __init__(self):
         self.strategy_stack: list = []
@@ -142,8 +141,7 @@ class ReplicaContext:
             return jax.tree.map(jnp.asarray, value)
         if self.strategy.replica_invariant:
             # The fixed pairwise tree over the replicas, the same bits on every replica.
-            return (exact_sums.exact_psum(value) if op is ReduceOp.SUM
-                    else exact_sums.exact_pmean(value))
+            return exact_sums.exact_psum(value) if op is ReduceOp.SUM else exact_sums.exact_pmean(value)
         if op is ReduceOp.SUM:
             return jax.tree.map(lambda x: jax.lax.psum(x, REPLICA_AXIS), value)
         return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA_AXIS), value)

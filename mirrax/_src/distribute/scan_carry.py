@@ -72,14 +72,16 @@ def _retrying(call, init, step):
 @functools.wraps(_original_scan)
 def _scan(f, init, xs=None, *args, **kwargs):
     first = lambda xs: None if xs is None else jax.tree.map(lambda a: a[0], xs)  # noqa: E731
-    return _retrying(lambda c: _original_scan(f, c, xs, *args, **kwargs), init,
-                     lambda c: f(c, first(xs))[0])
+    return _retrying(lambda c: _original_scan(f, c, xs, *args, **kwargs), init, lambda c: f(c, first(xs))[0])
 
 
 @functools.wraps(_original_fori_loop)
 def _fori_loop(lower, upper, body_fun, init_val, **kwargs):
-    return _retrying(lambda c: _original_fori_loop(lower, upper, body_fun, c, **kwargs),
-                     init_val, lambda c: body_fun(lower, c))
+    return _retrying(
+        lambda c: _original_fori_loop(lower, upper, body_fun, c, **kwargs),
+        init_val,
+        lambda c: body_fun(lower, c),
+    )
 
 
 @functools.wraps(_original_while_loop)
@@ -87,12 +89,16 @@ def _while_loop(cond_fun, body_fun, init_val):
     return _retrying(lambda c: _original_while_loop(cond_fun, body_fun, c), init_val, body_fun)
 
 
-_WRAPPED = {"scan": (_original_scan, _scan), "fori_loop": (_original_fori_loop, _fori_loop),
-            "while_loop": (_original_while_loop, _while_loop)}
+_WRAPPED = {
+    "scan": (_original_scan, _scan),
+    "fori_loop": (_original_fori_loop, _fori_loop),
+    "while_loop": (_original_while_loop, _while_loop),
+}
 
 
 _PATCHES = trace_patches.TracePatches(
-    lambda: [(jax.lax, name, wrapper) for name, (_, wrapper) in _WRAPPED.items()])
+    lambda: [(jax.lax, name, wrapper) for name, (_, wrapper) in _WRAPPED.items()]
+)
 
 
 def varying_carries():

@@ -65,8 +65,13 @@ def state_specs(strategy, variables) -> tuple | None:
     for variable in variables:
         value = _compat.raw_value(variable) if isinstance(variable, nnx.Variable) else variable
         leaves = jax.tree.leaves(value)
-        if (len(leaves) == 1 and leaves[0] is value and isinstance(variable, nnx.OptState)
-                and isinstance(value, jax.Array) and value.ndim > 0):
+        if (
+            len(leaves) == 1
+            and leaves[0] is value
+            and isinstance(variable, nnx.OptState)
+            and isinstance(value, jax.Array)
+            and value.ndim > 0
+        ):
             specs.append(spec_for(value.shape, replicas))
         else:
             specs.extend([None] * len(leaves))
@@ -77,8 +82,9 @@ def local_shape(shape, spec, replicas: int) -> tuple:
     """A replica's block of an array of `shape` laid out as `spec` (None: whole)."""
     if spec is None:
         return tuple(shape)
-    return tuple(n // replicas if axis is not None else n
-                 for n, axis in zip(shape, tuple(spec) + (None,) * len(shape)))
+    return tuple(
+        n // replicas if axis is not None else n for n, axis in zip(shape, tuple(spec) + (None,) * len(shape))
+    )
 
 
 def variable_positions(variables) -> dict:
@@ -144,7 +150,8 @@ class Recorder:
                 "that overrides update; with shard_optimizer_state=True the update is mirrax's "
                 "(applied when the step returns), so the override would never run. Use "
                 "nnx.Optimizer itself (do the extra work in the step), or "
-                "shard_optimizer_state=False.")
+                "shard_optimizer_state=False."
+            )
         check_shardable(optimizer, f"strategy.run: {self._fn_name}")
 
     def close(self) -> None:
@@ -161,7 +168,8 @@ class Recorder:
                 f"strategy.run: {self._fn_name} calls optimizer.update twice in one step on a "
                 "strategy with shard_optimizer_state=True; the sharded update runs once per "
                 "step and optimizer. Sum the gradients first (e.g. accumulate them over "
-                "micro-batches) and call optimizer.update once.")
+                "micro-batches) and call optimizer.update once."
+            )
         params = nnx.state(model, optimizer.wrt)
         param_variables = jax.tree.leaves(params, is_leaf=_is_variable)
         missing = [v for v in param_variables if id(v) not in self._index]
@@ -172,14 +180,16 @@ class Recorder:
                 "nnx.fori_loop, nnx.jit, ...) or on a module reached through a closure. With "
                 "shard_optimizer_state=True call optimizer.update directly in the step "
                 "function, on a module passed in args (compute or accumulate the gradients "
-                "inside the transformation, update after it).")
+                "inside the transformation, update after it)."
+            )
         param_pure, param_def = jax.tree.flatten(nnx.as_pure(params))
         grad_leaves, grad_def = jax.tree.flatten(nnx.as_pure(nnx.state(grads, optimizer.wrt)))
         if grad_def != param_def:
             raise errors.InvalidArgumentError(
                 f"strategy.run: {self._fn_name}: optimizer.update got gradients whose structure "
                 f"({grad_def}) is not the parameters' ({param_def}). Pass the gradients of the "
-                "same module, e.g. grads from mirrax.value_and_grad(loss_fn)(model).")
+                "same module, e.g. grads from mirrax.value_and_grad(loss_fn)(model)."
+            )
         outputs, specs = [], []
         for g in grad_leaves:
             scattered = self._gradients.get(id(g))
@@ -192,28 +202,39 @@ class Recorder:
                     f"strategy.run: {self._fn_name} passes optimizer.update gradients that "
                     "differ across replicas (not summed over them), so the replicas would "
                     "update the parameters differently. Take them with mirrax.value_and_grad "
-                    "or nnx.value_and_grad of the replicated model, which sum over replicas.")
+                    "or nnx.value_and_grad of the replicated model, which sum over replicas."
+                )
             outputs.append(g)
             specs.append(P())
         kwargs_leaves, kwargs_def = jax.tree.flatten(nnx.as_pure(kwargs))
-        varying = [k for k, v in kwargs.items() if any(
-            REPLICA_AXIS in _compat.varying_axes(x) for x in jax.tree.leaves(nnx.as_pure(v)))]
+        varying = [
+            k
+            for k, v in kwargs.items()
+            if any(REPLICA_AXIS in _compat.varying_axes(x) for x in jax.tree.leaves(nnx.as_pure(v)))
+        ]
         if varying:
             raise errors.VaryingVariableError(
                 f"strategy.run: {self._fn_name} passes optimizer.update keyword arguments that "
                 f"differ across replicas ({', '.join(varying)}), so the replicas' updates would "
                 "differ. Reduce them first, e.g. value=mirrax.get_replica_context()."
-                "all_reduce('sum', loss).")
-        self.updates.append(Update(
-            optimizer.tx, param_def,
-            tuple(self._index[id(v)] for v in param_variables),
-            jax.tree.structure(nnx.as_pure(optimizer.opt_state)),
-            self._opt_indices(optimizer), tuple(specs), kwargs_def, len(kwargs_leaves)))
+                "all_reduce('sum', loss)."
+            )
+        self.updates.append(
+            Update(
+                optimizer.tx,
+                param_def,
+                tuple(self._index[id(v)] for v in param_variables),
+                jax.tree.structure(nnx.as_pure(optimizer.opt_state)),
+                self._opt_indices(optimizer),
+                tuple(specs),
+                kwargs_def,
+                len(kwargs_leaves),
+            )
+        )
         self._arrays.extend(outputs)
         self._arrays.extend(kwargs_leaves)
         self._done.add(id(optimizer))
-        for variable in param_variables + jax.tree.leaves(optimizer.opt_state,
-                                                          is_leaf=_is_variable):
+        for variable in param_variables + jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable):
             self._recorded_values.append((variable, _compat.raw_value(variable)))
         optimizer.step[...] += 1
         return None
@@ -230,15 +251,15 @@ class Recorder:
                 "applied when the step returns, after such changes, which it would overwrite. "
                 "Make the change before optimizer.update, express it in the optax "
                 "transformation (optax.apply_if_finite, optax.projections), or use "
-                "shard_optimizer_state=False.")
+                "shard_optimizer_state=False."
+            )
 
     def _opt_indices(self, optimizer) -> tuple:
         # A Variable holding an empty pytree (optax.MaskedNode, a parameter outside one of
         # multi_transform's groups) has no array, so no position; the optimizer state's
         # structure (`Update.opt_def`) keeps it.
         variables = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
-        return tuple(self._index[id(v)] for v in variables
-                     if jax.tree.leaves(_compat.raw_value(v)))
+        return tuple(self._index[id(v)] for v in variables if jax.tree.leaves(_compat.raw_value(v)))
 
 
 def check_shardable(optimizer, what: str) -> None:
@@ -248,8 +269,11 @@ def check_shardable(optimizer, what: str) -> None:
     Raises:
       UnsupportedArgumentError: naming the transformation and its state, with the fix.
     """
-    unsplit = {id(x) for v in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
-               for x in _several(jax.tree.leaves(_compat.raw_value(v)))}
+    unsplit = {
+        id(x)
+        for v in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
+        for x in _several(jax.tree.leaves(_compat.raw_value(v)))
+    }
     if unsplit:
         owner = _state_owner(nnx.as_pure(optimizer.opt_state), unsplit)
         raise errors.UnsupportedArgumentError(
@@ -257,7 +281,8 @@ def check_shardable(optimizer, what: str) -> None:
             f"({_transformation_name(optimizer.tx)}{', in its ' + owner if owner else ''}) "
             "holds nested lists or tuples of arrays in one variable, which a sharded "
             "optimizer state cannot follow. Use shard_optimizer_state=False for this "
-            "optimizer.")
+            "optimizer."
+        )
 
 
 def _several(leaves: list) -> list:
@@ -300,10 +325,9 @@ def apply_updates(mesh, updates: list, specs: tuple, state: list, arrays: list) 
     position = 0
     for update in updates:
         count = len(update.grad_specs)
-        grads = jax.tree.unflatten(update.param_def, arrays[position:position + count])
+        grads = jax.tree.unflatten(update.param_def, arrays[position : position + count])
         position += count
-        kwargs = jax.tree.unflatten(update.kwargs_def,
-                                    arrays[position:position + update.kwargs_count])
+        kwargs = jax.tree.unflatten(update.kwargs_def, arrays[position : position + update.kwargs_count])
         position += update.kwargs_count
         params = jax.tree.unflatten(update.param_def, [state[i] for i in update.param_indices])
         opt_state = jax.tree.unflatten(update.opt_def, [state[i] for i in update.opt_indices])
@@ -317,16 +341,17 @@ def apply_updates(mesh, updates: list, specs: tuple, state: list, arrays: list) 
             raise errors.UnsupportedArgumentError(
                 "strategy.run: the optimizer's transformation changed the structure of its "
                 f"state ({len(update.opt_indices)} arrays in, {len(new_leaves)} out), which a "
-                "sharded optimizer state cannot follow. Use shard_optimizer_state=False.")
+                "sharded optimizer state cannot follow. Use shard_optimizer_state=False."
+            )
         for i, value in zip(update.opt_indices, new_leaves):
             spec = specs[i]
             state[i] = jax.lax.with_sharding_constraint(
-                value, NamedSharding(mesh, spec if spec is not None else P()))
+                value, NamedSharding(mesh, spec if spec is not None else P())
+            )
     return state
 
 
-def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=None,
-                      sum_whole=None) -> list:
+def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=None, sum_whole=None) -> list:
     """Local (varying) gradients summed over the replicas: each array with a dimension the
     replica count divides is reduce-scattered along it and all-gathered for the caller (an
     all-gather XLA drops when only the optimizer reads the gradients: it reads the slice,
@@ -335,6 +360,7 @@ def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=Non
     packed all-reduce of a list of arrays), one reduce-scatter per dtype carries every split
     array (each replica's block of each, side by side) and `sum_whole` the rest: fewer
     collectives where each costs a round trip (Gloo across processes)."""
+
     def wire(x):
         return x if wire_dtype is None else x.astype(wire_dtype)
 
@@ -347,15 +373,14 @@ def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=Non
             pieces[i] = total
         for group in _by_dtype(grads, split):
             # Row r of each (R, size / R) matrix is replica r's block of that array.
-            rows = [jnp.moveaxis(wire(grads[i]), dimensions[i], 0).reshape(replicas, -1)
-                    for i in group]
-            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1).reshape(-1),
-                                        REPLICA_AXIS, scatter_dimension=0, tiled=True)
+            rows = [jnp.moveaxis(wire(grads[i]), dimensions[i], 0).reshape(replicas, -1) for i in group]
+            flat = jax.lax.psum_scatter(
+                jnp.concatenate(rows, axis=1).reshape(-1), REPLICA_AXIS, scatter_dimension=0, tiled=True
+            )
             offset = 0
             for i, row in zip(group, rows):
                 moved = jnp.moveaxis(grads[i], dimensions[i], 0).shape
-                block = flat[offset:offset + row.shape[1]].reshape(
-                    (moved[0] // replicas,) + moved[1:])
+                block = flat[offset : offset + row.shape[1]].reshape((moved[0] // replicas,) + moved[1:])
                 pieces[i] = jnp.moveaxis(block, 0, dimensions[i]).astype(grads[i].dtype)
                 offset += row.shape[1]
     else:
@@ -363,8 +388,8 @@ def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=Non
             pieces[i] = jax.lax.psum(wire(grads[i]), REPLICA_AXIS).astype(grads[i].dtype)
         for i in split:
             pieces[i] = jax.lax.psum_scatter(
-                wire(grads[i]), REPLICA_AXIS, scatter_dimension=dimensions[i],
-                tiled=True).astype(grads[i].dtype)
+                wire(grads[i]), REPLICA_AXIS, scatter_dimension=dimensions[i], tiled=True
+            ).astype(grads[i].dtype)
     out = []
     for g, piece, dimension in zip(grads, pieces, dimensions):
         if dimension is None:

@@ -90,8 +90,9 @@ class SlurmClusterResolver(ClusterResolver):
       ValueError: a SLURM variable is missing or malformed, or the tasks do not fit the nodes.
     """
 
-    def __init__(self, port: int = 8888, rpc_layer: str | None = None,
-                 environ: Mapping[str, str] | None = None):
+    def __init__(
+        self, port: int = 8888, rpc_layer: str | None = None, environ: Mapping[str, str] | None = None
+    ):
         env = os.environ if environ is None else environ
         if not isinstance(env, Mapping):
             raise errors.InvalidArgumentTypeError(
@@ -101,7 +102,8 @@ class SlurmClusterResolver(ClusterResolver):
         check_rpc_layer("SlurmClusterResolver", rpc_layer)
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise errors.InvalidArgumentError(
-                f"SlurmClusterResolver: port must be an int in 1..65535; received {port!r}.")
+                f"SlurmClusterResolver: port must be an int in 1..65535; received {port!r}."
+            )
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS") if not env.get(name)]
         if not nodelist:
@@ -132,12 +134,12 @@ class SlurmClusterResolver(ClusterResolver):
                 f"(tasks per node received: {per_node_spec!r}). Use --ntasks-per-node, or set "
                 "SLURM_TASKS_PER_NODE such as '2(x3)'."
             )
-        addresses = [f"{node}:{port + k}" for node, count in zip(nodes, per_node)
-                     for k in range(count)]
+        addresses = [f"{node}:{port + k}" for node, count in zip(nodes, per_node) for k in range(count)]
         if port + max(per_node) - 1 > 65535:
             raise errors.InvalidArgumentError(
                 f"SlurmClusterResolver: ports {port}..{port + max(per_node) - 1} go past 65535; "
-                "pass a lower port.")
+                "pass a lower port."
+            )
         self._cluster = ClusterSpec({"worker": addresses})
         self.task_type = "worker"
         self.task_id = procid

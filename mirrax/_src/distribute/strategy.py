@@ -79,8 +79,13 @@ class Strategy:
         replica-invariant mode (a power of two).
     """
 
-    def __init__(self, devices, replica_invariant: bool = False, micro_batches: int = 8,
-                 shard_optimizer_state: bool = False):
+    def __init__(
+        self,
+        devices,
+        replica_invariant: bool = False,
+        micro_batches: int = 8,
+        shard_optimizer_state: bool = False,
+    ):
         owner = type(self).__name__
         devices = tuple(devices)
         invariant.check_arguments(owner, replica_invariant, micro_batches)
@@ -117,8 +122,11 @@ class Strategy:
         return self._micro_batches
 
     def __repr__(self) -> str:
-        mode = (f", replica_invariant=True, micro_batches={self._micro_batches}"
-                if self._replica_invariant else "")
+        mode = (
+            f", replica_invariant=True, micro_batches={self._micro_batches}"
+            if self._replica_invariant
+            else ""
+        )
         return (
             f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
             f"devices=[{devices_lib.listing(self._replica_devices.devices, limit=None)}]{mode})"
@@ -233,9 +241,7 @@ class Strategy:
                 f"strategy.reduce: value holds no array to reduce; received {value!r}. Pass "
                 "what strategy.run returned (a PerReplica or Mirrored, or a pytree of them)."
             )
-        return jax.tree.map(
-            lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
-        )
+        return jax.tree.map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
 
     def _reduce_one(self, op: ReduceOp, value, axis):
         if isinstance(value, DistributedValues):
@@ -292,12 +298,8 @@ class Strategy:
         if not any(is_distributed(leaf) for leaf in leaves):
             return (value,)
         count = len(self._replica_devices.local_replica_ids)
-        columns = [
-            leaf.values if is_distributed(leaf) else (leaf,) * count for leaf in leaves
-        ]
-        return tuple(
-            jax.tree.unflatten(treedef, [column[i] for column in columns]) for i in range(count)
-        )
+        columns = [leaf.values if is_distributed(leaf) else (leaf,) * count for leaf in leaves]
+        return tuple(jax.tree.unflatten(treedef, [column[i] for column in columns]) for i in range(count))
 
     # -- input ----------------------------------------------------------------------------------
 
@@ -356,7 +358,8 @@ class Strategy:
                 f"value_fn(value_context); received {type(value_fn).__name__}."
             )
         input_options.check_one_argument(
-            value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext")
+            value_fn, "experimental_distribute_values_from_function: value_fn", "ValueContext"
+        )
         return values_from_function.values_from_function(self, value_fn)
 
 

@@ -120,8 +120,7 @@ class PerReplica(DistributedValues):
         leaves, treedef = jax.tree.flatten(self._value)
         columns = [per_replica(leaf) for leaf in leaves]
         return tuple(
-            jax.tree.unflatten(treedef, [column[i] for column in columns])
-            for i in range(len(replicas))
+            jax.tree.unflatten(treedef, [column[i] for column in columns]) for i in range(len(replicas))
         )
 
 
@@ -331,9 +330,9 @@ def _gather_stacked(strategy, value: PerReplica, x, axis):
     axis = normalize_axis(axis, x.ndim - 1)
     if value._masked(x) and axis == 0:
         rows = x.shape[1]
-        keep = np.concatenate(
-            [r * rows + np.arange(n) for r, n in enumerate(value._lengths)]
-        ).astype(np.int32)
+        keep = np.concatenate([r * rows + np.arange(n) for r, n in enumerate(value._lengths)]).astype(
+            np.int32
+        )
         return _on_every_process(strategy, lambda x: x.reshape((-1,) + x.shape[2:])[keep], x)
     return _on_every_process(strategy, lambda x: jnp.concatenate(list(x), axis), x)
 

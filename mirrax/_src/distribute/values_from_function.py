@@ -27,8 +27,7 @@ def values_from_function(strategy, value_fn) -> PerReplica:
     """
     replica_devices = strategy.extended.replica_devices
     values = [
-        value_fn(ValueContext(r, strategy.num_replicas_in_sync))
-        for r in replica_devices.local_replica_ids
+        value_fn(ValueContext(r, strategy.num_replicas_in_sync)) for r in replica_devices.local_replica_ids
     ]
     stacked, lengths = stack_host_values(values)
     if replica_devices.spans_processes:
@@ -52,10 +51,11 @@ def _agree_value_lengths(strategy, values, stacked, lengths):
       ValueError: some process's values cannot be stacked (trailing shapes differ), which
         a multi-process PerReplica cannot hold.
     """
-    mine = None if stacked is None else [
-        int(jax.tree.leaves(v)[0].shape[0]) if jax.tree.leaves(v)[0].ndim else -1
-        for v in values
-    ]
+    mine = (
+        None
+        if stacked is None
+        else [int(jax.tree.leaves(v)[0].shape[0]) if jax.tree.leaves(v)[0].ndim else -1 for v in values]
+    )
     votes = multihost.exchange(strategy.extended.pipeline_names.values(), mine)
     if any(v is None for v in votes):
         raise errors.InvalidArgumentError(

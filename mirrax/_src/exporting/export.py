@@ -24,8 +24,15 @@ from mirrax import errors
 from mirrax._src import atomic_dirs
 from mirrax._src.exporting import signature
 from mirrax._src.exporting.artifact import (
-    FORMAT, FORMAT_VERSION, METADATA_FILE, PROGRAM_FILE, SINGLE_INPUT_VERSION, WEIGHTS_FILE,
-    checked_export_path, is_complete_artifact, refuse_foreign_directory,
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    PROGRAM_FILE,
+    SINGLE_INPUT_VERSION,
+    WEIGHTS_FILE,
+    checked_export_path,
+    is_complete_artifact,
+    refuse_foreign_directory,
 )
 from mirrax._src.training import input_structure, mixed_precision
 from mirrax._src.training.model import Model
@@ -90,9 +97,12 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
     requested = _checked_platforms(platforms) if platforms is not None else _default_platforms()
     inputs = input_structure.keras_input_count(model_or_fn)
-    several = (f"; a Keras model with {inputs} inputs takes them as ONE list: write "
-               f"input_signature=[[spec_1, ..., spec_{inputs}]] (or a dict keyed by input name)"
-               if positional and inputs and inputs > 1 and len(input_signature) == inputs else "")
+    several = (
+        f"; a Keras model with {inputs} inputs takes them as ONE list: write "
+        f"input_signature=[[spec_1, ..., spec_{inputs}]] (or a dict keyed by input name)"
+        if positional and inputs and inputs > 1 and len(input_signature) == inputs
+        else ""
+    )
     _check_traces(forward, weight_specs, specs, input_signature, positional, several)
     try:
         exported = jax.export.export(jax.jit(forward), platforms=requested)(weight_specs, specs)
@@ -113,7 +123,8 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
         "input_signature": signature.describe(input_signature),
         "positional": positional,
         "output_signature": signature.describe(
-            jax.tree.unflatten(exported.out_tree, list(exported.out_avals))),
+            jax.tree.unflatten(exported.out_tree, list(exported.out_avals))
+        ),
         "num_weights": len(weights),
     }
     path = checked_export_path(path)
@@ -127,18 +138,20 @@ def export(model_or_fn, path, input_signature, *, platforms=None) -> None:
         if os.path.lexists(partial):
             shutil.rmtree(partial)
         os.makedirs(partial)
-        _write_file(os.path.join(partial, WEIGHTS_FILE),
-                    lambda f: np.savez(f, **{f"weights_{i}": w for i, w in enumerate(weights)}))
+        _write_file(
+            os.path.join(partial, WEIGHTS_FILE),
+            lambda f: np.savez(f, **{f"weights_{i}": w for i, w in enumerate(weights)}),
+        )
         _write_file(os.path.join(partial, PROGRAM_FILE), lambda f: f.write(exported.serialize()))
-        _write_file(os.path.join(partial, METADATA_FILE),
-                    lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+        _write_file(
+            os.path.join(partial, METADATA_FILE), lambda f: f.write(json.dumps(metadata, indent=2).encode())
+        )
         os.rename(partial, target)
 
     if jax.process_index() != 0:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_dirs.replace_atomically(path, write, complete=is_complete_artifact,
-                                   collective=False)
+    atomic_dirs.replace_atomically(path, write, complete=is_complete_artifact, collective=False)
 
 
 def _forward_and_weights(model_or_fn, positional: bool):
@@ -164,12 +177,12 @@ def _forward_and_weights(model_or_fn, positional: bool):
     leaves, treedef = jax.tree.flatten(state)
     # PRNG keys cannot go into an .npz; their raw uint32 data can, re-wrapped inside the program.
     key_impls = [jax.random.key_impl(a) if _is_key(a) else None for a in leaves]
-    weights = [_host_copy(jax.random.key_data(a) if impl else a)
-               for a, impl in zip(leaves, key_impls)]
+    weights = [_host_copy(jax.random.key_data(a) if impl else a) for a, impl in zip(leaves, key_impls)]
 
     def forward(weights, x):
-        values = [jax.random.wrap_key_data(w, impl=impl) if impl else w
-                  for w, impl in zip(weights, key_impls)]
+        values = [
+            jax.random.wrap_key_data(w, impl=impl) if impl else w for w, impl in zip(weights, key_impls)
+        ]
         module = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
         return _forward(_Positional(module) if positional else module, x, policy)
 
@@ -187,20 +200,25 @@ class _Positional(nnx.Module):
         return self.inner(*args)
 
 
-def _check_traces(forward, weight_specs, specs, input_signature, positional: bool,
-                  several: str = "") -> None:
+def _check_traces(forward, weight_specs, specs, input_signature, positional: bool, several: str = "") -> None:
     """Traces the forward pass once with the signature; a failure is the signature's (`several`:
     how a multi-input Keras model's signature is written, when it was given spread out)."""
     try:
         jax.eval_shape(forward, weight_specs, specs)
     except Exception as error:  # noqa: BLE001 - whatever the model raises, reported the same way
         line = str(error).strip().splitlines()[0][:400] if str(error).strip() else ""
-        takes = (f"{len(input_signature)} positional input(s) (a list signature is one entry "
-                 "per positional argument, as tf.function's; for one input x write [spec] "
-                 f"or spec){several}" if positional else "one input x")
-        hint = ("; the model reads the batch size in Python code, so give the signature a "
-                "fixed batch size" if "symbolic" in line.lower()
-                or "inconclusive" in type(error).__name__.lower() else "")
+        takes = (
+            f"{len(input_signature)} positional input(s) (a list signature is one entry "
+            "per positional argument, as tf.function's; for one input x write [spec] "
+            f"or spec){several}"
+            if positional
+            else "one input x"
+        )
+        hint = (
+            "; the model reads the batch size in Python code, so give the signature a fixed batch size"
+            if "symbolic" in line.lower() or "inconclusive" in type(error).__name__.lower()
+            else ""
+        )
         raise errors.IncompatibleInputError(
             f"export: the forward pass fails for input_signature {signature.text(specs)} "
             f"({takes}): {type(error).__name__}: {line}{_origin(error)}{hint}. Give the "
@@ -215,8 +233,9 @@ _MIRRAX_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 def _origin(error) -> str:
-    """" (at file:line)": the innermost frame of the user's code that `error` passed through
+    """ " (at file:line)": the innermost frame of the user's code that `error` passed through
     (outside jax, flax and mirrax), else the innermost outside jax; "" if none."""
+
     def package_dir(module):
         return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 

@@ -20,7 +20,12 @@ from mirrax import errors
 from mirrax._src import atomic_dirs
 from mirrax._src.exporting import signature
 from mirrax._src.exporting.artifact import (
-    FORMAT, FORMAT_VERSION, METADATA_FILE, PROGRAM_FILE, WEIGHTS_FILE, is_complete_artifact,
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    PROGRAM_FILE,
+    WEIGHTS_FILE,
+    is_complete_artifact,
 )
 
 MissingExportError = errors.MissingExportError
@@ -51,7 +56,7 @@ class ExportedModel:
         self.positional = metadata.get("positional") is True
         self.input_signature = jax.tree.unflatten(
             exported.in_tree.children()[0].children()[1],
-            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[len(weights):]],
+            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals[len(weights) :]],
         )
 
     def __call__(self, *inputs):
@@ -106,8 +111,10 @@ class ExportedModel:
         specs = jax.tree.leaves(expected)
         where = [""] * len(specs)
         if not isinstance(expected, jax.ShapeDtypeStruct):
-            where = [signature.where(path, self.positional)
-                     for path, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+            where = [
+                signature.where(path, self.positional)
+                for path, _ in jax.tree_util.tree_flatten_with_path(expected)[0]
+            ]
         arrays, batch_sizes = [], set()
         for spec, value, at in zip(specs, values, where):
             value = self._array(value, spec, at, want)
@@ -169,9 +176,11 @@ class ExportedModel:
         )
 
     def __repr__(self):
-        return (f"ExportedModel({self.path!r}, input_signature="
-                f"{signature.text(self.input_signature)}, positional={self.positional}, "
-                f"platforms={self.platforms})")
+        return (
+            f"ExportedModel({self.path!r}, input_signature="
+            f"{signature.text(self.input_signature)}, positional={self.positional}, "
+            f"platforms={self.platforms})"
+        )
 
 
 def load_exported(path) -> ExportedModel:
@@ -201,8 +210,11 @@ def load_exported(path) -> ExportedModel:
             f"load_exported: no directory at {path}; write one with "
             "mirrax.export(model, path, input_signature)."
         ) from None
-    missing = [name for name in (PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE)
-               if not os.path.isfile(os.path.join(path, name))]
+    missing = [
+        name
+        for name in (PROGRAM_FILE, WEIGHTS_FILE, METADATA_FILE)
+        if not os.path.isfile(os.path.join(path, name))
+    ]
     if missing:
         found = sorted(os.listdir(path))
         raise MissingExportError(
@@ -226,8 +238,7 @@ def load_exported(path) -> ExportedModel:
             f"artifact's metadata object. {fix}"
         )
     version = metadata.get("format_version", 0)
-    if (metadata.get("format") != FORMAT or not isinstance(version, int)
-            or version > FORMAT_VERSION):
+    if metadata.get("format") != FORMAT or not isinstance(version, int) or version > FORMAT_VERSION:
         raise InvalidExportError(
             f"load_exported: {path} holds format {metadata.get('format')!r} version "
             f"{metadata.get('format_version')!r}; this mirrax reads {FORMAT!r} up to version "
@@ -258,8 +269,8 @@ def load_exported(path) -> ExportedModel:
             f"arrays (damaged or truncated: {type(e).__name__}: {str(e)[:200]}). {fix}"
         ) from None
     if len(exported.in_avals) < num_weights or any(
-            tuple(a.shape) != w.shape or np.dtype(a.dtype) != w.dtype
-            for a, w in zip(exported.in_avals, weights)):
+        tuple(a.shape) != w.shape or np.dtype(a.dtype) != w.dtype for a, w in zip(exported.in_avals, weights)
+    ):
         raise InvalidExportError(
             f"load_exported: the weights in {weights_path} do not fit the program in "
             f"{program_path} (files from different exports?). {fix}"

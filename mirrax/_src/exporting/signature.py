@@ -71,12 +71,14 @@ def describe(specs) -> Any:
 def text(specs) -> str:
     """The signature as error messages show it, e.g. "float32[None, 8]" (None: any batch size)."""
     leaf_text = lambda s: f"{s.dtype}{list(dims(s))}"  # noqa: E731
-    return leaf_text(specs) if isinstance(specs, jax.ShapeDtypeStruct) else str(
-        jax.tree.map(leaf_text, specs))
+    return (
+        leaf_text(specs) if isinstance(specs, jax.ShapeDtypeStruct) else str(jax.tree.map(leaf_text, specs))
+    )
 
 
 def received_text(x) -> str:
     """What a call received, e.g. "[float32[4, 8]]" for a list holding one array."""
+
     def text(leaf):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             return f"{str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)}"
@@ -89,7 +91,7 @@ def received_text(x) -> str:
 
 
 def where(path, positional: bool) -> str:
-    """" at positional input 1['a']" / " at ['a']": where a leaf sits in the inputs."""
+    """ " at positional input 1['a']" / " at ['a']": where a leaf sits in the inputs."""
     if positional:
         rest = jax.tree_util.keystr(tuple(path[1:]))
         return f" at positional input {path[0].idx}{rest}"

@@ -51,8 +51,7 @@ class Queue:
             self.running += 1
             return self.waiting.popleft()
 
-    def finish(self, closure: Closure, error: BaseException | None = None,
-               give_back: bool = False) -> None:
+    def finish(self, closure: Closure, error: BaseException | None = None, give_back: bool = False) -> None:
         with self.cond:
             self.running -= 1
             if give_back:
@@ -70,9 +69,13 @@ class Queue:
 
     def _cancel(self, reason: BaseException | None = None) -> None:
         while self.waiting:
-            self.waiting.popleft().value._fail(reason or errors.CancelledFunctionError(
-                "This scheduled function was cancelled before it ran because an earlier one "
-                "failed (the error join() raised). Schedule it again."))
+            self.waiting.popleft().value._fail(
+                reason
+                or errors.CancelledFunctionError(
+                    "This scheduled function was cancelled before it ran because an earlier one "
+                    "failed (the error join() raised). Schedule it again."
+                )
+            )
 
     def stop(self, error: BaseException) -> int:
         """Stops the dispatchers; fails the waiting functions with `error`; returns how many

@@ -52,7 +52,8 @@ def import_ray():
     except ImportError:
         raise errors.MissingDependencyError(
             "ParameterServerStrategy runs on Ray, which is not installed. Install it with "
-            "`pip install 'mirrax[ray]'` (or `pip install ray`).") from None
+            "`pip install 'mirrax[ray]'` (or `pip install ray`)."
+        ) from None
     return ray
 
 
@@ -70,10 +71,10 @@ def call_servers(servers: list, method: str, per_server_args: list, timeout_s: f
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise actors.LostParameterServer(
-            f"a parameter server did not answer a {method} within {timeout_s:.0f} s") from None
+            f"a parameter server did not answer a {method} within {timeout_s:.0f} s"
+        ) from None
     except ray.exceptions.RayActorError as e:
-        raise actors.LostParameterServer(
-            f"a parameter server died during a {method}: {e}") from None
+        raise actors.LostParameterServer(f"a parameter server died during a {method}: {e}") from None
 
 
 class _TokenNotice(logging.Filter):
@@ -94,8 +95,7 @@ def _without_token_notice():
 
 def _count(owner: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be an int >= {low}; received {value!r}.")
+        raise errors.InvalidArgumentError(f"{owner}: {name} must be an int >= {low}; received {value!r}.")
     return value
 
 
@@ -123,33 +123,49 @@ class RayClusterResolver:
     task_type = "chief"
     task_id = 0
 
-    def __init__(self, num_workers: int, num_ps: int, address: str | None = None, *,
-                 num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
-                 worker_env: dict | None = None, runtime_env: dict | None = None):
+    def __init__(
+        self,
+        num_workers: int,
+        num_ps: int,
+        address: str | None = None,
+        *,
+        num_cpus_per_worker: float = 1,
+        num_gpus_per_worker: float = 0,
+        worker_env: dict | None = None,
+        runtime_env: dict | None = None,
+    ):
         self.num_workers = _count("RayClusterResolver", "num_workers", num_workers, 1)
         self.num_ps = _count("RayClusterResolver", "num_ps", num_ps, 1)
         if address is not None and not isinstance(address, str):
             raise errors.InvalidArgumentTypeError(
-                f"RayClusterResolver: address must be None, 'auto' or 'host:port'; received "
-                f"{address!r}.")
-        for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
-                            ("num_gpus_per_worker", num_gpus_per_worker)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0):
+                f"RayClusterResolver: address must be None, 'auto' or 'host:port'; received {address!r}."
+            )
+        for name, value in (
+            ("num_cpus_per_worker", num_cpus_per_worker),
+            ("num_gpus_per_worker", num_gpus_per_worker),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise errors.InvalidArgumentError(
-                    f"RayClusterResolver: {name} must be a finite number >= 0; received "
-                    f"{value!r}.")
+                    f"RayClusterResolver: {name} must be a finite number >= 0; received {value!r}."
+                )
         for name, value in (("worker_env", worker_env), ("runtime_env", runtime_env)):
             if value is not None and not isinstance(value, dict):
                 raise errors.InvalidArgumentTypeError(
-                    f"RayClusterResolver: {name} must be a dict or None; received "
-                    f"{type(value).__name__}.")
-        bad = {k: v for k, v in (worker_env or {}).items()
-               if not isinstance(k, str) or not isinstance(v, str)}
+                    f"RayClusterResolver: {name} must be a dict or None; received {type(value).__name__}."
+                )
+        bad = {
+            k: v for k, v in (worker_env or {}).items() if not isinstance(k, str) or not isinstance(v, str)
+        }
         if bad:
             raise errors.InvalidArgumentTypeError(
                 f"RayClusterResolver: worker_env maps variable names to strings; received "
-                f"{bad!r}. Write the values as strings, e.g. {{'XLA_FLAGS': '...'}}.")
+                f"{bad!r}. Write the values as strings, e.g. {{'XLA_FLAGS': '...'}}."
+            )
         self.address = address
         self.num_cpus_per_worker = num_cpus_per_worker
         self.num_gpus_per_worker = num_gpus_per_worker
@@ -168,12 +184,14 @@ class RayClusterResolver:
         if not ray.is_initialized():
             with warnings.catch_warnings(), _without_token_notice():
                 # JAX warns at every fork; Ray forks only to exec its own programs at once.
-                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
-                                        category=RuntimeWarning)
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
                 if self.address is None:
                     needed = self.num_workers * max(1, self.num_cpus_per_worker) + self.num_ps
-                    ray.init(num_cpus=max(int(needed), os.cpu_count() or 1),
-                             include_dashboard=False, configure_logging=False)
+                    ray.init(
+                        num_cpus=max(int(needed), os.cpu_count() or 1),
+                        include_dashboard=False,
+                        configure_logging=False,
+                    )
                     self._started_here = True
                 else:
                     ray.init(address=self.address, include_dashboard=False)
@@ -188,8 +206,10 @@ class RayClusterResolver:
             self._started_here = False
 
     def __repr__(self) -> str:
-        return (f"RayClusterResolver(num_workers={self.num_workers}, num_ps={self.num_ps}, "
-                f"address={self.address!r})")
+        return (
+            f"RayClusterResolver(num_workers={self.num_workers}, num_ps={self.num_ps}, "
+            f"address={self.address!r})"
+        )
 
 
 class _TaskSpec:
@@ -208,14 +228,17 @@ def _from_tf_cluster(resolver: ClusterResolver) -> tuple[RayClusterResolver, lis
                 f"ParameterServerStrategy: the cluster {cluster.as_dict()} has no {job!r} tasks. "
                 "A parameter-server cluster needs 'ps' and 'worker' jobs (and optionally a "
                 "'chief', the coordinator: this process), e.g. TF_CONFIG={\"cluster\": "
-                "{\"chief\": [\"host0:2222\"], \"worker\": [\"host1:2222\"], \"ps\": "
-                "[\"host2:2222\"]}, \"task\": {\"type\": \"chief\", \"index\": 0}}.")
-    hosts = {job: [cluster.task_address(job, i).rsplit(":", 1)[0]
-                   for i in cluster.task_indices(job)] for job in ("worker", "ps")}
-    ray_resolver = RayClusterResolver(len(hosts["worker"]), len(hosts["ps"]),
-                                      address=os.environ.get("RAY_ADDRESS") or None)
-    return (ray_resolver, [_TaskSpec(h) for h in hosts["worker"]],
-            [_TaskSpec(h) for h in hosts["ps"]])
+                '{"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": '
+                '["host2:2222"]}, "task": {"type": "chief", "index": 0}}.'
+            )
+    hosts = {
+        job: [cluster.task_address(job, i).rsplit(":", 1)[0] for i in cluster.task_indices(job)]
+        for job in ("worker", "ps")
+    }
+    ray_resolver = RayClusterResolver(
+        len(hosts["worker"]), len(hosts["ps"]), address=os.environ.get("RAY_ADDRESS") or None
+    )
+    return (ray_resolver, [_TaskSpec(h) for h in hosts["worker"]], [_TaskSpec(h) for h in hosts["ps"]])
 
 
 def _placement(ray, host: str | None):
@@ -226,18 +249,21 @@ def _placement(ray, host: str | None):
         ip = socket.gethostbyname(host)
     except OSError:
         raise errors.InvalidArgumentError(
-            f"ParameterServerStrategy: cannot resolve the task host {host!r}.") from None
+            f"ParameterServerStrategy: cannot resolve the task host {host!r}."
+        ) from None
     if ip.startswith("127.") or ip == ray.util.get_node_ip_address():
         return {}
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     for node in nodes:
         if node.get("NodeManagerAddress") == ip:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
     raise errors.InvalidArgumentError(
         f"ParameterServerStrategy: the task host {host!r} ({ip}) is not a node of the Ray "
         f"cluster, whose nodes are {[n.get('NodeManagerAddress') for n in nodes]}. Start a "
-        "Ray node there (`ray start --address=...`) or fix the cluster's addresses.")
+        "Ray node there (`ray start --address=...`) or fix the cluster's addresses."
+    )
 
 
 def _process_exists(pid) -> bool:
@@ -265,27 +291,33 @@ class Cluster:
             raise errors.InvalidArgumentTypeError(
                 "ParameterServerStrategy: cluster_resolver must be a mirrax.RayClusterResolver "
                 "or a TF-style resolver with 'ps' and 'worker' jobs (TFConfigClusterResolver, "
-                f"SimpleClusterResolver); received {type(resolver).__name__}.")
+                f"SimpleClusterResolver); received {type(resolver).__name__}."
+            )
         ray = self.resolver.connect()
         self._check_free_cpus(ray, len(worker_specs), len(ps_specs))
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         runtime_env = dict(self.resolver.runtime_env)
         runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
-        worker_env = dict(runtime_env, env_vars={**runtime_env["env_vars"],
-                                                  **self.resolver.worker_env})
+        worker_env = dict(runtime_env, env_vars={**runtime_env["env_vars"], **self.resolver.worker_env})
         server_cls = ray.remote(actors.ParameterServer)
         self.parameter_servers = [
-            server_cls.options(max_restarts=0, num_cpus=1, runtime_env=runtime_env,
-                               **_placement(ray, spec.host)).remote(i)
-            for i, spec in enumerate(ps_specs)]
+            server_cls.options(
+                max_restarts=0, num_cpus=1, runtime_env=runtime_env, **_placement(ray, spec.host)
+            ).remote(i)
+            for i, spec in enumerate(ps_specs)
+        ]
         worker_cls = ray.remote(actors.Worker)
         self.workers = [
-            worker_cls.options(max_restarts=-1, max_task_retries=0,
-                               num_cpus=self.resolver.num_cpus_per_worker,
-                               num_gpus=self.resolver.num_gpus_per_worker,
-                               runtime_env=worker_env, **_placement(ray, spec.host)
-                               ).remote(i, len(worker_specs))
-            for i, spec in enumerate(worker_specs)]
+            worker_cls.options(
+                max_restarts=-1,
+                max_task_retries=0,
+                num_cpus=self.resolver.num_cpus_per_worker,
+                num_gpus=self.resolver.num_gpus_per_worker,
+                runtime_env=worker_env,
+                **_placement(ray, spec.host),
+            ).remote(i, len(worker_specs))
+            for i, spec in enumerate(worker_specs)
+        ]
         self._stopped = False
         # What stop() calls before killing the actors (to stop the threads that use them) and
         # after (to wait for those threads): the strategy's and the coordinator's.
@@ -315,13 +347,13 @@ class Cluster:
                 f"strategy needs {needed:g} (num_cpus_per_worker={self.resolver.num_cpus_per_worker:g}"
                 f" for each of {workers} workers, 1 for each of {servers} parameter servers). "
                 "Shut down the strategies you no longer use (strategy.shutdown()), or start Ray "
-                "with more CPUs (ray.init(num_cpus=...)) before making the strategy.")
+                "with more CPUs (ray.init(num_cpus=...)) before making the strategy."
+            )
 
     @staticmethod
     def _wait(kind: str, handles: list, servers: list | None = None) -> list:
         ray = import_ray()
-        refs = [h.ping.remote() if servers is None else h.attach.remote(servers)
-                for h in handles]
+        refs = [h.ping.remote() if servers is None else h.attach.remote(servers) for h in handles]
         deadline = time.monotonic() + START_TIMEOUT_S
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
         if len(ready) < len(refs):
@@ -329,7 +361,8 @@ class Cluster:
             raise errors.UnresponsivePeerError(
                 f"ParameterServerStrategy: {kind} task(s) {late} did not start within "
                 f"{START_TIMEOUT_S:.0f} s. Check the Ray cluster's resources (`ray status`) and "
-                "the tasks' logs (/tmp/ray/session_latest/logs).")
+                "the tasks' logs (/tmp/ray/session_latest/logs)."
+            )
         answers, failed = [], None
         for ref in refs:  # each one read (an error no one reads, Ray prints again)
             try:
@@ -338,7 +371,8 @@ class Cluster:
                 failed = failed or e
         if failed is not None:
             raise errors.UnresponsivePeerError(
-                f"ParameterServerStrategy: a {kind} task failed to start: {failed}")
+                f"ParameterServerStrategy: a {kind} task failed to start: {failed}"
+            )
         return answers
 
     @property
@@ -351,8 +385,7 @@ class Cluster:
         an actor whose process is gone (a parameter server that died, a worker Ray is
         restarting) holds none, or its release would be waited for twice."""
         workers = sum(map(_process_exists, self.worker_pids))
-        held = {"CPU": workers * self.resolver.num_cpus_per_worker
-                + sum(map(_process_exists, self.ps_pids))}
+        held = {"CPU": workers * self.resolver.num_cpus_per_worker + sum(map(_process_exists, self.ps_pids))}
         if self.resolver.num_gpus_per_worker:
             held["GPU"] = workers * self.resolver.num_gpus_per_worker
         return held
@@ -387,8 +420,10 @@ class Cluster:
 
     def _wait_released(self, ray, held: dict, free_before: dict) -> None:
         total = ray.cluster_resources()
-        wanted = {name: min(total.get(name, 0.0), free_before.get(name, 0.0) + amount)
-                  for name, amount in held.items()}
+        wanted = {
+            name: min(total.get(name, 0.0), free_before.get(name, 0.0) + amount)
+            for name, amount in held.items()
+        }
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
         while True:
             free = ray.available_resources()  # a resource none of is free is left out
@@ -397,13 +432,17 @@ class Cluster:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        running = [f"{kind} {i} (pid {pid})" for kind, pids in (
-            ("worker", self.worker_pids), ("parameter server", self.ps_pids))
-            for i, pid in enumerate(pids) if _process_exists(pid)]
+        running = [
+            f"{kind} {i} (pid {pid})"
+            for kind, pids in (("worker", self.worker_pids), ("parameter server", self.ps_pids))
+            for i, pid in enumerate(pids)
+            if _process_exists(pid)
+        ]
         raise errors.UnresponsivePeerError(
             f"ParameterServerStrategy.shutdown: Ray has not freed the resources of the killed "
             f"actors within {RELEASE_TIMEOUT_S:.0f} s: free now "
             f"{ {name: free.get(name, 0.0) for name in wanted} }, expected {wanted} (this "
             f"strategy held {held}); still running: "
             f"{', '.join(running) if running else 'none of its processes'}. Another program "
-            "may be using the cluster: check `ray status` before making a new strategy.")
+            "may be using the cluster: check `ray status` before making a new strategy."
+        )

@@ -72,7 +72,8 @@ class ClusterCoordinator:
             raise errors.InvalidArgumentTypeError(
                 "ClusterCoordinator: strategy must be a mirrax.ParameterServerStrategy; "
                 f"received {type(strategy).__name__}. MirroredStrategy and "
-                "MultiWorkerMirroredStrategy run their steps with strategy.run directly.")
+                "MultiWorkerMirroredStrategy run their steps with strategy.run directly."
+            )
         existing = strategy.extended.coordinator
         if existing is not None:
             return existing
@@ -98,11 +99,13 @@ class ClusterCoordinator:
         self._lost_workers: set = set()
         self._register_lock = threading.Lock()
         self.update_staleness: list = []
-        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True,
-                                          name=f"mirrax-worker-{w}")
-                         for w in range(len(self._cluster.workers))]
-        self._threads.append(threading.Thread(target=self._watch_servers, daemon=True,
-                                              name="mirrax-ps-health"))
+        self._threads = [
+            threading.Thread(target=self._serve, args=(w,), daemon=True, name=f"mirrax-worker-{w}")
+            for w in range(len(self._cluster.workers))
+        ]
+        self._threads.append(
+            threading.Thread(target=self._watch_servers, daemon=True, name="mirrax-ps-health")
+        )
         for thread in self._threads:
             thread.start()
         self._cluster.before_stop.append(self._stop_threads)
@@ -131,15 +134,18 @@ class ClusterCoordinator:
             self._queue.raise_if_error()
         if not callable(fn):
             raise errors.InvalidArgumentTypeError(
-                f"ClusterCoordinator.schedule: fn must be callable; received {type(fn).__name__}.")
+                f"ClusterCoordinator.schedule: fn must be callable; received {type(fn).__name__}."
+            )
         if not isinstance(args, (tuple, list)):
             raise errors.InvalidArgumentTypeError(
                 "ClusterCoordinator.schedule: args must be a tuple or list; received "
-                f"{type(args).__name__}. Write args=(x,) for one argument.")
+                f"{type(args).__name__}. Write args=(x,) for one argument."
+            )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise errors.InvalidArgumentTypeError(
                 "ClusterCoordinator.schedule: kwargs must be a dict or None; received "
-                f"{type(kwargs).__name__}.")
+                f"{type(kwargs).__name__}."
+            )
         payload = self._pickle(fn, tuple(args), dict(kwargs or {}))
         value = RemoteValue()
         self._queue.put(Closure(payload, value))
@@ -213,8 +219,11 @@ class ClusterCoordinator:
     def _drain(self) -> None:
         """Waits until no function runs (new objects change the parameter servers' layout)."""
         with self._queue.cond:
-            while (self._queue.waiting or self._queue.running) and self._queue.fatal is None \
-                    and self._queue.error is None:
+            while (
+                (self._queue.waiting or self._queue.running)
+                and self._queue.fatal is None
+                and self._queue.error is None
+            ):
                 self._queue.cond.wait(0.5)
             if self._queue.fatal is not None:
                 raise self._queue.fatal
@@ -233,8 +242,11 @@ class ClusterCoordinator:
           LostWorkersError: every worker is gone.
         """
         with self._queue.cond:
-            while (self._queue.waiting or self._queue.running) and self._queue.fatal is None \
-                    and self._queue.error is None:
+            while (
+                (self._queue.waiting or self._queue.running)
+                and self._queue.fatal is None
+                and self._queue.error is None
+            ):
                 self._queue.cond.wait(0.5)
             self._queue.raise_if_error()
         self._store.refresh()
@@ -252,8 +264,11 @@ class ClusterCoordinator:
     def fetch(self, values):
         """`RemoteValue.fetch()` of every RemoteValue in the structure `values` (other leaves
         as they are), as `ClusterCoordinator.fetch`."""
-        return jax.tree.map(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, values,
-                            is_leaf=lambda v: isinstance(v, RemoteValue))
+        return jax.tree.map(
+            lambda v: v.fetch() if isinstance(v, RemoteValue) else v,
+            values,
+            is_leaf=lambda v: isinstance(v, RemoteValue),
+        )
 
     # -- datasets --------------------------------------------------------------------------
 
@@ -280,7 +295,8 @@ class ClusterCoordinator:
             raise errors.InvalidArgumentTypeError(
                 "create_per_worker_dataset: dataset_fn must be a function that builds the "
                 f"dataset on a worker; received {type(dataset_fn).__name__}. Wrap a dataset as "
-                "`lambda: dataset`.")
+                "`lambda: dataset`."
+            )
         with self._queue.cond:
             self._queue.raise_if_error()
 
@@ -297,7 +313,8 @@ class ClusterCoordinator:
         except Exception as e:  # noqa: BLE001
             raise errors.InvalidArgumentTypeError(
                 f"create_per_worker_dataset: dataset_fn cannot be sent to the workers "
-                f"({type(e).__name__}: {e}). Build the dataset inside the function.") from None
+                f"({type(e).__name__}: {e}). Build the dataset inside the function."
+            ) from None
         dataset_id = next(self._dataset_ids)
         ray = import_ray()
         # Registered first: a worker that is restarting now gets it when it is back.
@@ -344,7 +361,8 @@ class ClusterCoordinator:
                         f"A scheduled function was given up: the workers running it died "
                         f"{closure.deaths} times, so the function itself most likely "
                         "kills its process (out of memory, a crash in native code, os._exit). "
-                        "Check the workers' logs (/tmp/ray/session_latest/logs).")
+                        "Check the workers' logs (/tmp/ray/session_latest/logs)."
+                    )
                     closure.value._fail(error)
                     self._queue.finish(closure, error)
                 if not self._recover(w):
@@ -366,13 +384,13 @@ class ClusterCoordinator:
     def _payload(self, w: int, closure: Closure) -> dict:
         """What worker `w` gets: the function, and what it has not seen yet (the held
         objects' structure after a change, the constants)."""
-        payload = {"version": self._store.version, "closure": closure.payload,
-                   "structure": None}
+        payload = {"version": self._store.version, "closure": closure.payload, "structure": None}
         if self._sent_version[w] != self._store.version:
             payload["structure"] = self._store.structure()
         with self._constants_lock:
-            payload["constants"] = {key: data for key, (_, data) in self._constants.items()
-                                    if key not in self._sent_constants[w]}
+            payload["constants"] = {
+                key: data for key, (_, data) in self._constants.items() if key not in self._sent_constants[w]
+            }
         return payload
 
     def _settle(self, closure: Closure, answer: tuple) -> None:
@@ -383,7 +401,8 @@ class ClusterCoordinator:
             except Exception as e:  # noqa: BLE001 - the function ran; its result is unreadable
                 error = errors.InvalidArgumentTypeError(
                     "A scheduled function's result could not be unpickled on the coordinator "
-                    f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them.")
+                    f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them."
+                )
                 closure.value._fail(error)
                 self._queue.finish(closure, error)
                 return
@@ -416,8 +435,7 @@ class ClusterCoordinator:
         else:
             return False if self._queue.stopped else self._give_up(w)
         try:
-            ray.get([worker.create_dataset.remote(i, data)
-                     for i, data in list(self._datasets.items())])
+            ray.get([worker.create_dataset.remote(i, data) for i, data in list(self._datasets.items())])
         except ray.exceptions.RayError:
             return self._recover(w) if time.monotonic() < deadline else self._give_up(w)
         self._sent_version[w] = None
@@ -427,10 +445,13 @@ class ClusterCoordinator:
     def _give_up(self, w: int) -> bool:
         self._lost_workers.add(w)
         if len(self._lost_workers) == len(self._cluster.workers):
-            self._queue.fail_all(errors.LostWorkersError(
-                f"Every worker of the ParameterServerStrategy is gone: none came back within "
-                f"{WORKER_RESTART_TIMEOUT_S:.0f} s of dying. Check the Ray cluster "
-                "(`ray status`), then make a new strategy and restore the last checkpoint."))
+            self._queue.fail_all(
+                errors.LostWorkersError(
+                    f"Every worker of the ParameterServerStrategy is gone: none came back within "
+                    f"{WORKER_RESTART_TIMEOUT_S:.0f} s of dying. Check the Ray cluster "
+                    "(`ray status`), then make a new strategy and restore the last checkpoint."
+                )
+            )
         return False
 
     def _watch_servers(self) -> None:
@@ -445,14 +466,19 @@ class ClusterCoordinator:
             time.sleep(HEALTH_CHECK_PERIOD_S)
 
     def _stop_threads(self) -> None:
-        pending = self._queue.stop(errors.UnsupportedArgumentError(
-            "The ParameterServerStrategy was shut down (strategy.shutdown(), or the program "
-            "exited); make a new strategy and coordinator to schedule again."))
+        pending = self._queue.stop(
+            errors.UnsupportedArgumentError(
+                "The ParameterServerStrategy was shut down (strategy.shutdown(), or the program "
+                "exited); make a new strategy and coordinator to schedule again."
+            )
+        )
         if pending:
             warnings.warn(
                 f"ParameterServerStrategy shut down with {pending} scheduled function(s) not "
                 "finished; they were dropped. Call coordinator.join() first to finish them.",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _join_threads(self) -> None:
         for thread in self._threads:
@@ -472,4 +498,5 @@ def _check_mine(coordinator, owner, what: str) -> None:
     if owner is not coordinator:
         raise errors.MixedStrategyError(
             f"ClusterCoordinator.schedule: {what} of another coordinator was passed; create "
-            "it with this coordinator's create_per_worker_dataset.")
+            "it with this coordinator's create_per_worker_dataset."
+        )

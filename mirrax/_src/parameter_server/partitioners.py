@@ -23,8 +23,8 @@ def _positive(owner: str, name: str, value, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be a positive int{' or None' if optional else ''}; received "
-            f"{value!r}.")
+            f"{owner}: {name} must be a positive int{' or None' if optional else ''}; received {value!r}."
+        )
 
 
 def _element_bytes(dtype, bytes_per_string: int) -> int:
@@ -36,7 +36,8 @@ def _check_axis(owner: str, shape: tuple, axis: int) -> None:
     if not 0 <= axis < len(shape):
         raise errors.InvalidArgumentError(
             f"{owner}: cannot partition a variable of shape {shape} along axis {axis}; the "
-            f"axis must be in [0, {len(shape)}).")
+            f"axis must be in [0, {len(shape)})."
+        )
 
 
 class Partitioner:
@@ -94,10 +95,12 @@ class MinSizePartitioner(Partitioner):
       ValueError: an argument is not a positive int.
     """
 
-    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1,
-                 bytes_per_string: int = 16):
-        for name, value in (("min_shard_bytes", min_shard_bytes), ("max_shards", max_shards),
-                            ("bytes_per_string", bytes_per_string)):
+    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16):
+        for name, value in (
+            ("min_shard_bytes", min_shard_bytes),
+            ("max_shards", max_shards),
+            ("bytes_per_string", bytes_per_string),
+        ):
             _positive("MinSizePartitioner", name, value)
         self._min_shard_bytes = min_shard_bytes
         self._max_shards = max_shards
@@ -108,13 +111,13 @@ class MinSizePartitioner(Partitioner):
         _check_axis("MinSizePartitioner", shape, axis)
         total = math.prod(shape) * _element_bytes(dtype, self._bytes_per_string)
         partitions = [1] * len(shape)
-        partitions[axis] = max(1, min(shape[axis], self._max_shards,
-                                      math.ceil(total / self._min_shard_bytes)))
+        partitions[axis] = max(
+            1, min(shape[axis], self._max_shards, math.ceil(total / self._min_shard_bytes))
+        )
         return partitions
 
     def __repr__(self) -> str:
-        return (f"MinSizePartitioner(min_shard_bytes={self._min_shard_bytes}, "
-                f"max_shards={self._max_shards})")
+        return f"MinSizePartitioner(min_shard_bytes={self._min_shard_bytes}, max_shards={self._max_shards})"
 
 
 class MaxSizePartitioner(Partitioner):
@@ -134,8 +137,7 @@ class MaxSizePartitioner(Partitioner):
       ValueError: an argument is not a positive int (or None for `max_shards`).
     """
 
-    def __init__(self, max_shard_bytes: int, max_shards: int | None = None,
-                 bytes_per_string: int = 16):
+    def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16):
         _positive("MaxSizePartitioner", "max_shard_bytes", max_shard_bytes)
         _positive("MaxSizePartitioner", "max_shards", max_shards, optional=True)
         _positive("MaxSizePartitioner", "bytes_per_string", bytes_per_string)
@@ -158,8 +160,7 @@ class MaxSizePartitioner(Partitioner):
         return partitions
 
     def __repr__(self) -> str:
-        return (f"MaxSizePartitioner(max_shard_bytes={self._max_shard_bytes}, "
-                f"max_shards={self._max_shards})")
+        return f"MaxSizePartitioner(max_shard_bytes={self._max_shard_bytes}, max_shards={self._max_shards})"
 
 
 def shard_count(partitioner, shape: tuple, dtype, path: str) -> int:
@@ -175,11 +176,15 @@ def shard_count(partitioner, shape: tuple, dtype, path: str) -> int:
     answer = partitioner(tuple(shape), np.dtype(dtype), axis=0)
     if isinstance(answer, (list, tuple)):  # NumPy ints are ints here
         answer = [int(n) if isinstance(n, np.integer) else n for n in answer]
-    if (not isinstance(answer, list) or len(answer) != len(shape)
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in answer)
-            or any(n != 1 for n in answer[1:])):
+    if (
+        not isinstance(answer, list)
+        or len(answer) != len(shape)
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in answer)
+        or any(n != 1 for n in answer[1:])
+    ):
         raise errors.InvalidArgumentError(
             f"ParameterServerStrategy: variable_partitioner {partitioner!r} returned {answer!r} "
             f"for {path} of shape {tuple(shape)}; it must return a list of {len(shape)} positive "
-            "ints, 1 on every axis but axis 0 (variables are cut along their first axis).")
+            "ints, 1 on every axis but axis 0 (variables are cut along their first axis)."
+        )
     return min(answer[0], shape[0])

@@ -77,7 +77,8 @@ class PerWorkerIterator:
     def __next__(self):
         raise errors.UnsupportedArgumentError(
             "A PerWorkerIterator is read on the workers: pass it to coordinator.schedule(fn, "
-            "args=(iterator,)) and call next(iterator) inside fn.")
+            "args=(iterator,)) and call next(iterator) inside fn."
+        )
 
     def __repr__(self) -> str:
         return f"PerWorkerIterator(dataset={self.dataset_id})"

@@ -53,8 +53,10 @@ def dumps(value, token_of=lambda obj: None) -> bytes:
 
 def loads(data: bytes, resolve=None):
     """The value `dumps` wrote, each token replaced by `resolve(token)`."""
+
     def refuse(token):
         raise pickle.UnpicklingError(f"no resolver for the token {token!r}")
+
     return _Unpickler(io.BytesIO(data), resolve or refuse).load()
 
 
@@ -90,8 +92,9 @@ def unpack_error(data: bytes) -> BaseException:
     except Exception:  # noqa: BLE001 - e.g. an exception class whose __init__ takes 2 args
         error = None
     if not isinstance(error, BaseException):
-        error = RuntimeError(f"{summary} (raised on a worker; the exception could not be "
-                             "sent to the coordinator as it is)")
+        error = RuntimeError(
+            f"{summary} (raised on a worker; the exception could not be sent to the coordinator as it is)"
+        )
     elif not isinstance(error, Exception):
         # SystemExit or KeyboardInterrupt on a worker must not end or interrupt this process.
         error = RuntimeError(f"{summary} (raised on a worker by the scheduled function)")
@@ -104,23 +107,28 @@ def refuse(obj) -> None:
     # In-memory files pickle by value (Keras pickles a model or optimizer into a BytesIO),
     # and a class is pickled by reference (an iterator's class has a `__next__` too).
     if isinstance(obj, (DistributedInput, DistributedIterator, types.GeneratorType)) or (
-            hasattr(obj, "__next__") and not isinstance(obj, (str, bytes, type, io.BytesIO,
-                                                              io.StringIO))):
+        hasattr(obj, "__next__") and not isinstance(obj, (str, bytes, type, io.BytesIO, io.StringIO))
+    ):
         raise errors.InvalidArgumentTypeError(
             f"ClusterCoordinator.schedule: a {type(obj).__name__} (an iterator or dataset of the "
             "coordinator) cannot be read on a worker. Create the dataset on every worker with "
             "coordinator.create_per_worker_dataset(dataset_fn) and pass "
-            "iter(per_worker_dataset) to the scheduled function.")
+            "iter(per_worker_dataset) to the scheduled function."
+        )
     if isinstance(obj, nnx.Variable):
         raise errors.InvalidArgumentTypeError(
             "ClusterCoordinator.schedule: a bare nnx.Variable cannot be held by the parameter "
-            "servers; pass (or capture) the module or optimizer that owns it.")
+            "servers; pass (or capture) the module or optimizer that owns it."
+        )
 
 
 def culprit(fn, args: tuple, kwargs: dict, token_of) -> str:
     """The first of fn, args[i], kwargs[k] that fails to pickle, as text."""
-    named = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + [
-        (f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    named = (
+        [("fn", fn)]
+        + [(f"args[{i}]", a) for i, a in enumerate(args)]
+        + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    )
     for name, value in named:
         try:
             dumps(value, token_of)

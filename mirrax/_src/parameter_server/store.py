@@ -89,7 +89,8 @@ class VariableStore:
                 f"ClusterCoordinator.schedule: this {type(obj).__name__} is held by the "
                 "parameter servers of another ParameterServerStrategy; one object can live on "
                 "one strategy's servers only (their updates would be lost between them). Shut "
-                "the other strategy down first (strategy.shutdown()), or use another object.")
+                "the other strategy down first (strategy.shutdown()), or use another object."
+            )
 
     def detach(self) -> None:
         """Reads the servers' last values into the coordinator's objects (when they still

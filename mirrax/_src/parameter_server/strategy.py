@@ -43,8 +43,9 @@ class ParameterServerExtended(StrategyExtended):
 
     @property
     def parameter_devices(self) -> tuple:
-        return tuple(f"/job:ps/replica:0/task:{i}/device:CPU:0"
-                     for i in range(len(self.cluster.parameter_servers)))
+        return tuple(
+            f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(len(self.cluster.parameter_servers))
+        )
 
     def variable_placement(self) -> dict:
         """{variable path: [(parameter server, rows of its shard), ...]} of the held objects
@@ -56,7 +57,8 @@ class ParameterServerExtended(StrategyExtended):
             f"ParameterServerStrategy: {reason}. The variables it held are lost, so training "
             "cannot continue with this strategy. Make a new strategy and coordinator, restore "
             "the last checkpoint (mirrax.Checkpoint(...).restore(path)) and schedule again; "
-            "docs/parameter_server.md, 'Failures'.")
+            "docs/parameter_server.md, 'Failures'."
+        )
 
 
 class ParameterServerStrategy(Strategy):
@@ -97,10 +99,14 @@ class ParameterServerStrategy(Strategy):
             raise errors.InvalidArgumentTypeError(
                 "ParameterServerStrategy: variable_partitioner must be None or a partitioner "
                 "such as mirrax.partitioners.FixedShardsPartitioner(2); received "
-                f"{type(variable_partitioner).__name__}.")
+                f"{type(variable_partitioner).__name__}."
+            )
         self._cluster = cluster_lib.Cluster(cluster_resolver)
-        self._store = VariableStore(self._cluster.parameter_servers, variable_partitioner,
-                                    lambda reason: self.extended.lost_server(reason))
+        self._store = VariableStore(
+            self._cluster.parameter_servers,
+            variable_partitioner,
+            lambda reason: self.extended.lost_server(reason),
+        )
         self._variable_partitioner = variable_partitioner
         self._cluster.before_stop.append(self._store.detach)
         super().__init__([jax.devices()[0]])
@@ -117,18 +123,22 @@ class ParameterServerStrategy(Strategy):
         return self._cluster.resolver
 
     def __repr__(self) -> str:
-        return (f"ParameterServerStrategy(num_workers={len(self._cluster.workers)}, "
-                f"num_ps={len(self._cluster.parameter_servers)}, "
-                f"variable_partitioner={self._variable_partitioner!r})")
+        return (
+            f"ParameterServerStrategy(num_workers={len(self._cluster.workers)}, "
+            f"num_ps={len(self._cluster.parameter_servers)}, "
+            f"variable_partitioner={self._variable_partitioner!r})"
+        )
 
     def __reduce__(self):
         raise errors.UnsupportedArgumentError(
             "A ParameterServerStrategy cannot be pickled. Inside a function given to "
-            "coordinator.schedule it is replaced by the worker's strategy automatically.")
+            "coordinator.schedule it is replaced by the worker's strategy automatically."
+        )
 
     def _on_coordinator(self, method: str, fix: str):
         raise errors.UnsupportedArgumentError(
-            f"ParameterServerStrategy.{method} runs on the workers, not on the coordinator: {fix}")
+            f"ParameterServerStrategy.{method} runs on the workers, not on the coordinator: {fix}"
+        )
 
     def run(self, fn, args=(), kwargs=None):
         """Raises here: call `strategy.run` inside a function given to `coordinator.schedule`,
@@ -137,8 +147,9 @@ class ParameterServerStrategy(Strategy):
         Raises:
           UnsupportedArgumentError: always, on the coordinator.
         """
-        self._on_coordinator("run", "call it inside a function you pass to "
-                             "mirrax.ClusterCoordinator(strategy).schedule(fn).")
+        self._on_coordinator(
+            "run", "call it inside a function you pass to mirrax.ClusterCoordinator(strategy).schedule(fn)."
+        )
 
     def reduce(self, reduce_op, value, axis: int | None = None):
         """As `Strategy.reduce`, on values of the coordinator; inside a scheduled function
@@ -152,21 +163,28 @@ class ParameterServerStrategy(Strategy):
                 "ParameterServerStrategy.reduce: value holds a RemoteValue, a scheduled "
                 "function's result on its way from a worker. Reduce inside the scheduled "
                 "function (strategy.reduce there is the worker's), or fetch it first: "
-                "coordinator.fetch(value).")
+                "coordinator.fetch(value)."
+            )
         return super().reduce(reduce_op, value, axis)
 
     def experimental_lower(self, fn, args=(), kwargs=None):
-        self._on_coordinator("experimental_lower", "lower the step on a MirroredStrategy of "
-                             "the workers' devices instead.")
+        self._on_coordinator(
+            "experimental_lower", "lower the step on a MirroredStrategy of the workers' devices instead."
+        )
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        self._on_coordinator("experimental_distribute_dataset", "create the dataset on every "
-                             "worker with coordinator.create_per_worker_dataset(dataset_fn).")
+        self._on_coordinator(
+            "experimental_distribute_dataset",
+            "create the dataset on every worker with coordinator.create_per_worker_dataset(dataset_fn).",
+        )
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        self._on_coordinator("distribute_datasets_from_function", "call it inside the "
-                             "dataset_fn given to coordinator.create_per_worker_dataset, or pass "
-                             "that dataset_fn to create_per_worker_dataset directly.")
+        self._on_coordinator(
+            "distribute_datasets_from_function",
+            "call it inside the "
+            "dataset_fn given to coordinator.create_per_worker_dataset, or pass "
+            "that dataset_fn to create_per_worker_dataset directly.",
+        )
 
     def shutdown(self) -> None:
         """Kills the strategy's Ray actors and stops its coordinator's threads (mirrax's own;

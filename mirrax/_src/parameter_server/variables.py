@@ -55,8 +55,9 @@ class Layout:
                 cuts = [(turn % num_ps, None, None)]
                 turn += 1
             else:
-                bounds = np.cumsum([0] + [len(s) for s in np.array_split(
-                    np.empty(host.shape[0], dtype=np.int8), count)])
+                bounds = np.cumsum(
+                    [0] + [len(s) for s in np.array_split(np.empty(host.shape[0], dtype=np.int8), count)]
+                )
                 cuts = []
                 for start, stop in zip(bounds[:-1], bounds[1:]):
                     cuts.append((turn % num_ps, int(start), int(stop)))
@@ -79,14 +80,17 @@ class Layout:
         leaves = []
         for i, cuts in enumerate(self.shards):
             parts = [per_ps[ps][(i, s)] for s, (ps, _, _) in enumerate(cuts)]
-            leaves.append(parts[0] if len(parts) == 1 and cuts[0][1] is None
-                          else np.concatenate(parts, axis=0))
+            leaves.append(
+                parts[0] if len(parts) == 1 and cuts[0][1] is None else np.concatenate(parts, axis=0)
+            )
         return leaves
 
     def device_leaves(self, host_leaves: list) -> list:
         """Host leaves as JAX values, PRNG keys re-wrapped as typed keys."""
-        return [jax.random.wrap_key_data(h, impl=k) if k is not None else h
-                for h, k in zip(host_leaves, self.keys)]
+        return [
+            jax.random.wrap_key_data(h, impl=k) if k is not None else h
+            for h, k in zip(host_leaves, self.keys)
+        ]
 
     def updates(self, pulled: list, new: list) -> list:
         """What a worker pushes, per leaf: ("add", new - pulled) for a numeric leaf,
@@ -108,8 +112,10 @@ class Layout:
 
     def describe(self, paths: list) -> dict:
         """{path: [(parameter server, rows), ...]} for `strategy.extended.variable_placement`."""
-        return {path: [(ps, None if start is None else stop - start) for ps, start, stop in cuts]
-                for path, cuts in zip(paths, self.shards)}
+        return {
+            path: [(ps, None if start is None else stop - start) for ps, start, stop in cuts]
+            for path, cuts in zip(paths, self.shards)
+        }
 
 
 def host_value(leaf) -> np.ndarray:
@@ -193,20 +199,21 @@ class Holdings:
                 f"were {len(self.paths)}, they are {len(leaves)}: a variable or submodule was "
                 "added, removed or replaced). The parameter servers keep the structure of an "
                 "object's first schedule: build the model and optimizer completely before it, "
-                "or make a new strategy for the new model.")
+                "or make a new strategy for the new model."
+            )
         for path, leaf, before in zip(paths, leaves, self.shapes):
             if _shape_of(leaf) != before:
                 raise errors.UnsupportedArgumentError(
                     f"ParameterServerStrategy: {path} is held with shape and dtype {before} but "
                     f"is now {_shape_of(leaf)} on the coordinator. The parameter servers keep "
-                    "each variable's shape: assign values of the same shape and dtype.")
+                    "each variable's shape: assign values of the same shape and dtype."
+                )
         return leaves
 
     def assigned(self, leaves: list) -> list:
         """The host values of `leaves` (the current ones) that the user replaced since the
         last sync, None elsewhere."""
-        return [None if leaf is seen else host_value(leaf)
-                for leaf, seen in zip(leaves, self._seen)]
+        return [None if leaf is seen else host_value(leaf) for leaf, seen in zip(leaves, self._seen)]
 
     def mark_seen(self) -> None:
         self._seen = self.current_leaves()

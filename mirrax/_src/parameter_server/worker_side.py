@@ -36,14 +36,18 @@ class WorkerStrategy(MirroredStrategy):
         self.num_workers = num_workers
 
     def input_context(self) -> InputContext:
-        return InputContext(num_input_pipelines=self.num_workers, input_pipeline_id=self.worker_index,
-                            num_replicas_in_sync=self.num_replicas_in_sync)
+        return InputContext(
+            num_input_pipelines=self.num_workers,
+            input_pipeline_id=self.worker_index,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         if not callable(dataset_fn):
             return super().distribute_datasets_from_function(dataset_fn, options)
         return input_lib.DistributedDatasetsFromFunction(
-            self, dataset_fn, options, input_context=self.input_context())
+            self, dataset_fn, options, input_context=self.input_context()
+        )
 
 
 def call_dataset_fn(dataset_fn, strategy: WorkerStrategy):
@@ -109,14 +113,14 @@ class WorkerState:
             return self.functions[key]
         if kind == "constant":
             if token[1] not in self.constants:
-                self.constants[token[1]] = serialization.loads(
-                    self.constant_bytes[token[1]], self._resolve)
+                self.constants[token[1]] = serialization.loads(self.constant_bytes[token[1]], self._resolve)
             return self.constants[token[1]]
         raise errors.InvalidArgumentError(f"unknown token {token!r}")
 
     def _pull(self) -> tuple[int, list]:
-        answers = call_servers(self.parameter_servers, "pull",
-                               [()] * len(self.parameter_servers), PARAMETER_SERVER_TIMEOUT_S)
+        answers = call_servers(
+            self.parameter_servers, "pull", [()] * len(self.parameter_servers), PARAMETER_SERVER_TIMEOUT_S
+        )
         _, _, layout = self.structure
         return answers[0][0], layout.join([values for _, values in answers])
 
@@ -145,9 +149,10 @@ class WorkerState:
             # Writable copies: the pulled arrays are Ray's read-only buffers (an in-place
             # write, `v[...] = ...` outside strategy.run, would fail on them), and they stay
             # apart from what the function changes in place, which the push compares them to.
-            state = variables.state_of(treedef, [
-                leaf if variables.is_key(leaf) else np.array(leaf)
-                for leaf in layout.device_leaves(pulled)])
+            state = variables.state_of(
+                treedef,
+                [leaf if variables.is_key(leaf) else np.array(leaf) for leaf in layout.device_leaves(pulled)],
+            )
             if self.roots is None:
                 self.roots = nnx.merge(graphdef, state)
             else:
@@ -161,7 +166,8 @@ class WorkerState:
                     raise errors.EmptyDatasetError(
                         f"A scheduled function on worker {self.strategy.worker_index} read past "
                         "the end of its per-worker dataset (StopIteration). Make dataset_fn's "
-                        "dataset endless (repeat it), or schedule fewer steps.") from None
+                        "dataset endless (repeat it), or schedule fewer steps."
+                    ) from None
             data = _result_bytes(result)
             new = self._new_leaves(treedef, layout) if layout is not None else None
         except LostParameterServer:
@@ -185,7 +191,8 @@ class WorkerState:
             raise errors.UnsupportedArgumentError(
                 "A scheduled function changed the structure of the objects the "
                 "ParameterServerStrategy holds (it added, removed or replaced a variable or "
-                "submodule). Build them completely on the coordinator, before scheduling.")
+                "submodule). Build them completely on the coordinator, before scheduling."
+            )
         host = [variables.host_value(leaf) for leaf in leaves]
         for path, leaf, (shape, dtype) in zip(layout.paths, host, layout.signatures):
             if (leaf.shape, leaf.dtype) != (shape, dtype):
@@ -193,7 +200,8 @@ class WorkerState:
                     f"A scheduled function changed {path} from shape {shape} and dtype {dtype} "
                     f"to shape {leaf.shape} and dtype {leaf.dtype}; the parameter servers keep "
                     "each variable's shape and dtype. Cast the new value (e.g. "
-                    "`v[...] = new.astype(v.dtype)`). Nothing of this function was pushed.")
+                    "`v[...] = new.astype(v.dtype)`). Nothing of this function was pushed."
+                )
         return host
 
     def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int | None:
@@ -202,8 +210,9 @@ class WorkerState:
             return None  # nothing changed: no push (and no staleness to report)
         adds = layout.split([u if kind == "add" else None for kind, u in updates])
         assigns = layout.split([u if kind == "assign" else None for kind, u in updates])
-        before = call_servers(self.parameter_servers, "push", list(zip(adds, assigns)),
-                              PARAMETER_SERVER_TIMEOUT_S)
+        before = call_servers(
+            self.parameter_servers, "push", list(zip(adds, assigns)), PARAMETER_SERVER_TIMEOUT_S
+        )
         return before[0] - pulled_version
 
 
@@ -213,14 +222,17 @@ def _result_bytes(result) -> bytes:
     except Exception as e:  # noqa: BLE001 - name what cannot travel
         raise errors.InvalidArgumentTypeError(
             f"A scheduled function's result cannot be sent to the coordinator ({type(e).__name__}"
-            f": {e}). Return arrays, numbers and containers of them.") from None
+            f": {e}). Return arrays, numbers and containers of them."
+        ) from None
 
 
 def _to_host(result):
     """A function's result with device arrays as NumPy arrays and each distributed value as
     the tuple of its local replicas' values."""
+
     def leaf(value):
         if is_distributed(value):
             return tuple(jax.device_get(v) for v in value.values)
         return jax.device_get(value)
+
     return jax.tree.map(leaf, result, is_leaf=is_distributed)

@@ -7,17 +7,43 @@ from __future__ import annotations
 import math
 import re
 
-COLLECTIVES = ("all-reduce", "all-reduce-start", "reduce-scatter", "all-gather",
-               "all-gather-start", "all-to-all", "collective-permute", "collective-permute-start")
+COLLECTIVES = (
+    "all-reduce",
+    "all-reduce-start",
+    "reduce-scatter",
+    "all-gather",
+    "all-gather-start",
+    "all-to-all",
+    "collective-permute",
+    "collective-permute-start",
+)
 BYTES_PER_ELEMENT = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
-    "f8e4m3": 1, "f8e3m4": 1, "f8e8m0fnu": 1,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e4m3": 1,
+    "f8e3m4": 1,
+    "f8e8m0fnu": 1,
 }
 # Longest names first, so "f8e4m3fn" is not read as "f8e4m3".
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(BYTES_PER_ELEMENT, key=len, reverse=True))
-                    + r")\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(BYTES_PER_ELEMENT, key=len, reverse=True)) + r")\[([0-9,]*)\]")
 # Asynchronous starts return tuples: all-gather-start (operands..., outputs...), and
 # collective-permute-start (operand, output, two u32 contexts); the outputs are the result.
 # `  [ROOT] %name = SHAPE opcode(operands), attributes`; SHAPE is an array or a (tuple, of, them).
@@ -32,10 +58,12 @@ def collectives(hlo_text: str) -> list:
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
         if match and match.group(3) in COLLECTIVES:
-            arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-                      for dtype, dims in _ARRAY.findall(match.group(2))]
+            arrays = [
+                (dtype, tuple(int(d) for d in dims.split(",") if d))
+                for dtype, dims in _ARRAY.findall(match.group(2))
+            ]
             if match.group(3) == "all-gather-start" and len(arrays) > 1:
-                arrays = arrays[len(arrays) // 2:]
+                arrays = arrays[len(arrays) // 2 :]
             elif match.group(3) == "collective-permute-start" and len(arrays) > 1:
                 arrays = arrays[1:2]
             found.append((match.group(3), arrays))
@@ -85,8 +113,10 @@ def entry_instructions(hlo_text: str) -> list:
     names = {name for name, _, _ in lines}
     # Operands and attributes both hold `%name`s; computations (calls=, to_apply=) are not
     # entry instructions, so keeping only entry names leaves the data operands.
-    return [(name, opcode, [n for n in _NAME.findall(rest) if n in names and n != name])
-            for name, opcode, rest in lines]
+    return [
+        (name, opcode, [n for n in _NAME.findall(rest) if n in names and n != name])
+        for name, opcode, rest in lines
+    ]
 
 
 def ring_bytes(ops: list, replicas: int) -> dict:
@@ -98,6 +128,5 @@ def ring_bytes(ops: list, replicas: int) -> dict:
         if kind(opcode) not in sent:
             continue
         whole = payload_bytes(opcode, arrays, replicas)
-        sent[kind(opcode)] += (2 if kind(opcode) == "all-reduce" else 1) * (
-            replicas - 1) / replicas * whole
+        sent[kind(opcode)] += (2 if kind(opcode) == "all-reduce" else 1) * (replicas - 1) / replicas * whole
     return sent

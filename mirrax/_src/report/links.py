@@ -21,12 +21,20 @@ import math
 
 from mirrax import errors
 
-_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "reduce-scatter": lambda n: n - 1,
-          "all-gather": lambda n: n - 1, "all-to-all": lambda n: n - 1,
-          "collective-permute": lambda n: 1}
-_WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
-         "all-gather": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-         "collective-permute": lambda n: 1.0}
+_STEPS = {
+    "all-reduce": lambda n: 2 * (n - 1),
+    "reduce-scatter": lambda n: n - 1,
+    "all-gather": lambda n: n - 1,
+    "all-to-all": lambda n: n - 1,
+    "collective-permute": lambda n: 1,
+}
+_WIRE = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +72,7 @@ class LinkModel:
         fit = max(below) if below else min(self.calibrated)
         return fit[1], fit[2]
 
-    def seconds(self, kind: str, payload_bytes: float, replicas: int,
-                operands: int = 1) -> float:
+    def seconds(self, kind: str, payload_bytes: float, replicas: int, operands: int = 1) -> float:
         """The time of one collective instruction of `kind` ("all-reduce", "reduce-scatter",
         "all-gather", "all-to-all", "collective-permute") over `payload_bytes` (the whole
         arrays it combines, `operands` of them) on `replicas` replicas, in seconds; 0 on one
@@ -74,19 +81,23 @@ class LinkModel:
             return 0.0
         bandwidth, latency = self.parameters(replicas)
         steps = _STEPS[kind](replicas) * (operands if self.per_operand else 1)
-        return ((self.base_latency_us + steps * latency) * 1e-6
-                + _WIRE[kind](replicas) * payload_bytes / (bandwidth * 1e9))
+        return (self.base_latency_us + steps * latency) * 1e-6 + _WIRE[kind](replicas) * payload_bytes / (
+            bandwidth * 1e9
+        )
 
     def describe(self) -> str:
         """One line: name, bandwidth and latencies (or how it was calibrated)."""
         if self.calibrated:
-            fits = ", ".join(f"{n} replicas {b:.3g} GB/s and {lat:.3g} µs per step"
-                             for n, b, lat in self.calibrated)
+            fits = ", ".join(
+                f"{n} replicas {b:.3g} GB/s and {lat:.3g} µs per step" for n, b, lat in self.calibrated
+            )
             return f"{self.name} (measured: {fits})"
         base = f" + {self.base_latency_us:g} µs per collective" if self.base_latency_us else ""
         each = " of each array" if self.per_operand else ""
-        return (f"{self.name} ({self.bandwidth_gbps:g} GB/s each way, {self.latency_us:g} µs "
-                f"per ring step{each}{base})")
+        return (
+            f"{self.name} ({self.bandwidth_gbps:g} GB/s each way, {self.latency_us:g} µs "
+            f"per ring step{each}{base})"
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,17 +110,29 @@ class LinkModel:
 # NVLink, 5.7 µs over PCIe, 9.6 µs over the network.
 PRESETS = {
     "nvlink": LinkModel(
-        "nvlink", 450.0, 3.4, 8.4,
+        "nvlink",
+        450.0,
+        3.4,
+        8.4,
         "NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both ways = 450 GB/s each way (NVIDIA "
-        "H200 datasheet); latencies from NCCL's cost model (ring, Simple protocol)"),
+        "H200 datasheet); latencies from NCCL's cost model (ring, Simple protocol)",
+    ),
     "pcie": LinkModel(
-        "pcie", 31.5, 5.7, 8.4,
+        "pcie",
+        31.5,
+        5.7,
+        8.4,
         "PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 / 8 bits = 31.5 GB/s each way (PCI-SIG "
-        "PCIe 4.0); latencies from NCCL's cost model (ring, Simple protocol, PCI)"),
+        "PCIe 4.0); latencies from NCCL's cost model (ring, Simple protocol, PCI)",
+    ),
     "ethernet-100g": LinkModel(
-        "ethernet-100g", 12.5, 9.6, 8.4,
+        "ethernet-100g",
+        12.5,
+        9.6,
+        8.4,
         "100 Gb/s Ethernet: 100e9 / 8 = 12.5 GB/s each way (IEEE 802.3 line rate); latencies "
-        "from NCCL's cost model (ring, Simple protocol, network)"),
+        "from NCCL's cost model (ring, Simple protocol, network)",
+    ),
 }
 # Measured on this machine's own devices when the report runs (calibrate.local_link).
 LOCAL = "local"
@@ -138,13 +161,15 @@ def resolve(link, bandwidth_gbps, latency_us, what: str):
             raise errors.InvalidArgumentError(
                 f"{what}: unknown link {link!r}. Choose one of {', '.join(LINK_NAMES)}, or give "
                 "your link's numbers as bandwidth_gbps= (GB/s each way) and latency_us= "
-                "(µs per ring step).")
+                "(µs per ring step)."
+            )
         if name == LOCAL:
             if bandwidth_gbps is not None or latency_us is not None:
                 raise errors.InvalidArgumentError(
                     f"{what}: link 'local' is measured on this machine, so it takes no "
                     f"bandwidth or latency; received bandwidth_gbps={bandwidth_gbps!r}, "
-                    f"latency_us={latency_us!r}. Drop them, or pick another link.")
+                    f"latency_us={latency_us!r}. Drop them, or pick another link."
+                )
             return LOCAL
         base = PRESETS[name]
     elif link is None:
@@ -152,41 +177,54 @@ def resolve(link, bandwidth_gbps, latency_us, what: str):
             if latency_us is not None:
                 raise errors.InvalidArgumentError(
                     f"{what}: latency_us={latency_us!r} was given without a bandwidth; a link "
-                    "needs both. Add bandwidth_gbps= (GB/s each way), or pick a preset link.")
+                    "needs both. Add bandwidth_gbps= (GB/s each way), or pick a preset link."
+                )
             return PRESETS["nvlink"]
         base = LinkModel("custom", 1.0, 0.0, 0.0, "given by the user")
     else:
         raise errors.InvalidArgumentTypeError(
             f"{what}: link must be a preset name ({', '.join(LINK_NAMES)}), a "
-            f"mirrax.experimental.LinkModel or None; received {type(link).__name__}.")
-    bandwidth = base.bandwidth_gbps if bandwidth_gbps is None else _number(
-        what, "bandwidth_gbps", bandwidth_gbps, "GB/s", positive=True)
-    latency = base.latency_us if latency_us is None else _number(
-        what, "latency_us", latency_us, "µs", positive=False)
+            f"mirrax.experimental.LinkModel or None; received {type(link).__name__}."
+        )
+    bandwidth = (
+        base.bandwidth_gbps
+        if bandwidth_gbps is None
+        else _number(what, "bandwidth_gbps", bandwidth_gbps, "GB/s", positive=True)
+    )
+    latency = (
+        base.latency_us
+        if latency_us is None
+        else _number(what, "latency_us", latency_us, "µs", positive=False)
+    )
     if isinstance(link, LinkModel):
         _number(what, "the link's bandwidth_gbps", base.bandwidth_gbps, "GB/s", positive=True)
         _number(what, "the link's latency_us", base.latency_us, "µs", positive=False)
         _number(what, "the link's base_latency_us", base.base_latency_us, "µs", positive=False)
     if bandwidth_gbps is None and latency_us is None:
         return base
-    source = (base.source if base.name == "custom" else
-              f"{base.name} with the numbers given by the user")
-    return dataclasses.replace(base, name="custom" if link is None else f"{base.name} (edited)",
-                               bandwidth_gbps=bandwidth, latency_us=latency, source=source)
+    source = base.source if base.name == "custom" else f"{base.name} with the numbers given by the user"
+    return dataclasses.replace(
+        base,
+        name="custom" if link is None else f"{base.name} (edited)",
+        bandwidth_gbps=bandwidth,
+        latency_us=latency,
+        source=source,
+    )
 
 
 def _number(what: str, name: str, value, unit: str, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise errors.InvalidArgumentTypeError(
-            f"{what}: {name} must be a number of {unit}; received {value!r} "
-            f"({type(value).__name__}).")
+            f"{what}: {name} must be a number of {unit}; received {value!r} ({type(value).__name__})."
+        )
     bad = value <= 0 if positive else value < 0
     if bad or not math.isfinite(value):
         bound = "> 0" if positive else ">= 0"
         raise errors.InvalidArgumentError(
             f"{what}: {name} must be a finite number {bound} ({unit}); received {value!r}. "
             f"Give the link's {'bandwidth each way' if positive else 'latency'} in {unit}, "
-            f"e.g. {'25' if positive else '5'}.")
+            f"e.g. {'25' if positive else '5'}."
+        )
     return float(value)
 
 
@@ -203,8 +241,7 @@ def step_seconds(compute_s: float, communication_s: float, overlap: float) -> fl
     return compute_s + communication_s - min(overlap * communication_s, compute_s)
 
 
-def shared_compute_seconds(one_device_s: float, cores_busy: float, replicas: int,
-                           cores: int) -> float:
+def shared_compute_seconds(one_device_s: float, cores_busy: float, replicas: int, cores: int) -> float:
     """Compute time of `replicas` replicas that share `cores` CPU cores (fake CPU devices:
     threads of one process): the N replicas' CPU work, N x one_device_s x cores_busy (the
     cores the one-device step keeps busy), spread over the cores; never below one replica's."""

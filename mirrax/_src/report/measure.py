@@ -77,9 +77,14 @@ def time_one_device(subject, strategy, windows: int) -> StepTime:
         seconds = time.perf_counter() - start
         wall.append(seconds / per_window * 1e3)
         busy.append((time.process_time() - cpu) / seconds)
-    return StepTime(ms=statistics.median(wall), windows_ms=tuple(wall),
-                    steps_per_window=per_window, cores_busy=statistics.median(busy),
-                    compile_s=compile_s, device=device.device_kind)
+    return StepTime(
+        ms=statistics.median(wall),
+        windows_ms=tuple(wall),
+        steps_per_window=per_window,
+        cores_busy=statistics.median(busy),
+        compile_s=compile_s,
+        device=device.device_kind,
+    )
 
 
 def local_link(devices, counts, payload_bytes: int, windows: int = 5) -> links.LinkModel:
@@ -89,8 +94,7 @@ def local_link(devices, counts, payload_bytes: int, windows: int = 5) -> links.L
     large = max(int(payload_bytes), 1 << 20)
     fits = []
     for n in counts:
-        small_s, large_s = (_all_reduce_seconds(devices[:n], size, windows)
-                            for size in (_SMALL_BYTES, large))
+        small_s, large_s = (_all_reduce_seconds(devices[:n], size, windows) for size in (_SMALL_BYTES, large))
         wire = 2 * (n - 1) / n
         # A large all-reduce that timed no slower than the small one (noise) leaves only the
         # large one's time to attribute to bandwidth.
@@ -100,24 +104,32 @@ def local_link(devices, counts, payload_bytes: int, windows: int = 5) -> links.L
         fits.append((n, bandwidth, latency * 1e6))
     kind = devices[0].device_kind
     return links.LinkModel(
-        links.LOCAL, fits[-1][1], fits[-1][2], 0.0,
+        links.LOCAL,
+        fits[-1][1],
+        fits[-1][2],
+        0.0,
         f"measured on this process's {len(devices)} {kind} device(s): an all-reduce of "
         f"{_SMALL_BYTES} B and of {large:,} B at each replica count, fitted to the ring "
-        "formula", calibrated=tuple(fits))
+        "formula",
+        calibrated=tuple(fits),
+    )
 
 
 def _all_reduce_seconds(devices, nbytes: int, windows: int) -> float:
     """Median seconds of one float32 all-reduce of `nbytes` per device over `devices`."""
     mesh = Mesh(np.array(devices), ("replica",))
-    program = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "replica"), mesh=mesh,
-                                    in_specs=P("replica"), out_specs=P()))
-    x = jax.device_put(np.ones((len(devices) * max(1, nbytes // 4),), np.float32),
-                       NamedSharding(mesh, P("replica")))
+    program = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, "replica"), mesh=mesh, in_specs=P("replica"), out_specs=P())
+    )
+    x = jax.device_put(
+        np.ones((len(devices) * max(1, nbytes // 4),), np.float32), NamedSharding(mesh, P("replica"))
+    )
     jax.block_until_ready(program(x))
     start = time.perf_counter()
     jax.block_until_ready(program(x))
-    calls = int(min(MAX_STEPS_PER_WINDOW, max(1, math.ceil(
-        WINDOW_S / max(time.perf_counter() - start, 1e-6)))))
+    calls = int(
+        min(MAX_STEPS_PER_WINDOW, max(1, math.ceil(WINDOW_S / max(time.perf_counter() - start, 1e-6))))
+    )
     samples = []
     for _ in range(windows):
         start = time.perf_counter()

@@ -28,7 +28,8 @@ def plot_format(path) -> str:
         raise errors.InvalidArgumentError(
             f"plot: the file's suffix names its format, one of "
             f"{', '.join('.' + f for f in FORMATS)}; received {os.fspath(path)!r} ({found}). "
-            f"Name the file e.g. {stem + '.png'!r}.")
+            f"Name the file e.g. {stem + '.png'!r}."
+        )
     return suffix[1:].lower()
 
 
@@ -45,22 +46,26 @@ def check_path(path) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise errors.InvalidArgumentTypeError(
             f"plot: path must be a file path (str or os.PathLike) for the PNG; received "
-            f"{type(path).__name__}.")
+            f"{type(path).__name__}."
+        )
     if os.path.isdir(path):
         raise errors.ExistingPathError(
             f"plot: {os.fspath(path)!r} is a folder; give the path of the PNG file to write, "
-            f"e.g. {os.path.join(os.fspath(path), 'speedup.png')!r}.")
+            f"e.g. {os.path.join(os.fspath(path), 'speedup.png')!r}."
+        )
     plot_format(path)
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(folder):
         raise errors.MissingFolderError(
             f"plot: the folder {folder} of {os.fspath(path)!r} does not exist. Create it, or "
-            "give a path in an existing folder.")
+            "give a path in an existing folder."
+        )
     if importlib.util.find_spec("matplotlib") is None:
         raise errors.MissingDependencyError(
             "plot: drawing the speedup needs matplotlib, which is not installed. Install it "
             "with `pip install mirrax[plot]` (or `pip install matplotlib`), or drop the plot "
-            "(--plot) and read the table.")
+            "(--plot) and read the table."
+        )
 
 
 def write_speedup(report, path) -> None:
@@ -79,12 +84,17 @@ def write_speedup(report, path) -> None:
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     axes.plot(replicas, replicas, "--", color="gray", label="ideal (N)")
-    axes.plot(replicas, [row.speedup for row in report.rows], "o-",
-              label=f"predicted, {report.link.name}")
+    axes.plot(replicas, [row.speedup for row in report.rows], "o-", label=f"predicted, {report.link.name}")
     extrapolated = [row for row in report.rows if row.source != "compiled"]
     if extrapolated:
-        axes.plot([row.replicas for row in extrapolated], [row.speedup for row in extrapolated],
-                  "o", markerfacecolor="white", color="C0", label="from an extrapolated program")
+        axes.plot(
+            [row.replicas for row in extrapolated],
+            [row.speedup for row in extrapolated],
+            "o",
+            markerfacecolor="white",
+            color="C0",
+            label="from an extrapolated program",
+        )
     axes.set_xscale("log", base=2)
     axes.set_xticks(replicas, [str(n) for n in replicas])
     axes.set_xlabel("replicas (per-replica batch fixed)")

@@ -81,8 +81,9 @@ def compile_program(subject, strategy, read_only: bool = True) -> Program:
     sharded = strategy.extended.shard_optimizer_state
     batch = subject_lib.distribute(strategy, subject.batch, replicas)
     try:
-        lowered = strategy.experimental_lower(subject.fn, args=subject.objects + (batch,),
-                                              kwargs=subject.kwargs)
+        lowered = strategy.experimental_lower(
+            subject.fn, args=subject.objects + (batch,), kwargs=subject.kwargs
+        )
     except errors.MirraxError:
         raise
     except Exception as error:  # the user's step: its own error is chained as the cause
@@ -91,18 +92,24 @@ def compile_program(subject, strategy, read_only: bool = True) -> Program:
             f"{subject_lib.WHAT}: the step failed on the per-replica batch ({shapes}) at "
             f"{replicas} replica(s): {type(error).__name__}: {error}. Pass one per-replica batch "
             "that the step accepts, as strategy.run(fn, args=(*args, batch)) would receive "
-            "it (for a mirrax.Model: (x, y) that fit accepts).") from error
+            "it (for a mirrax.Model: (x, y) that fit accepts)."
+        ) from error
     cheap = read_only and strategy.extended.replica_devices.devices[0].platform == "cpu"
     compiled = lowered.compile(compiler_options=READ_ONLY_CPU_OPTIONS if cheap else None)
     memory = compiled.memory_analysis()
     ops = hlo.collectives(compiled.as_text())
     return Program(
-        replicas=replicas, sharded=sharded, source="compiled",
-        collectives=tuple((hlo.kind(op), hlo.payload_bytes(op, arrays, replicas), len(arrays))
-                          for op, arrays in ops),
+        replicas=replicas,
+        sharded=sharded,
+        source="compiled",
+        collectives=tuple(
+            (hlo.kind(op), hlo.payload_bytes(op, arrays, replicas), len(arrays)) for op, arrays in ops
+        ),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes))
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+    )
 
 
 def extrapolate(program: Program, subject, replicas: int) -> Program:
@@ -110,14 +117,18 @@ def extrapolate(program: Program, subject, replicas: int) -> Program:
     payloads (data parallelism moves the gradients once, whatever N), the same temporaries;
     the sharded optimizer state recounted for `replicas`, in the arguments and the outputs
     (and in the aliased bytes when the step donates its state)."""
-    change = (subject.optimizer_state_bytes(replicas, program.sharded)
-              - subject.optimizer_state_bytes(program.replicas, program.sharded))
-    source = (program.source if program.source == "assumed"
-              else f"extrapolated from {program.replicas}")
+    change = subject.optimizer_state_bytes(replicas, program.sharded) - subject.optimizer_state_bytes(
+        program.replicas, program.sharded
+    )
+    source = program.source if program.source == "assumed" else f"extrapolated from {program.replicas}"
     return dataclasses.replace(
-        program, replicas=replicas, source=source,
-        argument_bytes=program.argument_bytes + change, output_bytes=program.output_bytes + change,
-        alias_bytes=program.alias_bytes + (change if program.alias_bytes else 0))
+        program,
+        replicas=replicas,
+        source=source,
+        argument_bytes=program.argument_bytes + change,
+        output_bytes=program.output_bytes + change,
+        alias_bytes=program.alias_bytes + (change if program.alias_bytes else 0),
+    )
 
 
 def assumed(one_device: Program, subject, sharded: bool) -> Program:
@@ -126,6 +137,9 @@ def assumed(one_device: Program, subject, sharded: bool) -> Program:
     gradients and an all-gather of the parameters), each of every parameter array as XLA's
     combiner makes it, on the one-device program's memory."""
     gradients, arrays = subject.params_bytes, subject.param_arrays
-    ops = ((("reduce-scatter", gradients, arrays), ("all-gather", gradients, arrays)) if sharded
-           else (("all-reduce", gradients, arrays),))
+    ops = (
+        (("reduce-scatter", gradients, arrays), ("all-gather", gradients, arrays))
+        if sharded
+        else (("all-reduce", gradients, arrays),)
+    )
     return dataclasses.replace(one_device, sharded=sharded, source="assumed", collectives=ops)

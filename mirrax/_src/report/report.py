@@ -8,7 +8,7 @@ import json
 
 from mirrax._src.report import plot as plot_lib
 
-_MIB = 2 ** 20
+_MIB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +85,9 @@ class ScalingRow:
 
     def to_dict(self) -> dict:
         row = dataclasses.asdict(self)
-        row["collectives"] = {kind: {"instructions": n, "payload_bytes": b}
-                              for kind, (n, b) in self.collectives.items()}
+        row["collectives"] = {
+            kind: {"instructions": n, "payload_bytes": b} for kind, (n, b) in self.collectives.items()
+        }
         return row
 
 
@@ -134,9 +135,12 @@ class ScalingReport:
     def to_dict(self) -> dict:
         """Every number of the report as plain Python values (bytes, milliseconds)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields.update(rows=[row.to_dict() for row in self.rows], link=self.link.to_dict(),
-                      one_device_windows_ms=list(self.one_device_windows_ms),
-                      assumptions=list(self.assumptions))
+        fields.update(
+            rows=[row.to_dict() for row in self.rows],
+            link=self.link.to_dict(),
+            one_device_windows_ms=list(self.one_device_windows_ms),
+            assumptions=list(self.assumptions),
+        )
         return fields
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -168,17 +172,33 @@ class ScalingReport:
             f"{self.per_replica_batch} x replicas); {self.parameters:,} parameters, gradients "
             f"{self.gradient_bytes / _MIB:.2f} MiB; one-device step {self.one_device_ms:.3f} ms "
             f"measured on {self.device} ({self.cores_busy:.2f} cores busy); link "
-            f"{self.link.describe()}; collectives and times of the {sharded} step.", ""]
-        columns = ["replicas", "global batch", "program", "collectives", "MiB combined",
-                   "MiB sent/device (min)", "params MiB", "opt state MiB (sharded)",
-                   "temp MiB (sharded)", "peak MiB (sharded)", "compute ms", "comm ms",
-                   "step ms", "speedup", "efficiency"]
+            f"{self.link.describe()}; collectives and times of the {sharded} step.",
+            "",
+        ]
+        columns = [
+            "replicas",
+            "global batch",
+            "program",
+            "collectives",
+            "MiB combined",
+            "MiB sent/device (min)",
+            "params MiB",
+            "opt state MiB (sharded)",
+            "temp MiB (sharded)",
+            "peak MiB (sharded)",
+            "compute ms",
+            "comm ms",
+            "step ms",
+            "speedup",
+            "efficiency",
+        ]
         table = [_cells(row) for row in self.rows]
         widths = [max(len(c), *(len(r[i]) for r in table)) for i, c in enumerate(columns)]
         rule = "  ".join("-" * w for w in widths)
-        body = ["  ".join(c.rjust(w) if i else c.ljust(w)
-                          for i, (c, w) in enumerate(zip(cells, widths)))
-                for cells in [columns] + table]
+        body = [
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            for cells in [columns] + table
+        ]
         notes = ["", "Assumptions:"] + [f"- {text}" for text in self.assumptions]
         return header + [body[0], rule] + body[1:] + notes
 
@@ -191,11 +211,21 @@ def _cells(row: ScalingRow) -> list:
         return f"{getattr(plain, field) / _MIB:.2f} ({other})"
 
     ops = ", ".join(f"{n} {kind}" for kind, (n, _) in row.collectives.items()) or "none"
-    ratio = (f"{row.payload_bytes / row.gradient_bytes:.2f}x" if row.gradient_bytes else "n/a")
-    return [str(row.replicas), str(row.global_batch), row.source, ops,
-            f"{row.payload_bytes / _MIB:.2f} ({ratio})",
-            f"{row.sent_bytes / _MIB:.2f} ({row.minimum_sent_bytes / _MIB:.2f})",
-            f"{plain.params_bytes / _MIB:.2f}", both("optimizer_state_bytes"),
-            both("temp_bytes"), both("peak_bytes"), f"{row.compute_ms:.3f}",
-            f"{row.communication_ms:.3f}", f"{row.step_ms:.3f}", f"{row.speedup:.2f}",
-            f"{row.efficiency:.2f}"]
+    ratio = f"{row.payload_bytes / row.gradient_bytes:.2f}x" if row.gradient_bytes else "n/a"
+    return [
+        str(row.replicas),
+        str(row.global_batch),
+        row.source,
+        ops,
+        f"{row.payload_bytes / _MIB:.2f} ({ratio})",
+        f"{row.sent_bytes / _MIB:.2f} ({row.minimum_sent_bytes / _MIB:.2f})",
+        f"{plain.params_bytes / _MIB:.2f}",
+        both("optimizer_state_bytes"),
+        both("temp_bytes"),
+        both("peak_bytes"),
+        f"{row.compute_ms:.3f}",
+        f"{row.communication_ms:.3f}",
+        f"{row.step_ms:.3f}",
+        f"{row.speedup:.2f}",
+        f"{row.efficiency:.2f}",
+    ]

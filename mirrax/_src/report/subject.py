@@ -61,8 +61,12 @@ class Subject:
         an array splits along its first dimension that `replicas` divides)."""
         total = 0
         for shape, nbytes in self.optimizer_arrays:
-            splits = (sharded and replicas > 1 and len(shape) > 0
-                      and sharded_optimizer.shard_dimension(shape, replicas) is not None)
+            splits = (
+                sharded
+                and replicas > 1
+                and len(shape) > 0
+                and sharded_optimizer.shard_dimension(shape, replicas) is not None
+            )
             total += nbytes // replicas if splits else nbytes
         return total
 
@@ -85,7 +89,8 @@ def from_model(model, batch) -> Subject:
             f"{WHAT}: a mirrax.Model's batch is (x, y) or (x, y, sample_weight) of ONE replica, "
             f"as fit's steps receive it; received a {type(batch).__name__}"
             f"{f' of {len(batch)} items' if isinstance(batch, (tuple, list)) else ''}. Pass e.g. "
-            "(x_train[:32], y_train[:32]) for a per-replica batch of 32.")
+            "(x_train[:32], y_train[:32]) for a per-replica batch of 32."
+        )
     label = f"mirrax.Model({type(model.module).__name__}) train step (fit's)"
     return _subject(fn, objects, {}, tuple(batch), label)
 
@@ -108,21 +113,28 @@ def from_step(fn, batch, args, kwargs) -> Subject:
             "training step (loss, gradients, optimizer update). Wrap it in a compiled "
             "mirrax.Model: model = mirrax.Model(module); model.compile(optimizer='adam', "
             "loss=...); scaling_report(model, (x, y)); or pass your step function with "
-            "args=(module, optimizer).")
+            "args=(module, optimizer)."
+        )
     if not callable(fn):
         raise errors.InvalidArgumentTypeError(
             f"{WHAT}: step_or_model must be a compiled mirrax.Model or a step function for "
             f"strategy.run; received {type(fn).__name__}. Pass model (after model.compile) or "
-            "train_step with args=(model, optimizer).")
+            "train_step with args=(model, optimizer)."
+        )
     if not isinstance(args, (tuple, list)):
         raise errors.InvalidArgumentTypeError(
             f"{WHAT}: args must be a tuple of the step's arguments before the batch, e.g. "
-            f"args=(model, optimizer); received {type(args).__name__}.")
+            f"args=(model, optimizer); received {type(args).__name__}."
+        )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise errors.InvalidArgumentTypeError(
-            f"{WHAT}: kwargs must be a dict or None; received {type(kwargs).__name__}.")
-    label = f"{getattr(fn, '__qualname__', type(fn).__name__)}(" + ", ".join(
-        [type(a).__name__ for a in args] + ["batch"]) + ")"
+            f"{WHAT}: kwargs must be a dict or None; received {type(kwargs).__name__}."
+        )
+    label = (
+        f"{getattr(fn, '__qualname__', type(fn).__name__)}("
+        + ", ".join([type(a).__name__ for a in args] + ["batch"])
+        + ")"
+    )
     return _subject(fn, tuple(args), dict(kwargs or {}), batch, label)
 
 
@@ -134,16 +146,23 @@ def _subject(fn, objects: tuple, kwargs: dict, batch, label: str) -> Subject:
     seen = {id(v) for v in params} | {id(v) for v in optimizer}
     others = [v for v in _variables(copies, nnx.Variable) if id(v) not in seen]
     return Subject(
-        fn=fn, objects=copies, kwargs=kwargs, batch=batch, label=label, per_replica_batch=rows,
-        params_bytes=_bytes(params), parameters=sum(int(np.prod(np.shape(x)))
-                                                    for v in params for x in _arrays(v)),
+        fn=fn,
+        objects=copies,
+        kwargs=kwargs,
+        batch=batch,
+        label=label,
+        per_replica_batch=rows,
+        params_bytes=_bytes(params),
+        parameters=sum(int(np.prod(np.shape(x))) for v in params for x in _arrays(v)),
         param_arrays=sum(len(_arrays(v)) for v in params),
-        optimizer_arrays=tuple((tuple(np.shape(x)), _nbytes(x))
-                               for v in optimizer for x in _arrays(v)),
+        optimizer_arrays=tuple((tuple(np.shape(x)), _nbytes(x)) for v in optimizer for x in _arrays(v)),
         other_state_bytes=_bytes(others),
         # What the device receives: 64-bit host arrays become 32-bit without jax_enable_x64.
-        batch_bytes=sum(int(np.prod(np.shape(leaf))) * jax.dtypes.canonicalize_dtype(
-            np.result_type(leaf)).itemsize for leaf in jax.tree.leaves(batch)))
+        batch_bytes=sum(
+            int(np.prod(np.shape(leaf))) * jax.dtypes.canonicalize_dtype(np.result_type(leaf)).itemsize
+            for leaf in jax.tree.leaves(batch)
+        ),
+    )
 
 
 def _host_batch(batch) -> tuple:
@@ -152,7 +171,8 @@ def _host_batch(batch) -> tuple:
     if not leaves:
         raise errors.InvalidBatchError(
             f"{WHAT}: batch holds no array; received {batch!r}. Pass one per-replica batch, "
-            "e.g. (images[:32], labels[:32]).")
+            "e.g. (images[:32], labels[:32])."
+        )
     arrays = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         array = np.asarray(leaf)
@@ -161,7 +181,8 @@ def _host_batch(batch) -> tuple:
                 f"{WHAT}: every leaf of the batch must be an array with the examples along its "
                 f"first axis; batch{jax.tree_util.keystr(path)} is {leaf!r} "
                 f"({type(leaf).__name__}, shape {np.shape(leaf)}). Pass arrays of shape "
-                "(per_replica_batch, ...).")
+                "(per_replica_batch, ...)."
+            )
         arrays.append(array)
     rows = {a.shape[0] for a in arrays}
     if len(rows) > 1 or 0 in rows:
@@ -169,7 +190,8 @@ def _host_batch(batch) -> tuple:
         raise errors.InvalidBatchError(
             f"{WHAT}: the batch's arrays must all hold the same number (>= 1) of examples along "
             f"their first axis; received shapes {shapes}. Pass one per-replica batch whose "
-            "leaves share their first dimension.")
+            "leaves share their first dimension."
+        )
     return jax.tree.unflatten(treedef, arrays), rows.pop()
 
 
@@ -186,10 +208,12 @@ def copy_objects(objects: tuple, device) -> tuple:
             f"{WHAT}: the step's arguments must be NNX objects (modules, nnx.Optimizer, metrics), "
             f"arrays or Python values, which the report copies (it never runs your objects); "
             f"copying {', '.join(type(o).__name__ for o in objects)} failed: {error}. Pass those "
-            "objects, or make the other values constants of the step.") from error
+            "objects, or make the other values constants of the step."
+        ) from error
     state = jax.tree.map(
-        lambda x: jax.device_put(x, device, may_alias=False)
-        if isinstance(x, (jax.Array, np.ndarray)) else x, state)
+        lambda x: jax.device_put(x, device, may_alias=False) if isinstance(x, (jax.Array, np.ndarray)) else x,
+        state,
+    )
     return tuple(nnx.merge(graphdef, state))
 
 
@@ -223,8 +247,7 @@ def _optimizer_variables(objects: tuple) -> list:
     found, seen = [], set()
     for _, node in nnx.iter_graph(graph_nodes(objects)):
         if isinstance(node, nnx.Optimizer):
-            for variable in jax.tree.leaves(node.opt_state,
-                                            is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            for variable in jax.tree.leaves(node.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
                 if isinstance(variable, nnx.OptState) and id(variable) not in seen:
                     seen.add(id(variable))
                     found.append(variable)

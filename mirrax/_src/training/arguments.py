@@ -36,7 +36,9 @@ def check_count(what: str, name: str, value, minimum: int = 1, allow_none: bool 
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        hint = f" (an int, e.g. {name}={int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        hint = (
+            f" (an int, e.g. {name}={int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        )
         raise errors.InvalidArgumentTypeError(
             f"{what}: {name} must be an int{' or None' if allow_none else ''}; received "
             f"{type(value).__name__} {value!r}. Pass a whole number >= {minimum}{hint}."
@@ -160,15 +162,18 @@ def check_class_weight(class_weight, sample_weight):
     table = {}
     for key, weight in class_weight.items():
         # Only ints: int('1'), int(1.5) and True would silently name another class.
-        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) \
-                or key < 0:
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) or key < 0:
             raise errors.InvalidArgumentTypeError(
                 f"fit: class_weight keys must be class indices (ints >= 0); received the key "
                 f"{key!r} of type {type(key).__name__}. Write e.g. {{0: 1.0, 1: 5.0}}."
             )
         index = int(key)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)) \
-                or not math.isfinite(float(weight)) or weight < 0:
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float, np.number))
+            or not math.isfinite(float(weight))
+            or weight < 0
+        ):
             raise errors.InvalidArgumentError(
                 f"fit: class_weight[{key!r}] must be a finite float >= 0; received {weight!r}."
             )
@@ -230,14 +235,21 @@ def _first_layer_hint(module) -> str:
     for path, node in nnx.iter_graph(module):
         if isinstance(node, (nnx.Linear, nnx.Conv, nnx.LinearGeneral)):
             where = ".".join(map(str, path)) or "the module"
-            return (f" The module's first {type(node).__name__} ({where}) takes inputs whose "
-                    f"last axis is {node.in_features}.")
+            return (
+                f" The module's first {type(node).__name__} ({where}) takes inputs whose "
+                f"last axis is {node.in_features}."
+            )
     return ""
 
 
 # Errors of the module's code, whatever the input: raised as they are, not as an input error.
-_NOT_ABOUT_THE_INPUT = (NameError, NotImplementedError, RecursionError, jax.errors.JAXTypeError,
-                        jax.errors.JAXIndexError)
+_NOT_ABOUT_THE_INPUT = (
+    NameError,
+    NotImplementedError,
+    RecursionError,
+    jax.errors.JAXTypeError,
+    jax.errors.JAXIndexError,
+)
 
 
 def _abstract_forward(module, x1, policy, strategy):
@@ -254,8 +266,9 @@ def _abstract_forward(module, x1, policy, strategy):
         found["y_pred"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
         return ()
 
-    jax.eval_shape(jax.shard_map(one_replica, mesh=strategy.mesh, in_specs=(P(), P()),
-                                 out_specs=()), state, x1)
+    jax.eval_shape(
+        jax.shard_map(one_replica, mesh=strategy.mesh, in_specs=(P(), P()), out_specs=()), state, x1
+    )
     return found["y_pred"]
 
 
@@ -272,6 +285,7 @@ def check_fits_model(model, checked: dict, x, y, what: str, strategy):
         module's output. An error of the module's own code that no input causes (a NameError,
         a tracer used as a Python bool) propagates unchanged.
     """
+
     def one(a):
         a = host_array(a) if not isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a
         return jax.ShapeDtypeStruct((1,) + tuple(a.shape[1:]), a.dtype)
@@ -280,8 +294,12 @@ def check_fits_model(model, checked: dict, x, y, what: str, strategy):
     y1 = None if y is None else jax.tree.map(one, y)
     policy = getattr(model, "dtype_policy", None) or mixed_precision.Policy("float32")
     # One abstract run per input signature (fit called once per epoch checks once).
-    key = (jax.tree.structure((x1, y1)), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(
-        (x1, y1))), policy.name, id(model.loss))
+    key = (
+        jax.tree.structure((x1, y1)),
+        tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((x1, y1))),
+        policy.name,
+        id(model.loss),
+    )
     if key in checked:
         return checked[key]
     try:
@@ -350,7 +368,8 @@ def check_not_parameter_server(strategy, what: str) -> None:
         raise errors.UnsupportedArgumentError(
             f"Model.{what} is not supported under ParameterServerStrategy: its steps run on the "
             "workers, scheduled by fit / evaluate. Use fit(..., steps_per_epoch=1) or "
-            "evaluate(x, y), or schedule your own step with mirrax.ClusterCoordinator.")
+            "evaluate(x, y), or schedule your own step with mirrax.ClusterCoordinator."
+        )
 
 
 def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bool) -> None:
@@ -367,13 +386,15 @@ def check_sharded_optimizer(strategy, steps_per_execution: int, loss_scaling: bo
         raise errors.UnsupportedArgumentError(
             f"compile: steps_per_execution={steps_per_execution} is not supported on a strategy "
             "with shard_optimizer_state=True (the sharded update runs once per program). Use "
-            "steps_per_execution=1, or shard_optimizer_state=False.")
+            "steps_per_execution=1, or shard_optimizer_state=False."
+        )
     if loss_scaling:
         raise errors.UnsupportedArgumentError(
             "compile: the 'mixed_float16' policy's dynamic loss scaling is not supported on a "
             "strategy with shard_optimizer_state=True (a step whose gradients overflow cannot "
             "skip the sharded update). Use 'mixed_bfloat16' (no loss scaling), "
-            "auto_scale_loss=False, or shard_optimizer_state=False.")
+            "auto_scale_loss=False, or shard_optimizer_state=False."
+        )
 
 
 def _two(first, second) -> tuple[str, str]:
@@ -389,7 +410,8 @@ def _moved_after_shutdown(what: str, old) -> errors.MixedStrategyError:
         f"{what}: this Model's strategy, {old!r}, was shut down (strategy.shutdown()). The "
         "model keeps its weights and may move to a new strategy: compile it under the new "
         "strategy's scope (with new_strategy.scope(): model.compile(...)), then call "
-        f"{what.split(':')[0]} (docs/parameter_server.md, 'Failures').")
+        f"{what.split(':')[0]} (docs/parameter_server.md, 'Failures')."
+    )
 
 
 def compile_strategy(scope_strategy):
@@ -403,8 +425,7 @@ def compile_strategy(scope_strategy):
     """
     if has_strategy():
         current = get_strategy()
-        if (scope_strategy is not None and current is not scope_strategy
-                and not is_shut_down(scope_strategy)):
+        if scope_strategy is not None and current is not scope_strategy and not is_shut_down(scope_strategy):
             made, now = _two(scope_strategy, current)
             raise errors.MixedStrategyError(
                 f"compile: this Model was made under the scope of {made} "

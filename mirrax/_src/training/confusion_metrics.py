@@ -35,8 +35,7 @@ class _ConfusionMetric(metrics_lib.Metric):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise errors.InvalidArgumentTypeError(
-                    f"{owner}: {argument} must be an int or None; received "
-                    f"{type(value).__name__} {value!r}."
+                    f"{owner}: {argument} must be an int or None; received {type(value).__name__} {value!r}."
                 )
             if value < (1 if argument == "top_k" else 0):
                 raise errors.InvalidArgumentError(
@@ -76,8 +75,10 @@ def _thresholds_argument(owner: str, thresholds, top_k) -> tuple[tuple, bool]:
     if thresholds is None:
         return ((0.5 if top_k is None else metrics_lib.NEG_INF),), True
     values = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
-    if not values or any(isinstance(t, (bool, str)) or not isinstance(t, (int, float, np.number))
-                         or not 0.0 <= float(t) <= 1.0 for t in values):
+    if not values or any(
+        isinstance(t, (bool, str)) or not isinstance(t, (int, float, np.number)) or not 0.0 <= float(t) <= 1.0
+        for t in values
+    ):
         raise errors.InvalidArgumentError(
             f"{owner}: thresholds must be a float or a non-empty list of floats in [0, 1]; "
             f"received thresholds={thresholds!r}."
@@ -105,8 +106,14 @@ class Precision(_ConfusionMetric):
 
     _COUNTS = ("true_positives", "false_positives")
 
-    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
-                 name: str | None = None, dtype=None):
+    def __init__(
+        self,
+        thresholds=None,
+        top_k: int | None = None,
+        class_id: int | None = None,
+        name: str | None = None,
+        dtype=None,
+    ):
         values, self._scalar = _thresholds_argument("Precision", thresholds, top_k)
         super().__init__(values, top_k, class_id, False, name, dtype)
 
@@ -135,8 +142,14 @@ class Recall(_ConfusionMetric):
 
     _COUNTS = ("true_positives", "false_negatives")
 
-    def __init__(self, thresholds=None, top_k: int | None = None, class_id: int | None = None,
-                 name: str | None = None, dtype=None):
+    def __init__(
+        self,
+        thresholds=None,
+        top_k: int | None = None,
+        class_id: int | None = None,
+        name: str | None = None,
+        dtype=None,
+    ):
         values, self._scalar = _thresholds_argument("Recall", thresholds, top_k)
         super().__init__(values, top_k, class_id, False, name, dtype)
 
@@ -175,15 +188,22 @@ class AUC(_ConfusionMetric):
 
     _COUNTS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
 
-    def __init__(self, num_thresholds: int = 200, curve: str = "ROC",
-                 summation_method: str = "interpolation", name: str | None = None, dtype=None,
-                 thresholds=None, *, from_logits: bool = False):
+    def __init__(
+        self,
+        num_thresholds: int = 200,
+        curve: str = "ROC",
+        summation_method: str = "interpolation",
+        name: str | None = None,
+        dtype=None,
+        thresholds=None,
+        *,
+        from_logits: bool = False,
+    ):
         if thresholds is not None:
             inner, _ = _thresholds_argument("AUC", list(thresholds), None)
             inner = tuple(sorted(inner))
         else:
-            if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) \
-                    or num_thresholds <= 1:
+            if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) or num_thresholds <= 1:
                 raise errors.InvalidArgumentError(
                     f"AUC: num_thresholds must be an integer > 1; received {num_thresholds!r}."
                 )

@@ -29,6 +29,7 @@ def as_arrays(value):
     """A tensor of another framework (torch.Tensor, tf.Tensor: `.numpy()` and `.shape`), a
     pandas DataFrame or Series (`.to_numpy()`), or a dict or list / tuple of them, as NumPy,
     so fit(x_tensor, y_tensor) means what fit(x_array, y_array) does."""
+
     def convert(leaf):
         if type(leaf).__module__.split(".")[0] == "pandas" and hasattr(leaf, "to_numpy"):
             return leaf.to_numpy()  # a DataFrame or Series: its values, as Keras 3 takes them
@@ -53,9 +54,12 @@ def is_arrays(x) -> bool:
         return True
     if isinstance(x, (list, tuple)):
         return input_structure.is_array_list(x) and all(
-            isinstance(item, (np.ndarray, jax.Array)) for item in x)
-    return isinstance(x, dict) and bool(x) and all(
-        isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(x)
+            isinstance(item, (np.ndarray, jax.Array)) for item in x
+        )
+    return (
+        isinstance(x, dict)
+        and bool(x)
+        and all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(x))
     )
 
 
@@ -81,8 +85,12 @@ def split_validation(x, y, sample_weight, fraction):
         )
     take = lambda tree, s: None if tree is None else jax.tree.map(lambda a: a[s], tree)  # noqa: E731
     head, tail = slice(0, cut), slice(cut, n)
-    return take(x, head), take(y, head), take(sample_weight, head), (
-        take(x, tail), take(y, tail), take(sample_weight, tail))
+    return (
+        take(x, head),
+        take(y, head),
+        take(sample_weight, head),
+        (take(x, tail), take(y, tail), take(sample_weight, tail)),
+    )
 
 
 def _validation_x(data) -> bool:
@@ -118,8 +126,21 @@ def unpack_validation(data):
 class ModelInput:
     """One input of fit/evaluate/predict, as a source of distributed (x, y, sample_weight) batches."""
 
-    def __init__(self, model, strategy, x, y, sample_weight, batch_size, shuffle, what,
-                 inputs_only=False, class_weight=None, rng=None, checked=None):
+    def __init__(
+        self,
+        model,
+        strategy,
+        x,
+        y,
+        sample_weight,
+        batch_size,
+        shuffle,
+        what,
+        inputs_only=False,
+        class_weight=None,
+        rng=None,
+        checked=None,
+    ):
         self.strategy = strategy
         self.shuffle = shuffle
         self.model = model
@@ -159,8 +180,9 @@ class ModelInput:
         # a string array as a shape the model cannot take.
         dataset_batches.check_not_text(what, "x", x)
         dataset_batches.check_not_text(what, "y", y)
-        self.arrays = is_arrays(x) and (not isinstance(x, (list, tuple)) or
-                                        input_structure.reads_as_inputs(x, y, batch_size, model))
+        self.arrays = is_arrays(x) and (
+            not isinstance(x, (list, tuple)) or input_structure.reads_as_inputs(x, y, batch_size, model)
+        )
         if not self.arrays:
             self._init_dataset(x, y, sample_weight, batch_size, what)
             return
@@ -168,8 +190,7 @@ class ModelInput:
         # Labels as a Python list, as Keras accepts them; a list of arrays: one per output.
         y = input_structure.labels(y, n)
         if y is None and not inputs_only:
-            raise errors.InvalidArgumentError(
-                f"{what}: y is required with array inputs (the labels).")
+            raise errors.InvalidArgumentError(f"{what}: y is required with array inputs (the labels).")
         lengths = {"x": x} if isinstance(x, (list, tuple)) else {}
         if y is not None:
             lengths["y"] = y if isinstance(y, (list, tuple, dict)) else np.asarray(y)
@@ -222,8 +243,7 @@ class ModelInput:
             )
         # A generator is consumed across epochs, as Keras does with steps_per_epoch. Asked of
         # the type, not by calling iter(): a loader's iter() may start worker processes.
-        self.one_shot = isinstance(x, collections.abc.Iterator) and not hasattr(
-            x, "as_numpy_iterator")
+        self.one_shot = isinstance(x, collections.abc.Iterator) and not hasattr(x, "as_numpy_iterator")
         missing = object()
         if self.one_shot:
             first = next(x, missing)
@@ -241,9 +261,14 @@ class ModelInput:
         try:
             batch = dataset_batches.normalize_batch(first, self.inputs_only, self.class_weight)
             dataset_batches.check_not_text(what, "the first batch", batch)
-            y_pred = checks.check_fits_model(self.model, self.checked, batch[0],
-                                             None if self.inputs_only else batch[1], what,
-                                             self.strategy)
+            y_pred = checks.check_fits_model(
+                self.model,
+                self.checked,
+                batch[0],
+                None if self.inputs_only else batch[1],
+                what,
+                self.strategy,
+            )
         except (errors.IncompatibleInputError, errors.InvalidBatchError) as error:
             hint = input_structure.ambiguity_hint(what, x)
             if not hint:
@@ -253,12 +278,14 @@ class ModelInput:
         if not self.inputs_only:
             rows = len(checks.host_array(jax.tree.leaves(batch[0])[0]))
             if len(batch) == 3:
-                input_structure.sample_weights(f"{what} (the first batch)", batch[2], rows,
-                                               batch[1], self.model)
+                input_structure.sample_weights(
+                    f"{what} (the first batch)", batch[2], rows, batch[1], self.model
+                )
             if isinstance(self.model.loss, losses_lib.SparseCategoricalCrossentropy):
                 self.num_classes = y_pred.shape[-1]
-                losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),
-                                                                      self.num_classes)
+                losses_lib.SparseCategoricalCrossentropy.check_labels(
+                    checks.host_array(batch[1]), self.num_classes
+                )
         self.source = x
         self._stream = None
         if dataset_batches.is_py_dataset(x):
@@ -319,17 +346,20 @@ class ModelInput:
             order = self.rng.permutation(self.n) if self.shuffle else None
             if jax.process_count() == 1:
                 iterator = input_lib.DistributedIterator(
-                    batching.place_host_batches(self.strategy, _ArrayBatches(self, order),
-                                                self.batch_size, self._what),
-                    input_options.InputOptions(experimental_fetch_to_device=prefetch))
+                    batching.place_host_batches(
+                        self.strategy, _ArrayBatches(self, order), self.batch_size, self._what
+                    ),
+                    input_options.InputOptions(experimental_fetch_to_device=prefetch),
+                )
             else:
-                iterator = iter(self.strategy.experimental_distribute_dataset(
-                    _ArrayBatches(self, order)))
+                iterator = iter(self.strategy.experimental_distribute_dataset(_ArrayBatches(self, order)))
         else:
             source = self.source if self.py_dataset is None else _PyDatasetPass(self)
-            iterator = iter(self.strategy.experimental_distribute_dataset(
-                _NormalizedBatches(source, self.inputs_only, self.class_weight,
-                                   self.num_classes)))
+            iterator = iter(
+                self.strategy.experimental_distribute_dataset(
+                    _NormalizedBatches(source, self.inputs_only, self.class_weight, self.num_classes)
+                )
+            )
         count = 0
         try:
             for batch in iterator:
@@ -369,31 +399,40 @@ class ModelInput:
         signature = (structure, tuple((leaf.shape[2:], leaf.dtype) for leaf in leaves))
         if signature in self._signatures:
             return
+
         def global_spec(value):  # a PerReplica's array is (replicas, rows, ...)
             leaf = jax.tree.leaves(value)[0]
-            return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1],) + tuple(leaf.shape[2:]),
-                                        leaf.dtype)
+            return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1],) + tuple(leaf.shape[2:]), leaf.dtype)
 
         parts = jax.tree.map(global_spec, batch, is_leaf=lambda v: isinstance(v, PerReplica))
         what = f"{self._what} (batch {index + 1})"
         try:
-            checks.check_fits_model(self.model, self.checked, parts[0],
-                                    None if self.inputs_only else parts[1], what, self.strategy)
+            checks.check_fits_model(
+                self.model,
+                self.checked,
+                parts[0],
+                None if self.inputs_only else parts[1],
+                what,
+                self.strategy,
+            )
         except errors.IncompatibleInputError as error:
             hint = input_structure.ambiguity_hint(self._what, getattr(self, "source", None))
             if not hint:
                 raise
-            raise errors.IncompatibleInputError(f"{hint}Batch {index + 1} does not fit: "
-                                                f"{str(error).removeprefix(what + ': ')}") from error
+            raise errors.IncompatibleInputError(
+                f"{hint}Batch {index + 1} does not fit: {str(error).removeprefix(what + ': ')}"
+            ) from error
         self._signatures.add(signature)
 
     def _stream_batches(self, steps):
         """Up to `steps` batches from the one iterator over a generator, kept across epochs."""
         first_pass = self._stream is None
         if first_pass:
-            self._stream = iter(self.strategy.experimental_distribute_dataset(
-                _NormalizedBatches(self.source, self.inputs_only, self.class_weight,
-                                   self.num_classes)))
+            self._stream = iter(
+                self.strategy.experimental_distribute_dataset(
+                    _NormalizedBatches(self.source, self.inputs_only, self.class_weight, self.num_classes)
+                )
+            )
         count = 0
         for batch in self._stream:
             self._fits(batch, count)
@@ -454,11 +493,11 @@ class _NormalizedBatches:
             batch = dataset_batches.normalize_batch(batch, self.inputs_only, self.class_weight)
             if self.num_classes is not None:
                 try:
-                    losses_lib.SparseCategoricalCrossentropy.check_labels(checks.host_array(batch[1]),
-                                                                          self.num_classes)
+                    losses_lib.SparseCategoricalCrossentropy.check_labels(
+                        checks.host_array(batch[1]), self.num_classes
+                    )
                 except errors.InvalidLabelError as error:
-                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") \
-                        from None
+                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") from None
             yield batch
 
 

@@ -22,8 +22,12 @@ def class_weights_of(y, table) -> np.ndarray:
     Raises:
       InvalidArgumentError: `y` holds several outputs' labels (Keras 3 refuses that too).
     """
-    if isinstance(y, dict) or isinstance(y, (list, tuple)) and y and all(
-            batching.is_array(item) and np.ndim(item) >= 1 for item in y):
+    if (
+        isinstance(y, dict)
+        or isinstance(y, (list, tuple))
+        and y
+        and all(batching.is_array(item) and np.ndim(item) >= 1 for item in y)
+    ):
         raise errors.InvalidArgumentError(
             f"fit: class_weight is only supported for a model with one output; y is a "
             f"{type(y).__name__} of {len(y)} label arrays. Pass per-output sample_weight "
@@ -53,8 +57,7 @@ def check_source(what: str, x):
             "(a generator of (x, y) batches), as Keras takes a generator."
         )
     hint = input_lib.not_batches_hint(x)
-    if isinstance(x, (str, bytes)) or hint or not (
-            hasattr(x, "__iter__") or hasattr(x, "as_numpy_iterator")):
+    if isinstance(x, (str, bytes)) or hint or not (hasattr(x, "__iter__") or hasattr(x, "as_numpy_iterator")):
         raise errors.InvalidArgumentTypeError(
             f"{what}: x must be NumPy/JAX arrays (or a dict of them), an iterable of batches "
             f"(list, generator, torch DataLoader, Grain loader, tf.data) or a distributed "
@@ -69,8 +72,13 @@ def _text_leaf(value):
     for leaf in jax.tree.leaves(value, is_leaf=lambda v: not isinstance(v, (list, tuple, dict))):
         if isinstance(leaf, (str, bytes)):
             return leaf
-        if isinstance(leaf, np.ndarray) and leaf.size and (leaf.dtype.kind in "US" or (
-                leaf.dtype.kind == "O" and isinstance(leaf.flat[0], (str, bytes)))):
+        if (
+            isinstance(leaf, np.ndarray)
+            and leaf.size
+            and (
+                leaf.dtype.kind in "US" or (leaf.dtype.kind == "O" and isinstance(leaf.flat[0], (str, bytes)))
+            )
+        ):
             return np.asarray(leaf.flat[0]).item()
     return None
 
@@ -85,11 +93,13 @@ def check_not_text(what: str, name: str, value) -> None:
     text = None if isinstance(value, (str, bytes)) else _text_leaf(value)
     if text is None:
         return
-    fix = ("Map the labels to class indices first, e.g. classes, y = np.unique(y, "
-           "return_inverse=True)." if name == "y" else
-           "Turn the text into numbers first (token ids from a tokenizer, e.g. "
-           "keras.layers.TextVectorization adapted on the text and applied to it before fit), "
-           "and pass those arrays.")
+    fix = (
+        "Map the labels to class indices first, e.g. classes, y = np.unique(y, return_inverse=True)."
+        if name == "y"
+        else "Turn the text into numbers first (token ids from a tokenizer, e.g. "
+        "keras.layers.TextVectorization adapted on the text and applied to it before fit), "
+        "and pass those arrays."
+    )
     raise errors.InvalidArgumentTypeError(
         f"{what}: {name} holds strings (e.g. {text!r:.40}); strings are not numeric inputs: "
         f"a JAX model computes on numbers. {fix}"
@@ -127,11 +137,12 @@ def _as_tuple_hints(keys) -> tuple[str, str]:
     label = next((k for k in keys if str(k).lower() in _LABEL_KEYS), None)
     inputs = [k for k in keys if k != label]
     if label is None or not inputs:
-        return ("(b['<inputs>'], b['<labels>'])",
-                "fit(ds['<inputs>'][:], ds['<labels>'][:], batch_size=B)")
+        return ("(b['<inputs>'], b['<labels>'])", "fit(ds['<inputs>'][:], ds['<labels>'][:], batch_size=B)")
     if len(inputs) == 1:
-        return (f"(b[{inputs[0]!r}], b[{label!r}])",
-                f"fit(ds[{inputs[0]!r}][:], ds[{label!r}][:], batch_size=B)")
+        return (
+            f"(b[{inputs[0]!r}], b[{label!r}])",
+            f"fit(ds[{inputs[0]!r}][:], ds[{label!r}][:], batch_size=B)",
+        )
     x = "{" + ", ".join(f"{k!r}: b[{k!r}]" for k in inputs) + "}"
     arrays = "{" + ", ".join(f"{k!r}: ds[{k!r}][:]" for k in inputs) + "}"
     return f"({x}, b[{label!r}])", f"fit({arrays}, ds[{label!r}][:], batch_size=B)"
@@ -140,8 +151,7 @@ def _as_tuple_hints(keys) -> tuple[str, str]:
 def is_py_dataset(x) -> bool:
     """Whether `x` is a `keras.utils.PyDataset` (`keras.utils.Sequence` is its alias), asked of
     its classes' names so that Keras is not imported."""
-    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras.")
-               for c in type(x).__mro__)
+    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras.") for c in type(x).__mro__)
 
 
 def not_x_y_error(batch, where: str = "each batch of a dataset") -> errors.InvalidBatchError:
@@ -150,8 +160,7 @@ def not_x_y_error(batch, where: str = "each batch of a dataset") -> errors.Inval
     A dict batch (Hugging Face rows, a DataLoader over them) gets the tuple to make of it,
     written with its own keys.
     """
-    message = (f"fit/evaluate: {where} must be a tuple or list (x, y) or (x, y, "
-               "sample_weight); received a ")
+    message = f"fit/evaluate: {where} must be a tuple or list (x, y) or (x, y, sample_weight); received a "
     if isinstance(batch, dict):
         as_tuple, as_arrays_ = _as_tuple_hints(batch)
         return errors.InvalidBatchError(
@@ -163,8 +172,7 @@ def not_x_y_error(batch, where: str = "each batch of a dataset") -> errors.Inval
         )
     size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
     return errors.InvalidBatchError(
-        f"{message}{type(batch).__name__}{size}. For a multi-input model, make x a dict of "
-        "arrays."
+        f"{message}{type(batch).__name__}{size}. For a multi-input model, make x a dict of arrays."
     )
 
 
@@ -192,9 +200,11 @@ def check_batched(what: str, source, element) -> None:
     kind = type(source)
     if kind.__module__.split(".")[0] == "datasets" and kind.__name__ == "Dataset":
         as_tuple, as_arrays_ = _as_tuple_hints(element if isinstance(element, dict) else {})
-        fix = ("For a Hugging Face Dataset, pass its columns as arrays (shuffled each epoch, "
-               f"sized, split between workers like any arrays): {as_arrays_}; or batches of "
-               f"(x, y): grain.MapDataset.source(ds).map(lambda b: {as_tuple}).batch(B).")
+        fix = (
+            "For a Hugging Face Dataset, pass its columns as arrays (shuffled each epoch, "
+            f"sized, split between workers like any arrays): {as_arrays_}; or batches of "
+            f"(x, y): grain.MapDataset.source(ds).map(lambda b: {as_tuple}).batch(B)."
+        )
     raise errors.InvalidBatchError(
         f"{what}: x ({kind.__name__}) yields single examples, not batches: its first element's "
         f"leaf {path or 'x'} is a scalar ({value!r:.40}), with no batch axis. {fix}"

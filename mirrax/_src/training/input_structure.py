@@ -21,9 +21,17 @@ from mirrax._src.training import arguments as checks
 def _array_items(x) -> bool:
     """Whether `x` is a non-empty list / tuple (not a namedtuple: a pytree with named fields)
     whose items are all arrays of rank >= 1."""
-    return isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and bool(x) and all(
-        batching.is_array(item) and not isinstance(item, (list, tuple))
-        and len(getattr(item, "shape", ())) >= 1 for item in x)
+    return (
+        isinstance(x, (list, tuple))
+        and not hasattr(x, "_fields")
+        and bool(x)
+        and all(
+            batching.is_array(item)
+            and not isinstance(item, (list, tuple))
+            and len(getattr(item, "shape", ())) >= 1
+            for item in x
+        )
+    )
 
 
 def is_array_list(x) -> bool:
@@ -92,10 +100,12 @@ def ambiguity_hint(what: str, x) -> str:
     if not is_array_list(x) or len(x) < 2:
         return ""
     k = len(x)
-    return (f"{what}: x is a {type(x).__name__} of {k} arrays, read as {k} batches; to pass "
-            f"them as the model's {k} inputs, pass batch_size=... (or y, or x as a dict of "
-            "arrays keyed by input). A list x is a sequence of batches when neither y nor "
-            "batch_size is given (and the model is not a Keras model of as many inputs). ")
+    return (
+        f"{what}: x is a {type(x).__name__} of {k} arrays, read as {k} batches; to pass "
+        f"them as the model's {k} inputs, pass batch_size=... (or y, or x as a dict of "
+        "arrays keyed by input). A list x is a sequence of batches when neither y nor "
+        "batch_size is given (and the model is not a Keras model of as many inputs). "
+    )
 
 
 def _leaves_with_names(name: str, tree) -> list:
@@ -173,10 +183,13 @@ def sample_weights(what: str, sample_weight, n: int, y=None, model=None):
                 "(n,) array per output, in output order (or one array shared by all)."
             )
     if isinstance(sample_weight, dict):
-        return {key: _one_weight(what, f"sample_weight[{key!r}]", value, n)
-                for key, value in sample_weight.items()}
-    return type(sample_weight)(_one_weight(what, f"sample_weight[{i}]", value, n)
-                               for i, value in enumerate(sample_weight))
+        return {
+            key: _one_weight(what, f"sample_weight[{key!r}]", value, n)
+            for key, value in sample_weight.items()
+        }
+    return type(sample_weight)(
+        _one_weight(what, f"sample_weight[{i}]", value, n) for i, value in enumerate(sample_weight)
+    )
 
 
 def weights_tree(sample_weight):

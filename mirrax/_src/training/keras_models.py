@@ -79,15 +79,21 @@ def _check_keras(keras_model):
 def _warn_if_own_steps(keras_model) -> None:
     import keras
 
-    overridden = [name for name in ("train_step", "test_step", "predict_step")
-                  if getattr(type(keras_model), name, None) is not getattr(keras.Model, name, None)
-                  and isinstance(keras_model, keras.Model)]
+    overridden = [
+        name
+        for name in ("train_step", "test_step", "predict_step")
+        if getattr(type(keras_model), name, None) is not getattr(keras.Model, name, None)
+        and isinstance(keras_model, keras.Model)
+    ]
     if overridden:
         warnings.warn(
             f"mirrax.Model: the Keras model {keras_model.name!r} overrides {', '.join(overridden)}, "
             "which mirrax's fit / evaluate / predict do not call (they run their own distributed "
             "steps on the model's call). Override the same method of a mirrax.Model subclass "
-            "instead (docs/training.md, 'Keras 3 models').", UserWarning, stacklevel=4)
+            "instead (docs/training.md, 'Keras 3 models').",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _put(tree: dict, keys: tuple, value) -> None:
@@ -165,22 +171,32 @@ class KerasModule(nnx.Module):
         self.weight_index = nnx.static(tuple(position[id(v)] for v in keras_model.weights))
         self.trainable_index = nnx.static(tuple(position[id(v)] for v in keras_model.trainable_variables))
         self.non_trainable_index = nnx.static(
-            tuple(position[id(v)] for v in keras_model.non_trainable_variables))
+            tuple(position[id(v)] for v in keras_model.non_trainable_variables)
+        )
         trainable = set(self.trainable_index)
-        seeds = tuple(v.name == _SEED_STATE_NAME and i not in trainable
-                      for i, v in enumerate(everything))
+        seeds = tuple(v.name == _SEED_STATE_NAME and i not in trainable for i, v in enumerate(everything))
         self.is_seed = nnx.static(seeds)
         # Copies: Keras's own fit / predict donate the buffers of its variables.
         variables, counts = {}, {}
         for i, v in enumerate(everything):
-            _put(variables, keys[i], nnx.Param(_copy(v)) if i in trainable
-                 else KerasSeedKey(_copy(v)) if seeds[i] else _non_trainable_variable(_copy(v)))
+            _put(
+                variables,
+                keys[i],
+                nnx.Param(_copy(v))
+                if i in trainable
+                else KerasSeedKey(_copy(v))
+                if seeds[i]
+                else _non_trainable_variable(_copy(v)),
+            )
             # The count advances by what Keras adds per draw, the same on every replica; JAX
             # still types it as varying (it is read off the replica's folded key), hence
             # replica 0's.
             if seeds[i]:
-                _put(counts, keys[i], KerasSeedCount(jnp.zeros((), jnp.uint32),
-                                                     aggregation="only_first_replica"))
+                _put(
+                    counts,
+                    keys[i],
+                    KerasSeedCount(jnp.zeros((), jnp.uint32), aggregation="only_first_replica"),
+                )
         self.variables = nnx.data(variables)
         self.seed_counts = nnx.data(counts)
         # As Keras's trainer: `training` goes only to a call that takes it.
@@ -218,8 +234,10 @@ class KerasModule(nnx.Module):
     def _split_now(self) -> tuple[tuple, tuple]:
         """(positions of the trainable variables, of the others), in Keras's orders, now."""
         position = {id(v): i for i, v in enumerate(self.keras_model.variables)}
-        return (tuple(position[id(v)] for v in self.keras_model.trainable_variables),
-                tuple(position[id(v)] for v in self.keras_model.non_trainable_variables))
+        return (
+            tuple(position[id(v)] for v in self.keras_model.trainable_variables),
+            tuple(position[id(v)] for v in self.keras_model.non_trainable_variables),
+        )
 
     def check_trainable_unchanged(self, what: str) -> None:
         """Refuses to train after a layer's `trainable` changed since compile (the optimizer
@@ -291,8 +309,8 @@ class KerasModule(nnx.Module):
             kwargs = {"training": not self.deterministic, **kwargs}
         with jax.numpy_rank_promotion("allow"):
             outputs, new_values, losses = self.keras_model.stateless_call(
-                [values[i] for i in trainable], given, *args,
-                return_losses=True, **kwargs)
+                [values[i] for i in trainable], given, *args, return_losses=True, **kwargs
+            )
         seed_positions = [i for i, seed in enumerate(self.is_seed) if seed]
         counts = dict(zip(seed_positions, self._counts()))
         for i, old, new in zip(non_trainable, given, new_values):
@@ -302,15 +320,18 @@ class KerasModule(nnx.Module):
                 variable = _get(self.variables, self.keys[i])
                 variable.set_value(jnp.asarray(new, variable.get_value().dtype))
         # Keras lists the weight regularizers' losses last (`Layer.losses`).
-        _LAST_CALL_LOSSES[self] = list(losses[:len(losses) - len(self._regularized())])
+        _LAST_CALL_LOSSES[self] = list(losses[: len(losses) - len(self._regularized())])
         total = sum((jnp.asarray(loss, jnp.float32) for loss in losses), jnp.float32(0.0))
         return outputs, total
 
     def _regularized(self) -> list:
         """(position, regularizer) of each trainable Keras variable that has a regularizer."""
         keras_variables = self.keras_model.variables
-        return [(i, keras_variables[i].regularizer) for i in self.trainable_index
-                if getattr(keras_variables[i], "regularizer", None) is not None]
+        return [
+            (i, keras_variables[i].regularizer)
+            for i in self.trainable_index
+            if getattr(keras_variables[i], "regularizer", None) is not None
+        ]
 
     @property
     def losses(self) -> list:
@@ -346,10 +367,10 @@ class KerasModule(nnx.Module):
     def gradient_order(self) -> list:
         """For each leaf of the trainable state, in leaf order, its position in
         `keras_model.trainable_variables` (what `trainable_variables` lists)."""
-        leaf = {tuple(path): n for n, (path, _) in enumerate(
-            nnx.to_flat_state(nnx.state(self, nnx.Param)))}
-        return sorted(range(len(self.trainable_index)),
-                      key=lambda k: leaf[self.state_path(self.trainable_index[k])])
+        leaf = {tuple(path): n for n, (path, _) in enumerate(nnx.to_flat_state(nnx.state(self, nnx.Param)))}
+        return sorted(
+            range(len(self.trainable_index)), key=lambda k: leaf[self.state_path(self.trainable_index[k])]
+        )
 
     def __call__(self, *args, **kwargs):
         """The Keras model's outputs on `args` (its own losses dropped; see `call_with_losses`)."""

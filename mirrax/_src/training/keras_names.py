@@ -36,7 +36,7 @@ def state_keys(paths) -> tuple:
         keys = str(path).split("/")
         for j in range(len(keys)):
             base, n = keys[j], 0
-            while tuple(keys[:j + 1]) in leaves or (j == len(keys) - 1 and tuple(keys) in inner):
+            while tuple(keys[: j + 1]) in leaves or (j == len(keys) - 1 and tuple(keys) in inner):
                 n += 1
                 keys[j] = f"{base}_{n}"
         key = tuple(keys)
@@ -52,8 +52,11 @@ def _canonical(keys) -> dict:
     for segment in {segment for key in keys for segment in key}:
         base, number = _NUMBERED.fullmatch(segment).groups()
         by_base.setdefault(base, []).append((int(number or 0), segment))
-    rank = {segment: f"{base}#{i}" for base, numbered in by_base.items()
-            for i, (_, segment) in enumerate(sorted(numbered))}
+    rank = {
+        segment: f"{base}#{i}"
+        for base, numbered in by_base.items()
+        for i, (_, segment) in enumerate(sorted(numbered))
+    }
     return {key: tuple(rank[segment] for segment in key) for key in keys}
 
 
@@ -66,7 +69,7 @@ def _stored_keys(stored_paths) -> dict:
         for where in found:
             if where in path:
                 last = len(path) - 1 - path[::-1].index(where)
-                found[where].add(path[last + 1:])
+                found[where].add(path[last + 1 :])
     return found
 
 

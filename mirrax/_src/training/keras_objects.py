@@ -76,9 +76,11 @@ def _arguments_for(cls, keras_object, config) -> tuple[dict, dict]:
         defaults = {}
     taken = set(inspect.signature(cls.__init__).parameters)
     passed = {k: v for k, v in config.items() if k in taken and k != "dtype"}
-    dropped = {k: v for k, v in config.items()
-               if k not in taken and k not in ("name", "dtype")
-               and (k not in defaults or defaults[k] != v)}
+    dropped = {
+        k: v
+        for k, v in config.items()
+        if k not in taken and k not in ("name", "dtype") and (k not in defaults or defaults[k] != v)
+    }
     return passed, dropped
 
 
@@ -110,8 +112,11 @@ def loss_from_keras(loss) -> losses_lib.Loss:
         )
     cls = _mirrax_class(loss, losses_lib.get)
     if cls is not None:
-        config = {k: v for k, v in config.items()
-                  if not (k == "reduction" or (k == "axis" and v == -1) or k == "ignore_class")}
+        config = {
+            k: v
+            for k, v in config.items()
+            if not (k == "reduction" or (k == "axis" and v == -1) or k == "ignore_class")
+        }
         passed, dropped = _arguments_for(cls, loss, config)
         if not dropped:
             return cls(**passed)
@@ -156,8 +161,7 @@ def _learning_rate(optimizer, config) -> float:
 
 # Keras's options of every optimizer, with the value that means "off", and what to use instead.
 _COMMON_OFF = {
-    "clipnorm": (None, "clip with an optax optimizer, e.g. optax.chain(optax.clip(...), "
-                       "optax.adam(...))"),
+    "clipnorm": (None, "clip with an optax optimizer, e.g. optax.chain(optax.clip(...), optax.adam(...))"),
     "clipvalue": (None, "pass optax.chain(optax.clip(value), optax.adam(...))"),
     "global_clipnorm": (None, "pass optax.chain(optax.clip_by_global_norm(n), optax.adam(...))"),
     "use_ema": (False, "keep an average of the weights in a callback"),
@@ -197,7 +201,7 @@ def scale_by_keras_adam(b1: float, b2: float, eps: float) -> optax.GradientTrans
         nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
-        alpha = jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        alpha = jnp.sqrt(1 - b2**t) / (1 - b1**t)
         direction = jax.tree.map(lambda m, v: alpha * m / (jnp.sqrt(v) + eps), mu, nu)
         return direction, KerasAdamState(count, mu, nu)
 
@@ -211,8 +215,11 @@ def keras_adam(learning_rate, b1, b2, eps) -> optax.GradientTransformation:
 
 def keras_adamw(learning_rate, b1, b2, eps, weight_decay) -> optax.GradientTransformation:
     """`keras.optimizers.AdamW`'s: Keras subtracts lr * weight_decay * w before Adam's step."""
-    return optax.chain(scale_by_keras_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay),
-                       optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(
+        scale_by_keras_adam(b1, b2, eps),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 def keras_sgd(learning_rate, momentum: float, nesterov: bool) -> optax.GradientTransformation:
@@ -252,22 +259,28 @@ def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
             raise errors.UnsupportedArgumentError(
                 f"compile: keras.optimizers.{name}(amsgrad=True) is not translated (optax's "
                 "amsgrad keeps the maximum of another moment than Keras's); pass amsgrad=False, "
-                "or optax.amsgrad(...) for optax's variant.")
-        kwargs = dict(learning_rate=rate, b1=config["beta_1"], b2=config["beta_2"],
-                      eps=config["epsilon"])
+                "or optax.amsgrad(...) for optax's variant."
+            )
+        kwargs = dict(learning_rate=rate, b1=config["beta_1"], b2=config["beta_2"], eps=config["epsilon"])
         if name == "AdamW":
             return inject(keras_adamw)(weight_decay=decay, **kwargs)
         return inject(keras_adam)(**kwargs)
     if name == "SGD":
         return inject(keras_sgd, static_args=("momentum", "nesterov"))(
-            learning_rate=rate, momentum=float(config.get("momentum") or 0.0),
-            nesterov=bool(config.get("nesterov")))
+            learning_rate=rate,
+            momentum=float(config.get("momentum") or 0.0),
+            nesterov=bool(config.get("nesterov")),
+        )
     if name == "RMSprop":
         # Keras divides by sqrt(velocity + epsilon) (centered: velocity - mean² + epsilon).
-        return inject(optax.rmsprop)(learning_rate=rate, decay=config["rho"],
-                                     eps=config["epsilon"], eps_in_sqrt=True,
-                                     momentum=config.get("momentum") or None,
-                                     centered=bool(config.get("centered")))
+        return inject(optax.rmsprop)(
+            learning_rate=rate,
+            decay=config["rho"],
+            eps=config["epsilon"],
+            eps_in_sqrt=True,
+            momentum=config.get("momentum") or None,
+            centered=bool(config.get("centered")),
+        )
     raise errors.UnsupportedArgumentError(
         f"compile: the Keras optimizer {name} has no translation in mirrax (Adam, AdamW, SGD and "
         "RMSprop have). Pass an optax optimizer, e.g. optax.inject_hyperparams(optax.adagrad)("
@@ -278,6 +291,7 @@ def optimizer_from_keras(optimizer) -> optax.GradientTransformation:
 def from_keras(loss, optimizer, metrics, weighted_metrics):
     """`compile`'s loss, optimizer and metric lists with every Keras object translated (in a
     list or dict of per-output losses or metrics too)."""
+
     def translate(items):
         if isinstance(items, dict):
             return {k: translate(v) for k, v in items.items()}

@@ -27,7 +27,8 @@ def _keras_module(model, what: str):
         raise errors.InvalidArgumentTypeError(
             f"{what}: model must be a mirrax.Model of a Keras model (or its .module); received "
             f"{type(model).__name__}. For an NNX module use nnx.Optimizer(module, "
-            "optax.adam(1e-3), wrt=nnx.Param) and optimizer.update(module, grads).")
+            "optax.adam(1e-3), wrt=nnx.Param) and optimizer.update(module, grads)."
+        )
     return module
 
 
@@ -67,14 +68,16 @@ class KerasOptimizer(nnx.Pytree):
             raise errors.InvalidArgumentTypeError(
                 f"KerasOptimizer: optimizer must be a keras.optimizers.Optimizer (e.g. "
                 f"keras.optimizers.Adam(1e-3)); received {type(optimizer).__name__}. For an "
-                "optax optimizer use nnx.Optimizer(model.module, tx, wrt=nnx.Param).")
+                "optax optimizer use nnx.Optimizer(model.module, tx, wrt=nnx.Param)."
+            )
         keras_model = module.keras_model
         trainable = [keras_model.variables[i] for i in module.trainable_index]
         if optimizer.built:
             raise errors.InvalidArgumentError(
                 f"KerasOptimizer: the Keras optimizer {optimizer.name!r} is already built (for "
                 "some variables, by Keras's fit or apply_gradients); pass a new one, e.g. "
-                f"keras.optimizers.{type(optimizer).__name__}.from_config(optimizer.get_config()).")
+                f"keras.optimizers.{type(optimizer).__name__}.from_config(optimizer.get_config())."
+            )
         optimizer.build(trainable)
         self.keras_optimizer = nnx.static(optimizer)
         self.shapes = nnx.static(tuple((tuple(v.shape), str(v.dtype)) for v in trainable))
@@ -82,8 +85,7 @@ class KerasOptimizer(nnx.Pytree):
         # The pairs of apply_gradients come in module.trainable_variables' (state leaf) order;
         # the Keras optimizer's slots are in Keras's.
         self.gradient_order = nnx.static(tuple(module.gradient_order()))
-        self.variables = nnx.List([nnx.OptState(jnp.array(v.value, copy=True))
-                                   for v in optimizer.variables])
+        self.variables = nnx.List([nnx.OptState(jnp.array(v.value, copy=True)) for v in optimizer.variables])
         ids = [id(v) for v in optimizer.variables]
         self.iterations_index = nnx.static(ids.index(id(optimizer.iterations)))
         # Keras's `learning_rate` is one of its variables unless it is a schedule.
@@ -115,7 +117,8 @@ class KerasOptimizer(nnx.Pytree):
         if self.learning_rate_index is None:
             raise AttributeError(
                 f"The Keras optimizer {self.keras_optimizer.name!r} has a learning-rate "
-                "schedule, which Keras evaluates at each update; it has no value to read or set.")
+                "schedule, which Keras evaluates at each update; it has no value to read or set."
+            )
         return self.variables[self.learning_rate_index]
 
     def _built_optimizer(self):
@@ -130,15 +133,20 @@ class KerasOptimizer(nnx.Pytree):
             # Eagerly, also inside a traced step: the optimizer's own variables are made from
             # concrete zeros, never from tracers.
             with jax.ensure_compile_time_eval():
-                optimizer.build([keras.Variable(np.zeros(shape, dtype), name=f"variable_{i}")
-                                 for i, (shape, dtype) in enumerate(self.shapes)])
+                optimizer.build(
+                    [
+                        keras.Variable(np.zeros(shape, dtype), name=f"variable_{i}")
+                        for i, (shape, dtype) in enumerate(self.shapes)
+                    ]
+                )
         return optimizer
 
     def _apply(self, grads: list, params: list) -> None:
         values = [p.get_value() for p in params]
         with jax.numpy_rank_promotion("allow"):
             new_values, new_state = self._built_optimizer().stateless_apply(
-                [v.get_value() for v in self.variables], grads, values)
+                [v.get_value() for v in self.variables], grads, values
+            )
         for param, value in zip(params, new_values):
             param.set_value(jnp.asarray(value, param.get_value().dtype))
         for variable, value in zip(self.variables, new_state):
@@ -161,7 +169,8 @@ class KerasOptimizer(nnx.Pytree):
             raise errors.InvalidArgumentError(
                 f"apply_gradients: received {len(pairs)} (gradient, variable) pairs for the "
                 f"model's {len(self.shapes)} trainable variables; pass zip(grads, "
-                "model.trainable_variables) with one gradient per variable, in that order.")
+                "model.trainable_variables) with one gradient per variable, in that order."
+            )
         grads = [jnp.asarray(_value(g)) for g, _ in pairs]
         shapes = [self.shapes[k] for k in self.gradient_order]
         for i, (grad, (_, variable), (shape, _)) in enumerate(zip(grads, pairs, shapes)):
@@ -170,7 +179,8 @@ class KerasOptimizer(nnx.Pytree):
                     f"apply_gradients: pair {i} has a gradient of shape {tuple(grad.shape)} for "
                     f"a variable of shape {tuple(jnp.shape(_value(variable)))}, where trainable "
                     f"variable {i} has shape {shape}; pass the pairs in "
-                    "model.trainable_variables' order.")
+                    "model.trainable_variables' order."
+                )
         keras_order = sorted(range(len(pairs)), key=lambda i: self.gradient_order[i])
         self._apply([grads[i] for i in keras_order], [pairs[i][1] for i in keras_order])
 
@@ -189,6 +199,8 @@ class KerasOptimizer(nnx.Pytree):
                 f"KerasOptimizer.update: the gradients hold no entry for the trainable "
                 f"variables {missing} (or the model's trainable variables changed since the "
                 "optimizer was made); differentiate the module itself: "
-                "grads = nnx.grad(loss_fn)(model).")
-        self._apply([flat[module.state_path(i)] for i in self.trainable_index],
-                    module.keras_trainable_variables)
+                "grads = nnx.grad(loss_fn)(model)."
+            )
+        self._apply(
+            [flat[module.state_path(i)] for i in self.trainable_index], module.keras_trainable_variables
+        )

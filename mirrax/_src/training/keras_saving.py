@@ -38,20 +38,23 @@ def _refuse_nnx(filepath):
         "code is Python, not a Keras config). Use model.save_weights(path) for the weights, "
         "mirrax.Checkpoint(model=model).write(path) for weights and optimizer state, or "
         "mirrax.export(model, path, input_signature) for a program that serves without the "
-        "model's code. (A Keras 3 model wrapped in mirrax.Model saves as .keras.)")
+        "model's code. (A Keras 3 model wrapped in mirrax.Model saves as .keras.)"
+    )
 
 
 def _checked_path(filepath) -> str:
     if not isinstance(filepath, (str, os.PathLike)):
         raise errors.InvalidArgumentTypeError(
             f"Model.save: filepath must be a str or os.PathLike ending in .keras; received "
-            f"{type(filepath).__name__} {filepath!r:.60}.")
+            f"{type(filepath).__name__} {filepath!r:.60}."
+        )
     path = os.fsdecode(os.fspath(filepath))
     if not path.endswith(".keras"):
         raise errors.InvalidArgumentError(
             f"Model.save({path!r}): the path must end in .keras (Keras's native format, the one "
             "mirrax writes). Add the extension, e.g. model.save('model.keras'); for the weights "
-            "alone use model.save_weights(path), for a serving program mirrax.export(...).")
+            "alone use model.save_weights(path), for a serving program mirrax.export(...)."
+        )
     return os.path.abspath(path)
 
 
@@ -61,8 +64,11 @@ def _serializable(value) -> bool:
         return True
     if isinstance(value, (list, tuple, dict)):  # dicts: per-output losses / metrics
         return all(_serializable(v) for v in (value.values() if isinstance(value, dict) else value))
-    return (keras_objects.is_keras_loss(value) or keras_objects.is_keras_optimizer(value)
-            or keras_objects.is_keras_metric(value))
+    return (
+        keras_objects.is_keras_loss(value)
+        or keras_objects.is_keras_optimizer(value)
+        or keras_objects.is_keras_metric(value)
+    )
 
 
 def compile_keras_model(keras_model, compile_args: dict | None, handle=None) -> None:
@@ -82,7 +88,9 @@ def compile_keras_model(keras_model, compile_args: dict | None, handle=None) -> 
             "names (e.g. an optax optimizer or a mirrax loss), so the file holds no compile "
             "configuration and load_model returns an uncompiled model: call compile() after "
             "loading, or compile with Keras objects (keras.optimizers.Adam(), keras.losses...).",
-            UserWarning, stacklevel=3)
+            UserWarning,
+            stacklevel=3,
+        )
         return
     optimizer = keras_args["optimizer"]
     if keras_objects.is_keras_optimizer(optimizer):
@@ -124,16 +132,19 @@ def save_model(model, filepath, overwrite, compile_args, kwargs: dict) -> None:
     path = _checked_path(filepath)
     if not isinstance(overwrite, bool):
         raise errors.InvalidArgumentTypeError(
-            f"Model.save: overwrite must be True or False; received {overwrite!r}.")
+            f"Model.save: overwrite must be True or False; received {overwrite!r}."
+        )
     zipped = kwargs.pop("zipped", None)
     if zipped not in (None, True) or kwargs:
         raise errors.UnsupportedArgumentError(
             f"Model.save: {dict(kwargs, **({'zipped': zipped} if zipped is not None else {}))} "
-            "not supported; mirrax writes the zipped .keras file only (no other options).")
+            "not supported; mirrax writes the zipped .keras file only (no other options)."
+        )
     if os.path.lexists(path) and (not overwrite or os.path.isdir(path)):
         raise errors.ExistingPathError(
             f"Model.save: {path} exists{' and is a directory' if os.path.isdir(path) else ''}; "
-            "pass overwrite=True to replace a file, or another path.")
+            "pass overwrite=True to replace a file, or another path."
+        )
     module.read_keras_writes()  # a write to the Keras model since wrapping is kept
     module.write_to_keras()
     compile_keras_model(module.keras_model, compile_args, model.optimizer)
@@ -155,8 +166,7 @@ def _tell_peers(failure) -> None:
     others when the chief's write failed."""
     outcomes = multihost.exchange(f"keras_save/{next(_SAVES)}", failure)
     if jax.process_index() != 0 and outcomes[0] is not None:
-        raise errors.MirraxError(f"Model.save: the chief (process 0) failed to write the file: "
-                                 f"{outcomes[0]}")
+        raise errors.MirraxError(f"Model.save: the chief (process 0) failed to write the file: {outcomes[0]}")
 
 
 def load_keras_model(filepath, custom_objects, compile, safe_mode):
@@ -166,25 +176,32 @@ def load_keras_model(filepath, custom_objects, compile, safe_mode):
     if not isinstance(filepath, (str, os.PathLike)):
         raise errors.InvalidArgumentTypeError(
             f"load_model: filepath must be a str or os.PathLike; received "
-            f"{type(filepath).__name__} {filepath!r:.60}.")
+            f"{type(filepath).__name__} {filepath!r:.60}."
+        )
     path = os.fsdecode(os.fspath(filepath))
     if not os.path.exists(path):
         raise errors.MissingCheckpointError(
-            f"load_model: no file at {path!r}; pass the path that model.save('....keras') wrote.")
+            f"load_model: no file at {path!r}; pass the path that model.save('....keras') wrote."
+        )
     if not path.endswith(".keras"):
         raise errors.InvalidArgumentError(
             f"load_model({path!r}): mirrax reads Keras's .keras files (what Model.save writes); "
             "for mirrax's checkpoints use model.load_weights(path) or mirrax.Checkpoint(...)."
-            "restore(path), for an exported program mirrax.load_exported(path).")
+            "restore(path), for an exported program mirrax.load_exported(path)."
+        )
     with warnings.catch_warnings():
         # Keras's get_config reads variables with np.array(variable), which NumPy 2 warns about.
         warnings.simplefilter("ignore", DeprecationWarning)
         with jax.numpy_rank_promotion("allow"):
-            keras_model = keras.saving.load_model(path, custom_objects=custom_objects,
-                                                  compile=compile, safe_mode=safe_mode)
+            keras_model = keras.saving.load_model(
+                path, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+            )
     config = keras_model.get_compile_config() if compile and keras_model.compiled else None
     if config is None:
         return keras_model, None
     arguments = keras.saving.deserialize_keras_object(config)
-    return keras_model, {k: arguments[k] for k in _KERAS_COMPILE_ARGUMENTS + ("steps_per_execution",)
-                         if arguments.get(k) is not None}
+    return keras_model, {
+        k: arguments[k]
+        for k in _KERAS_COMPILE_ARGUMENTS + ("steps_per_execution",)
+        if arguments.get(k) is not None
+    }

@@ -32,8 +32,7 @@ def warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
         )
 
 
-def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
-                           validation_freq) -> None:
+def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs, validation_freq) -> None:
     """Refuses, before any step, a generator that a later epoch would find exhausted.
 
     A generator is read once across all epochs (as Keras): without `steps_per_epoch` the first
@@ -46,8 +45,9 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
     """
     validations = sum(1 for epoch in epochs if (epoch + 1) % validation_freq == 0)
     for data, steps, passes, what, name in (
-            (train, steps_per_epoch, len(epochs), "x", "steps_per_epoch"),
-            (val, validation_steps, validations, "validation_data", "validation_steps")):
+        (train, steps_per_epoch, len(epochs), "x", "steps_per_epoch"),
+        (val, validation_steps, validations, "validation_data", "validation_steps"),
+    ):
         if data is not None and data.one_shot and steps is None and passes > 1:
             raise errors.EmptyDatasetError(
                 f"fit: {what} is a generator (read once across all epochs), and it would be read "
@@ -61,13 +61,30 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
 PREDICT_AHEAD = 32
 
 
-def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq):
+def fit(
+    model,
+    compiled,
+    x,
+    y,
+    batch_size,
+    epochs,
+    verbose,
+    callbacks,
+    validation_split,
+    validation_data,
+    shuffle,
+    class_weight,
+    sample_weight,
+    initial_epoch,
+    steps_per_epoch,
+    validation_steps,
+    validation_batch_size,
+    validation_freq,
+):
     """`Model.fit` (its arguments, docs and errors there)."""
-    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(
-        epochs, initial_epoch, verbose, shuffle)
+    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(epochs, initial_epoch, verbose, shuffle)
     steps_per_epoch = checks.check_count("fit", "steps_per_epoch", steps_per_epoch, allow_none=True)
-    validation_steps = checks.check_count("fit", "validation_steps", validation_steps,
-                                    allow_none=True)
+    validation_steps = checks.check_count("fit", "validation_steps", validation_steps, allow_none=True)
     validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
     validation_split = checks.check_fraction("fit", "validation_split", validation_split)
     class_weight = _class_weight(compiled, "fit", class_weight, sample_weight)
@@ -84,13 +101,23 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             x, y, sample_weight, validation_split
         )
     train = data_adapter.ModelInput(
-        model, strategy, x, y, sample_weight, batch_size, shuffle, "fit", class_weight=class_weight,
-        rng=compiled.rng, checked=compiled.checked_inputs)
+        model,
+        strategy,
+        x,
+        y,
+        sample_weight,
+        batch_size,
+        shuffle,
+        "fit",
+        class_weight=class_weight,
+        rng=compiled.rng,
+        checked=compiled.checked_inputs,
+    )
     if steps_per_epoch is not None and train.steps is not None and steps_per_epoch > train.steps:
         raise errors.InvalidArgumentError(
             f"fit: steps_per_epoch={steps_per_epoch} but the input holds {train.steps} "
-            f"batch(es) per pass, so every epoch would run out of data (Keras warns \"Your "
-            "input ran out of data\" and trains short epochs). Pass steps_per_epoch <= "
+            f'batch(es) per pass, so every epoch would run out of data (Keras warns "Your '
+            'input ran out of data" and trains short epochs). Pass steps_per_epoch <= '
             f"{train.steps}, or omit it for one pass per epoch."
         )
     val = None
@@ -98,19 +125,33 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
         vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
         vbatch = validation_batch_size if validation_batch_size is not None else batch_size
         val = data_adapter.ModelInput(
-            model, strategy, vx, vy, vw, vbatch if data_adapter.is_arrays(vx) else None, False,
-            "fit(validation_data=...)", checked=compiled.checked_inputs)
+            model,
+            strategy,
+            vx,
+            vy,
+            vw,
+            vbatch if data_adapter.is_arrays(vx) else None,
+            False,
+            "fit(validation_data=...)",
+            checked=compiled.checked_inputs,
+        )
     elif validation_batch_size is not None:
         raise errors.InvalidArgumentError(
             f"fit: validation_batch_size={validation_batch_size!r} was given without "
             "validation data; pass validation_data= or validation_split=, or drop it."
         )
-    check_generators_last(train, steps_per_epoch, val, validation_steps,
-                           range(initial_epoch, epochs), validation_freq)
+    check_generators_last(
+        train, steps_per_epoch, val, validation_steps, range(initial_epoch, epochs), validation_freq
+    )
     steps = steps_per_epoch if steps_per_epoch is not None else train.steps
     cbs = callbacks_lib.CallbackList(
-        callbacks, add_history=True, add_progbar=verbose != 0, model=model,
-        verbose=verbose, epochs=epochs, steps=steps,
+        callbacks,
+        add_history=True,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps,
     )
     cbs.set_params(dict(cbs.params, metrics=log_keys(model, compiled, val is not None, cbs.callbacks)))
     model.stop_training = False
@@ -129,13 +170,17 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
         warnings.warn(
             f"fit: a callback's resume point (a restored backup) resumes epoch "
             f"{first_epoch + 1} at batch {first_step + 1}, but this input has {known} batch(es) "
-            f"per epoch; epoch {first_epoch + 1} restarts at its first batch.", stacklevel=3)
+            f"per epoch; epoch {first_epoch + 1} restarts at its first batch.",
+            stacklevel=3,
+        )
         first_step = 0
     if first_epoch >= epochs:
         warnings.warn(
             f"fit: a callback's resume point (a restored backup) is epoch {first_epoch + 1}, at "
             f"or after epochs={epochs}: training is already done and this fit trains nothing. "
-            "Pass a larger epochs to train more.", stacklevel=3)
+            "Pass a larger epochs to train more.",
+            stacklevel=3,
+        )
     logs: dict = {}
     epoch_logs: dict = {}
     try:
@@ -145,8 +190,7 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             model.module.train()
             step = first_step if epoch == first_epoch else 0
             trained = 0
-            batches = itertools.islice(
-                train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
+            batches = itertools.islice(train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
             for group in steps_lib.groups(batches, model.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
@@ -166,7 +210,9 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
             # An epoch that ran no step has no values to log (not a loss of 0.0).
             epoch_logs = logs_of(model, compiled) if trained else {}
             if val is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = evaluate_loop(model, compiled, val, validation_steps, cbs, "fit(validation_data=...)")
+                val_logs = evaluate_loop(
+                    model, compiled, val, validation_steps, cbs, "fit(validation_data=...)"
+                )
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 model.module.train()
             if model.optimizer.has_learning_rate:
@@ -186,10 +232,23 @@ def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, c
     verbose = checks.check_verbose("evaluate", verbose)
     steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
     return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
-    data = data_adapter.ModelInput(model, model.distribute_strategy, x, y, sample_weight,
-                                   batch_size, False, "evaluate", checked=compiled.checked_inputs)
+    data = data_adapter.ModelInput(
+        model,
+        model.distribute_strategy,
+        x,
+        y,
+        sample_weight,
+        batch_size,
+        False,
+        "evaluate",
+        checked=compiled.checked_inputs,
+    )
     cbs = callbacks_lib.CallbackList(
-        callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
+        callbacks,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=1,
         steps=steps if steps is not None else data.steps,
     )
     try:
@@ -209,20 +268,24 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     verbose = checks.check_verbose("predict", verbose)
     steps = checks.check_count("predict", "steps", steps, allow_none=True)
     predict_fn, per_call, checked = step_fn
-    data = data_adapter.ModelInput(model, strategy, x, None, None, batch_size, False, "predict",
-                                   inputs_only=True, checked=checked)
+    data = data_adapter.ModelInput(
+        model, strategy, x, None, None, batch_size, False, "predict", inputs_only=True, checked=checked
+    )
     model.module.eval()
     outputs = []
     cbs = callbacks_lib.CallbackList(
-        callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
+        callbacks,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=1,
         steps=steps if steps is not None else data.steps,
     )
     cbs.on_predict_begin()
     # Outputs are copied to the host at the end, so steps queue without a device round
     # trip each, unless a callback reads each batch's outputs or several processes hold
     # them (strategy.gather then replicates them first).
-    per_batch = (jax.process_count() > 1
-                 or cbs.needs_batch_logs("on_predict_batch_end"))
+    per_batch = jax.process_count() > 1 or cbs.needs_batch_logs("on_predict_batch_end")
     pending: collections.deque = collections.deque()
     objects = (model.module, None, None, None, None)
     step = 0
@@ -232,12 +295,12 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
             outs = run_steps(strategy, predict_fn, objects, group)
             step += len(group)
             if per_batch:
-                gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0))
-                            for out in outs]
+                gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0)) for out in outs]
                 outputs += gathered
                 # As Keras: the outputs of every step of the call, concatenated.
-                cbs.on_predict_batch_end(step - 1, {"outputs": gathered[0] if len(gathered) == 1
-                                                    else concatenate(gathered)})
+                cbs.on_predict_batch_end(
+                    step - 1, {"outputs": gathered[0] if len(gathered) == 1 else concatenate(gathered)}
+                )
             else:
                 for out in outs:
                     pending.append(out)
@@ -271,25 +334,35 @@ def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple:
     if len(group) == 1:
         return (strategy.run(step_fn, args=objects + (group[0],)),)
     masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
-    results = strategy.run(steps_lib.multi_step_of(step_fn),
-                           args=objects + (tuple(group), masks))
+    results = strategy.run(steps_lib.multi_step_of(step_fn), args=objects + (tuple(group), masks))
     return tuple(_with_rows_of(strategy, result, batch) for result, batch in zip(results, group))
 
 
 def _with_rows_of(strategy, result, batch):
-    rows = next(leaf for leaf in jax.tree.leaves(batch, is_leaf=values_lib.is_distributed)
-                if isinstance(leaf, PerReplica))
+    rows = next(
+        leaf
+        for leaf in jax.tree.leaves(batch, is_leaf=values_lib.is_distributed)
+        if isinstance(leaf, PerReplica)
+    )
     return jax.tree.map(
-        lambda v: PerReplica(strategy, v.stacked, rows.mask, rows.lengths)
-        if isinstance(v, PerReplica) else v,
-        result, is_leaf=values_lib.is_distributed)
+        lambda v: (
+            PerReplica(strategy, v.stacked, rows.mask, rows.lengths) if isinstance(v, PerReplica) else v
+        ),
+        result,
+        is_leaf=values_lib.is_distributed,
+    )
 
 
 def train_objects(model, compiled) -> tuple:
     """The NNX objects `compiled.train_fn` takes before the batch: (module, nnx.Optimizer,
     metrics, loss tracker, float16 loss scale or None)."""
-    return (model.module, model.optimizer.nnx_optimizer, model.metrics, compiled.tracker,
-            compiled.dynamic_scale)
+    return (
+        model.module,
+        model.optimizer.nnx_optimizer,
+        model.metrics,
+        compiled.tracker,
+        compiled.dynamic_scale,
+    )
 
 
 def _class_weight(compiled, what: str, class_weight, sample_weight):
@@ -303,7 +376,8 @@ def _class_weight(compiled, what: str, class_weight, sample_weight):
             f"{what}: class_weight is not supported for a model of several outputs "
             f"{list(compiled.outputs.names)} (Keras 3 refuses it too: which output's labels "
             "would pick the weight?). Pass sample_weight instead: one array per output (a list "
-            "or a dict by output name), e.g. the class weights of that output's labels.")
+            "or a dict by output name), e.g. the class weights of that output's labels."
+        )
     return checks.check_class_weight(class_weight, sample_weight)
 
 
@@ -329,7 +403,8 @@ def test_on_batch(model, compiled, x, y, sample_weight, return_dict):
     model.module.eval()
     for batch in data.batches():
         model.distribute_strategy.run(
-            compiled.test_fn, args=(model.module, None, model.metrics, compiled.tracker, None, batch))
+            compiled.test_fn, args=(model.module, None, model.metrics, compiled.tracker, None, batch)
+        )
     return result_of(logs_of(model, compiled), return_dict)
 
 
@@ -337,8 +412,10 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
     """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
     None when a callback of the user's own (or a LambdaCallback, whose functions are the
     user's) may add keys (as Keras's callbacks may write into the logs): the monitoring callbacks then look for their key at each epoch end."""
-    if any(isinstance(c, callbacks_lib.LambdaCallback)
-           or not type(c).__module__.startswith("mirrax.") for c in callbacks):
+    if any(
+        isinstance(c, callbacks_lib.LambdaCallback) or not type(c).__module__.startswith("mirrax.")
+        for c in callbacks
+    ):
         return None
     keys = metric_keys(model, compiled)
     if validation:
@@ -351,9 +428,15 @@ def log_keys(model, compiled, validation: bool, callbacks: list):
 def metric_keys(model, compiled) -> list:
     """["loss", <output>_loss... (several outputs), <metric log keys>...]: one per metric, one
     per threshold of a several-threshold Precision / Recall (`metric_registry.log_names`)."""
-    return ["loss"] + _output_loss_names(compiled) + [
-        key for name, metric in zip(compiled.metric_names, model.metrics)
-        for key in metric_registry.log_names(name, metric)]
+    return (
+        ["loss"]
+        + _output_loss_names(compiled)
+        + [
+            key
+            for name, metric in zip(compiled.metric_names, model.metrics)
+            for key in metric_registry.log_names(name, metric)
+        ]
+    )
 
 
 def evaluate_loop(model, compiled, data, steps, cbs, what):
@@ -365,8 +448,7 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
     objects = (model.module, None, model.metrics, compiled.tracker, None)
     count = 0
-    for group in steps_lib.groups(data.batches(steps, prefetch=batch_logs),
-                                  model.steps_per_execution):
+    for group in steps_lib.groups(data.batches(steps, prefetch=batch_logs), model.steps_per_execution):
         cbs.on_test_batch_begin(count)
         run_steps(strategy, compiled.test_fn, objects, group)
         count += len(group)
@@ -395,9 +477,18 @@ def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
             f"{what}: x must be an array (or a dict of arrays) holding one batch; received "
             f"{type(x).__name__}. Use fit() / evaluate() for datasets."
         )
-    return data_adapter.ModelInput(model, model.distribute_strategy, x, y, sample_weight,
-                                   max(data_adapter.num_examples(x), 1), False, what,
-                                   class_weight=class_weight, checked=compiled.checked_inputs)
+    return data_adapter.ModelInput(
+        model,
+        model.distribute_strategy,
+        x,
+        y,
+        sample_weight,
+        max(data_adapter.num_examples(x), 1),
+        False,
+        what,
+        class_weight=class_weight,
+        checked=compiled.checked_inputs,
+    )
 
 
 def result_of(logs: dict, return_dict: bool):
@@ -450,6 +541,7 @@ def one_batch_size(what: str, x) -> int:
 
 def make_train_function(model, compiled):
     """`Model.make_train_function` (its docs and errors there)."""
+
     def objects():
         model.module.train()  # as Keras's training=True, whatever ran before (a test function)
         return train_objects(model, compiled)
@@ -459,6 +551,7 @@ def make_train_function(model, compiled):
 
 def make_test_function(model, compiled):
     """`Model.make_test_function` (its docs and errors there)."""
+
     def objects():
         model.module.eval()  # as evaluate: Dropout off, BatchNorm's moving averages
         return (model.module, None, model.metrics, compiled.tracker, None)
@@ -477,12 +570,15 @@ def _batch_function(model, name: str, step_fn, objects):
     checks.check_not_parameter_server(strategy, f"make_{name}")
 
     def function(batch):
-        if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(
-                batch, is_leaf=lambda v: isinstance(v, PerReplica))):
+        if not any(
+            isinstance(leaf, PerReplica)
+            for leaf in jax.tree.leaves(batch, is_leaf=lambda v: isinstance(v, PerReplica))
+        ):
             raise errors.InvalidArgumentTypeError(
                 f"{name}: batch must be a distributed batch, an element of "
                 "strategy.experimental_distribute_dataset(...); received "
-                f"{type(batch).__name__}. (A plain array would reach every replica whole.)")
+                f"{type(batch).__name__}. (A plain array would reach every replica whole.)"
+            )
         strategy.run(step_fn, args=objects() + (batch,))
 
     function.__name__ = name

@@ -20,8 +20,13 @@ class Reduction:
 
 
 # Keras 3's spellings (`keras.losses.Loss(reduction=...)`) of the reductions mirrax has.
-_REDUCTIONS = {None: None, "none": None, "sum": "sum",
-               "sum_over_batch_size": "sum_over_batch_size", "mean": "sum_over_batch_size"}
+_REDUCTIONS = {
+    None: None,
+    "none": None,
+    "sum": "sum",
+    "sum_over_batch_size": "sum_over_batch_size",
+    "mean": "sum_over_batch_size",
+}
 
 
 def check_reduction(owner: str, reduction):
@@ -42,7 +47,6 @@ def check_reduction(owner: str, reduction):
         "weighted sum of the replica's real examples) or None / 'none' (one loss per example, "
         "TF's Reduction.NONE, for mirrax.compute_average_loss)."
     )
-
 
 
 def unaveraged(loss, per_example, sample_weight):

@@ -87,7 +87,9 @@ class Loss:
 
     def __init__(self, name: str | None = None):
         if name is not None and not isinstance(name, str):
-            raise errors.InvalidArgumentTypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+            raise errors.InvalidArgumentTypeError(
+                f"{type(self).__name__}: name must be a string; received {name!r}."
+            )
         self.name = name or self.default_name
 
     def _elementwise(self, y_true, y_pred):
@@ -157,7 +159,7 @@ class Loss:
             return compute_average_loss(per_example, weight)
         y_pred = jnp.asarray(y_pred)
         elementwise = self._elementwise(y_true, y_pred)
-        if weight.ndim > elementwise.ndim or weight.shape != elementwise.shape[:weight.ndim]:
+        if weight.ndim > elementwise.ndim or weight.shape != elementwise.shape[: weight.ndim]:
             raise errors.IncompatibleInputError(
                 f"{self.name}: sample_weight of shape {weight.shape} fits neither the batch "
                 f"{elementwise.shape[:1]} nor the leading axes of the element loss "
@@ -259,8 +261,7 @@ class SparseCategoricalCrossentropy(Loss):
             the message names the offending values, how many there are, and the valid range.
           ValueError: `num_classes` is not a positive integer.
         """
-        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
-                or num_classes < 1:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
             raise errors.InvalidArgumentError(
                 f"check_labels: num_classes must be a positive int (the size of y_pred's last "
                 f"axis); received {num_classes!r}."
@@ -291,8 +292,7 @@ class SparseCategoricalCrossentropy(Loss):
 class _SmoothedCrossentropy(Loss):
     """The arguments shared by the categorical and binary cross-entropies."""
 
-    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0,
-                 name: str | None = None):
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str | None = None):
         super().__init__(name=name)
         self.from_logits = targets.check_flag(type(self).__name__, "from_logits", from_logits)
         self.label_smoothing = targets.check_smoothing(label_smoothing, type(self).__name__)
@@ -403,10 +403,10 @@ class Huber(Loss):
 
     def __init__(self, delta: float = 1.0, name: str | None = None):
         super().__init__(name=name)
-        if isinstance(delta, bool) or not isinstance(delta, (int, float, np.number)) \
-                or np.ndim(delta):
+        if isinstance(delta, bool) or not isinstance(delta, (int, float, np.number)) or np.ndim(delta):
             raise errors.InvalidArgumentTypeError(
-                f"Huber: delta must be a float; received {type(delta).__name__} {delta!r}.")
+                f"Huber: delta must be a float; received {type(delta).__name__} {delta!r}."
+            )
         if not delta > 0:
             raise errors.InvalidArgumentError(f"Huber: delta must be a positive float; received {delta!r}.")
         self.delta = float(delta)
@@ -426,18 +426,20 @@ _CLASSES = (
 )
 # Keras's names: class names, the snake_case function names, and the short aliases.
 _BY_NAME: dict = {cls.__name__: cls for cls in _CLASSES}
-_BY_NAME.update({
-    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
-    "categorical_crossentropy": CategoricalCrossentropy,
-    "binary_crossentropy": BinaryCrossentropy,
-    "bce": BinaryCrossentropy,
-    "mean_squared_error": MeanSquaredError,
-    "mse": MeanSquaredError,
-    "mean_absolute_error": MeanAbsoluteError,
-    "mae": MeanAbsoluteError,
-    "huber": Huber,
-    "huber_loss": Huber,
-})
+_BY_NAME.update(
+    {
+        "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+        "categorical_crossentropy": CategoricalCrossentropy,
+        "binary_crossentropy": BinaryCrossentropy,
+        "bce": BinaryCrossentropy,
+        "mean_squared_error": MeanSquaredError,
+        "mse": MeanSquaredError,
+        "mean_absolute_error": MeanAbsoluteError,
+        "mae": MeanAbsoluteError,
+        "huber": Huber,
+        "huber_loss": Huber,
+    }
+)
 
 
 def get(identifier):
@@ -478,5 +480,3 @@ def get(identifier):
         "pass a loss name such as 'sparse_categorical_crossentropy', a mirrax.losses.Loss "
         "instance, or a function fn(y_true, y_pred) returning one loss per example."
     )
-
-

@@ -15,24 +15,35 @@ from mirrax._src.training import metrics as metrics_lib
 
 
 _CLASSES = (
-    metrics_lib.Mean, metrics_lib.Sum, metrics_lib.Accuracy, metrics_lib.BinaryAccuracy, metrics_lib.CategoricalAccuracy, metrics_lib.SparseCategoricalAccuracy,
-    confusion.Precision, confusion.Recall, confusion.AUC, metrics_lib.MeanSquaredError, metrics_lib.MeanAbsoluteError,
+    metrics_lib.Mean,
+    metrics_lib.Sum,
+    metrics_lib.Accuracy,
+    metrics_lib.BinaryAccuracy,
+    metrics_lib.CategoricalAccuracy,
+    metrics_lib.SparseCategoricalAccuracy,
+    confusion.Precision,
+    confusion.Recall,
+    confusion.AUC,
+    metrics_lib.MeanSquaredError,
+    metrics_lib.MeanAbsoluteError,
 )
 
 
 _BY_NAME: dict = {cls.__name__: cls for cls in _CLASSES}
-_BY_NAME.update({
-    "binary_accuracy": metrics_lib.BinaryAccuracy,
-    "categorical_accuracy": metrics_lib.CategoricalAccuracy,
-    "sparse_categorical_accuracy": metrics_lib.SparseCategoricalAccuracy,
-    "precision": confusion.Precision,
-    "recall": confusion.Recall,
-    "auc": confusion.AUC,
-    "mean_squared_error": metrics_lib.MeanSquaredError,
-    "mse": metrics_lib.MeanSquaredError,
-    "mean_absolute_error": metrics_lib.MeanAbsoluteError,
-    "mae": metrics_lib.MeanAbsoluteError,
-})
+_BY_NAME.update(
+    {
+        "binary_accuracy": metrics_lib.BinaryAccuracy,
+        "categorical_accuracy": metrics_lib.CategoricalAccuracy,
+        "sparse_categorical_accuracy": metrics_lib.SparseCategoricalAccuracy,
+        "precision": confusion.Precision,
+        "recall": confusion.Recall,
+        "auc": confusion.AUC,
+        "mean_squared_error": metrics_lib.MeanSquaredError,
+        "mse": metrics_lib.MeanSquaredError,
+        "mean_absolute_error": metrics_lib.MeanAbsoluteError,
+        "mae": metrics_lib.MeanAbsoluteError,
+    }
+)
 
 
 _ACCURACY_NAMES = ("accuracy", "acc")

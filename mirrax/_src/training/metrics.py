@@ -57,7 +57,9 @@ class Metric(nnx.Pytree):
 
     def __init__(self, name: str | None = None, dtype=None):
         if name is not None and not isinstance(name, str):
-            raise errors.InvalidArgumentTypeError(f"{type(self).__name__}: name must be a string; received {name!r}.")
+            raise errors.InvalidArgumentTypeError(
+                f"{type(self).__name__}: name must be a string; received {name!r}."
+            )
         if dtype is not None and jnp.dtype(dtype) != jnp.float32:
             raise errors.InvalidArgumentError(
                 f"{type(self).__name__}: mirrax metrics keep float32 state; received "
@@ -143,8 +145,11 @@ class Mean(Metric):
         """
         values = jnp.asarray(values, jnp.float32)
         if values.ndim == 0:
-            weight = jnp.ones((), jnp.float32) if sample_weight is None else _scalar_weight(
-                self.name, sample_weight)
+            weight = (
+                jnp.ones((), jnp.float32)
+                if sample_weight is None
+                else _scalar_weight(self.name, sample_weight)
+            )
             self._add(self.total, values * weight)
             self._add(self.count, weight)
             return
@@ -422,7 +427,7 @@ def align_weight(owner: str, sample_weight, shape: tuple):
         weight = weight.reshape(weight.shape[:-1])
     if weight.ndim == 0:
         return jnp.broadcast_to(weight, shape[:1])
-    lead = shape[:weight.ndim]
+    lead = shape[: weight.ndim]
     if weight.ndim > len(shape) or any(w not in (1, s) for w, s in zip(weight.shape, lead)):
         raise errors.IncompatibleInputError(
             f"{owner}: sample_weight of shape {weight.shape} does not fit values of shape "

@@ -102,10 +102,19 @@ class Model(model_glue.KerasGlue):
 
     # -- compile ---------------------------------------------------------------------------------
 
-    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
-                weighted_metrics=None, run_eagerly: bool = False, steps_per_execution: int = 1,
-                jit_compile="auto", auto_scale_loss: bool = True,
-                gradient_accumulation_steps: int = 1):
+    def compile(
+        self,
+        optimizer="rmsprop",
+        loss=None,
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly: bool = False,
+        steps_per_execution: int = 1,
+        jit_compile="auto",
+        auto_scale_loss: bool = True,
+        gradient_accumulation_steps: int = 1,
+    ):
         """Configures training, as `keras.Model.compile` (same arguments, same order).
 
         Args:
@@ -148,24 +157,34 @@ class Model(model_glue.KerasGlue):
             was made in.
         """
         keras_models.before_compile(self.module, mixed_precision.global_policy())
-        self._remember_compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
-                               metrics=metrics, weighted_metrics=weighted_metrics)
+        self._remember_compile(
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+        )
         loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
-            loss, optimizer, metrics, weighted_metrics)
-        outputs_lib.check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly,
-                                       jit_compile, auto_scale_loss)
+            loss, optimizer, metrics, weighted_metrics
+        )
+        outputs_lib.check_compile_args(
+            loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile, auto_scale_loss
+        )
         loss, loss_scale, outputs = outputs_lib.resolve(self.module, loss, loss_weights)
         steps_per_execution = checks.check_count("compile", "steps_per_execution", steps_per_execution)
         gradient_accumulation_steps = checks.check_count(
-            "compile", "gradient_accumulation_steps", gradient_accumulation_steps)
+            "compile", "gradient_accumulation_steps", gradient_accumulation_steps
+        )
         self.distribute_strategy = checks.compile_strategy(self._scope_strategy)
         if self._scope_strategy is not None:  # it may have moved off one that was shut down
             self._scope_strategy = self.distribute_strategy
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
-        checks.check_sharded_optimizer(self.distribute_strategy, steps_per_execution,
-                                       mixed_precision.global_policy().uses_loss_scaling
-                                       and auto_scale_loss)
+        checks.check_sharded_optimizer(
+            self.distribute_strategy,
+            steps_per_execution,
+            mixed_precision.global_policy().uses_loss_scaling and auto_scale_loss,
+        )
         tx = optimizers.resolve_optimizer(optimizer)
         self.steps_per_execution = steps_per_execution
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -175,13 +194,20 @@ class Model(model_glue.KerasGlue):
         self.optimizer = optimizers.make_handle(self.module, tx, self.distribute_strategy)
         self.loss = loss
         self.metrics, names, weighted_flags, where = outputs_lib.build_metrics(
-            loss, outputs, metrics, weighted_metrics)
+            loss, outputs, metrics, weighted_metrics
+        )
         self.dtype_policy = mixed_precision.global_policy()
         compiled = steps_lib.compiled_state(
-            self.loss, loss_scale, self.dtype_policy,
-            metric_registry.checked_scalar(names, self.metrics), weighted_flags,
+            self.loss,
+            loss_scale,
+            self.dtype_policy,
+            metric_registry.checked_scalar(names, self.metrics),
+            weighted_flags,
             self.dtype_policy.uses_loss_scaling and auto_scale_loss,
-            self.distribute_strategy.replica_invariant, outputs, where)
+            self.distribute_strategy.replica_invariant,
+            outputs,
+            where,
+        )
         # New step functions at every compile: they key strategy.run's program cache, so a
         # recompiled model (another loss, policy or metrics) never reuses an old program.
         compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
@@ -193,8 +219,8 @@ class Model(model_glue.KerasGlue):
     def _check_compiled(self, what: str):
         if not self._compiled:
             raise errors.NotCompiledError(
-                f"{what}: the model is not compiled. Call model.compile(optimizer=..., loss=...) "
-                "first.")
+                f"{what}: the model is not compiled. Call model.compile(optimizer=..., loss=...) first."
+            )
         self._check_scope(what)
 
     def _check_scope(self, what: str):
@@ -265,11 +291,25 @@ class Model(model_glue.KerasGlue):
 
     # -- fit -------------------------------------------------------------------------------------
 
-    def fit(self, x=None, y=None, batch_size=None, epochs: int = 1, verbose="auto",
-            callbacks=None, validation_split: float = 0.0, validation_data=None,
-            shuffle: bool = True, class_weight=None, sample_weight=None,
-            initial_epoch: int = 0, steps_per_epoch=None, validation_steps=None,
-            validation_batch_size=None, validation_freq: int = 1):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs: int = 1,
+        verbose="auto",
+        callbacks=None,
+        validation_split: float = 0.0,
+        validation_data=None,
+        shuffle: bool = True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch: int = 0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq: int = 1,
+    ):
         """Trains the model, as `keras.Model.fit` (same arguments, same order); returns the `History`.
 
         Args:
@@ -316,15 +356,43 @@ class Model(model_glue.KerasGlue):
         keras_models.before_fit(self.module)
         fit = ps_loops.fit if ps_loops.is_parameter_server(self.distribute_strategy) else loops.fit
         try:
-            return fit(self, self._compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
+            return fit(
+                self,
+                self._compiled,
+                x,
+                y,
+                batch_size,
+                epochs,
+                verbose,
+                callbacks,
+                validation_split,
+                validation_data,
+                shuffle,
+                class_weight,
+                sample_weight,
+                initial_epoch,
+                steps_per_epoch,
+                validation_steps,
+                validation_batch_size,
+                validation_freq,
+            )
         finally:
             if isinstance(self.module, keras_models.KerasModule):
                 self.module.write_to_keras()
 
     # -- evaluate / predict ----------------------------------------------------------------------
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
-                 steps=None, callbacks=None, return_dict: bool = False):
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict: bool = False,
+    ):
         """Loss and metrics over the data, as `keras.Model.evaluate` (every example once).
 
         Args: as `fit`'s (x, y, batch_size, verbose, sample_weight, callbacks); `steps`: the
@@ -340,8 +408,9 @@ class Model(model_glue.KerasGlue):
           shapes that do not fit the model. EmptyDatasetError: the input yields no batch.
         """
         self._check_compiled("evaluate")
-        return (ps_loops.evaluate if ps_loops.is_parameter_server(self.distribute_strategy)
-                else loops.evaluate)(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
+        return (
+            ps_loops.evaluate if ps_loops.is_parameter_server(self.distribute_strategy) else loops.evaluate
+        )(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """The module's outputs for every example, in input order, as NumPy (as `keras.Model.predict`).
@@ -363,14 +432,16 @@ class Model(model_glue.KerasGlue):
         if ps_loops.is_parameter_server(strategy):
             strategy = ps_loops.predict_strategy(strategy)
         compiled = self._compiled
-        step_fn = ((self._uncompiled_predict_fn, 1, self._uncompiled_checked) if compiled is None
-                   else (compiled.predict_fn, self.steps_per_execution, compiled.checked_inputs))
+        step_fn = (
+            (self._uncompiled_predict_fn, 1, self._uncompiled_checked)
+            if compiled is None
+            else (compiled.predict_fn, self.steps_per_execution, compiled.checked_inputs)
+        )
         return loops.predict(self, strategy, step_fn, x, batch_size, verbose, steps, callbacks)
 
     # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
 
-    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
-                       return_dict: bool = False):
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict: bool = False):
         """One training step on one GLOBAL batch of arrays, as `keras.Model.train_on_batch`.
 
         The metrics are reset first (as Keras 3), so the result is this batch's loss and
@@ -480,14 +551,22 @@ class Model(model_glue.KerasGlue):
             return self._binding.current[3]
         return None if self._compiled is None else self._compiled.tracker
 
-    def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
-                show_trainable=False, layer_range=None):
+    def summary(
+        self,
+        line_length=None,
+        positions=None,
+        print_fn=None,
+        expand_nested=False,
+        show_trainable=False,
+        layer_range=None,
+    ):
         """A Keras model: `keras_model.summary(...)` (Keras's table, all its arguments). An NNX
         module: its variables' path, type, shape and count, with line_length, print_fn,
         show_trainable (`nnx.Param`s are), expand_nested (accepted: all are listed); positions
         and layer_range raise UnsupportedArgumentError, a bad type InvalidArgumentTypeError."""
-        weights_lib.print_summary(self.module, line_length, positions, print_fn,
-                                  expand_nested, show_trainable, layer_range)
+        weights_lib.print_summary(
+            self.module, line_length, positions, print_fn, expand_nested, show_trainable, layer_range
+        )
 
 
 def train_call(model: Model, what: str) -> tuple:

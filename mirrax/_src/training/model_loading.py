@@ -39,8 +39,7 @@ def load_model(filepath, custom_objects=None, compile: bool = True, safe_mode: b
       UnsupportedArgumentError: the file's compile arguments have no mirrax translation (the
         message of `compile` names them); load with compile=False and compile yourself.
     """
-    keras_model, compile_args = keras_saving.load_keras_model(filepath, custom_objects, compile,
-                                                              safe_mode)
+    keras_model, compile_args = keras_saving.load_keras_model(filepath, custom_objects, compile, safe_mode)
     model = Model(keras_model)
     if compile_args is not None:
         model.compile(**compile_args)

@@ -68,9 +68,13 @@ class OptimizerHandle:
 
     @learning_rate.setter
     def learning_rate(self, value: float):
-        if isinstance(value, bool) or np.ndim(value) != 0 or not isinstance(
-                np.asarray(value).item(), (int, float)) or not math.isfinite(float(value)) \
-                or float(value) < 0:
+        if (
+            isinstance(value, bool)
+            or np.ndim(value) != 0
+            or not isinstance(np.asarray(value).item(), (int, float))
+            or not math.isfinite(float(value))
+            or float(value) < 0
+        ):
             raise errors.InvalidArgumentError(
                 f"optimizer.learning_rate must be a finite float >= 0; received {value!r}."
             )
@@ -166,16 +170,19 @@ def _refusal(e: Exception) -> errors.UnsupportedArgumentError:
             "only, as Keras's apply_gradients. Use a transformation without them (to lower the "
             "rate on a plateau: 'adam' with the ReduceLROnPlateau callback), or write a custom "
             "loop that passes them inside strategy.run: optimizer.update(model, grads, "
-            "value=mirrax.get_replica_context().all_reduce('sum', loss)).")
+            "value=mirrax.get_replica_context().all_reduce('sum', loss))."
+        )
     if isinstance(e, AttributeError) and "'fast'" in str(e):
         return errors.UnsupportedArgumentError(
             "compile: the optimizer is optax.lookahead, whose update takes "
             "optax.LookaheadParams (a fast and a slow copy of the parameters); a model holds "
             "one copy, so neither fit nor flax's nnx.Optimizer can pass them (under nnx.jit it "
             f"fails the same way: {type(e).__name__}: {e}). Use the fast optimizer alone, or "
-            "keep the LookaheadParams yourself in a custom loop and apply tx.update to them.")
+            "keep the LookaheadParams yourself in a custom loop and apply tx.update to them."
+        )
     return errors.UnsupportedArgumentError(
         "compile: the optimizer's update cannot run on this model's parameters (traced on "
         f"their shapes, as the first step would): {type(e).__name__}: {e}. Fix the "
         "transformation (its update must take (grads, state, params) with the parameters' "
-        "structure), or use another.")
+        "structure), or use another."
+    )

@@ -19,57 +19,74 @@ from mirrax._src.training import metric_registry
 _NUMBERED = re.compile(r"output_(\d+)")
 
 
-def check_compile_args(loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile,
-                       auto_scale_loss):
+def check_compile_args(
+    loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile, auto_scale_loss
+):
     """Refuses `compile` arguments mirrax does not support or that have the wrong type (as
     listed in docs/training.md); the per-output structure is checked by `resolve`.
 
     Raises:
       InvalidArgumentError / InvalidArgumentTypeError / UnsupportedArgumentError.
     """
-    if loss is None or (isinstance(loss, (list, tuple, dict)) and not any(
-            v is not None for v in (loss.values() if isinstance(loss, dict) else loss))):
+    if loss is None or (
+        isinstance(loss, (list, tuple, dict))
+        and not any(v is not None for v in (loss.values() if isinstance(loss, dict) else loss))
+    ):
         raise errors.InvalidArgumentError(
             "compile: loss is required (a Keras model's add_loss losses are added to it, but "
             f"they cannot replace it); received loss={loss!r}. Pass e.g. "
-            "loss='sparse_categorical_crossentropy', or one loss per output.")
-    for one in (loss.values() if isinstance(loss, dict) else
-                loss if isinstance(loss, (list, tuple)) else [loss]):
+            "loss='sparse_categorical_crossentropy', or one loss per output."
+        )
+    for one in (
+        loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss]
+    ):
         if isinstance(one, losses_lib.Loss) and one.reduction != "sum_over_batch_size":
             raise errors.UnsupportedArgumentError(
                 f"compile: the loss {one.name!r} has reduction={one.reduction!r}; compile reduces "
                 "every loss as 'sum_over_batch_size' (the global mean). Pass the loss built "
                 "with the default reduction (reduction=None is for custom loops, with "
-                "mirrax.compute_average_loss).")
+                "mirrax.compute_average_loss)."
+            )
     if loss_weights is not None:
-        for weight in (loss_weights.values() if isinstance(loss_weights, dict) else
-                       loss_weights if isinstance(loss_weights, (list, tuple)) else [loss_weights]):
+        for weight in (
+            loss_weights.values()
+            if isinstance(loss_weights, dict)
+            else loss_weights
+            if isinstance(loss_weights, (list, tuple))
+            else [loss_weights]
+        ):
             if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)):
                 raise errors.InvalidArgumentTypeError(
                     "compile: loss_weights must be a float, or a list or dict of floats (one "
-                    f"per output); received {type(weight).__name__} {weight!r}.")
+                    f"per output); received {type(weight).__name__} {weight!r}."
+                )
             if not math.isfinite(float(weight)):
                 raise errors.InvalidArgumentError(
-                    f"compile: loss_weights must be finite; received {loss_weights!r}.")
+                    f"compile: loss_weights must be finite; received {loss_weights!r}."
+                )
     for name, value in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
         if value is not None and not isinstance(value, (list, tuple, dict)):
             raise errors.InvalidArgumentTypeError(
                 f"compile: {name} must be a list (or, for several outputs, a list with one entry "
                 f"per output or a dict by output name); received {type(value).__name__} "
-                f"{value!r}." + (f" Pass e.g. {name}=[{value!r}]."
-                                 if isinstance(value, str) or callable(value) else ""))
+                f"{value!r}."
+                + (f" Pass e.g. {name}=[{value!r}]." if isinstance(value, str) or callable(value) else "")
+            )
     if checks.check_bool("compile", "run_eagerly", run_eagerly):
         raise errors.UnsupportedArgumentError(
             "compile: run_eagerly=True is not supported: every step is one compiled program "
             "over the replicas. To debug a step, run it under `with jax.disable_jit():` or "
-            "call the module eagerly on a batch.")
+            "call the module eagerly on a batch."
+        )
     if jit_compile is False:
         raise errors.UnsupportedArgumentError(
             "compile: jit_compile=False is not supported: steps are always compiled by XLA "
-            "(pass 'auto' or True).")
+            "(pass 'auto' or True)."
+        )
     if jit_compile not in ("auto", True):
         raise errors.InvalidArgumentError(
-            f"compile: jit_compile must be 'auto' or True; received {jit_compile!r}.")
+            f"compile: jit_compile must be 'auto' or True; received {jit_compile!r}."
+        )
     checks.check_bool("compile", "auto_scale_loss", auto_scale_loss)
 
 
@@ -104,7 +121,7 @@ class Outputs:
 
     @property
     def loss_log_names(self) -> list:
-        """"<output>_loss" of each output with a loss, when there are several (Keras 3)."""
+        """ "<output>_loss" of each output with a loss, when there are several (Keras 3)."""
         return [f"{self.names[i]}_loss" for i in self.trained] if len(self.trained) > 1 else []
 
     def split(self, value, what: str, shared: bool = False) -> list:
@@ -116,15 +133,18 @@ class Outputs:
         """
         names = list(self.names)
         if isinstance(value, dict):
-            missing = [n for i, n in enumerate(names) if n not in value
-                       and not shared and self.losses[i] is not None]
+            missing = [
+                n for i, n in enumerate(names) if n not in value and not shared and self.losses[i] is not None
+            ]
             unknown = [k for k in value if k not in names]
             if missing or unknown:
                 raise errors.IncompatibleInputError(
                     f"{what} is a dict with the keys {list(value)}, but the model's outputs are "
-                    f"{names}" + (f" (no {what} for {missing})" if missing else "")
+                    f"{names}"
+                    + (f" (no {what} for {missing})" if missing else "")
                     + (f" (unknown {unknown})" if unknown else "")
-                    + f". Give one entry per output, keyed by these names.")
+                    + f". Give one entry per output, keyed by these names."
+                )
             return [value.get(n) for n in names]
         if isinstance(value, (list, tuple)):
             if self.dict_output and what == "the model's output":
@@ -132,18 +152,21 @@ class Outputs:
                     f"the model's output is a {type(value).__name__} of {len(value)}, but "
                     f"compile's losses are keyed by {names}, which name the keys of a dict "
                     "output. For a tuple output pass a list of losses in output order, or key "
-                    f"them 'output_1' ... 'output_{len(value)}'.")
+                    f"them 'output_1' ... 'output_{len(value)}'."
+                )
             if len(value) != len(names):
                 raise errors.IncompatibleInputError(
                     f"{what} is a {type(value).__name__} of {len(value)}, but the model has "
                     f"{len(names)} outputs {names}. Give one entry per output, in this order "
-                    "(or a dict keyed by these names).")
+                    "(or a dict keyed by these names)."
+                )
             return list(value)
         if shared or value is None:
             return [value] * len(names)
         raise errors.IncompatibleInputError(
             f"{what} is a single {type(value).__name__}, but the model has {len(names)} outputs "
-            f"{names}. Give a list with one entry per output, or a dict keyed by these names.")
+            f"{names}. Give a list with one entry per output, or a dict keyed by these names."
+        )
 
     def per_output(self, y, y_pred, sample_weight) -> list:
         """Each trained output's per-example loss times its sample weight (UNWEIGHTED by
@@ -177,8 +200,10 @@ class MultiOutputLoss(losses_lib.Loss):
         pre-flight check (`arguments.check_fits_model`)."""
         o = self.outputs
         parts = (o.split(y1, "y"), o.split(y_pred, "the model's output"), o.split(y, "y"))
-        return [(f" (output {o.names[i]!r})", o.losses[i], parts[0][i], parts[1][i], parts[2][i])
-                for i in o.trained]
+        return [
+            (f" (output {o.names[i]!r})", o.losses[i], parts[0][i], parts[1][i], parts[2][i])
+            for i in o.trained
+        ]
 
     def __repr__(self) -> str:
         return f"MultiOutputLoss({dict(zip(self.outputs.names, self.outputs.losses))})"
@@ -192,8 +217,7 @@ def _names_from_loss(loss) -> tuple:
     if isinstance(loss, dict):
         keys = list(loss)
         numbered = [_NUMBERED.fullmatch(str(k)) for k in keys]
-        if all(numbered) and sorted(int(m.group(1)) for m in numbered) == list(
-                range(1, len(keys) + 1)):
+        if all(numbered) and sorted(int(m.group(1)) for m in numbered) == list(range(1, len(keys) + 1)):
             return tuple(f"output_{i}" for i in range(1, len(keys) + 1))
         return tuple(sorted(keys, key=str))
     return tuple(f"output_{i}" for i in range(1, len(loss) + 1))
@@ -206,26 +230,33 @@ def _per_output(what: str, value, names, default):
         missing = [n for n in names if n not in value]
         if unknown or missing:
             # As Keras, which refuses loss_weights that do not match the losses.
-            fix = (" (None skips an output)" if what == "loss" else
-                   " (1.0 for an output whose loss is not scaled)")
+            fix = (
+                " (None skips an output)"
+                if what == "loss"
+                else " (1.0 for an output whose loss is not scaled)"
+            )
             raise errors.InvalidArgumentError(
                 f"compile: {what} is a dict with the keys {list(value)}, but the model's outputs "
-                f"are {list(names)}" + (f" ({unknown} name no output)" if unknown else "")
+                f"are {list(names)}"
+                + (f" ({unknown} name no output)" if unknown else "")
                 + (f" ({missing} have none)" if missing else "")
-                + f". Key {what} by these output names{fix}.")
+                + f". Key {what} by these output names{fix}."
+            )
         return [value.get(n, default) for n in names]
     if isinstance(value, (list, tuple)):
         if len(value) != len(names):
             raise errors.InvalidArgumentError(
                 f"compile: {what} is a {type(value).__name__} of {len(value)}, but the model has "
                 f"{len(names)} output(s) {list(names)}. Give one entry per output, in this order "
-                f"(None skips an output), or a dict keyed by these names.")
+                f"(None skips an output), or a dict keyed by these names."
+            )
         return list(value)
     if what == "loss_weights":
         raise errors.InvalidArgumentError(
             f"compile: loss_weights={value!r} is one float, but the model has {len(names)} "
             f"outputs {list(names)}. Give a list with one weight per output, or a dict keyed "
-            "by these names.")
+            "by these names."
+        )
     return [value] * len(names)  # one loss for every output, as Keras
 
 
@@ -242,19 +273,22 @@ def resolve(module, loss, loss_weights):
     if names is None and isinstance(loss, (list, tuple, dict)) and len(loss) > 1:
         names = _names_from_loss(loss)
         dict_output = isinstance(loss, dict) and names != tuple(
-            f"output_{i}" for i in range(1, len(names) + 1))
+            f"output_{i}" for i in range(1, len(names) + 1)
+        )
     if names is None:
         if isinstance(loss, (list, tuple, dict)):  # one output given as a list / dict of one
             loss = list(loss.values() if isinstance(loss, dict) else loss)[0]
         if isinstance(loss_weights, (list, tuple, dict)):
             if len(loss_weights) != 1:
                 _per_output("loss_weights", loss_weights, ("output_1",), 1.0)
-            loss_weights = list(loss_weights.values() if isinstance(loss_weights, dict)
-                                else loss_weights)[0]
+            loss_weights = list(loss_weights.values() if isinstance(loss_weights, dict) else loss_weights)[0]
         return losses_lib.get(loss), 1.0 if loss_weights is None else float(loss_weights), None
     per_loss = [losses_lib.get(l) for l in _per_output("loss", loss, names, None)]
-    weights = [1.0] * len(names) if loss_weights is None else [
-        float(w) for w in _per_output("loss_weights", loss_weights, names, 1.0)]
+    weights = (
+        [1.0] * len(names)
+        if loss_weights is None
+        else [float(w) for w in _per_output("loss_weights", loss_weights, names, 1.0)]
+    )
     outputs = Outputs(names, per_loss, weights, dict_output)
     return MultiOutputLoss(outputs), 1.0, outputs
 
@@ -271,7 +305,8 @@ def _entries(what: str, value, outputs: Outputs) -> list:
             f"compile: {what}={value!r} does not match the model's {len(names)} outputs "
             f"{names}: for several outputs pass a list with one entry per output (a metric, a "
             f"name, or a list of them; None for none), or a dict keyed by these names, e.g. "
-            f"{what}={{{names[-1]!r}: ['accuracy']}}.")
+            f"{what}={{{names[-1]!r}: ['accuracy']}}."
+        )
     return [[] if e is None else list(e) if isinstance(e, (list, tuple)) else [e] for e in per]
 
 
@@ -290,11 +325,11 @@ def build_metrics(loss, outputs, metrics, weighted_metrics) -> tuple:
         plain = [metric_registry.get(m, loss=loss) for m in _flat(metrics)]
         weighted = [metric_registry.get(m, loss=loss) for m in _flat(weighted_metrics)]
         names = checks.metric_names(plain, weighted)
-        return plain + weighted, names, (False,) * len(plain) + (True,) * len(weighted), \
-            (None,) * len(names)
+        return plain + weighted, names, (False,) * len(plain) + (True,) * len(weighted), (None,) * len(names)
     found, flags, where = [], [], []
-    for uses_weights, (what, value) in enumerate((("metrics", metrics),
-                                                   ("weighted_metrics", weighted_metrics))):
+    for uses_weights, (what, value) in enumerate(
+        (("metrics", metrics), ("weighted_metrics", weighted_metrics))
+    ):
         if not value:
             continue
         for index, entry in enumerate(_entries(what, value, outputs)):
@@ -302,8 +337,7 @@ def build_metrics(loss, outputs, metrics, weighted_metrics) -> tuple:
                 found.append(metric_registry.get(m, loss=outputs.losses[index]))
                 flags.append(bool(uses_weights))
                 where.append(index)
-    return found, output_metric_names(found, flags, where, outputs.names), tuple(flags), \
-        tuple(where)
+    return found, output_metric_names(found, flags, where, outputs.names), tuple(flags), tuple(where)
 
 
 def output_metric_names(found, flags, where, names) -> list:
@@ -343,11 +377,11 @@ def check_labels(loss, y, y_pred) -> None:
     if not isinstance(loss, MultiOutputLoss):
         return
     o = loss.outputs
-    for name, one, labels, pred in zip(o.names, o.losses, o.split(y, "y"),
-                                       o.split(y_pred, "the model's output")):
+    for name, one, labels, pred in zip(
+        o.names, o.losses, o.split(y, "y"), o.split(y_pred, "the model's output")
+    ):
         if isinstance(one, sparse) and labels is not None:
             try:
                 sparse.check_labels(np.asarray(labels), pred.shape[-1])
             except errors.InvalidLabelError as error:
                 raise errors.InvalidLabelError(f"output {name!r}: {error}") from None
-

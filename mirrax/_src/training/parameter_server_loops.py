@@ -82,66 +82,97 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
             raise errors.InvalidArgumentError(
                 "fit: with a dataset function as x (ParameterServerStrategy), y and batch_size "
                 f"must be None (the function returns (x, y) batches); received y={type(y).__name__}"
-                f", batch_size={batch_size!r}.")
+                f", batch_size={batch_size!r}."
+            )
         return x
     if not data_adapter.is_arrays(x):
         raise errors.UnsupportedArgumentError(
             "fit under ParameterServerStrategy takes NumPy arrays (x, y, batch_size) or a "
             "dataset function (called on every worker, as TF's DatasetCreator: "
             "`def dataset_fn(input_context): ... return batches`); received a "
-            f"{type(x).__name__}, which cannot be read on the workers.")
+            f"{type(x).__name__}, which cannot be read on the workers."
+        )
     batch_size = 32 if batch_size is None else checks.check_count("fit", "batch_size", batch_size)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     n = data_adapter.num_examples(arrays[0])
     if n == 0:
-        raise errors.EmptyDatasetError(
-            "fit: x holds no example, so there is nothing to train on.")
+        raise errors.EmptyDatasetError("fit: x holds no example, so there is nothing to train on.")
 
     def dataset_fn(input_context):
         rng = np.random.default_rng(input_context.input_pipeline_id)
         while True:  # each pass: every example once, the last batch short (as Keras)
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, batch_size):
-                rows = order[start:start + batch_size]
+                rows = order[start : start + batch_size]
                 yield tuple(jax.tree.map(lambda a: a[rows], arrays))
 
     return dataset_fn
 
 
-def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validation_split,
-        validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch,
-        validation_steps, validation_batch_size, validation_freq):
+def fit(
+    model,
+    compiled,
+    x,
+    y,
+    batch_size,
+    epochs,
+    verbose,
+    callbacks,
+    validation_split,
+    validation_data,
+    shuffle,
+    class_weight,
+    sample_weight,
+    initial_epoch,
+    steps_per_epoch,
+    validation_steps,
+    validation_batch_size,
+    validation_freq,
+):
     """`Model.fit` under a ParameterServerStrategy (docs/parameter_server.md, "fit")."""
     if steps_per_epoch is None:
         raise errors.InvalidArgumentError(
             "fit under ParameterServerStrategy needs steps_per_epoch (as TF): the workers read "
             "their own endless datasets, so an epoch is a number of steps. Pass e.g. "
-            "steps_per_epoch=len(x_train) // global_batch_size.")
+            "steps_per_epoch=len(x_train) // global_batch_size."
+        )
     steps_per_epoch = checks.check_count("fit", "steps_per_epoch", steps_per_epoch)
-    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(
-        epochs, initial_epoch, verbose, shuffle)
+    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(epochs, initial_epoch, verbose, shuffle)
     validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
     validation_split = checks.check_fraction("fit", "validation_split", validation_split)
     if class_weight is not None:
         raise errors.UnsupportedArgumentError(
             "fit: class_weight is not supported under ParameterServerStrategy; pass "
-            "per-example sample weights in the batches instead.")
+            "per-example sample weights in the batches instead."
+        )
     x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
     if validation_split and validation_data is None:
         if not data_adapter.is_arrays(x):
             raise errors.InvalidArgumentError(
-                "fit: validation_split needs NumPy array inputs; pass validation_data= instead.")
+                "fit: validation_split needs NumPy array inputs; pass validation_data= instead."
+            )
         x, y, sample_weight, validation_data = data_adapter.split_validation(
-            x, y, sample_weight, validation_split)
+            x, y, sample_weight, validation_split
+        )
     coordinator = ClusterCoordinator(model.distribute_strategy)
-    iterator = iter(coordinator.create_per_worker_dataset(
-        _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle)))
+    iterator = iter(
+        coordinator.create_per_worker_dataset(
+            _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle)
+        )
+    )
     steps = Steps(model, compiled)
-    cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                     model=model, verbose=verbose, epochs=epochs,
-                                     steps=steps_per_epoch)
-    cbs.set_params(dict(cbs.params, metrics=loops.log_keys(
-        model, compiled, validation_data is not None, cbs.callbacks)))
+    cbs = callbacks_lib.CallbackList(
+        callbacks,
+        add_history=True,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps_per_epoch,
+    )
+    cbs.set_params(
+        dict(cbs.params, metrics=loops.log_keys(model, compiled, validation_data is not None, cbs.callbacks))
+    )
     model.stop_training = False
     cbs.on_train_begin()
     epoch_logs: dict = {}
@@ -160,11 +191,11 @@ def fit(model, compiled, x, y, batch_size, epochs, verbose, callbacks, validatio
         coordinator.join()
         epoch_logs = loops.logs_of(model, compiled)
         if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            vx, vy, vw = (data_adapter.as_arrays(v)
-                          for v in data_adapter.unpack_validation(validation_data))
+            vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
             vbatch = validation_batch_size if validation_batch_size is not None else batch_size
-            val_logs = evaluate_loop(model, compiled, steps, vx, vy, vw, vbatch,
-                                     validation_steps, cbs, "fit(validation_data=...)")
+            val_logs = evaluate_loop(
+                model, compiled, steps, vx, vy, vw, vbatch, validation_steps, cbs, "fit(validation_data=...)"
+            )
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         if model.optimizer.has_learning_rate:
             epoch_logs["learning_rate"] = model.optimizer.learning_rate
@@ -180,8 +211,9 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
         batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
         n = data_adapter.num_examples(arrays[0])
-        batches = [tuple(jax.tree.map(lambda a: a[i:i + batch_size], arrays))
-                   for i in range(0, n, batch_size)]
+        batches = [
+            tuple(jax.tree.map(lambda a: a[i : i + batch_size], arrays)) for i in range(0, n, batch_size)
+        ]
     else:
         if y is not None:
             raise errors.InvalidArgumentError(f"{what}: y must be None when x is a dataset.")
@@ -189,7 +221,8 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
             if steps is None:
                 raise errors.InvalidArgumentError(
                     f"{what}: with a dataset function as x, pass steps= (its dataset may be "
-                    "endless); or pass the batches (a list, a dataset) themselves.")
+                    "endless); or pass the batches (a list, a dataset) themselves."
+                )
             x = x(InputContext()) if _takes_argument(x) else x()
         batches = []
         for batch in x:
@@ -199,7 +232,8 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
     batches = batches[:steps] if steps is not None else batches
     if not batches:
         raise errors.EmptyDatasetError(
-            f"{what}: the input yielded no batch, so there is nothing to evaluate.")
+            f"{what}: the input yielded no batch, so there is nothing to evaluate."
+        )
     return batches
 
 
@@ -210,8 +244,7 @@ def _takes_argument(fn) -> bool:
         return False
 
 
-def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_steps, cbs,
-                  what) -> dict:
+def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_steps, cbs, what) -> dict:
     """Evaluates on the workers: the batches dealt out in groups, each group's metric sums
     added once into the coordinator's loss tracker and metrics."""
     coordinator = ClusterCoordinator(model.distribute_strategy)
@@ -219,8 +252,10 @@ def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_s
     workers = len(model.distribute_strategy.extended.cluster.workers)
     size = max(1, math.ceil(len(batches) / (workers * _EVALUATION_GROUPS_PER_WORKER)))
     cbs.on_test_begin()
-    results = [coordinator.schedule(steps.evaluate, args=(batches[i:i + size],))
-               for i in range(0, len(batches), size)]
+    results = [
+        coordinator.schedule(steps.evaluate, args=(batches[i : i + size],))
+        for i in range(0, len(batches), size)
+    ]
     totals = None
     for result in results:
         sums = result.fetch()
@@ -233,17 +268,18 @@ def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_s
     return logs
 
 
-def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks,
-             return_dict):
+def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict):
     """`Model.evaluate` under a ParameterServerStrategy."""
     verbose = checks.check_verbose("evaluate", verbose)
     steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
     return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
     x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
-    cbs = callbacks_lib.CallbackList(callbacks, add_progbar=False, model=model, verbose=verbose,
-                                     epochs=1, steps=steps)
-    logs = evaluate_loop(model, compiled, Steps(model, compiled), x, y, sample_weight,
-                         batch_size, steps, cbs, "evaluate")
+    cbs = callbacks_lib.CallbackList(
+        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1, steps=steps
+    )
+    logs = evaluate_loop(
+        model, compiled, Steps(model, compiled), x, y, sample_weight, batch_size, steps, cbs, "evaluate"
+    )
     if return_dict:
         return logs
     values = list(logs.values())

@@ -157,10 +157,17 @@ class Progbar:
         or 2.
     """
 
-    def __init__(self, target: Optional[int], width: int = 30, verbose: int = 1,
-                 interval: float = 0.05, stateful_metrics: Optional[Iterable[str]] = None,
-                 stateless_metrics: Optional[Iterable[str]] = None, unit_name: str = "step",
-                 stream: Optional[TextIO] = None):
+    def __init__(
+        self,
+        target: Optional[int],
+        width: int = 30,
+        verbose: int = 1,
+        interval: float = 0.05,
+        stateful_metrics: Optional[Iterable[str]] = None,
+        stateless_metrics: Optional[Iterable[str]] = None,
+        unit_name: str = "step",
+        stream: Optional[TextIO] = None,
+    ):
         if stateful_metrics is not None and stateless_metrics is not None:
             raise ValueError(
                 "Progbar: pass either stateful_metrics (names shown as given, the others "
@@ -224,8 +231,7 @@ class Progbar:
             return
         stream = self.stream if self.stream is not None else default_stream()
         if self.verbose == 1 and is_interactive(stream):
-            if (not finalize and self._last_update is not None
-                    and now - self._last_update < self.interval):
+            if not finalize and self._last_update is not None and now - self._last_update < self.interval:
                 return
             line = self._line(current, now, time_per_unit, finalize, with_bar=True)
             padding = " " * max(self._prev_width - len(line), 0)
@@ -243,8 +249,7 @@ class Progbar:
         """Advances the bar by `n` steps (as `keras.utils.Progbar.add`)."""
         self.update(self._seen_so_far + n, values)
 
-    def _line(self, current: int, now: float, time_per_unit: float, finalize: bool,
-              with_bar: bool) -> str:
+    def _line(self, current: int, now: float, time_per_unit: float, finalize: bool, with_bar: bool) -> str:
         target = self.target
         known = target is not None and 0 < target and current <= target
         if known:
@@ -261,9 +266,7 @@ class Progbar:
         if known and not finalize:
             line += " - ETA: " + _format_eta(time_per_unit * (target - current))
         else:
-            line += f" - {now - self._start:.0f}s" + format_time_per_unit(
-                time_per_unit, self.unit_name
-            )
+            line += f" - {now - self._start:.0f}s" + format_time_per_unit(time_per_unit, self.unit_name)
         for name in self._values_order:
             total, count = self._values[name]
             try:

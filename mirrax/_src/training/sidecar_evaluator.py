@@ -57,8 +57,7 @@ class SidecarEvaluator:
         `steps` / `max_evaluations` is not an int >= 1 or None, or `callbacks` is not a list.
     """
 
-    def __init__(self, model, data, checkpoint_dir, steps=None, max_evaluations=None,
-                 callbacks=None):
+    def __init__(self, model, data, checkpoint_dir, steps=None, max_evaluations=None, callbacks=None):
         if not isinstance(model, Model):
             raise errors.InvalidArgumentTypeError(
                 f"SidecarEvaluator evaluates a mirrax.Model; received {type(model).__name__}. "
@@ -66,8 +65,9 @@ class SidecarEvaluator:
                 "the training's loss and metrics."
             )
         for name, value in (("steps", steps), ("max_evaluations", max_evaluations)):
-            if value is not None and (isinstance(value, (bool, np.bool_))
-                                      or not isinstance(value, (int, np.integer)) or value < 1):
+            if value is not None and (
+                isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1
+            ):
                 raise errors.InvalidArgumentError(
                     f"SidecarEvaluator: {name} must be an int >= 1 or None; received {value!r}."
                 )
@@ -84,10 +84,13 @@ class SidecarEvaluator:
         self.callbacks = list(callbacks or [])
 
     def _timeout_fn(self) -> bool:
-        _LOG.info("mirrax: SidecarEvaluator found no new checkpoint in %s after %s seconds; "
-                  "check that the training saves mirrax.Checkpoint(model=...) there with "
-                  "Checkpoint.save or a CheckpointManager. Still waiting.",
-                  self.checkpoint_dir, CHECKPOINT_TIMEOUT_SEC)
+        _LOG.info(
+            "mirrax: SidecarEvaluator found no new checkpoint in %s after %s seconds; "
+            "check that the training saves mirrax.Checkpoint(model=...) there with "
+            "Checkpoint.save or a CheckpointManager. Still waiting.",
+            self.checkpoint_dir,
+            CHECKPOINT_TIMEOUT_SEC,
+        )
         return False
 
     def _checkpoint_for(self, path: str) -> Checkpoint:
@@ -111,20 +114,29 @@ class SidecarEvaluator:
             shapes or dtypes differ from `model`'s.
           NotCompiledError: as `model.evaluate`.
         """
-        for path in checkpoints_iterator(self.checkpoint_dir, timeout=CHECKPOINT_TIMEOUT_SEC,
-                                         timeout_fn=self._timeout_fn):
+        for path in checkpoints_iterator(
+            self.checkpoint_dir, timeout=CHECKPOINT_TIMEOUT_SEC, timeout_fn=self._timeout_fn
+        ):
             try:
                 self._checkpoint_for(path).restore(path).expect_partial()
             except (errors.InvalidCheckpointError, errors.MissingCheckpointError) as e:
                 # The trainer may have replaced or dropped it meanwhile (max_to_keep): skip.
-                _LOG.info("mirrax: SidecarEvaluator could not read the checkpoint at %s; "
-                          "waiting for the next one. Error: %s: %s", path, type(e).__name__, e)
+                _LOG.info(
+                    "mirrax: SidecarEvaluator could not read the checkpoint at %s; "
+                    "waiting for the next one. Error: %s: %s",
+                    path,
+                    type(e).__name__,
+                    e,
+                )
                 continue
             _LOG.info("mirrax: evaluation starts: model weights loaded from %s", path)
-            logs = self.model.evaluate(self.data, steps=self.steps, callbacks=self.callbacks,
-                                       verbose=2, return_dict=True)
-            _LOG.info("mirrax: end of evaluation. Metrics: %s", " ".join(
-                f"{name}={value}" for name, value in logs.items()))
+            logs = self.model.evaluate(
+                self.data, steps=self.steps, callbacks=self.callbacks, verbose=2, return_dict=True
+            )
+            _LOG.info(
+                "mirrax: end of evaluation. Metrics: %s",
+                " ".join(f"{name}={value}" for name, value in logs.items()),
+            )
             number = _NUMBER.search(path)
             if self.max_evaluations and number and self.max_evaluations <= int(number.group(1)):
                 _LOG.info("mirrax: last checkpoint evaluated. SidecarEvaluator stops.")

@@ -103,8 +103,13 @@ def _unpack(batch):
     if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
         return tuple(batch) + (None,) * (3 - len(batch))
     # Inside the step a bare batch is a tracer: name what the user passed, an array.
-    what = (f"a tuple of {len(batch)}" if isinstance(batch, (tuple, list))
-            else "an array (x alone)" if hasattr(batch, "shape") else f"a {type(batch).__name__}")
+    what = (
+        f"a tuple of {len(batch)}"
+        if isinstance(batch, (tuple, list))
+        else "an array (x alone)"
+        if hasattr(batch, "shape")
+        else f"a {type(batch).__name__}"
+    )
     raise errors.InvalidBatchError(
         "fit / evaluate (and train_function / test_function): each batch must be a tuple "
         f"(x, y) or (x, y, sample_weight); received {what}. Give the labels with the inputs, "
@@ -143,11 +148,13 @@ def _track(tracker, per_example, sample_weight, own, per_output):
         tracker.update_outputs(jnp.stack([_masked_sum(v, None)[0] for v in per_output]))
 
 
-def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False,
-                    outputs=None, where=()):
+def make_train_step(
+    loss_obj, loss_weight: float, policy, weighted, micro_batches=False, outputs=None, where=()
+):
     """The training step; with `micro_batches` (replica-invariant mode) the loss, metrics and
     loss tracker run once per micro-batch and are summed in the fixed tree. `outputs` (an
     `outputs.Outputs`) for several outputs; `where`: each metric's output index."""
+
     def train_step(module, optimizer, metrics, tracker, loss_scale, batch):
         x, y, sample_weight = _unpack(batch)
         scale = 1.0 if loss_scale is None else loss_scale.scale[...]
@@ -161,21 +168,21 @@ def make_train_step(loss_obj, loss_weight: float, policy, weighted, micro_batche
                 return share * scale
 
             _, _, grads = invariant.micro_batch_call(
-                micro_loss, (module, metrics, tracker), (x, y, sample_weight),
-                differentiate=True, what="fit")
+                micro_loss, (module, metrics, tracker), (x, y, sample_weight), differentiate=True, what="fit"
+            )
             _apply_gradients(module, optimizer, grads[0], loss_scale, scale)
             return
 
         def loss_fn(module):
             y_pred, own = forward_with_losses(module, x, policy)
-            per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred,
-                                                    sample_weight)
+            per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred, sample_weight)
             share = compute_average_loss(per_example, left) + _own_loss_share(own)
             return share * scale, (y_pred, per_example, left, own, per_output)
 
         # One packed all-reduce for every gradient (XLA:CPU's Gloo runs one per array).
-        (_, (y_pred, per_example, left, own, per_output)), grads = \
-            gradients.packed_value_and_grad(loss_fn, module, has_aux=True)
+        (_, (y_pred, per_example, left, own, per_output)), grads = gradients.packed_value_and_grad(
+            loss_fn, module, has_aux=True
+        )
         _apply_gradients(module, optimizer, grads, loss_scale, scale)
         _track(tracker, per_example, left, own, per_output)
         _update_metrics(metrics, weighted, y, y_pred, sample_weight, outputs, where)
@@ -195,8 +202,7 @@ def _apply_gradients(module, optimizer, grads, loss_scale, scale):
     before = jax.tree.map(lambda a: a, nnx.state((module, optimizer), _UPDATED))
     optimizer.update(module, grads)
     after = nnx.state((module, optimizer), _UPDATED)
-    nnx.update((module, optimizer), jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old), after, before))
+    nnx.update((module, optimizer), jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, before))
     loss_scale.adjust(finite)
 
 
@@ -204,11 +210,11 @@ def _make_scorer(loss_obj, loss_weight: float, policy, weighted, outputs=None, w
     """`score((module, metrics, tracker), x, y, sample_weight)`: the forward pass, the
     per-example losses, the sample weight still to apply to them and the module's own loss
     (returned), and the loss tracker and metrics updated with them."""
+
     def score(nodes, x, y, sample_weight):
         module, metrics, tracker = nodes
         y_pred, own = forward_with_losses(module, x, policy)
-        per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred,
-                                                sample_weight)
+        per_example, left, per_output = _losses(loss_obj, loss_weight, outputs, y, y_pred, sample_weight)
         _track(tracker, per_example, left, own, per_output)
         _update_metrics(metrics, weighted, y, y_pred, sample_weight, outputs, where)
         return per_example, left, own
@@ -216,8 +222,9 @@ def _make_scorer(loss_obj, loss_weight: float, policy, weighted, outputs=None, w
     return score
 
 
-def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches=False,
-                   outputs=None, where=()):
+def make_test_step(
+    loss_obj, loss_weight: float, policy, weighted, micro_batches=False, outputs=None, where=()
+):
     """`test_step(module, metrics, tracker, batch)`: the loss tracker and metrics updated on
     this replica's shard (per micro-batch in replica-invariant mode).
     """
@@ -230,8 +237,13 @@ def make_test_step(loss_obj, loss_weight: float, policy, weighted, micro_batches
     def test_step(module, metrics, tracker, batch):
         x, y, sample_weight = _unpack(batch)
         if micro_batches:
-            invariant.micro_batch_call(update, (module, metrics, tracker), (x, y, sample_weight),
-                                       differentiate=False, what="evaluate")
+            invariant.micro_batch_call(
+                update,
+                (module, metrics, tracker),
+                (x, y, sample_weight),
+                differentiate=False,
+                what="evaluate",
+            )
         else:
             update((module, metrics, tracker), x, y, sample_weight)
 
@@ -242,11 +254,17 @@ def make_predict_step(policy, micro_batches=False):
     """`predict_step(module, batch)`: the module's outputs for this replica's shard under
     `policy` (per micro-batch in replica-invariant mode).
     """
+
     def predict_step(module, batch):
         if micro_batches:
             _, y_pred, _ = invariant.micro_batch_call(
                 lambda nodes, x: (jnp.zeros((), jnp.float32), forward(nodes[0], x, policy)),
-                (module,), (batch[0],), differentiate=False, has_aux=True, what="predict")
+                (module,),
+                (batch[0],),
+                differentiate=False,
+                has_aux=True,
+                what="predict",
+            )
             return y_pred
         return forward(module, batch[0], policy)
 
@@ -316,8 +334,11 @@ def groups(batches, size: int):
 
 def mask_of(batch):
     """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
-    return next(leaf for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
-                if isinstance(leaf, PerReplica)).mask
+    return next(
+        leaf
+        for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
+        if isinstance(leaf, PerReplica)
+    ).mask
 
 
 @dataclasses.dataclass
@@ -356,8 +377,17 @@ class CompiledState:
     outputs: Any = None
 
 
-def compiled_state(loss, loss_scale: float, policy, metric_names, weighted, dynamic: bool,
-                   micro: bool, outputs=None, where=()) -> CompiledState:
+def compiled_state(
+    loss,
+    loss_scale: float,
+    policy,
+    metric_names,
+    weighted,
+    dynamic: bool,
+    micro: bool,
+    outputs=None,
+    where=(),
+) -> CompiledState:
     """`Model.compile`'s `CompiledState` (without the bound step functions): the default
     steps for `loss` (scaled by `loss_scale`) under `policy`, the metrics' names and weight
     flags, dynamic loss scaling if `dynamic`, micro-batched steps if `micro`; `outputs` and
@@ -392,7 +422,8 @@ class StepBinding:
         if self.current is None:
             raise errors.ReplicaContextError(
                 f"Model.{what} runs inside strategy.run (fit, evaluate and predict call it on "
-                f"every replica); call fit / evaluate / predict instead of {what} directly.")
+                f"every replica); call fit / evaluate / predict instead of {what} directly."
+            )
         return self.current
 
 

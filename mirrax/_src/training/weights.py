@@ -20,8 +20,10 @@ def module_weights(module) -> list:
     `nnx.state`'s order."""
     if isinstance(module, keras_models.KerasModule):
         return module.weights()
-    return [(".".join(map(str, path)), variable) for path, variable
-            in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState)))]
+    return [
+        (".".join(map(str, path)), variable)
+        for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.RngState)))
+    ]
 
 
 def histogram_tags(module) -> list:
@@ -59,8 +61,9 @@ def set_weights(module, weights) -> None:
         variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
 
 
-def print_summary(module, line_length, positions, print_fn, expand_nested, show_trainable,
-                  layer_range) -> None:
+def print_summary(
+    module, line_length, positions, print_fn, expand_nested, show_trainable, layer_range
+) -> None:
     """`Model.summary` of `module` (its arguments, docs and errors there)."""
     if print_fn is not None and not callable(print_fn):
         raise errors.InvalidArgumentTypeError(
@@ -70,9 +73,14 @@ def print_summary(module, line_length, positions, print_fn, expand_nested, show_
     keras_model = module.keras_model if isinstance(module, keras_models.KerasModule) else None
     if callable(getattr(keras_model, "summary", None)):
         # Keras's own table (layers, output shapes, parameter counts) with Keras's arguments.
-        keras_model.summary(line_length=line_length, positions=positions, print_fn=print_fn,
-                            expand_nested=expand_nested, show_trainable=show_trainable,
-                            layer_range=layer_range)
+        keras_model.summary(
+            line_length=line_length,
+            positions=positions,
+            print_fn=print_fn,
+            expand_nested=expand_nested,
+            show_trainable=show_trainable,
+            layer_range=layer_range,
+        )
         return
     for name, value in (("positions", positions), ("layer_range", layer_range)):
         if value is not None:
@@ -82,18 +90,27 @@ def print_summary(module, line_length, positions, print_fn, expand_nested, show_
             )
     checks.check_bool("summary", "expand_nested", expand_nested)
     show_trainable = checks.check_bool("summary", "show_trainable", show_trainable)
-    line_length = checks.check_count("summary", "line_length", line_length, minimum=40,
-                               allow_none=True)
+    line_length = checks.check_count("summary", "line_length", line_length, minimum=40, allow_none=True)
     print_fn = print_fn or print
     rows, total = [], 0
-    named = (module_weights(module) if keras_model is not None else
-             [(".".join(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(module))])
+    named = (
+        module_weights(module)
+        if keras_model is not None
+        else [(".".join(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(module))]
+    )
     for name, variable in named:
         value = variable.get_value()
         size = int(np.prod(np.shape(value)))
         total += size
-        rows.append((name, type(variable).__name__, str(np.shape(value)), size,
-                     "yes" if isinstance(variable, nnx.Param) else "no"))
+        rows.append(
+            (
+                name,
+                type(variable).__name__,
+                str(np.shape(value)),
+                size,
+                "yes" if isinstance(variable, nnx.Param) else "no",
+            )
+        )
     # The fixed columns take 40 characters (11 + 17 + 10 + separators), 10 more with
     # show_trainable.
     fixed = 40 + (10 if show_trainable else 0)

@@ -25,6 +25,7 @@ from mirrax._src.distribute.values import (
     PerReplica,
 )
 
+
 def _per_type(test, doc: str):
     """`test(x)`, computed once per type of `x` and then looked up (isinstance through NNX's
     metaclass costs microseconds, and these run for every argument of every step)."""
@@ -43,11 +44,13 @@ def _per_type(test, doc: str):
 
 is_graph_node = _per_type(
     lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)),
-    "True for NNX modules, optimizers, metrics and variables (objects with NNX state).")
+    "True for NNX modules, optimizers, metrics and variables (objects with NNX state).",
+)
 is_variable = _per_type(lambda x: isinstance(x, nnx.Variable), "True for `nnx.Variable`s.")
 is_argument_leaf = _per_type(
     lambda x: is_graph_node(x) or isinstance(x, DistributedValues),
-    "True for what `strategy.run` takes whole: NNX objects and distributed values.")
+    "True for what `strategy.run` takes whole: NNX objects and distributed values.",
+)
 
 
 # Slots are interned (one object per distinct slot) and compared by identity, so the cache key
@@ -123,11 +126,23 @@ class Call:
       names: human names of the leaves, for messages.
     """
 
-    __slots__ = ("fn", "fn_node", "fn_key", "treedef", "slots", "nodes", "dynamic", "mask",
-                 "lengths", "names", "array_positions")
+    __slots__ = (
+        "fn",
+        "fn_node",
+        "fn_key",
+        "treedef",
+        "slots",
+        "nodes",
+        "dynamic",
+        "mask",
+        "lengths",
+        "names",
+        "array_positions",
+    )
 
-    def __init__(self, fn, fn_node, fn_key, treedef, slots, nodes, dynamic, mask, lengths,
-                 names, array_positions):
+    def __init__(
+        self, fn, fn_node, fn_key, treedef, slots, nodes, dynamic, mask, lengths, names, array_positions
+    ):
         self.fn, self.fn_node, self.fn_key, self.treedef = fn, fn_node, fn_key, treedef
         self.slots, self.nodes, self.dynamic = slots, nodes, dynamic
         self.mask, self.lengths, self.names = mask, lengths, names
@@ -211,14 +226,16 @@ def classify(strategy, fn, args, kwargs) -> Call:
         fn_key = (type(fn_node), fn.__func__)
     else:
         fn_key = fn
-    return Call(fn, fn_node, fn_key, treedef, tuple(slots), nodes, dynamic, mask, lengths,
-                names, array_positions)
+    return Call(
+        fn, fn_node, fn_key, treedef, tuple(slots), nodes, dynamic, mask, lengths, names, array_positions
+    )
 
 
 _FLAT_TREEDEFS: dict = {}
 _is_flat_leaf = _per_type(
     lambda x: is_argument_leaf(x) or isinstance(x, (jax.Array, np.ndarray, np.generic)),
-    "True for a leaf of run's arguments that the flat-argument flatten can take as it is.")
+    "True for a leaf of run's arguments that the flat-argument flatten can take as it is.",
+)
 
 
 def _flatten(structure):
@@ -298,8 +315,7 @@ class LazyNames:
 
     def _all(self):
         if self._paths is None:
-            self._paths = jax.tree_util.tree_flatten_with_path(
-                self._structure, is_leaf=is_argument_leaf)[0]
+            self._paths = jax.tree_util.tree_flatten_with_path(self._structure, is_leaf=is_argument_leaf)[0]
         return self._paths
 
     def __getitem__(self, i) -> str:

@@ -77,8 +77,7 @@ class Captured:
     def valid(self) -> bool:
         """Every global and attribute the walk read is still the same object (by identity),
         and every list or dict of NNX objects it read holds the same items."""
-        if not all(map(operator.is_, map(dict.get, self._dicts, self._names, MISSINGS),
-                       self._values)):
+        if not all(map(operator.is_, map(dict.get, self._dicts, self._names, MISSINGS), self._values)):
             return False
         return not self._sequences or all(_snapshot(c) == s for c, s in self._sequences)
 
@@ -143,8 +142,13 @@ def _lookup_key(fn):
     closure = fn.__closure__
     if closure is None and fn.__defaults__ is None and fn.__kwdefaults__ is None:
         return (fn.__code__, id(fn.__globals__))
-    return (fn.__code__, id(fn.__globals__), id(fn.__defaults__), id(fn.__kwdefaults__),
-            *map(_cell_id, closure or ()))
+    return (
+        fn.__code__,
+        id(fn.__globals__),
+        id(fn.__defaults__),
+        id(fn.__kwdefaults__),
+        *map(_cell_id, closure or ()),
+    )
 
 
 def _cell_id(cell):
@@ -167,8 +171,17 @@ def user_function(value) -> bool:
 def plain_object(value) -> bool:
     """A user object (a trainer, a registry, a mirrax.Model) whose attributes may hold NNX
     objects: not a module, class, function, NNX object or library object."""
-    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType,
-                          types.BuiltinFunctionType, functools.partial)) or is_graph_node(value):
+    if isinstance(
+        value,
+        (
+            types.ModuleType,
+            type,
+            types.FunctionType,
+            types.MethodType,
+            types.BuiltinFunctionType,
+            functools.partial,
+        ),
+    ) or is_graph_node(value):
         return False
     if (type(value).__module__ or "").split(".")[0] in _OBJECT_LIBRARIES:
         return False
@@ -186,8 +199,7 @@ def nodes_in(value) -> list:
 
 def _snapshot(container):
     items = container.items() if isinstance(container, dict) else container
-    return tuple(map(id, itertools.chain.from_iterable(items) if isinstance(
-        container, dict) else items))
+    return tuple(map(id, itertools.chain.from_iterable(items) if isinstance(container, dict) else items))
 
 
 def _constant_key(value):
@@ -231,16 +243,19 @@ class Walk:
     def callable_key(self, fn, depth, name):
         if isinstance(fn, functools.partial):
             used = names_used(fn.func)
-            return ("partial", self.callable_key(fn.func, depth + 1, name),
-                    tuple(self.value_key(a, depth, f"{name} partial argument", used)
-                          for a in fn.args),
-                    tuple((k, self.value_key(v, depth, f"{name} partial argument {k}", used))
-                          for k, v in sorted(fn.keywords.items())))
+            return (
+                "partial",
+                self.callable_key(fn.func, depth + 1, name),
+                tuple(self.value_key(a, depth, f"{name} partial argument", used) for a in fn.args),
+                tuple(
+                    (k, self.value_key(v, depth, f"{name} partial argument {k}", used))
+                    for k, v in sorted(fn.keywords.items())
+                ),
+            )
         if isinstance(fn, types.MethodType):
             owner = fn.__self__
             if owner is self.fn_node or is_graph_node(owner):
-                owner_key = ("fn_node",) if owner is self.fn_node else self.node_key(
-                    owner, "self")
+                owner_key = ("fn_node",) if owner is self.fn_node else self.node_key(owner, "self")
             elif plain_object(owner):
                 owner_key = self.object_key(owner, "self", names_used(fn.__func__))
             else:
@@ -260,10 +275,11 @@ class Walk:
                 cells.append(("empty",))
                 continue
             cells.append(self.value_key(contents, depth, cell_name, used))
-        defaults = tuple(self.value_key(v, depth, f"{name} default", used)
-                         for v in fn.__defaults__ or ())
-        kwdefaults = tuple((k, self.value_key(v, depth, f"{name} default {k}", used))
-                           for k, v in sorted((fn.__kwdefaults__ or {}).items()))
+        defaults = tuple(self.value_key(v, depth, f"{name} default", used) for v in fn.__defaults__ or ())
+        kwdefaults = tuple(
+            (k, self.value_key(v, depth, f"{name} default {k}", used))
+            for k, v in sorted((fn.__kwdefaults__ or {}).items())
+        )
         module_globals = fn.__globals__
         read = []
         for global_name in global_names(fn.__code__):
@@ -272,8 +288,15 @@ class Walk:
                 continue  # a builtin, or an attribute name that is no global
             self.reads.append((module_globals, global_name, value))
             read.append((global_name, self.value_key(value, depth, global_name, used)))
-        return ("function", fn.__code__, _Identity(module_globals), tuple(cells), defaults,
-                kwdefaults, tuple(read))
+        return (
+            "function",
+            fn.__code__,
+            _Identity(module_globals),
+            tuple(cells),
+            defaults,
+            kwdefaults,
+            tuple(read),
+        )
 
     def value_key(self, value, depth, name, used=frozenset()):
         if value is self.fn_node and value is not None:
@@ -290,9 +313,14 @@ class Walk:
             leaves, treedef = jax.tree.flatten(value, is_leaf=is_graph_node)
             if not isinstance(value, tuple):
                 self.sequences.append((value, _snapshot(value)))
-            return ("tree", treedef, tuple(
-                self.node_key(x, name) if is_graph_node(x) else _constant_key(x) or _Identity(x)
-                for x in leaves))
+            return (
+                "tree",
+                treedef,
+                tuple(
+                    self.node_key(x, name) if is_graph_node(x) else _constant_key(x) or _Identity(x)
+                    for x in leaves
+                ),
+            )
         if isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
             return self.callable_key(value, depth + 1, name)
         if plain_object(value):
@@ -322,8 +350,11 @@ def held_attributes(obj, used) -> list:
     that the code reading it names (`trainer.model`); every one for a mirrax object (a
     `mirrax.Model` called as `model(x)` reads its module in mirrax's code)."""
     every = (type(obj).__module__ or "").split(".")[0] == "mirrax"
-    return [(attribute, value) for attribute, value in vars(obj).items()
-            if (every or attribute in used) and nodes_in(value)]
+    return [
+        (attribute, value)
+        for attribute, value in vars(obj).items()
+        if (every or attribute in used) and nodes_in(value)
+    ]
 
 
 def global_names(code) -> list:
@@ -345,8 +376,11 @@ def check_static_holders(slots, names):
     for i, slot in enumerate(slots):
         if not isinstance(slot, StaticSlot) or not plain_object(slot.value):
             continue
-        held = [(f"{names[i]}.{attribute}", leaf)
-                for attribute, value in vars(slot.value).items() for leaf in nodes_in(value)]
+        held = [
+            (f"{names[i]}.{attribute}", leaf)
+            for attribute, value in vars(slot.value).items()
+            for leaf in nodes_in(value)
+        ]
         if held:
             listing = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in held)
             raise errors.CapturedStateError(
@@ -357,5 +391,3 @@ def check_static_holders(slots, names):
                 f"Pass the NNX objects themselves, e.g. args=({held[0][0]}, ...), or a tuple or "
                 "dict of them."
             )
-
-

@@ -23,6 +23,7 @@ from flax import nnx
 from mirrax._src.distribute import _compat
 from mirrax._src.distribute.run.arguments import is_variable
 
+
 class NodeState:
     """What one flatten of a tuple of NNX objects found.
 
@@ -57,8 +58,18 @@ class _Checks:
     the same number of entries with the same keys and values (by identity).
     """
 
-    __slots__ = ("owners", "owned", "dicts", "lists", "variables", "metadata", "lengths", "keys",
-                 "values", "items")
+    __slots__ = (
+        "owners",
+        "owned",
+        "dicts",
+        "lists",
+        "variables",
+        "metadata",
+        "lengths",
+        "keys",
+        "values",
+        "items",
+    )
 
     def __init__(self, objects, dicts, lists, variables):
         chain = itertools.chain.from_iterable
@@ -134,8 +145,7 @@ def _walk(nodes, variables) -> "_Checks | None":
             return
         if id(x) in seen:
             return
-        if isinstance(x, (nnx.Pytree, nnx.State)) or (
-                hasattr(x, "__dict__") and _is_pytree_node(x)):
+        if isinstance(x, (nnx.Pytree, nnx.State)) or (hasattr(x, "__dict__") and _is_pytree_node(x)):
             seen.add(id(x))
             attributes = vars(x)
             objects.append((x, attributes))

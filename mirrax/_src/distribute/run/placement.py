@@ -57,8 +57,9 @@ def place(strategy, x, names, index, nodes=None, fresh=False, spec=None):
         # restored; JAX would otherwise attempt a cross-host transfer); with `fresh`, copies
         # that share no buffer with `x` (a replicated device_put reuses x's own buffer for
         # the shard on x's device, even with may_alias=False).
-        copies = [jax.device_put(x, d, may_alias=False if fresh else None)
-                  for d in replica_devices.local_devices]
+        copies = [
+            jax.device_put(x, d, may_alias=False if fresh else None) for d in replica_devices.local_devices
+        ]
         if not isinstance(copies[0], jax.core.Tracer):  # inside an outer jit: refused later
             return jax.make_array_from_single_device_arrays(x.shape, target, copies)
     return jax.device_put(x, target)
@@ -80,17 +81,22 @@ def place_state(strategy, xs: list, names, nodes, specs, later=None) -> list:
     """
     if not strategy.extended.replica_devices.spans_processes:
         # One process, or a strategy on this worker's devices only (its state is its own).
-        return [place(strategy, x, names, None, nodes, fresh=True, spec=s)
-                for x, s in zip(xs, specs)]
+        return [place(strategy, x, names, None, nodes, fresh=True, spec=s) for x, s in zip(xs, specs)]
     placed, pending, targets = [], [], []
     sources = []
     for i, (x, spec) in enumerate(zip(xs, specs)):
         target = _target(strategy, spec)
         if _process_local(strategy, x, target):
             sources.append(x)
-        elif (later is not None and later[i] and spec is None and isinstance(x, jax.Array)
-              and not isinstance(x, jax.core.Tracer) and x.is_fully_replicated
-              and not x.is_fully_addressable):
+        elif (
+            later is not None
+            and later[i]
+            and spec is None
+            and isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and x.is_fully_replicated
+            and not x.is_fully_addressable
+        ):
             # Assigned between steps as a global array (e.g. `variable[...] = value`, which
             # computes on the global array): each process may hold its own value under one
             # replicated sharding; worker 0's is taken, as for a local one.
@@ -122,8 +128,13 @@ def _process_local(strategy, x, target) -> bool:
     array, or a jax.Array on this process's devices that no other strategy placed)."""
     if isinstance(x, np.ndarray):
         return True
-    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-            and x.sharding != target and x.is_fully_addressable and not elsewhere(strategy, x))
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.sharding != target
+        and x.is_fully_addressable
+        and not elsewhere(strategy, x)
+    )
 
 
 def _warn_replaced(nodes, arrays) -> None:
@@ -142,7 +153,8 @@ def _warn_replaced(nodes, arrays) -> None:
         "is one model). Assign the same value on every worker (e.g. computed from the same "
         "seed, or read from the same file); every worker must assign it, since the workers "
         "meet at the broadcast.",
-        stacklevel=5)
+        stacklevel=5,
+    )
 
 
 def _split(x, target, fresh: bool):
@@ -150,8 +162,10 @@ def _split(x, target, fresh: bool):
     if jax.process_count() == 1:
         return jax.device_put(x, target, may_alias=False if fresh else None)
     local = x.addressable_shards[0].data  # every process holds the whole value
-    pieces = [jax.device_put(local[index], device)
-              for device, index in target.addressable_devices_indices_map(x.shape).items()]
+    pieces = [
+        jax.device_put(local[index], device)
+        for device, index in target.addressable_devices_indices_map(x.shape).items()
+    ]
     return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
 
@@ -183,16 +197,18 @@ def _mixed_placement(strategy, x, names, index, nodes) -> Exception:
         for node in nodes:
             for path, variable in nnx.to_flat_state(nnx.state(node)):
                 value = variable.get_raw_value() if is_variable(variable) else variable
-                if any(leaf is x or elsewhere(strategy, leaf)
-                       for leaf in jax.tree.leaves(value)):
+                if any(leaf is x or elsewhere(strategy, leaf) for leaf in jax.tree.leaves(value)):
                     offenders.append(
                         f"{names.of_node(node)} (a {type(node).__name__}): variable "
-                        f"{'.'.join(map(str, path)) or '(itself)'} ({type(variable).__name__})")
+                        f"{'.'.join(map(str, path)) or '(itself)'} ({type(variable).__name__})"
+                    )
                     break
         what = "; ".join(offenders) or "the state of the NNX objects"
-        fix = ("its state back to the host first: nnx.update(obj, jax.device_get(nnx.state("
-               "obj))) for each object named (for a mirrax.Model, on the module, before "
-               "mirrax.Model(module) and compile)")
+        fix = (
+            "its state back to the host first: nnx.update(obj, jax.device_get(nnx.state("
+            "obj))) for each object named (for a mirrax.Model, on the module, before "
+            "mirrax.Model(module) and compile)"
+        )
     return errors.MixedStrategyError(
         f"strategy.run: {what} lives on another strategy's devices ({theirs}), but this "
         f"{type(strategy).__name__} runs on {mine}: the object was placed there when another "

@@ -123,17 +123,18 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     found = {}
 
     def probe(state_leaves, dynamic, batch_info):
-        new_state, outputs, found["treedef"], recorded = _body(
-            spec, state_leaves, dynamic, batch_info, found)
+        new_state, outputs, found["treedef"], recorded = _body(spec, state_leaves, dynamic, batch_info, found)
         found["varying"] = tuple(REPLICA_AXIS in _compat.varying_axes(x) for x in outputs)
         if batch_info is not None:
             # Per-example outputs (one row per row of the batch) are trimmed of their padding
             # by experimental_local_results; anything else is a reduction or a state update.
             rows = batch_info[0].shape[-1]
             found["sums_padding"] = not found["mask_consulted"] and (
-                found["state_changed"] or not all(
-                    v and x.ndim >= 1 and x.shape[0] == rows
-                    for x, v in zip(outputs, found["varying"])))
+                found["state_changed"]
+                or not all(
+                    v and x.ndim >= 1 and x.shape[0] == rows for x, v in zip(outputs, found["varying"])
+                )
+            )
         found["same_state"] = jax.tree.structure(new_state) == spec.state_def
         found["new_avals"] = [(x.shape, x.dtype) for x in jax.tree.leaves(new_state)]
         if specs is not None:
@@ -141,15 +142,14 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
                 raise errors.UnsupportedArgumentError(
                     f"strategy.run: {fn_name(spec.fn)} creates or removes variables, which a "
                     "strategy with shard_optimizer_state=True does not support. Create every "
-                    "variable before the step (e.g. build the model and optimizer first).")
+                    "variable before the step (e.g. build the model and optimizer first)."
+                )
             new_state = jax.tree.leaves(new_state)
-        return new_state, [_compat.pvary(x, REPLICA_AXIS)[None]
-                           for x in list(outputs) + list(recorded)]
+        return new_state, [_compat.pvary(x, REPLICA_AXIS)[None] for x in list(outputs) + list(recorded)]
 
     try:
         jax.eval_shape(
-            jax.shard_map(probe, mesh=mesh, in_specs=in_specs,
-                          out_specs=(state_specs, P(REPLICA_AXIS))),
+            jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(state_specs, P(REPLICA_AXIS))),
             state_leaves,
             dynamic,
             batch_info,
@@ -160,9 +160,15 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     # The probe saw each replica's block of a sharded array: compare blocks with blocks.
     blocks = specs or (None,) * len(state_leaves)
     replicas = spec.strategy.num_replicas_in_sync
-    donates = same_state and bool(state_leaves) and found["new_avals"] == [
-        (sharded_optimizer.local_shape(jnp.shape(x), s, replicas), jnp.result_type(x))
-        for x, s in zip(state_leaves, blocks)]
+    donates = (
+        same_state
+        and bool(state_leaves)
+        and found["new_avals"]
+        == [
+            (sharded_optimizer.local_shape(jnp.shape(x), s, replicas), jnp.result_type(x))
+            for x, s in zip(state_leaves, blocks)
+        ]
+    )
     updates = found.get("updates", [])
     recorded_specs = [s for u in updates for s in u.grad_specs + (P(),) * u.kwargs_count]
 
@@ -178,16 +184,24 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     def step(state_leaves, dynamic, batch_info):
         new_state, outputs, recorded = per_replica(state_leaves, dynamic, batch_info)
         if updates:  # the deferred optimizer updates, in global view (sharded_optimizer.py)
-            new_state = sharded_optimizer.apply_updates(mesh, updates, specs, new_state,
-                                                        recorded)
+            new_state = sharded_optimizer.apply_updates(mesh, updates, specs, new_state, recorded)
         return new_state, outputs
 
-    compiled = jax.jit(step, donate_argnums=(0,) if donates else (),
-                       compiler_options=invariant.compiler_options(spec.strategy))
-    return Program(compiled, found["treedef"], varying, same_state, donates,
-                   sums_padding=found.get("sums_padding", False),
-                   batch_rows=None if batch_info is None else batch_info[0].shape[-1],
-                   state_def=spec.state_def)
+    compiled = jax.jit(
+        step,
+        donate_argnums=(0,) if donates else (),
+        compiler_options=invariant.compiler_options(spec.strategy),
+    )
+    return Program(
+        compiled,
+        found["treedef"],
+        varying,
+        same_state,
+        donates,
+        sums_padding=found.get("sums_padding", False),
+        batch_rows=None if batch_info is None else batch_info[0].shape[-1],
+        state_def=spec.state_def,
+    )
 
 
 def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
@@ -203,8 +217,11 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     sharded_paths = frozenset()
     if spec.state_specs is not None:
         at = sharded_optimizer.variable_positions(variables)
-        sharded_paths = frozenset(path for path, v in nnx.to_flat_state(state)
-                                  if id(v) in at and spec.state_specs[at[id(v)]] is not None)
+        sharded_paths = frozenset(
+            path
+            for path, v in nnx.to_flat_state(state)
+            if id(v) in at and spec.state_specs[at[id(v)]] is not None
+        )
     # Read before merging: merge may reuse these Variable objects, which the step then mutates.
     old_values = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
     nodes = nnx.merge(spec.graphdef, state)
@@ -228,25 +245,31 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     replica_id = jax.lax.axis_index(REPLICA_AXIS)
     # Replica-invariant mode keys randomness by the global micro-batch index instead
     # (invariant.micro_batch_call), which does not depend on the replica count.
-    rng_keys = [] if spec.strategy.replica_invariant else [
-        v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    rng_keys = (
+        []
+        if spec.strategy.replica_invariant
+        else [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    )
     original_keys = [v.get_value() for v in rng_keys]
     for variable in rng_keys:
         variable.set_value(jax.random.fold_in(variable.get_value(), replica_id))
 
     mask, count = (None, None) if batch_info is None else batch_info
-    ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0],
-                         example_count=count)
-    recorder = None if spec.state_specs is None else sharded_optimizer.Recorder(
-        nodes, variables, spec.state_specs, fn_name(spec.fn), ctx.scattered_gradients)
+    ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0], example_count=count)
+    recorder = (
+        None
+        if spec.state_specs is None
+        else sharded_optimizer.Recorder(
+            nodes, variables, spec.state_specs, fn_name(spec.fn), ctx.scattered_gradients
+        )
+    )
     fn = spec.fn
     if spec.captured:  # the function reaching the merged objects instead of the caller's
         fn = rebuild.substitute(fn, spec.fn_node, tuple(nodes[i] for i in spec.captured))
     try:
         # A scan whose carry starts replica-invariant but turns per-replica (an RNN) is
         # made to start varying (scan_carry.py).
-        with replica_context_scope(ctx), scan_carry.varying_carries(), \
-                batch_stats.masked_batch_layers():
+        with replica_context_scope(ctx), scan_carry.varying_carries(), batch_stats.masked_batch_layers():
             if spec.fn_node is None:
                 outputs = fn(*args, **kwargs)
             elif spec.fn_node is spec.fn:
@@ -289,13 +312,12 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
         # RNG streams advance at every call whatever the batch; every other update counts.
         found["state_changed"] = any(
             not isinstance(variable, nnx.RngState) and variable.get_value() is not old_values.get(path)
-            for path, variable in nnx.to_flat_state(new_state))
+            for path, variable in nnx.to_flat_state(new_state)
+        )
     new_state = _aggregate(spec, new_state, old_values, replica_id, ctx, sharded_paths)
 
     # Variables (e.g. the gradients nnx.grad returns) come back as their values.
-    outputs = jax.tree.map(
-        lambda x: x.get_value() if is_variable(x) else x, outputs, is_leaf=is_variable
-    )
+    outputs = jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, outputs, is_leaf=is_variable)
     out_leaves = jax.tree.leaves(outputs, is_leaf=is_graph_node)
     for leaf in out_leaves:
         if is_graph_node(leaf) or not isinstance(leaf, _ARRAY_LIKE):
@@ -335,8 +357,11 @@ def _aggregate(spec: Spec, new_state, old: dict, replica_id, ctx, sharded=frozen
             # The fixed tree over the replicas (the same bits at every replica count), with
             # TF's meaning: every replica's SUM update counts. Values that
             # invariant.micro_batch_call already combined over all micro-batches are final.
-            if ctx.is_combined(value) or value is before or (
-                    aggregation is VariableAggregation.MEAN and not varying):
+            if (
+                ctx.is_combined(value)
+                or value is before
+                or (aggregation is VariableAggregation.MEAN and not varying)
+            ):
                 flat.append((path, variable))
                 continue
             if aggregation is VariableAggregation.MEAN:
@@ -383,8 +408,11 @@ def _warn_if_not_invariant(spec: Spec, new_state, old: dict, ctx) -> None:
     `mirrax.value_and_grad` (e.g. with `nnx.value_and_grad`), which loses the guarantee."""
     if not spec.strategy.replica_invariant or ctx.micro_batches_used:
         return
-    changed = [path for path, variable in nnx.to_flat_state(new_state)
-               if isinstance(variable, nnx.Param) and variable.get_value() is not old.get(path)]
+    changed = [
+        path
+        for path, variable in nnx.to_flat_state(new_state)
+        if isinstance(variable, nnx.Param) and variable.get_value() is not old.get(path)
+    ]
     if changed:
         warnings.warn(
             f"strategy.run: {fn_name(spec.fn)} changed parameters on a strategy with "

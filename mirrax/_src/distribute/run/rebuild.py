@@ -42,10 +42,11 @@ class _Rebuild:
     def callable(self, fn, depth):
         if isinstance(fn, functools.partial):
             used = captures.names_used(fn.func)
-            return functools.partial(self.callable(fn.func, depth + 1),
-                                     *[self.value(a, depth, used) for a in fn.args],
-                                     **{k: self.value(v, depth, used)
-                                        for k, v in fn.keywords.items()})
+            return functools.partial(
+                self.callable(fn.func, depth + 1),
+                *[self.value(a, depth, used) for a in fn.args],
+                **{k: self.value(v, depth, used) for k, v in fn.keywords.items()},
+            )
         if isinstance(fn, types.MethodType):
             owner = fn.__self__
             if owner is self.fn_node:
@@ -102,8 +103,7 @@ class _Rebuild:
             # A copy of the module's namespace for the traced copy only (global writes during
             # the trace stay in it, as Python side effects of a trace do not repeat anyway).
             module_globals = {**module_globals, **replaced}
-        new_fn = types.FunctionType(fn.__code__, module_globals, fn.__name__, defaults,
-                                    tuple(cells) or None)
+        new_fn = types.FunctionType(fn.__code__, module_globals, fn.__name__, defaults, tuple(cells) or None)
         new_fn.__kwdefaults__ = kwdefaults
         new_fn.__qualname__ = fn.__qualname__
         new_fn.__dict__.update(fn.__dict__)
@@ -118,8 +118,9 @@ class _Rebuild:
         if isinstance(value, (list, tuple, dict)):
             if not captures.nodes_in(value):
                 return value
-            return jax.tree.map(lambda x: self.mapping.get(id(x), x) if is_graph_node(x) else x,
-                                value, is_leaf=is_graph_node)
+            return jax.tree.map(
+                lambda x: self.mapping.get(id(x), x) if is_graph_node(x) else x, value, is_leaf=is_graph_node
+            )
         if isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
             return self.callable(value, depth + 1)
         if captures.plain_object(value):

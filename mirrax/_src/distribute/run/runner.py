@@ -61,8 +61,7 @@ def _copy(x):
     if x.is_fully_addressable:
         return jax.device_put(x, x.sharding, may_alias=False)
     # Several processes: copy this process's shards (device_put wants addressable devices).
-    shards = [jax.device_put(shard.data, shard.device, may_alias=False)
-              for shard in x.addressable_shards]
+    shards = [jax.device_put(shard.data, shard.device, may_alias=False) for shard in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
@@ -119,8 +118,7 @@ class Runner:
         self._example_counts = LRU()  # int -> replicated int32 scalar
         self._compile_counts: dict = {}
         devices = strategy.extended.replica_devices.devices
-        self._in_flight = (collections.deque()
-                           if len(devices) > 1 and devices[0].platform == "cpu" else None)
+        self._in_flight = collections.deque() if len(devices) > 1 and devices[0].platform == "cpu" else None
 
     def clear(self) -> None:
         """Drops the compiled programs and cached device values (`clear_session`)."""
@@ -132,8 +130,7 @@ class Runner:
 
     def run(self, fn, args, kwargs):
         """Implements `Strategy.run` (validated there)."""
-        program, binding, call, state_leaves, batch_info, written = self._prepare(
-            fn, args, kwargs)
+        program, binding, call, state_leaves, batch_info, written = self._prepare(fn, args, kwargs)
         if program.sums_padding and not program.padding_warned and call.lengths is not None:
             _warn_if_padded(program, call)
         if program.donates:
@@ -204,8 +201,18 @@ class Runner:
             binding = _Binding(live, strategy)
         state_leaves, written = self._state_leaves(binding, call, node_state.memo)
         if program is None:
-            program = self._compile(call, key, graphdef, state_def, binding, node_state,
-                                    state_leaves, batch_info, captured, captured_at)
+            program = self._compile(
+                call,
+                key,
+                graphdef,
+                state_def,
+                binding,
+                node_state,
+                state_leaves,
+                batch_info,
+                captured,
+                captured_at,
+            )
         if node_state.key is not None and bound is None:
             memo = node_state.memo
             if len(memo) >= _MEMO_SIZE:
@@ -218,21 +225,21 @@ class Runner:
         step (passed as they are: their placement is known); others are placed."""
         raw = list(map(_compat.raw_value, binding.live))
         written = binding.written
-        if written is not None and len(written) == len(raw) and all(
-                map(operator.is_, raw, written)):
+        if written is not None and len(written) == len(raw) and all(map(operator.is_, raw, written)):
             return raw, True
         binding.written = None
         strategy = self._strategy
         leaves = jax.tree.leaves(raw)
-        specs = binding.specs if binding.specs is not None and len(binding.specs) == len(
-            leaves) else (None,) * len(leaves)
+        specs = (
+            binding.specs
+            if binding.specs is not None and len(binding.specs) == len(leaves)
+            else (None,) * len(leaves)
+        )
         later = None
-        if (written is not None and jax.process_count() > 1
-                and len(written) == len(raw) == len(leaves)):
+        if written is not None and jax.process_count() > 1 and len(written) == len(raw) == len(leaves):
             # Leaves that replaced what a step wrote, and that no other program over these
             # objects wrote since (fit's validation): assigned by the user between steps.
-            steps = {id(x) for _, other in memo.values() if other.written is not None
-                     for x in other.written}
+            steps = {id(x) for _, other in memo.values() if other.written is not None for x in other.written}
             later = [x is not w and id(x) not in steps for x, w in zip(raw, written)]
         return place_state(strategy, leaves, call.names, call.nodes, specs, later), False
 
@@ -260,17 +267,38 @@ class Runner:
                 protected[i] = _copy(state_leaves[i])
         return state_leaves if protected is None else protected
 
-    def _compile(self, call, key, graphdef, state_def, binding, node_state, state_leaves,
-                 batch_info, captured, captured_at):
+    def _compile(
+        self,
+        call,
+        key,
+        graphdef,
+        state_def,
+        binding,
+        node_state,
+        state_leaves,
+        batch_info,
+        captured,
+        captured_at,
+    ):
         strategy = self._strategy
         captures.check_static_holders(call.slots, call.names)
         self._warn_on_retracing(call)
-        captured_names = {index: f"{name} (captured)"
-                          for index, name in zip(captured_at, captured.names)}
-        node_names = tuple(captured_names.get(i) or call.names.of_node(node)
-                           for i, node in enumerate(call.nodes))
-        spec = prog.Spec(strategy, call.fn, call.fn_node, call.treedef, call.slots, graphdef,
-                         state_def, node_names, binding.specs, captured_at)
+        captured_names = {index: f"{name} (captured)" for index, name in zip(captured_at, captured.names)}
+        node_names = tuple(
+            captured_names.get(i) or call.names.of_node(node) for i, node in enumerate(call.nodes)
+        )
+        spec = prog.Spec(
+            strategy,
+            call.fn,
+            call.fn_node,
+            call.treedef,
+            call.slots,
+            graphdef,
+            state_def,
+            node_names,
+            binding.specs,
+            captured_at,
+        )
         program = prog.compile_program(spec, state_leaves, call.dynamic, batch_info)
         if node_state.key is not None and state_def.num_leaves == len(binding.live):
             index = {id(v): i for i, v in enumerate(node_state.variables)}
@@ -302,8 +330,7 @@ class Runner:
         strategy = self._strategy
         mask, lengths = call.mask, call.lengths
         wrapped = [
-            PerReplica(strategy, x, mask=mask, lengths=lengths) if varying
-            else Mirrored(strategy, x)
+            PerReplica(strategy, x, mask=mask, lengths=lengths) if varying else Mirrored(strategy, x)
             for x, varying in zip(outputs, program.out_varying)
         ]
         return jax.tree.unflatten(program.out_treedef, wrapped)
@@ -327,8 +354,7 @@ class Runner:
         count = self._example_counts.get(total)
         if count is None:
             replicated = self._strategy.extended.replica_devices.replicated
-            count = jax.make_array_from_callback(
-                (), replicated, lambda _: np.asarray(total, np.int32))
+            count = jax.make_array_from_callback((), replicated, lambda _: np.asarray(total, np.int32))
             self._example_counts.put(total, count)
         return count
 
@@ -397,17 +423,20 @@ def _warn_if_padded(program, call) -> None:
     program.padding_warned = True
     name = arguments.fn_name(call.fn)
     replicas = len(call.lengths)
-    warnings.warn(errors.PaddedBatchWarning(
-        f"strategy.run: {name} runs on a partial batch of {sum(call.lengths)} examples over "
-        f"{replicas} replicas (per replica {list(call.lengths)}), padded to {rows} rows per "
-        "replica with copies of a real example so that every replica has the same shape; "
-        f"{name} never reads the batch mask, so its sums and means over the batch (e.g. "
-        "jnp.sum(loss) / GLOBAL_BATCH_SIZE, a metric's update) and its state updates count "
-        "the padding rows. Fix: compute the loss with mirrax.compute_average_loss("
-        "per_example_loss, global_batch_size=...) (mirrax's losses and metrics also drop "
-        "the padding), or mask a hand-written reduction with "
-        "mirrax.get_replica_context().batch_mask, e.g. jnp.sum(jnp.where(mask, loss, 0.0)); "
-        "or drop the partial batch (drop_remainder=True). Max, min, any and per-example "
-        "outputs are exact with padding; when the step only uses those, silence this with "
-        "warnings.filterwarnings('ignore', category=mirrax.PaddedBatchWarning)."),
-        stacklevel=4)
+    warnings.warn(
+        errors.PaddedBatchWarning(
+            f"strategy.run: {name} runs on a partial batch of {sum(call.lengths)} examples over "
+            f"{replicas} replicas (per replica {list(call.lengths)}), padded to {rows} rows per "
+            "replica with copies of a real example so that every replica has the same shape; "
+            f"{name} never reads the batch mask, so its sums and means over the batch (e.g. "
+            "jnp.sum(loss) / GLOBAL_BATCH_SIZE, a metric's update) and its state updates count "
+            "the padding rows. Fix: compute the loss with mirrax.compute_average_loss("
+            "per_example_loss, global_batch_size=...) (mirrax's losses and metrics also drop "
+            "the padding), or mask a hand-written reduction with "
+            "mirrax.get_replica_context().batch_mask, e.g. jnp.sum(jnp.where(mask, loss, 0.0)); "
+            "or drop the partial batch (drop_remainder=True). Max, min, any and per-example "
+            "outputs are exact with padding; when the step only uses those, silence this with "
+            "warnings.filterwarnings('ignore', category=mirrax.PaddedBatchWarning)."
+        ),
+        stacklevel=4,
+    )

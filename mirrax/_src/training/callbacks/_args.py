@@ -18,9 +18,7 @@ def count(owner: str, name: str, value, minimum: int = 0) -> int:
             f"a whole number >= {minimum}."
         )
     if value < minimum:
-        raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be >= {minimum}; received {name}={value!r}."
-        )
+        raise errors.InvalidArgumentError(f"{owner}: {name} must be >= {minimum}; received {name}={value!r}.")
     return int(value)
 
 
@@ -37,9 +35,7 @@ def number(owner: str, name: str, value, allow_none: bool = False, minimum=None)
     if not math.isfinite(value):
         raise errors.InvalidArgumentError(f"{owner}: {name} must be finite; received {value!r}.")
     if minimum is not None and value < minimum:
-        raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be >= {minimum}; received {name}={value!r}."
-        )
+        raise errors.InvalidArgumentError(f"{owner}: {name} must be >= {minimum}; received {name}={value!r}.")
     return value
 
 

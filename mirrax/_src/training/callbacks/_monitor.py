@@ -19,13 +19,35 @@ import numpy as np
 from mirrax import errors
 
 _UP = (
-    "acc", "auc", "precision", "recall", "f1_score", "fbeta_score", "iou", "r2_score",
-    "true_positives", "true_negatives", "cosine_similarity", "correlation", "sensitivity",
+    "acc",
+    "auc",
+    "precision",
+    "recall",
+    "f1_score",
+    "fbeta_score",
+    "iou",
+    "r2_score",
+    "true_positives",
+    "true_negatives",
+    "cosine_similarity",
+    "correlation",
+    "sensitivity",
     "specificity",
 )
 _DOWN = (
-    "loss", "error", "mse", "mae", "mape", "msle", "crossentropy", "hinge", "divergence",
-    "poisson", "logcosh", "false_positives", "false_negatives",
+    "loss",
+    "error",
+    "mse",
+    "mae",
+    "mape",
+    "msle",
+    "crossentropy",
+    "hinge",
+    "divergence",
+    "poisson",
+    "logcosh",
+    "false_positives",
+    "false_negatives",
 )
 
 
@@ -68,8 +90,7 @@ def check_mode(mode: str, owner: str) -> str:
     if mode in ("auto", "min", "max"):
         return mode
     warnings.warn(
-        f"{owner}: mode={mode!r} is unknown; using mode='auto'. Pass mode='min', 'max' or "
-        "'auto'.",
+        f"{owner}: mode={mode!r} is unknown; using mode='auto'. Pass mode='min', 'max' or 'auto'.",
         stacklevel=3,
     )
     return "auto"
@@ -81,7 +102,8 @@ def missing_monitor_message(owner: str, monitor: str, logs: dict) -> str:
     hint = (
         " Validation keys (val_*) appear only when fit is given validation_data or "
         "validation_split, and only in the epochs that validate."
-        if monitor.startswith("val_") else ""
+        if monitor.startswith("val_")
+        else ""
     )
     return (
         f"{owner} is conditioned on metric `{monitor}` which is not available. Available "
@@ -129,9 +151,9 @@ def check_monitor_is_logged(owner: str, monitor: str, params: dict) -> None:
     if keys is None or monitor in keys:
         return
     hint = (
-        " Validation keys (val_*) appear only when fit is given validation_data or "
-        "validation_split."
-        if monitor.startswith("val_") and not any(k.startswith("val_") for k in keys) else ""
+        " Validation keys (val_*) appear only when fit is given validation_data or validation_split."
+        if monitor.startswith("val_") and not any(k.startswith("val_") for k in keys)
+        else ""
     )
     raise errors.InvalidArgumentError(
         f"{owner}: monitor={monitor!r} is not among the logs of this fit, which hold: "

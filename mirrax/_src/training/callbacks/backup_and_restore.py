@@ -32,8 +32,11 @@ def check_save_freq(save_freq, owner: str):
         )
     if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
         return save_freq
-    error = (errors.InvalidArgumentError if isinstance(save_freq, (int, str))
-             and not isinstance(save_freq, bool) else errors.InvalidArgumentTypeError)
+    error = (
+        errors.InvalidArgumentError
+        if isinstance(save_freq, (int, str)) and not isinstance(save_freq, bool)
+        else errors.InvalidArgumentTypeError
+    )
     raise error(
         f"{owner}: unrecognized save_freq: {save_freq!r}. Expected save_freq='epoch' (save at "
         "the end of every epoch) or a positive int (save every that many batches)."
@@ -45,8 +48,7 @@ def check_flag(value, name: str, owner: str) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise errors.InvalidArgumentTypeError(
-        f"{owner}: {name} must be True or False; received {value!r} of type "
-        f"{type(value).__name__}."
+        f"{owner}: {name} must be True or False; received {value!r} of type {type(value).__name__}."
     )
 
 
@@ -169,8 +171,11 @@ class BackupAndRestore(Callback):
             except errors.InvalidCheckpointError as error:
                 if i + 1 == len(backups):
                     raise
-                _LOG.warning("mirrax: BackupAndRestore could not read the backup %s (%s); "
-                             "restoring the previous one.", path, error)
+                _LOG.warning(
+                    "mirrax: BackupAndRestore could not read the backup %s (%s); restoring the previous one.",
+                    path,
+                    error,
+                )
                 continue
             self._resume = (self._checkpoint.epoch, self._checkpoint.step)
             self._restored = True

@@ -58,8 +58,9 @@ class Callback:
         `LambdaCallback` does). Override it where a hook does not always read its logs.
         """
         names = (hook, "on_batch_end") if hook == "on_train_batch_end" else (hook,)
-        return any(name in vars(self) or getattr(type(self), name) is not getattr(Callback, name)
-                   for name in names)
+        return any(
+            name in vars(self) or getattr(type(self), name) is not getattr(Callback, name) for name in names
+        )
 
     def resume_point(self) -> Optional[tuple]:
         """Where `fit` resumes after `on_train_begin`: (epoch index, batches of that epoch
@@ -128,13 +129,21 @@ class Callback:
 
 
 HOOKS = (
-    "on_batch_begin", "on_batch_end",
-    "on_epoch_begin", "on_epoch_end",
-    "on_train_begin", "on_train_end",
-    "on_train_batch_begin", "on_train_batch_end",
-    "on_test_begin", "on_test_end",
-    "on_test_batch_begin", "on_test_batch_end",
-    "on_predict_begin", "on_predict_end",
-    "on_predict_batch_begin", "on_predict_batch_end",
+    "on_batch_begin",
+    "on_batch_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
 )
 """The names of every hook a `Callback` has."""

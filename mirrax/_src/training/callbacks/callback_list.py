@@ -85,8 +85,9 @@ class CallbackList(Callback):
       TypeError: an element of `callbacks` is not a `Callback`.
     """
 
-    def __init__(self, callbacks=None, add_history: bool = False, add_progbar: bool = False,
-                 model=None, **params):
+    def __init__(
+        self, callbacks=None, add_history: bool = False, add_progbar: bool = False, model=None, **params
+    ):
         super().__init__()
         self.callbacks: list = _flatten(callbacks)
         self._history: Optional[History] = None
@@ -146,7 +147,8 @@ class CallbackList(Callback):
             if not isinstance(answer, bool):
                 raise errors.InvalidArgumentTypeError(
                     f"{type(callback).__name__}.needs_batch_logs({hook!r}) returned "
-                    f"{answer!r}; it must return True or False.")
+                    f"{answer!r}; it must return True or False."
+                )
             if answer:
                 return True
         return False
@@ -161,12 +163,16 @@ class CallbackList(Callback):
             point = callback.resume_point()
             if point is None:
                 continue
-            if not (isinstance(point, tuple) and len(point) == 2 and all(
-                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in point)):
+            if not (
+                isinstance(point, tuple)
+                and len(point) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in point)
+            ):
                 raise errors.InvalidArgumentError(
                     f"{type(callback).__name__}.resume_point() returned {point!r}; it must "
                     "return None or (epoch index, batches of that epoch already done), two "
-                    "ints >= 0, e.g. (2, 0).")
+                    "ints >= 0, e.g. (2, 0)."
+                )
             return point
         return None
 

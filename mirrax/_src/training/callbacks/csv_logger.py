@@ -104,9 +104,7 @@ class CSVLogger(Callback):
                 self.keys.extend(["val_" + key for key in self.keys])
         if self.writer is None:
             dialect = type("_Dialect", (csv.excel,), {"delimiter": self.sep})
-            self.writer = csv.DictWriter(
-                self.csv_file, fieldnames=["epoch"] + self.keys, dialect=dialect
-            )
+            self.writer = csv.DictWriter(self.csv_file, fieldnames=["epoch"] + self.keys, dialect=dialect)
             if self.append_header:
                 self.writer.writeheader()
         row = {"epoch": epoch}

@@ -59,9 +59,17 @@ class EarlyStopping(Callback):
       UserWarning: at the end of an epoch whose logs lack `monitor`; that epoch is skipped.
     """
 
-    def __init__(self, monitor: str = "val_loss", min_delta: float = 0, patience: int = 0,
-                 verbose: int = 0, mode: str = "auto", baseline: Optional[float] = None,
-                 restore_best_weights: bool = False, start_from_epoch: int = 0):
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0,
+        patience: int = 0,
+        verbose: int = 0,
+        mode: str = "auto",
+        baseline: Optional[float] = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ):
         super().__init__()
         owner = "EarlyStopping"
         self.monitor = _args.monitor(owner, monitor)
@@ -154,8 +162,5 @@ class EarlyStopping(Callback):
             print_msg(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose > 0:
-                print_msg(
-                    "Restoring model weights from the end of the best epoch: "
-                    f"{self.best_epoch + 1}."
-                )
+                print_msg(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
             self.model.set_weights(self.best_weights)

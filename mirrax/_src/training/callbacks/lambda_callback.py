@@ -23,12 +23,16 @@ class LambdaCallback(Callback):
       TypeError: a keyword names no hook of `Callback`, or a value is not callable.
     """
 
-    def __init__(self, on_epoch_begin: Optional[Callable] = None,
-                 on_epoch_end: Optional[Callable] = None,
-                 on_train_begin: Optional[Callable] = None,
-                 on_train_end: Optional[Callable] = None,
-                 on_train_batch_begin: Optional[Callable] = None,
-                 on_train_batch_end: Optional[Callable] = None, **kwargs):
+    def __init__(
+        self,
+        on_epoch_begin: Optional[Callable] = None,
+        on_epoch_end: Optional[Callable] = None,
+        on_train_begin: Optional[Callable] = None,
+        on_train_end: Optional[Callable] = None,
+        on_train_batch_begin: Optional[Callable] = None,
+        on_train_batch_end: Optional[Callable] = None,
+        **kwargs,
+    ):
         super().__init__()
         unknown = sorted(set(kwargs) - set(HOOKS))
         if unknown:
@@ -38,9 +42,12 @@ class LambdaCallback(Callback):
                 f"mirrax.callbacks.Callback. The hooks are: {', '.join(HOOKS)}."
             )
         hooks = dict(
-            on_epoch_begin=on_epoch_begin, on_epoch_end=on_epoch_end,
-            on_train_begin=on_train_begin, on_train_end=on_train_end,
-            on_train_batch_begin=on_train_batch_begin, on_train_batch_end=on_train_batch_end,
+            on_epoch_begin=on_epoch_begin,
+            on_epoch_end=on_epoch_end,
+            on_train_begin=on_train_begin,
+            on_train_end=on_train_end,
+            on_train_batch_begin=on_train_batch_begin,
+            on_train_batch_end=on_train_batch_end,
             **kwargs,
         )
         for name, function in hooks.items():

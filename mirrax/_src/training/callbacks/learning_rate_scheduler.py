@@ -16,10 +16,7 @@ def _takes_one_argument(function) -> bool:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = [
-        p for p in parameters
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind is p.VAR_POSITIONAL for p in parameters)
     required = [p for p in positional if p.default is p.empty]
     return not varargs and len(required) <= 1 and len(positional) == 1
@@ -78,13 +75,9 @@ class LearningRateScheduler(Callback):
         rate = _monitor.to_learning_rate(rate, "LearningRateScheduler")
         self.model.optimizer.learning_rate = rate
         if self.verbose > 0:
-            print_msg(
-                f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}."
-            )
+            print_msg(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.")
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         """Adds the current `"learning_rate"` to the epoch's logs."""
         if logs is not None:
-            logs["learning_rate"] = _monitor.get_learning_rate(
-                self.model, "LearningRateScheduler"
-            )
+            logs["learning_rate"] = _monitor.get_learning_rate(self.model, "LearningRateScheduler")

@@ -91,10 +91,17 @@ class ModelCheckpoint(Callback):
       UserWarning: `save_best_only` and the logs lack `monitor`; that save is skipped.
     """
 
-    def __init__(self, filepath, monitor: str = "val_loss", verbose: int = 0,
-                 save_best_only: bool = False, save_weights_only: bool = False,
-                 mode: str = "auto", save_freq="epoch",
-                 initial_value_threshold: Optional[float] = None):
+    def __init__(
+        self,
+        filepath,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq="epoch",
+        initial_value_threshold: Optional[float] = None,
+    ):
         super().__init__()
         owner = "ModelCheckpoint"
         if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
@@ -108,12 +115,10 @@ class ModelCheckpoint(Callback):
                 f"{monitor!r} of type {type(monitor).__name__}."
             )
         if isinstance(verbose, bool) or not isinstance(verbose, int):
-            raise errors.InvalidArgumentTypeError(
-                f"{owner}: verbose must be 0 or 1; received {verbose!r}."
-            )
+            raise errors.InvalidArgumentTypeError(f"{owner}: verbose must be 0 or 1; received {verbose!r}.")
         if initial_value_threshold is not None and (
-                isinstance(initial_value_threshold, bool)
-                or not isinstance(initial_value_threshold, (int, float))):
+            isinstance(initial_value_threshold, bool) or not isinstance(initial_value_threshold, (int, float))
+        ):
             raise errors.InvalidArgumentTypeError(
                 f"{owner}: initial_value_threshold must be a number or None; received "
                 f"{initial_value_threshold!r}."
@@ -136,8 +141,7 @@ class ModelCheckpoint(Callback):
         return hook == "on_train_batch_end" and self.save_freq != "epoch"
 
     def _resolve_mode(self) -> None:
-        self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(
-            self.monitor, self.model)
+        self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(self.monitor, self.model)
         if self.monitor_op is None:
             raise errors.InvalidArgumentError(
                 f"ModelCheckpoint received monitor={self.monitor!r} with mode='auto', but "
@@ -211,11 +215,12 @@ class ModelCheckpoint(Callback):
             current = float(current)
             improved = current < self.best if self.monitor_op == "min" else current > self.best
             if not improved:
-                self._print(f"Epoch {epoch + 1}: {self.monitor} did not improve from "
-                            f"{self.best:.5f}")
+                self._print(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")
                 return
-            self._print(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
-                        f"{current:.5f}, saving model to {path}")
+            self._print(
+                f"Epoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
+                f"{current:.5f}, saving model to {path}"
+            )
             self.best = current
         else:
             self._print(f"Epoch {epoch + 1}: saving model to {path}")
@@ -224,7 +229,6 @@ class ModelCheckpoint(Callback):
         if self.save_weights_only:
             self.model.save_weights(path, overwrite=True)
         else:
-
             Checkpoint(model=self.model).write(path)
 
     def _print(self, message: str) -> None:

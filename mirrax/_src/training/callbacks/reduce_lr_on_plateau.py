@@ -53,16 +53,29 @@ class ReduceLROnPlateau(Callback):
       UserWarning: at the end of an epoch whose logs lack `monitor`.
     """
 
-    def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
-                 verbose: int = 0, mode: str = "auto", min_delta: float = 1e-4,
-                 cooldown: int = 0, min_lr: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+        **kwargs,
+    ):
         super().__init__()
         owner = "ReduceLROnPlateau"
         if kwargs:
             raise errors.UnsupportedArgumentError(
                 f"ReduceLROnPlateau got {', '.join(map(repr, sorted(kwargs)))}, which it does "
-                "not take" + ("; epsilon is tf.keras 1's name of min_delta: pass min_delta="
-                              if "epsilon" in kwargs else "")
+                "not take"
+                + (
+                    "; epsilon is tf.keras 1's name of min_delta: pass min_delta="
+                    if "epsilon" in kwargs
+                    else ""
+                )
                 + ". Its arguments are monitor, factor, patience, verbose, mode, min_delta, "
                 "cooldown, min_lr."
             )
@@ -123,9 +136,7 @@ class ReduceLROnPlateau(Callback):
         current = logs.get(self.monitor)
         if current is None:
             warnings.warn(
-                _monitor.missing_monitor_message(
-                    "Learning rate reduction", self.monitor, logs
-                ),
+                _monitor.missing_monitor_message("Learning rate reduction", self.monitor, logs),
                 stacklevel=2,
             )
             return
@@ -146,8 +157,7 @@ class ReduceLROnPlateau(Callback):
                     self.model.optimizer.learning_rate = new_lr
                     if self.verbose > 0:
                         print_msg(
-                            f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate "
-                            f"to {new_lr}."
+                            f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}."
                         )
                     self.cooldown_counter = self.cooldown
                     self.wait = 0

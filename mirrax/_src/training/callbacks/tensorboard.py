@@ -105,23 +105,35 @@ class TensorBoard(Callback):
       ImportError: tensorboardX is not installed (raised when the first file is written).
     """
 
-    def __init__(self, log_dir="logs", histogram_freq: int = 0, write_graph: bool = True,
-                 write_images: bool = False, write_steps_per_second: bool = False,
-                 update_freq="epoch", profile_batch=0, embeddings_freq: int = 0,
-                 embeddings_metadata=None):
+    def __init__(
+        self,
+        log_dir="logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        write_images: bool = False,
+        write_steps_per_second: bool = False,
+        update_freq="epoch",
+        profile_batch=0,
+        embeddings_freq: int = 0,
+        embeddings_metadata=None,
+    ):
         super().__init__()
         if update_freq == "batch":
             update_freq = 1
         if update_freq != "epoch" and not (
-            isinstance(update_freq, (int, np.integer)) and not isinstance(update_freq, bool)
+            isinstance(update_freq, (int, np.integer))
+            and not isinstance(update_freq, bool)
             and update_freq > 0
         ):
             raise errors.InvalidArgumentError(
                 "TensorBoard: update_freq must be 'epoch', 'batch' or a positive number of "
                 f"steps; received update_freq={update_freq!r}."
             )
-        if isinstance(histogram_freq, bool) or not isinstance(histogram_freq, (int, np.integer)) \
-                or histogram_freq < 0:
+        if (
+            isinstance(histogram_freq, bool)
+            or not isinstance(histogram_freq, (int, np.integer))
+            or histogram_freq < 0
+        ):
             raise errors.InvalidArgumentError(
                 "TensorBoard: histogram_freq must be a non-negative number of epochs (0 "
                 f"disables histograms); received histogram_freq={histogram_freq!r}."
@@ -194,15 +206,16 @@ class TensorBoard(Callback):
         """Starts the profiler at the first profiled step."""
         self._batch_start_time = time.monotonic()
         next_step = self._steps_before_epoch + batch + 1
-        if (self._start_batch and not self._is_tracing
-                and self._start_batch <= next_step <= self._stop_batch):
+        if self._start_batch and not self._is_tracing and self._start_batch <= next_step <= self._stop_batch:
             self._start_trace()
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Writes `batch_<key>` every `update_freq` steps; stops the profiler after its range."""
         self._step = self._steps_before_epoch + batch + 1
-        if (self.update_freq != "epoch"
-                and self._step // self.update_freq > self._last_batch_write // self.update_freq):
+        if (
+            self.update_freq != "epoch"
+            and self._step // self.update_freq > self._last_batch_write // self.update_freq
+        ):
             self._last_batch_write = self._step
             if is_chief():
                 writer = self._writer("train")
@@ -222,7 +235,7 @@ class TensorBoard(Callback):
             return
         logs = logs or {}
         train_logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
-        val_logs = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
+        val_logs = {k[len("val_") :]: v for k, v in logs.items() if k.startswith("val_")}
         if "learning_rate" not in train_logs:
             rate = _learning_rate_or_none(self.model)
             if rate is not None:
@@ -241,8 +254,11 @@ class TensorBoard(Callback):
             writer = self._writer("train")
             weights = self.model.get_weights()
             module = getattr(self.model, "module", None)
-            tags = (weights_lib.histogram_tags(module) if module is not None
-                    else [f"weight_{i}/histogram" for i in range(len(weights))])
+            tags = (
+                weights_lib.histogram_tags(module)
+                if module is not None
+                else [f"weight_{i}/histogram" for i in range(len(weights))]
+            )
             for tag, weight in zip(tags, weights):
                 writer.add_histogram(tag, np.asarray(weight), epoch)
         for writer in self._writers.values():
