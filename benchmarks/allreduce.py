@@ -65,7 +65,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
 def _jax_worker(rank: int, port: int, elements: int) -> tuple:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)

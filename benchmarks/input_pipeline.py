@@ -88,10 +88,10 @@ def _measure(args, devices: int) -> dict:
     import jax
     import optax
     from flax import nnx
+    from mirrax.examples.keras_fit import TutorialCNN
 
     import mirrax
     from benchmarks._harness import models
-    from mirrax.examples.keras_fit import TutorialCNN
 
     local = env.local_devices(args.platform, devices, MODULE)
     strategy = mirrax.MirroredStrategy(local)

@@ -44,11 +44,12 @@ def _measure(args, devices: int) -> dict:
     import keras
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from keras import layers
+    from mirrax.examples.time_series_lstm import WINDOW, sine_windows
 
     import mirrax
-    from mirrax.examples.time_series_lstm import WINDOW, sine_windows
 
     local = env.local_devices(args.platform, devices, MODULE)
     gb = BATCH_PER_REPLICA * devices

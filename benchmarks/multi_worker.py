@@ -88,7 +88,8 @@ def _mirrax_worker(num_workers: int, workloads: list, packed: bool = False, shar
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from benchmarks._harness import models
 

@@ -102,7 +102,8 @@ def _measure(args, devices: int) -> dict:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import mirrax
     from benchmarks._harness import models

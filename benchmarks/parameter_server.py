@@ -51,7 +51,6 @@ ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 def train_step(model, optimizer, batch):
     """`models.strategy_run_step(global batch)`'s step, at module level (sent by reference)."""
     import mirrax
-
     from benchmarks._harness import models
 
     x, y = batch
@@ -119,7 +118,6 @@ def _model(builder: str):
 
 def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
     import mirrax
-
     from benchmarks._harness import models
 
     label, builder, features, batch = WORKLOADS[key]
@@ -174,9 +172,9 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
 
 def _mirrored(key: str, args) -> dict:
     import jax
-    import mirrax
     from flax import nnx
 
+    import mirrax
     from benchmarks._harness import models
 
     label, builder, features, batch = WORKLOADS[key]

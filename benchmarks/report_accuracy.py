@@ -68,9 +68,9 @@ def _cnn_model(x, strategy):
     """The tutorial CNN compiled as examples/keras_fit.py compiles it, under `strategy`."""
     import optax
     from flax import nnx
+    from mirrax.examples.keras_fit import TutorialCNN
 
     import mirrax
-    from mirrax.examples.keras_fit import TutorialCNN
 
     with strategy.scope():
         model = mirrax.Model(TutorialCNN(x.shape[1:], rngs=nnx.Rngs(0)))
@@ -198,8 +198,8 @@ def _worker(role: str) -> tuple:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from mirrax.examples.custom_training_loop import train_step
     from mirrax.examples.keras_fit import TutorialCNN
 

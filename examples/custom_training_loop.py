@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from mirrax.examples.keras_fit import TutorialCNN
 
 import mirrax
-from mirrax.examples.keras_fit import TutorialCNN
 
 
 def train_step(model, optimizer, batch):

@@ -5,7 +5,6 @@ build the model and optimizer under `strategy.scope()`, distribute the dataset.
 """
 
 # First: defaults KERAS_BACKEND to jax before anything can import Keras (keras_backend.py).
-from mirrax._src import keras_backend as _keras_backend  # noqa: F401
 from mirrax import callbacks as callbacks
 from mirrax import data as data
 from mirrax import errors as errors
@@ -16,19 +15,19 @@ from mirrax import mixed_precision as mixed_precision
 from mirrax import models as models
 from mirrax import partitioners as partitioners
 from mirrax import train as train
+from mirrax._src import keras_backend as _keras_backend  # noqa: F401
 from mirrax._src.checkpointing.checkpoint import Checkpoint as Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager as CheckpointManager
 from mirrax._src.checkpointing.restore import CheckpointLoadStatus as CheckpointLoadStatus
 from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
-from mirrax._src.distribute.cpu_devices import set_cpu_device_count as set_cpu_device_count
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
-from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from mirrax._src.distribute.cpu_devices import set_cpu_device_count as set_cpu_device_count
 from mirrax._src.distribute.gradients import value_and_grad as value_and_grad
-from mirrax._src.distribute.input_options import AutoShardPolicy as AutoShardPolicy
 from mirrax._src.distribute.input import DatasetCreator as DatasetCreator
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
 from mirrax._src.distribute.input import DistributedIterator as DistributedIterator
+from mirrax._src.distribute.input_options import AutoShardPolicy as AutoShardPolicy
 from mirrax._src.distribute.input_options import InputContext as InputContext
 from mirrax._src.distribute.input_options import InputOptions as InputOptions
 from mirrax._src.distribute.input_options import ValueContext as ValueContext
@@ -51,6 +50,7 @@ from mirrax._src.distribute.reduce import ReduceOp as ReduceOp
 from mirrax._src.distribute.reduce import VariableAggregation as VariableAggregation
 from mirrax._src.distribute.replica_context import REPLICA_AXIS as REPLICA_AXIS
 from mirrax._src.distribute.replica_context import ReplicaContext as ReplicaContext
+from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.strategy import Strategy as Strategy
 from mirrax._src.distribute.strategy import StrategyExtended as StrategyExtended
 from mirrax._src.distribute.strategy import clear_session as clear_session
@@ -73,8 +73,8 @@ from mirrax._src.parameter_server.strategy import (
 )
 from mirrax._src.training.keras_optimizer import KerasOptimizer as KerasOptimizer
 from mirrax._src.training.model import Model as Model
-from mirrax.errors import PaddedBatchWarning as PaddedBatchWarning
 from mirrax._src.training.sidecar_evaluator import SidecarEvaluator as SidecarEvaluator
+from mirrax.errors import PaddedBatchWarning as PaddedBatchWarning
 
 __version__ = "0.1.0"
 

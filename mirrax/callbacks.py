@@ -12,9 +12,9 @@ Same protocol (`Callback` hooks, `set_model`, `set_params`), names, arguments an
 """
 
 from mirrax._src.training.callbacks import BackupAndRestore as BackupAndRestore
-from mirrax._src.training.callbacks import CSVLogger as CSVLogger
 from mirrax._src.training.callbacks import Callback as Callback
 from mirrax._src.training.callbacks import CallbackList as CallbackList
+from mirrax._src.training.callbacks import CSVLogger as CSVLogger
 from mirrax._src.training.callbacks import EarlyStopping as EarlyStopping
 from mirrax._src.training.callbacks import History as History
 from mirrax._src.training.callbacks import LambdaCallback as LambdaCallback

@@ -6,8 +6,8 @@ on a link) before paying for the devices; `mirrax report` prints it for the bund
 The model and its assumptions: docs/report.md.
 """
 
-from mirrax._src.report.links import LinkModel as LinkModel
 from mirrax._src.report.links import PRESETS as LINK_PRESETS
+from mirrax._src.report.links import LinkModel as LinkModel
 from mirrax._src.report.report import Memory as Memory
 from mirrax._src.report.report import ScalingReport as ScalingReport
 from mirrax._src.report.report import ScalingRow as ScalingRow

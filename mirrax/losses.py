@@ -6,6 +6,7 @@ share of the global mean); with `reduction=None` (`Reduction.NONE`), one loss pe
 `get(identifier)` resolves Keras's names ("mse", "huber", ...).
 """
 
+from mirrax._src.training.loss_reductions import Reduction as Reduction
 from mirrax._src.training.losses import BinaryCrossentropy as BinaryCrossentropy
 from mirrax._src.training.losses import CategoricalCrossentropy as CategoricalCrossentropy
 from mirrax._src.training.losses import Huber as Huber
@@ -13,7 +14,6 @@ from mirrax._src.training.losses import Loss as Loss
 from mirrax._src.training.losses import LossFunctionWrapper as LossFunctionWrapper
 from mirrax._src.training.losses import MeanAbsoluteError as MeanAbsoluteError
 from mirrax._src.training.losses import MeanSquaredError as MeanSquaredError
-from mirrax._src.training.loss_reductions import Reduction as Reduction
 from mirrax._src.training.losses import (
     SparseCategoricalCrossentropy as SparseCategoricalCrossentropy,
 )

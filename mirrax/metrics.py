@@ -6,6 +6,9 @@ loss, "precision", "auc", "mse", ...).
 """
 
 from mirrax._src.training.confusion_metrics import AUC as AUC
+from mirrax._src.training.confusion_metrics import Precision as Precision
+from mirrax._src.training.confusion_metrics import Recall as Recall
+from mirrax._src.training.metric_registry import get as get
 from mirrax._src.training.metrics import Accuracy as Accuracy
 from mirrax._src.training.metrics import BinaryAccuracy as BinaryAccuracy
 from mirrax._src.training.metrics import CategoricalAccuracy as CategoricalAccuracy
@@ -14,13 +17,10 @@ from mirrax._src.training.metrics import MeanAbsoluteError as MeanAbsoluteError
 from mirrax._src.training.metrics import MeanMetricWrapper as MeanMetricWrapper
 from mirrax._src.training.metrics import MeanSquaredError as MeanSquaredError
 from mirrax._src.training.metrics import Metric as Metric
-from mirrax._src.training.confusion_metrics import Precision as Precision
-from mirrax._src.training.confusion_metrics import Recall as Recall
 from mirrax._src.training.metrics import (
     SparseCategoricalAccuracy as SparseCategoricalAccuracy,
 )
 from mirrax._src.training.metrics import Sum as Sum
-from mirrax._src.training.metric_registry import get as get
 
 __all__ = [
     "AUC",

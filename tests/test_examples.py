@@ -10,13 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import mirrax.examples.custom_training_loop
 import mirrax.examples.keras_fit
 import mirrax.examples.keras_model
 import mirrax.examples.multi_output
 import mirrax.examples.time_series_lstm
+import pytest
 
 from tests.conftest import mirrored
 

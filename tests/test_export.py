@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from mirrax.examples.keras_fit import TutorialCNN
 
 import mirrax
-from mirrax.examples.keras_fit import TutorialCNN
 from tests.conftest import mirrored
 
 BATCH_SIZES = (1, 7, 64)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")
+from flax import nnx  # noqa: E402
 from keras import layers  # noqa: E402
 
 import mirrax  # noqa: E402
-from flax import nnx  # noqa: E402
 from tests.conftest import mirrored  # noqa: E402
 
 if keras.backend.backend() != "jax":

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")
+from flax import nnx  # noqa: E402
 from keras import layers  # noqa: E402
 
 import mirrax  # noqa: E402
-from flax import nnx  # noqa: E402
 from mirrax._src.training.keras_names import checkpoint_aliases, state_keys  # noqa: E402
 from tests.test_training_callbacks import read_scalars  # noqa: E402
 

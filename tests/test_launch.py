@@ -430,7 +430,7 @@ def test_the_launch_module_imports_no_jax_and_main_applies_no_cpu_devices():
     )
     assert (result.returncode, result.stdout) == (0, "[]\n"), result.stderr
     # Through main: JAX's backends never start and the launcher's XLA_FLAGS stay as they were.
-    check_main = textwrap.dedent(f"""
+    check_main = textwrap.dedent("""
         import os, sys
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
         from mirrax._src.cli.main import main

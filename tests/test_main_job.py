@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mirrax.examples.custom_training_loop import count_correct
 
 import mirrax
 from mirrax import errors
 from mirrax._src.cli import main as cli
 from mirrax._src.cli.train import train
-from mirrax.examples.custom_training_loop import count_correct
 from mirrax._src.data.cifar10 import CIFAR10_URL, load_cifar10, restricted_load
 from mirrax._src.data.digits import load_digits
 
@@ -350,9 +350,8 @@ def one_and_four_replicas():
 
 def test_one_step_on_one_and_four_replicas_differs_only_by_the_order_of_additions():
     """One Adam step of the custom loop on the first global batch of 64, at 1 and 4 replicas."""
-    from flax import nnx
     import optax
-
+    from flax import nnx
     from mirrax.examples.custom_training_loop import global_batches, train_step
     from mirrax.examples.keras_fit import TutorialCNN
 

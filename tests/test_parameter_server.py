@@ -15,7 +15,6 @@ import mirrax
 from mirrax import errors
 from mirrax._src.parameter_server import variables
 
-
 # -- partitioners: TF's examples and arithmetic ---------------------------------------------
 
 

@@ -462,7 +462,6 @@ def jax_leaves(module):
 
 import jax  # noqa: E402
 
-
 # -- Model.fit and evaluate ------------------------------------------------------------------
 
 

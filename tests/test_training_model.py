@@ -1,7 +1,7 @@
 """mirrax.Model: compile / fit / evaluate / predict, distributed and exact."""
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

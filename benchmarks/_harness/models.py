@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mirrax.examples.keras_fit import TutorialCNN
 
 import mirrax
-from mirrax.examples.keras_fit import TutorialCNN
 
 MLP_FEATURES = 32
 NUM_CLASSES = 10

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Case:
     """
 
     name: str
-    call: Callable[["Env"], Any]
+    call: Callable[[Env], Any]
     error: type
     match: tuple = ()
     each_strategy: bool = False

@@ -29,7 +29,6 @@ import pytest  # noqa: E402
 
 keras = pytest.importorskip("keras")
 
-import mirrax  # noqa: E402
 from tests.tutorials import launch, mw_keras_main, sections  # noqa: E402
 
 

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Mapping, Sequence, TextIO
+from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 GRACE_PERIOD_S = 10.0
 # Written independently of main.configure_cpu_devices (same flag, same pattern) so this module

@@ -9,7 +9,7 @@ reading everything. Files are read with Grain (a background thread reads ahead).
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -76,7 +76,7 @@ class FileDataset:
         self.read_file = read_file
         self.batch_size = batch_size
 
-    def shard(self, num_shards: int, index: int, batch_size: int) -> "FileDataset":
+    def shard(self, num_shards: int, index: int, batch_size: int) -> FileDataset:
         """The files index, index + num_shards, ... in batches of `batch_size` (one worker's).
 
         Raises:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from mirrax import errors
 

@@ -13,7 +13,8 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
 from mirrax._src.distribute.replica_context import REPLICA_AXIS

@@ -17,7 +17,7 @@ updates stay the caller's unvarying ones, so the result is the same program sema
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

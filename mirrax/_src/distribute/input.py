@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import warnings
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -190,7 +190,7 @@ class _SpecOfFirstPass:
             self._spec = self._pending.element_spec
         return self._spec
 
-    def __iter__(self) -> "DistributedIterator":
+    def __iter__(self) -> DistributedIterator:
         pending, self._pending = self._pending, None
         return pending if pending is not None else self._start()
 
@@ -267,7 +267,7 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
                     None,
                 )
 
-    def _start(self) -> "DistributedIterator":
+    def _start(self) -> DistributedIterator:
         producer = place_agreed(
             self._strategy,
             self._placer,
@@ -323,7 +323,7 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
             empty = jax.tree.map(lambda a: a[:0], round_[0])
             yield round_ + [empty] * (local - len(round_)), "per-replica batch of 0", None, None
 
-    def _start(self) -> "DistributedIterator":
+    def _start(self) -> DistributedIterator:
         producer = place_agreed(
             self._strategy,
             self._placer,

@@ -7,7 +7,7 @@ global batch they read. A process with no replica of the strategy is refused on 
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import numpy as np

@@ -24,7 +24,7 @@ combines it over real replicas.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -119,7 +119,7 @@ class DistributedIterator(DistributedInput):
         """The next `PerReplica` batch; raises `StopIteration` at the end (TF: OutOfRangeError)."""
         return next(self)
 
-    def get_next_as_optional(self) -> "Optional":
+    def get_next_as_optional(self) -> Optional:
         """The next batch as an `Optional`, empty at the end of the data, as TF's
         `DistributedIterator.get_next_as_optional` (which returns a `tf.experimental.Optional`).
 

@@ -120,7 +120,7 @@ class MultiWorkerExtended(StrategyExtended):
       experimental_between_graph: True (one program per task).
     """
 
-    def __init__(self, strategy: "MultiWorkerMirroredStrategy"):
+    def __init__(self, strategy: MultiWorkerMirroredStrategy):
         super().__init__(strategy)
         resolver = strategy.cluster_resolver
         self.task_type = resolver.task_type or "worker"
@@ -228,7 +228,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         super().__init__(jax.devices(), replica_invariant, micro_batches, shard_optimizer_state)
 
-    def _new_extended(self) -> "MultiWorkerExtended":
+    def _new_extended(self) -> MultiWorkerExtended:
         return MultiWorkerExtended(self)
 
     def __repr__(self) -> str:

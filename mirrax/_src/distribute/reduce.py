@@ -22,7 +22,7 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @staticmethod
-    def from_variable_aggregation(aggregation: "VariableAggregation") -> "ReduceOp":
+    def from_variable_aggregation(aggregation: VariableAggregation) -> ReduceOp:
         """The reduction that `aggregation` implies, as TF's `ReduceOp.from_variable_aggregation`.
 
         Raises:
@@ -38,7 +38,7 @@ class ReduceOp(enum.Enum):
         )
 
     @classmethod
-    def from_any(cls, value, argument: str = "reduce_op") -> "ReduceOp":
+    def from_any(cls, value, argument: str = "reduce_op") -> ReduceOp:
         """Returns the `ReduceOp` for a `ReduceOp` or a string in any case.
 
         Raises:
@@ -62,7 +62,7 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
     @classmethod
-    def from_any(cls, value, argument: str = "aggregation") -> "VariableAggregation":
+    def from_any(cls, value, argument: str = "aggregation") -> VariableAggregation:
         """Returns the `VariableAggregation` for an enum member or a string in any case.
 
         Raises:

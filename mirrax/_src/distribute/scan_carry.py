@@ -16,8 +16,7 @@ import functools
 
 import jax
 
-from mirrax._src.distribute import trace_patches
-from mirrax._src.distribute import _compat
+from mirrax._src.distribute import _compat, trace_patches
 
 _CARRY_ERROR = "carry input and carry output must have equal types"
 _original_scan = jax.lax.scan

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from mirrax import errors
 from mirrax._src.distribute.cluster import ClusterResolver, ClusterSpec, check_rpc_layer

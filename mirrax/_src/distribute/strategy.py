@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
 from mirrax import errors
 from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute import input as input_lib
-from mirrax._src.distribute import input_options
-from mirrax._src.distribute import invariant
+from mirrax._src.distribute import input_options, invariant, values_from_function
 from mirrax._src.distribute import values as values_lib
-from mirrax._src.distribute import values_from_function
 from mirrax._src.distribute.reduce import ReduceOp
-from mirrax._src.distribute.run import runner as runner_lib
-from mirrax._src.distribute.run.arguments import check_owner, check_run_arguments
 from mirrax._src.distribute.replica_context import (
     ReplicaContext,
     current_replica_context,
     current_strategy_in_scope,
     strategy_scope,
 )
+from mirrax._src.distribute.run import runner as runner_lib
+from mirrax._src.distribute.run.arguments import check_owner, check_run_arguments
 from mirrax._src.distribute.values import DistributedValues, PerReplica, is_distributed
 
 
@@ -50,7 +48,7 @@ class StrategyExtended:
       shard_optimizer_state: mirrax's own: optimizer state is split over the replicas (ZeRO-1).
     """
 
-    def __init__(self, strategy: "Strategy"):
+    def __init__(self, strategy: Strategy):
         self._strategy = strategy
         self.replica_devices = strategy._replica_devices
         self.pipeline_names = strategy._pipeline_names
@@ -381,7 +379,7 @@ class _DefaultStrategy(Strategy):
 _default: list = []
 # Every strategy made in this process, for `clear_session` (weakly: a strategy nobody holds
 # is collected with its programs).
-_live_strategies: "weakref.WeakSet[Strategy]" = weakref.WeakSet()
+_live_strategies: weakref.WeakSet[Strategy] = weakref.WeakSet()
 
 
 def clear_session() -> None:

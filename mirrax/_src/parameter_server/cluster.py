@@ -32,7 +32,7 @@ RELEASE_TIMEOUT_S = 30.0
 
 # Every started cluster, stopped before Ray shuts down (a thread that calls Ray after
 # `ray.shutdown()` makes Ray end the process with exit code 1).
-_live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+_live: weakref.WeakSet[Cluster] = weakref.WeakSet()
 
 
 def stop_all() -> None:

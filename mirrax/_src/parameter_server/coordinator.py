@@ -24,15 +24,15 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.parameter_server import serialization
+from mirrax._src.parameter_server.actors import LostParameterServer
 from mirrax._src.parameter_server.closures import Closure, Queue, WorkerConstant
-from mirrax._src.parameter_server.strategy import ParameterServerStrategy
+from mirrax._src.parameter_server.cluster import call_servers, import_ray
 from mirrax._src.parameter_server.remote_values import (
     PerWorkerDataset,
     PerWorkerIterator,
     RemoteValue,
 )
-from mirrax._src.parameter_server.actors import LostParameterServer
-from mirrax._src.parameter_server.cluster import call_servers, import_ray
+from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 
 # Seconds between two health checks of the parameter servers, and the longest a check waits.
 HEALTH_CHECK_PERIOD_S = 1.0

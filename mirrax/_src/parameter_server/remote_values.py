@@ -56,7 +56,7 @@ class PerWorkerDataset:
         self._coordinator = coordinator
         self.dataset_id = dataset_id
 
-    def __iter__(self) -> "PerWorkerIterator":
+    def __iter__(self) -> PerWorkerIterator:
         return PerWorkerIterator(self._coordinator, self.dataset_id)
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ TIMEOUT_S = 60.0
 
 # Every held object -> its store, so that a Checkpoint (which knows nothing of strategies)
 # can refresh an object before saving it.
-_stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refresh_if_held(obj) -> None:

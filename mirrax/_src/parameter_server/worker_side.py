@@ -20,7 +20,6 @@ from mirrax._src.parameter_server import serialization, variables
 from mirrax._src.parameter_server.actors import PARAMETER_SERVER_TIMEOUT_S, LostParameterServer
 from mirrax._src.parameter_server.cluster import call_servers
 
-
 # Functions kept per worker (by their pickled bytes), the least recently used dropped first.
 FUNCTION_CACHE_SIZE = 256
 

@@ -12,7 +12,8 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mirrax._src.report import links
 from mirrax._src.report import subject as subject_lib

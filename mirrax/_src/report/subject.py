@@ -6,7 +6,8 @@ made into the distributed global batch of N replicas."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -3,7 +3,6 @@ and false positives and negatives (per threshold) the replicas add up."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -13,14 +13,12 @@ import jax
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.distribute import batching
+from mirrax._src.distribute import batching, input_options
 from mirrax._src.distribute import input as input_lib
-from mirrax._src.distribute import input_options
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import dataset_batches
-from mirrax._src.training import input_structure
+from mirrax._src.training import dataset_batches, input_structure
 from mirrax._src.training import losses as losses_lib
 from mirrax._src.training import outputs as outputs_lib
 

@@ -34,12 +34,12 @@ _SEED_STATE_NAME = "seed_generator_state"
 # The activity and `add_loss` losses of each KerasModule object's last call (Keras's
 # `layer.losses` keeps them until the next call). Held beside the module, not in it, so NNX
 # never sees them: inside a step the module is a fresh copy, so traced losses stay there.
-_LAST_CALL_LOSSES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LAST_CALL_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Each KerasModule object's Keras variables' values as of its last exchange with them (the
 # arrays themselves: Keras's `assign` and `set_weights` replace a variable's array, so an array
 # that is no longer the variable's means the user wrote to the Keras model after wrapping).
-_KERAS_VALUES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_KERAS_VALUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def is_keras_model(obj) -> bool:

@@ -16,8 +16,7 @@ from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import callbacks as callbacks_lib
-from mirrax._src.training import data_adapter
-from mirrax._src.training import metric_registry
+from mirrax._src.training import data_adapter, metric_registry
 from mirrax._src.training import steps as steps_lib
 
 

@@ -14,16 +14,16 @@ backend does, so a probability of exactly 0 gives a large finite loss, never inf
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from mirrax import errors
+from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.training import loss_reductions as reductions
 from mirrax._src.training import targets
-from mirrax._src.distribute.losses import compute_average_loss
 
 """Keras's `backend.epsilon()`: probabilities are clipped to [targets.EPSILON, 1 - targets.EPSILON]."""
 

@@ -13,7 +13,6 @@ _NEG_INF = float("-inf")
 from mirrax._src.training import confusion_metrics as confusion
 from mirrax._src.training import metrics as metrics_lib
 
-
 _CLASSES = (
     metrics_lib.Mean,
     metrics_lib.Sum,

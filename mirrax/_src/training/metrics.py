@@ -23,7 +23,7 @@ replica's increment on top of the previous state).
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np

@@ -21,13 +21,18 @@ from mirrax import errors
 from mirrax._src.checkpointing import checkpoint
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
-from mirrax._src.training import metric_registry
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import keras_models, keras_objects
-from mirrax._src.training import loops, mixed_precision, model_glue
-from mirrax._src.training import parameter_server_loops as ps_loops
+from mirrax._src.training import (
+    keras_models,
+    keras_objects,
+    loops,
+    metric_registry,
+    mixed_precision,
+    model_glue,
+)
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import outputs as outputs_lib
+from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training import weights as weights_lib
 

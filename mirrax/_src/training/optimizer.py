@@ -16,7 +16,6 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute import sharded_optimizer
 
-
 # Keras's defaults for optimizers named by string.
 _OPTIMIZERS = {
     "adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-7),

@@ -12,9 +12,8 @@ import numpy as np
 
 from mirrax import errors
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import keras_models
+from mirrax._src.training import keras_models, metric_registry
 from mirrax._src.training import losses as losses_lib
-from mirrax._src.training import metric_registry
 
 _NUMBERED = re.compile(r"output_(\d+)")
 
@@ -143,7 +142,7 @@ class Outputs:
                     f"{names}"
                     + (f" (no {what} for {missing})" if missing else "")
                     + (f" (unknown {unknown})" if unknown else "")
-                    + f". Give one entry per output, keyed by these names."
+                    + ". Give one entry per output, keyed by these names."
                 )
             return [value.get(n) for n in names]
         if isinstance(value, (list, tuple)):

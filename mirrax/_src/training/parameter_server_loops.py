@@ -21,8 +21,7 @@ from mirrax._src.parameter_server.coordinator import ClusterCoordinator
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import callbacks as callbacks_lib
-from mirrax._src.training import data_adapter
-from mirrax._src.training import loops
+from mirrax._src.training import data_adapter, loops
 
 # Evaluation functions per worker: enough that a slow or restarted worker delays little.
 _EVALUATION_GROUPS_PER_WORKER = 4

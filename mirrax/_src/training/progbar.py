@@ -21,7 +21,8 @@ import logging
 import math
 import sys
 import time
-from typing import Iterable, Optional, TextIO
+from collections.abc import Iterable
+from typing import TextIO
 
 import jax
 
@@ -60,7 +61,7 @@ def default_stream() -> TextIO:
     return sys.stdout if _process_index() == 0 else _WorkerLog()
 
 
-def print_msg(message: str, stream: Optional[TextIO] = None) -> None:
+def print_msg(message: str, stream: TextIO | None = None) -> None:
     """Writes `message` and a newline to `stream` (default: `default_stream()`), flushed.
 
     As Keras's `io_utils.print_msg`: callbacks print their messages ("Epoch 3: early
@@ -159,14 +160,14 @@ class Progbar:
 
     def __init__(
         self,
-        target: Optional[int],
+        target: int | None,
         width: int = 30,
         verbose: int = 1,
         interval: float = 0.05,
-        stateful_metrics: Optional[Iterable[str]] = None,
-        stateless_metrics: Optional[Iterable[str]] = None,
+        stateful_metrics: Iterable[str] | None = None,
+        stateless_metrics: Iterable[str] | None = None,
         unit_name: str = "step",
-        stream: Optional[TextIO] = None,
+        stream: TextIO | None = None,
     ):
         if stateful_metrics is not None and stateless_metrics is not None:
             raise ValueError(
@@ -201,7 +202,7 @@ class Progbar:
             return name in self._stateless
         return name not in (self._stateful or ())
 
-    def update(self, current: int, values=None, finalize: Optional[bool] = None) -> None:
+    def update(self, current: int, values=None, finalize: bool | None = None) -> None:
         """Shows progress at step `current` (steps done so far, 1-based).
 
         Args:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +14,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import gradients
-from mirrax._src.distribute import invariant
+from mirrax._src.distribute import gradients, invariant
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.distribute.strategy import get_replica_context
 from mirrax._src.distribute.values import PerReplica
@@ -281,7 +280,7 @@ PREDICT_FLOAT32_MICRO = make_predict_step(mixed_precision.Policy("float32"), Tru
 # program cache). Kept out of `CompiledState`: ParameterServerStrategy pickles that to its
 # workers, and each function reachable from it multiplied what a scheduled function carried
 # (three of them made the digits CNN test take 108 s instead of 23).
-_MULTI_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MULTI_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def multi_step_of(step):

@@ -8,7 +8,6 @@ import numpy as np
 
 from mirrax import errors
 
-
 EPSILON = 1e-7
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
+
 import jax
 from flax import nnx
 
@@ -129,7 +130,7 @@ def _key(node_def, variables):
     return key
 
 
-def _walk(nodes, variables) -> "_Checks | None":
+def _walk(nodes, variables) -> _Checks | None:
     """The identity checks that prove the graph unchanged, or None when the walk cannot see
     every Variable the flatten found (a container type it does not know)."""
     objects, dicts, lists, found = [], [], [], []

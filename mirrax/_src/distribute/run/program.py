@@ -26,15 +26,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, exact_sums, invariant, scan_carry
-from mirrax._src.distribute import batch_stats, sharded_optimizer
-from mirrax._src.distribute.run import captures, rebuild
+from mirrax._src.distribute import _compat, batch_stats, exact_sums, invariant, scan_carry, sharded_optimizer
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
     ReplicaContext,
     replica_context_scope,
 )
+from mirrax._src.distribute.run import rebuild
 from mirrax._src.distribute.run.arguments import (
     ArraySlot,
     MirroredSlot,

@@ -31,7 +31,9 @@ from flax import nnx
 from mirrax import errors
 from mirrax._src.distribute import _compat, sharded_optimizer
 from mirrax._src.distribute.replica_context import current_replica_context
-from mirrax._src.distribute.run import arguments, captures, nodes as nodes_lib, program as prog
+from mirrax._src.distribute.run import arguments, captures
+from mirrax._src.distribute.run import nodes as nodes_lib
+from mirrax._src.distribute.run import program as prog
 from mirrax._src.distribute.run.arguments import StaticSlot, is_variable
 from mirrax._src.distribute.run.placement import place, place_state
 from mirrax._src.distribute.values import Mirrored, PerReplica

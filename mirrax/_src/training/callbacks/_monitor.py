@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
 
 import numpy as np
 
@@ -51,7 +50,7 @@ _DOWN = (
 )
 
 
-def infer_mode(monitor: str, model=None) -> Optional[str]:
+def infer_mode(monitor: str, model=None) -> str | None:
     """`"min"` or `"max"` for a logged quantity, or None when its direction is unknown.
 
     Args:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Optional
 
+from mirrax import errors
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager
-from mirrax import errors
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
@@ -149,12 +148,12 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = check_flag(delete_checkpoint, "delete_checkpoint", "BackupAndRestore")
         self._checkpoint = None
         self._manager = None
-        self._counter: Optional[BatchCounter] = None
+        self._counter: BatchCounter | None = None
         self._resume = (0, 0)
         self._restored = False
         self._epoch = 0
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
 
         self._checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
@@ -188,13 +187,13 @@ class BackupAndRestore(Callback):
     def needs_batch_logs(self, hook: str) -> bool:
         return False  # backups are taken by batch count, not from the logs
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         if self._counter is not None:
             resumed_epoch, resumed_step = self._resume
             self._counter.start_epoch(resumed_step if epoch == resumed_epoch else 0)
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Backs up after every `save_freq` batches (int `save_freq` only)."""
         if self._counter is not None and self._counter.due(batch):
             epoch, step = self._epoch, batch + 1
@@ -203,12 +202,12 @@ class BackupAndRestore(Callback):
                 epoch, step = epoch + 1, 0
             self._save(epoch, step)
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Backs up with the next epoch as the resume point (`save_freq="epoch"`)."""
         if self.save_freq == "epoch":
             self._save(epoch + 1, 0)
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Deletes the backup (`delete_checkpoint`): training finished."""
         self._manager = None
         if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class Callback:
     """Base class for objects that `Model.fit`, `evaluate` and `predict` call back, as
@@ -38,7 +36,7 @@ class Callback:
 
     def __init__(self):
         self.model = None
-        self.params: Optional[dict] = None
+        self.params: dict | None = None
 
     def set_params(self, params: dict) -> None:
         """Receives the run's parameters: `{"epochs", "steps" (per epoch, or None), "verbose"}`."""
@@ -62,7 +60,7 @@ class Callback:
             name in vars(self) or getattr(type(self), name) is not getattr(Callback, name) for name in names
         )
 
-    def resume_point(self) -> Optional[tuple]:
+    def resume_point(self) -> tuple | None:
         """Where `fit` resumes after `on_train_begin`: (epoch index, batches of that epoch
         already done), or None (start at `initial_epoch`). `BackupAndRestore` returns the
         position of the backup it restored; the first callback with one wins."""
@@ -70,61 +68,61 @@ class Callback:
 
     # -- old-style training-batch names -------------------------------------------------------
 
-    def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Older name of `on_train_batch_begin` (as Keras); called by it by default."""
 
-    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Older name of `on_train_batch_end` (as Keras); called by it by default."""
 
     # -- fit ------------------------------------------------------------------------------------
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Called at the start of epoch `epoch` (0-based index) in `fit`."""
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Called at the end of epoch `epoch` (0-based) with the epoch's training and
         validation results (`"loss"`, `"val_loss"`, metrics, `"learning_rate"`)."""
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Called once at the start of `fit`."""
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Called once at the end of `fit` with the last epoch's logs."""
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Called before training step `batch` (0-based index within the epoch)."""
         self.on_batch_begin(batch, logs=logs)
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Called after training step `batch` (0-based) with the running means of the epoch."""
         self.on_batch_end(batch, logs=logs)
 
     # -- evaluate -------------------------------------------------------------------------------
 
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+    def on_test_begin(self, logs: dict | None = None) -> None:
         """Called at the start of `evaluate` (and of each validation run in `fit`)."""
 
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
+    def on_test_end(self, logs: dict | None = None) -> None:
         """Called at the end of `evaluate` with its results (`"loss"`, metrics)."""
 
-    def on_test_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Called before evaluation step `batch` (0-based)."""
 
-    def on_test_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Called after evaluation step `batch` (0-based)."""
 
     # -- predict --------------------------------------------------------------------------------
 
-    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+    def on_predict_begin(self, logs: dict | None = None) -> None:
         """Called at the start of `predict`."""
 
-    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+    def on_predict_end(self, logs: dict | None = None) -> None:
         """Called at the end of `predict`."""
 
-    def on_predict_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Called before prediction step `batch` (0-based)."""
 
-    def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Called after prediction step `batch` (0-based); `logs["outputs"]` holds its outputs."""
 
 

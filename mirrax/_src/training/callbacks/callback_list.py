@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from mirrax import errors
 from mirrax._src.training.callbacks.callback import Callback
@@ -41,7 +41,7 @@ def _flatten(callbacks) -> list:
     return flat
 
 
-def _pythonify(logs: Optional[dict]) -> dict:
+def _pythonify(logs: dict | None) -> dict:
     """Logs with NumPy / JAX scalars turned into Python floats (other values kept), as Keras."""
     result = {}
     for key, value in (logs or {}).items():
@@ -90,8 +90,8 @@ class CallbackList(Callback):
     ):
         super().__init__()
         self.callbacks: list = _flatten(callbacks)
-        self._history: Optional[History] = None
-        self._progbar: Optional[ProgbarLogger] = None
+        self._history: History | None = None
+        self._progbar: ProgbarLogger | None = None
         for callback in self.callbacks:
             if isinstance(callback, ProgbarLogger):
                 self._progbar = callback
@@ -153,7 +153,7 @@ class CallbackList(Callback):
                 return True
         return False
 
-    def resume_point(self) -> Optional[tuple]:
+    def resume_point(self) -> tuple | None:
         """The first callback's resume point that is not None (see `Callback.resume_point`).
 
         Raises:
@@ -180,66 +180,66 @@ class CallbackList(Callback):
         for callback in self.callbacks:
             getattr(callback, hook)(*args, **kwargs)
 
-    def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_batch_begin` of every callback."""
         self._call("on_batch_begin", batch, logs=logs or {})
 
-    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_batch_end` of every callback (logs as Python floats)."""
         self._call("on_batch_end", batch, logs=_pythonify(logs))
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Calls `on_epoch_begin` of every callback."""
         self._call("on_epoch_begin", epoch, logs if logs is not None else {})
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Calls `on_epoch_end` of every callback, all with the same `logs` dict."""
         self._call("on_epoch_end", epoch, logs if logs is not None else {})
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Calls `on_train_begin` of every callback."""
         self._call("on_train_begin", logs if logs is not None else {})
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Calls `on_train_end` of every callback."""
         self._call("on_train_end", logs if logs is not None else {})
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_train_batch_begin` of every callback."""
         self._call("on_train_batch_begin", batch, logs=logs or {})
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_train_batch_end` of every callback (logs as Python floats)."""
         self._call("on_train_batch_end", batch, logs=_pythonify(logs))
 
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+    def on_test_begin(self, logs: dict | None = None) -> None:
         """Calls `on_test_begin` of every callback."""
         self._call("on_test_begin", logs if logs is not None else {})
 
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
+    def on_test_end(self, logs: dict | None = None) -> None:
         """Calls `on_test_end` of every callback."""
         self._call("on_test_end", logs if logs is not None else {})
 
-    def on_test_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_test_batch_begin` of every callback."""
         self._call("on_test_batch_begin", batch, logs=logs or {})
 
-    def on_test_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_test_batch_end` of every callback (logs as Python floats)."""
         self._call("on_test_batch_end", batch, logs=_pythonify(logs))
 
-    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+    def on_predict_begin(self, logs: dict | None = None) -> None:
         """Calls `on_predict_begin` of every callback."""
         self._call("on_predict_begin", logs if logs is not None else {})
 
-    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+    def on_predict_end(self, logs: dict | None = None) -> None:
         """Calls `on_predict_end` of every callback."""
         self._call("on_predict_end", logs if logs is not None else {})
 
-    def on_predict_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_predict_batch_begin` of every callback."""
         self._call("on_predict_batch_begin", batch, logs=logs or {})
 
-    def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Calls `on_predict_batch_end` of every callback (outputs passed as they are)."""
         self._call("on_predict_batch_end", batch, logs=logs or {})

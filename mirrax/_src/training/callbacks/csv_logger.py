@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections.abc
 import csv
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -59,12 +58,12 @@ class CSVLogger(Callback):
         self.filename = os.fspath(filename)
         self.sep = separator
         self.append = _args.flag("CSVLogger", "append", append)
-        self.keys: Optional[list] = None
+        self.keys: list | None = None
         self.writer = None
         self.csv_file = None
         self.append_header = True
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Opens the file (truncating it unless `append`).
 
         Raises:
@@ -75,7 +74,7 @@ class CSVLogger(Callback):
         self.append_header = True
         if self.append:
             if os.path.exists(self.filename):
-                with open(self.filename, "r", newline="") as existing:
+                with open(self.filename, newline="") as existing:
                     self.append_header = not existing.readline()
             mode = "a"
         else:
@@ -93,7 +92,7 @@ class CSVLogger(Callback):
         self.writer = None
         self.keys = None
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Writes the header (first epoch) and the epoch's row."""
         if self.csv_file is None:
             return
@@ -112,7 +111,7 @@ class CSVLogger(Callback):
         self.writer.writerow(row)
         self.csv_file.flush()
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Closes the file."""
         if self.csv_file is not None and not self.csv_file.closed:
             self.csv_file.close()

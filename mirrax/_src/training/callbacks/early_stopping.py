@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 from mirrax import errors
 from mirrax._src.training.callbacks import _args, _monitor
@@ -66,7 +65,7 @@ class EarlyStopping(Callback):
         patience: int = 0,
         verbose: int = 0,
         mode: str = "auto",
-        baseline: Optional[float] = None,
+        baseline: float | None = None,
         restore_best_weights: bool = False,
         start_from_epoch: int = 0,
     ):
@@ -80,12 +79,12 @@ class EarlyStopping(Callback):
         self.baseline = _args.number(owner, "baseline", baseline, allow_none=True)
         self.restore_best_weights = _args.flag(owner, "restore_best_weights", restore_best_weights)
         self.start_from_epoch = _args.count(owner, "start_from_epoch", start_from_epoch)
-        self.monitor_op: Optional[str] = None  # "min" or "max" once resolved
+        self.monitor_op: str | None = None  # "min" or "max" once resolved
         self.wait = 0
         self.stopped_epoch = 0
-        self.best: Optional[float] = None
+        self.best: float | None = None
         self.best_epoch = 0
-        self.best_weights: Optional[list] = None
+        self.best_weights: list | None = None
 
     def _resolve_mode(self) -> None:
         if self.mode != "auto":
@@ -102,7 +101,7 @@ class EarlyStopping(Callback):
                 "falling."
             )
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Resets the state (so an instance can be reused) and resolves `mode="auto"`.
 
         Raises:
@@ -117,14 +116,14 @@ class EarlyStopping(Callback):
         self.best_weights = None
         self._resolve_mode()
 
-    def _is_improvement(self, value: float, reference: Optional[float]) -> bool:
+    def _is_improvement(self, value: float, reference: float | None) -> bool:
         if reference is None:
             return True
         if self.monitor_op == "min":
             return value + self.min_delta < reference
         return value - self.min_delta > reference
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Updates the best value and `wait`; sets `model.stop_training` when patience ran out."""
         if self.monitor_op is None:
             self._resolve_mode()
@@ -156,7 +155,7 @@ class EarlyStopping(Callback):
             self.stopped_epoch = epoch
             self.model.stop_training = True
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Reports the stop (verbose) and restores the best epoch's weights if asked."""
         if self.stopped_epoch > 0 and self.verbose > 0:
             print_msg(f"Epoch {self.stopped_epoch + 1}: early stopping")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from mirrax._src.training.callbacks.callback import Callback
 
 
@@ -27,11 +25,11 @@ class History(Callback):
         self.history: dict = {}
         self.epoch: list = []
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Starts a new list of epoch indices (as Keras; `history` keeps what it had)."""
         self.epoch = []
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Appends `epoch` and every value of `logs` to the record."""
         logs = logs or {}
         self.epoch.append(epoch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from mirrax import errors
 from mirrax._src.training.callbacks.callback import HOOKS, Callback
@@ -25,12 +25,12 @@ class LambdaCallback(Callback):
 
     def __init__(
         self,
-        on_epoch_begin: Optional[Callable] = None,
-        on_epoch_end: Optional[Callable] = None,
-        on_train_begin: Optional[Callable] = None,
-        on_train_end: Optional[Callable] = None,
-        on_train_batch_begin: Optional[Callable] = None,
-        on_train_batch_end: Optional[Callable] = None,
+        on_epoch_begin: Callable | None = None,
+        on_epoch_end: Callable | None = None,
+        on_train_begin: Callable | None = None,
+        on_train_end: Callable | None = None,
+        on_train_batch_begin: Callable | None = None,
+        on_train_batch_end: Callable | None = None,
         **kwargs,
     ):
         super().__init__()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from mirrax import errors
 from mirrax._src.training.callbacks import _args, _monitor
@@ -57,7 +57,7 @@ class LearningRateScheduler(Callback):
         self.schedule = schedule
         self.verbose = _args.verbose("LearningRateScheduler", verbose)
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Checks, before any step, that the optimizer's learning rate can be set.
 
         Raises:
@@ -65,7 +65,7 @@ class LearningRateScheduler(Callback):
         """
         _monitor.check_learning_rate(self.model, "LearningRateScheduler")
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Sets `model.optimizer.learning_rate = schedule(epoch, current rate)`."""
         current = _monitor.get_learning_rate(self.model, "LearningRateScheduler")
         if _takes_one_argument(self.schedule):
@@ -77,7 +77,7 @@ class LearningRateScheduler(Callback):
         if self.verbose > 0:
             print_msg(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.")
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Adds the current `"learning_rate"` to the epoch's logs."""
         if logs is not None:
             logs["learning_rate"] = _monitor.get_learning_rate(self.model, "LearningRateScheduler")

@@ -6,10 +6,9 @@ import math
 import os
 import tempfile
 import warnings
-from typing import Optional
 
-from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax import errors
+from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.backup_and_restore import (
@@ -100,7 +99,7 @@ class ModelCheckpoint(Callback):
         save_weights_only: bool = False,
         mode: str = "auto",
         save_freq="epoch",
-        initial_value_threshold: Optional[float] = None,
+        initial_value_threshold: float | None = None,
     ):
         super().__init__()
         owner = "ModelCheckpoint"
@@ -131,10 +130,10 @@ class ModelCheckpoint(Callback):
         self.mode = _monitor.check_mode(mode, "ModelCheckpoint")
         self.save_freq = check_save_freq(save_freq, "ModelCheckpoint")
         self.initial_value_threshold = initial_value_threshold
-        self.monitor_op: Optional[str] = None  # "min" or "max" once resolved
-        self.best: Optional[float] = initial_value_threshold
+        self.monitor_op: str | None = None  # "min" or "max" once resolved
+        self.best: float | None = initial_value_threshold
         self._epoch = 0
-        self._counter: Optional[BatchCounter] = None
+        self._counter: BatchCounter | None = None
 
     def needs_batch_logs(self, hook: str) -> bool:
         # Batch-level saves monitor the batch's logs; epoch-level saves need none.
@@ -151,7 +150,7 @@ class ModelCheckpoint(Callback):
         if self.best is None:
             self.best = math.inf if self.monitor_op == "min" else -math.inf
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Resolves `mode="auto"` (with `save_best_only`) and restarts the batch count.
 
         The best value is kept across `fit` calls, as Keras's.
@@ -171,22 +170,22 @@ class ModelCheckpoint(Callback):
             self._resolve_mode()
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         if self._counter is not None:
             self._counter.start_epoch(0)
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Saves after every `save_freq` batches (int `save_freq` only)."""
         if self._counter is not None and self._counter.due(batch):
             self._save_model(self._epoch, batch, logs)
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Saves at the end of the epoch (`save_freq="epoch"`)."""
         if self.save_freq == "epoch":
             self._save_model(epoch, None, logs)
 
-    def _file_path(self, epoch: int, batch: Optional[int], logs: dict) -> str:
+    def _file_path(self, epoch: int, batch: int | None, logs: dict) -> str:
         fields = dict(logs, epoch=epoch + 1)
         if batch is not None and "batch" not in logs:
             fields["batch"] = batch + 1
@@ -198,7 +197,7 @@ class ModelCheckpoint(Callback):
                 f"Available fields: {sorted(fields)}."
             ) from None
 
-    def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[dict]) -> None:
+    def _save_model(self, epoch: int, batch: int | None, logs: dict | None) -> None:
         logs = logs or {}
         path = os.path.abspath(self._file_path(epoch, batch, logs))
         if self.save_best_only:

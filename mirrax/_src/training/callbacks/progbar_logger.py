@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import Progbar, print_msg
@@ -39,10 +38,10 @@ class ProgbarLogger(Callback):
         super().__init__()
         self.verbose = 1
         self.epochs = 1
-        self.target: Optional[int] = None
+        self.target: int | None = None
         self.seen = 0
-        self.progbar: Optional[Progbar] = None
-        self._inferred_target: Optional[int] = None
+        self.progbar: Progbar | None = None
+        self._inferred_target: int | None = None
         self._called_in_fit = False
 
     def set_params(self, params: dict) -> None:
@@ -54,15 +53,15 @@ class ProgbarLogger(Callback):
         self.target = params.get("steps")
         self._inferred_target = None
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Marks that validation runs of this `fit` must be silent."""
         self._called_in_fit = True
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Ends the `fit`; a later `evaluate` with this logger shows its bar again."""
         self._called_in_fit = False
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Prints `Epoch {epoch + 1}/{epochs}` and starts the epoch's bar."""
         self._start_progbar()
         if self.verbose:
@@ -73,38 +72,38 @@ class ProgbarLogger(Callback):
         # the epoch's line.
         return self.verbose == 1 and sys.stdout.isatty() and hook != "on_predict_batch_end"
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Redraws the bar at step `batch + 1` with the running logs."""
         self._update(batch, logs)
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Prints the epoch's final line with the training and validation logs."""
         self._finalize(logs)
 
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+    def on_test_begin(self, logs: dict | None = None) -> None:
         """Starts the bar of `evaluate` (silent inside `fit`)."""
         if not self._called_in_fit:
             self._start_progbar()
 
-    def on_test_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Redraws the bar of `evaluate` (silent inside `fit`)."""
         if not self._called_in_fit:
             self._update(batch, logs)
 
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
+    def on_test_end(self, logs: dict | None = None) -> None:
         """Prints the final line of `evaluate` (silent inside `fit`)."""
         if not self._called_in_fit:
             self._finalize(logs)
 
-    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+    def on_predict_begin(self, logs: dict | None = None) -> None:
         """Starts the bar of `predict`."""
         self._start_progbar()
 
-    def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Redraws the bar of `predict` (without the outputs)."""
         self._update(batch, None)
 
-    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+    def on_predict_end(self, logs: dict | None = None) -> None:
         """Prints the final line of `predict`."""
         self._finalize(None)
 
@@ -114,14 +113,14 @@ class ProgbarLogger(Callback):
         # `()`: fit's logs are already running means, so the bar shows them as given.
         self.progbar = Progbar(target=target, verbose=self.verbose, stateless_metrics=())
 
-    def _update(self, batch: int, logs: Optional[dict]) -> None:
+    def _update(self, batch: int, logs: dict | None) -> None:
         if self.progbar is None:
             self._start_progbar()
         self.seen = batch + 1
         if self.verbose == 1:
             self.progbar.update(self.seen, logs or {}, finalize=False)
 
-    def _finalize(self, logs: Optional[dict]) -> None:
+    def _finalize(self, logs: dict | None) -> None:
         if self.progbar is None:
             self._start_progbar()
         if self.target is None:

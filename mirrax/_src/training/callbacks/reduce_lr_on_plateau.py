@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import numpy as np
 
@@ -118,7 +117,7 @@ class ReduceLROnPlateau(Callback):
         """Whether the callback is in its cooldown after a cut."""
         return self.cooldown_counter > 0
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Checks the optimizer and the monitor; resets the best value, `wait` and the cooldown.
 
         Raises:
@@ -129,7 +128,7 @@ class ReduceLROnPlateau(Callback):
         _monitor.check_monitor_is_logged("ReduceLROnPlateau", self.monitor, self.params)
         self._reset()
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Adds `"learning_rate"` to `logs`; cuts the rate when patience ran out."""
         logs = logs if logs is not None else {}
         logs["learning_rate"] = _monitor.get_learning_rate(self.model, "ReduceLROnPlateau")

@@ -6,7 +6,6 @@ import itertools
 import os
 import time
 import warnings
-from typing import Optional
 
 import jax
 import numpy as np
@@ -183,33 +182,33 @@ class TensorBoard(Callback):
 
     # -- hooks ----------------------------------------------------------------------------------
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Resets the step count (the global step restarts at each `fit`, as Keras)."""
         self._in_training = True
         self._step = 0
         self._steps_before_epoch = 0
         self._last_batch_write = 0
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Stops a running profile and closes the writers."""
         self._in_training = False
         if self._is_tracing:
             self._stop_trace()
         self._close_writers()
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Notes the epoch's start (for steps per second)."""
         self._steps_before_epoch = self._step
         self._epoch_start_time = time.monotonic()
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Starts the profiler at the first profiled step."""
         self._batch_start_time = time.monotonic()
         next_step = self._steps_before_epoch + batch + 1
         if self._start_batch and not self._is_tracing and self._start_batch <= next_step <= self._stop_batch:
             self._start_trace()
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Writes `batch_<key>` every `update_freq` steps; stops the profiler after its range."""
         self._step = self._steps_before_epoch + batch + 1
         if (
@@ -229,7 +228,7 @@ class TensorBoard(Callback):
         if self._is_tracing and self._step >= self._stop_batch:
             self._stop_trace()
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Writes the epoch's training and validation scalars (and histograms when due)."""
         if not is_chief():
             return
@@ -264,7 +263,7 @@ class TensorBoard(Callback):
         for writer in self._writers.values():
             writer.flush()
 
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
+    def on_test_end(self, logs: dict | None = None) -> None:
         """Writes `evaluation_<key>_vs_iterations` (step: training steps so far)."""
         if not is_chief():
             return
@@ -304,7 +303,7 @@ def _is_scalar(value) -> bool:
         return False
 
 
-def _learning_rate_or_none(model) -> Optional[float]:
+def _learning_rate_or_none(model) -> float | None:
     optimizer = getattr(model, "optimizer", None)
     try:
         rate = getattr(optimizer, "learning_rate", None)

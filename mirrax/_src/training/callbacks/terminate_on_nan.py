@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from mirrax._src.training.callbacks import _args
 from mirrax._src.training.callbacks.callback import Callback
@@ -30,7 +29,7 @@ class TerminateOnNaN(Callback):
         super().__init__()
         self.raise_error = _args.flag("TerminateOnNaN", "raise_error", raise_error)
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Checks `logs["loss"]`; stops (or raises) on NaN or inf."""
         loss = (logs or {}).get("loss")
         if loss is None:
