@@ -23,6 +23,10 @@ from mirrax._src.distribute.cluster import ClusterSpec as ClusterSpec
 from mirrax._src.distribute.cluster import SimpleClusterResolver as SimpleClusterResolver
 from mirrax._src.distribute.cluster import TFConfigClusterResolver as TFConfigClusterResolver
 from mirrax._src.distribute.cpu_devices import set_cpu_device_count as set_cpu_device_count
+from mirrax._src.distribute.current import get_replica_context as get_replica_context
+from mirrax._src.distribute.current import get_strategy as get_strategy
+from mirrax._src.distribute.current import has_strategy as has_strategy
+from mirrax._src.distribute.current import in_cross_replica_context as in_cross_replica_context
 from mirrax._src.distribute.gradients import value_and_grad as value_and_grad
 from mirrax._src.distribute.input import DatasetCreator as DatasetCreator
 from mirrax._src.distribute.input import DistributedDataset as DistributedDataset
@@ -54,10 +58,6 @@ from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterRes
 from mirrax._src.distribute.strategy import Strategy as Strategy
 from mirrax._src.distribute.strategy import StrategyExtended as StrategyExtended
 from mirrax._src.distribute.strategy import clear_session as clear_session
-from mirrax._src.distribute.strategy import get_replica_context as get_replica_context
-from mirrax._src.distribute.strategy import get_strategy as get_strategy
-from mirrax._src.distribute.strategy import has_strategy as has_strategy
-from mirrax._src.distribute.strategy import in_cross_replica_context as in_cross_replica_context
 from mirrax._src.distribute.tpu import TPUStrategy as TPUStrategy
 from mirrax._src.distribute.values import Mirrored as Mirrored
 from mirrax._src.distribute.values import PerReplica as PerReplica

@@ -12,8 +12,8 @@ import numpy as np
 
 from mirrax import errors
 from mirrax._src.distribute import _compat
+from mirrax._src.distribute.current import get_replica_context, in_cross_replica_context
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
-from mirrax._src.distribute.strategy import get_replica_context, in_cross_replica_context
 from mirrax._src.distribute.values import is_distributed
 
 

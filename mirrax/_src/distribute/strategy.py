@@ -1,4 +1,5 @@
-"""The `Strategy` base class, `scope()`, and the module functions that find the current strategy.
+"""The `Strategy` base class, `scope()`, and `clear_session` (the functions that find the current
+strategy, and the default strategy: current.py).
 
 A strategy owns a one-axis `jax.sharding.Mesh` (`REPLICA_AXIS`) over its devices; one replica
 per device. Subclasses (MirroredStrategy, OneDeviceStrategy, TPUStrategy, the default strategy)
@@ -23,7 +24,6 @@ from mirrax._src.distribute import input_options, invariant, values_from_functio
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.reduce import ReduceOp
 from mirrax._src.distribute.replica_context import (
-    ReplicaContext,
     current_replica_context,
     current_strategy_in_scope,
     strategy_scope,
@@ -361,22 +361,9 @@ class Strategy:
         return values_from_function.values_from_function(self, value_fn)
 
 
-# -- the default strategy and the context functions ------------------------------------------
+# -- clear_session (the default strategy and the context functions: current.py) ------------
 
 
-class _DefaultStrategy(Strategy):
-    """The strategy in effect outside every scope: one replica on this process's first device.
-
-    In a multi-worker run each worker's default strategy is its own (TF's: a model built and
-    trained outside every scope trains on each worker alone); `jax.devices()[0]` would be
-    worker 0's device, which no other worker can feed.
-    """
-
-    def __init__(self):
-        super().__init__([jax.local_devices()[0]])
-
-
-_default: list = []
 # Every strategy made in this process, for `clear_session` (weakly: a strategy nobody holds
 # is collected with its programs).
 _live_strategies: weakref.WeakSet[Strategy] = weakref.WeakSet()
@@ -403,48 +390,3 @@ def clear_session() -> None:
     for strategy in list(_live_strategies):
         strategy._clear_caches()
     jax.clear_caches()
-
-
-def default_strategy() -> Strategy:
-    """The process-wide default strategy (created on first use, so importing mirrax is cheap)."""
-    if not _default:
-        _default.append(_DefaultStrategy())
-    return _default[0]
-
-
-def get_strategy() -> Strategy:
-    """The current strategy, as `tf.distribute.get_strategy`.
-
-    Inside `strategy.run` or `strategy.scope()` that strategy; otherwise the default strategy
-    (one replica on this process's first device, so code written for strategies also runs
-    without one; in a multi-worker run, on that worker alone).
-    """
-    ctx = current_replica_context()
-    if ctx is not None:
-        return ctx.strategy
-    return current_strategy_in_scope() or default_strategy()
-
-
-def has_strategy() -> bool:
-    """True inside a (non-default) strategy's `scope()` or `run`, as `tf.distribute.has_strategy`."""
-    return not isinstance(get_strategy(), _DefaultStrategy)
-
-
-def in_cross_replica_context() -> bool:
-    """True inside `strategy.scope()` but outside `strategy.run`, as TF's function of that name."""
-    return current_replica_context() is None and current_strategy_in_scope() is not None
-
-
-def get_replica_context() -> ReplicaContext | None:
-    """The current `ReplicaContext`, as `tf.distribute.get_replica_context`.
-
-    Inside `strategy.run`: the running replica's context. In cross-replica context (inside a
-    scope, outside run): None. Outside every scope: the default strategy's replica context
-    (one replica; its collectives return their input).
-    """
-    ctx = current_replica_context()
-    if ctx is not None:
-        return ctx
-    if current_strategy_in_scope() is not None:
-        return None
-    return ReplicaContext(default_strategy(), traced=False)

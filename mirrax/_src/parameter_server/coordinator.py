@@ -1,7 +1,7 @@
 """`ClusterCoordinator`: schedules functions on a ParameterServerStrategy's workers, as
 `tf.distribute.coordinator.ClusterCoordinator`.
 
-`schedule` pickles the function at once (so a bad argument is named at the call) and queues
+`schedule` pickles the function at once (payloads.py; so a bad argument is named at the call) and queues
 it; one dispatcher thread per worker takes the next queued function whenever its worker is
 free. A worker that dies while running a function gives that function back to the queue
 (another worker, or the same one restarted, runs it: at-least-once execution), and its
@@ -12,24 +12,20 @@ are cancelled), as TF; a lost parameter server is raised by every later call.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
-import types
 import warnings
 
 import jax
-from flax import nnx
 
 from mirrax import errors
-from mirrax._src.parameter_server import serialization
+from mirrax._src.parameter_server import payloads, serialization
 from mirrax._src.parameter_server.actors import LostParameterServer
-from mirrax._src.parameter_server.closures import Closure, Queue, WorkerConstant
+from mirrax._src.parameter_server.closures import Closure, Queue
 from mirrax._src.parameter_server.cluster import call_servers, import_ray
 from mirrax._src.parameter_server.remote_values import (
     PerWorkerDataset,
-    PerWorkerIterator,
     RemoteValue,
 )
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
@@ -156,59 +152,9 @@ class ClusterCoordinator:
             return self._pickle_now(fn, args, kwargs)
 
     def _pickle_now(self, fn, args: tuple, kwargs: dict) -> bytes:
-        new_roots: list = []
-        base = self._store.count
-
-        pickling: list = []  # the functions and constants being pickled now, outermost first
-
-        def token_of(obj):
-            if obj is self.strategy:
-                return ("strategy",)
-            if any(obj is busy for busy in pickling):
-                return None  # pickled inline (cloudpickle's memo handles the recursion)
-            if isinstance(obj, WorkerConstant):
-                if id(obj) not in self._constants:
-                    data = _dumps_nested(obj, token_of, pickling)
-                    with self._constants_lock:
-                        self._constants[id(obj)] = (obj, data)
-                return ("constant", id(obj))
-            if isinstance(obj, types.FunctionType):
-                # By content: the worker keeps the function it unpickled for these bytes, so
-                # a function sent again is the same object there and `strategy.run` reuses
-                # its compiled program instead of compiling one per scheduled function.
-                data = _dumps_nested(obj, token_of, pickling)
-                return ("function", hashlib.sha256(data).digest(), data)
-            if isinstance(obj, RemoteValue):
-                # TF passes a RemoteValue on as its value: wait for it here.
-                return ("value", obj.get())
-            if isinstance(obj, PerWorkerIterator):
-                _check_mine(self, obj.coordinator, "a PerWorkerIterator")
-                return ("iterator", obj.iterator_id, obj.dataset_id)
-            if isinstance(obj, PerWorkerDataset):
-                return ("dataset", obj.dataset_id)
-            if isinstance(obj, nnx.Pytree):
-                self._store.check_not_held_elsewhere(obj)
-                if self._store.holds(obj):
-                    return ("object", self._store.index(obj))
-                for i, root in enumerate(new_roots):
-                    if root is obj:
-                        return ("object", base + i)
-                new_roots.append(obj)
-                return ("object", base + len(new_roots) - 1)
-            serialization.refuse(obj)
-            return None
-
-        try:
-            payload = serialization.dumps((fn, args, kwargs), token_of)
-        except errors.MirraxError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
-            raise errors.InvalidArgumentTypeError(
-                f"ClusterCoordinator.schedule: {serialization.culprit(fn, args, kwargs, token_of)} cannot "
-                f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
-                "its arguments are pickled: pass arrays, numbers, NNX objects and "
-                "per-worker iterators, and create other objects inside the function."
-            ) from None
+        payload, new_roots = payloads.pickle_scheduled(
+            self, self._store, self._constants, self._constants_lock, fn, args, kwargs
+        )
         if new_roots:
             self._drain()
             self._store.add(new_roots)
@@ -300,21 +246,7 @@ class ClusterCoordinator:
         with self._queue.cond:
             self._queue.raise_if_error()
 
-        def token_of(obj):
-            if obj is self.strategy:
-                return ("strategy",)
-            serialization.refuse(obj)
-            return None
-
-        try:
-            data = serialization.dumps(dataset_fn, token_of)
-        except errors.MirraxError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise errors.InvalidArgumentTypeError(
-                f"create_per_worker_dataset: dataset_fn cannot be sent to the workers "
-                f"({type(e).__name__}: {e}). Build the dataset inside the function."
-            ) from None
+        data = payloads.pickle_dataset_fn(self.strategy, dataset_fn)
         dataset_id = next(self._dataset_ids)
         ray = import_ray()
         # Registered first: a worker that is restarting now gets it when it is back.
@@ -483,20 +415,3 @@ class ClusterCoordinator:
     def _join_threads(self) -> None:
         for thread in self._threads:
             thread.join(timeout=30)
-
-
-def _dumps_nested(obj, token_of, pickling: list) -> bytes:
-    """`obj` pickled on its own (its own token's payload), `token_of` applied inside it."""
-    pickling.append(obj)
-    try:
-        return serialization.dumps(obj, token_of)
-    finally:
-        pickling.pop()
-
-
-def _check_mine(coordinator, owner, what: str) -> None:
-    if owner is not coordinator:
-        raise errors.MixedStrategyError(
-            f"ClusterCoordinator.schedule: {what} of another coordinator was passed; create "
-            "it with this coordinator's create_per_worker_dataset."
-        )

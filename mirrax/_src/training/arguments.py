@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
 from mirrax._src.distribute import host_tensors, scan_carry
+from mirrax._src.distribute.current import get_strategy, has_strategy
 from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
-from mirrax._src.distribute.strategy import get_strategy, has_strategy
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy, is_shut_down
 from mirrax._src.training import mixed_precision
 from mirrax._src.training import steps as steps_lib

@@ -15,8 +15,9 @@ from mirrax import errors
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
+from mirrax._src.training import array_inputs, data_adapter
 from mirrax._src.training import callbacks as callbacks_lib
-from mirrax._src.training import data_adapter, metric_registry
+from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import steps as steps_lib
 
 
@@ -86,17 +87,17 @@ def fit(
     validation_steps = checks.check_count("fit", "validation_steps", validation_steps, allow_none=True)
     validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
     validation_split = checks.check_fraction("fit", "validation_split", validation_split)
-    class_weight = _class_weight(compiled, "fit", class_weight, sample_weight)
-    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
+    class_weight = class_weight_of(compiled, "fit", class_weight, sample_weight)
+    x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
     strategy = model.distribute_strategy
     if validation_split and validation_data is None:
-        if not data_adapter.is_arrays(x):
+        if not array_inputs.is_arrays(x):
             raise errors.InvalidArgumentError(
                 "fit: validation_split is only supported for NumPy array inputs (it takes "
                 f"the last {validation_split:.0%} of the arrays); received a "
                 f"{type(x).__name__}. Pass validation_data= instead."
             )
-        x, y, sample_weight, validation_data = data_adapter.split_validation(
+        x, y, sample_weight, validation_data = array_inputs.split_validation(
             x, y, sample_weight, validation_split
         )
     train = data_adapter.ModelInput(
@@ -121,7 +122,7 @@ def fit(
         )
     val = None
     if validation_data is not None:
-        vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
+        vx, vy, vw = (array_inputs.as_arrays(v) for v in array_inputs.unpack_validation(validation_data))
         vbatch = validation_batch_size if validation_batch_size is not None else batch_size
         val = data_adapter.ModelInput(
             model,
@@ -129,7 +130,7 @@ def fit(
             vx,
             vy,
             vw,
-            vbatch if data_adapter.is_arrays(vx) else None,
+            vbatch if array_inputs.is_arrays(vx) else None,
             False,
             "fit(validation_data=...)",
             checked=compiled.checked_inputs,
@@ -152,7 +153,9 @@ def fit(
         epochs=epochs,
         steps=steps,
     )
-    cbs.set_params(dict(cbs.params, metrics=log_keys(model, compiled, val is not None, cbs.callbacks)))
+    cbs.set_params(
+        dict(cbs.params, metrics=logs_lib.log_keys(model, compiled, val is not None, cbs.callbacks))
+    )
     model.stop_training = False
     model.module.train()
     # Reading the logs waits for the step; do it per step only when a callback uses them.
@@ -184,7 +187,7 @@ def fit(
     epoch_logs: dict = {}
     try:
         for epoch in range(first_epoch, epochs):
-            reset_metrics(model, compiled)
+            logs_lib.reset_metrics(model, compiled)
             cbs.on_epoch_begin(epoch)
             model.module.train()
             step = first_step if epoch == first_epoch else 0
@@ -194,7 +197,7 @@ def fit(
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
                 run_steps(strategy, compiled.train_fn, train_objects(model, compiled), group)
-                logs = logs_of(model, compiled) if batch_logs else {}
+                logs = logs_lib.logs_of(model, compiled) if batch_logs else {}
                 cbs.on_train_batch_end(last, logs)
                 step = last + 1
                 trained += len(group)
@@ -207,7 +210,7 @@ def fit(
                     "empty (a generator must yield at least one batch, as Keras requires)."
                 )
             # An epoch that ran no step has no values to log (not a loss of 0.0).
-            epoch_logs = logs_of(model, compiled) if trained else {}
+            epoch_logs = logs_lib.logs_of(model, compiled) if trained else {}
             if val is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = evaluate_loop(
                     model, compiled, val, validation_steps, cbs, "fit(validation_data=...)"
@@ -364,7 +367,7 @@ def train_objects(model, compiled) -> tuple:
     )
 
 
-def _class_weight(compiled, what: str, class_weight, sample_weight):
+def class_weight_of(compiled, what: str, class_weight, sample_weight):
     """`check_class_weight`'s table; refused for several outputs (as Keras 3).
 
     Raises:
@@ -380,68 +383,10 @@ def _class_weight(compiled, what: str, class_weight, sample_weight):
     return checks.check_class_weight(class_weight, sample_weight)
 
 
-def train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_dict):
-    """`Model.train_on_batch` (its arguments, docs and errors there)."""
-    class_weight = _class_weight(compiled, "train_on_batch", class_weight, sample_weight)
-    data = one_batch(model, compiled, "train_on_batch", x, y, sample_weight, class_weight)
-    return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
-    reset_metrics(model, compiled)
-    model.module.train()
-    state = train_objects(model, compiled)
-    for batch in data.batches():
-        model.distribute_strategy.run(compiled.train_fn, args=state + (batch,))
-    model.module.eval()
-    return result_of(logs_of(model, compiled), return_dict)
-
-
-def test_on_batch(model, compiled, x, y, sample_weight, return_dict):
-    """`Model.test_on_batch` (its arguments, docs and errors there)."""
-    data = one_batch(model, compiled, "test_on_batch", x, y, sample_weight, None)
-    return_dict = checks.check_bool("test_on_batch", "return_dict", return_dict)
-    reset_metrics(model, compiled)
-    model.module.eval()
-    for batch in data.batches():
-        model.distribute_strategy.run(
-            compiled.test_fn, args=(model.module, None, model.metrics, compiled.tracker, None, batch)
-        )
-    return result_of(logs_of(model, compiled), return_dict)
-
-
-def log_keys(model, compiled, validation: bool, callbacks: list):
-    """The keys fit's epoch logs will hold (callbacks get them as params["metrics"]), or
-    None when a callback of the user's own (or a LambdaCallback, whose functions are the
-    user's) may add keys (as Keras's callbacks may write into the logs): the monitoring callbacks then look for their key at each epoch end."""
-    if any(
-        isinstance(c, callbacks_lib.LambdaCallback) or not type(c).__module__.startswith("mirrax.")
-        for c in callbacks
-    ):
-        return None
-    keys = metric_keys(model, compiled)
-    if validation:
-        keys += [f"val_{key}" for key in keys]
-    if model.optimizer.has_learning_rate:
-        keys.append("learning_rate")
-    return keys
-
-
-def metric_keys(model, compiled) -> list:
-    """["loss", <output>_loss... (several outputs), <metric log keys>...]: one per metric, one
-    per threshold of a several-threshold Precision / Recall (`metric_registry.log_names`)."""
-    return (
-        ["loss"]
-        + _output_loss_names(compiled)
-        + [
-            key
-            for name, metric in zip(compiled.metric_names, model.metrics)
-            for key in metric_registry.log_names(name, metric)
-        ]
-    )
-
-
 def evaluate_loop(model, compiled, data, steps, cbs, what):
     """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`."""
     strategy = model.distribute_strategy
-    reset_metrics(model, compiled)
+    logs_lib.reset_metrics(model, compiled)
     model.module.eval()
     cbs.on_test_begin()
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
@@ -451,134 +396,13 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
         cbs.on_test_batch_begin(count)
         run_steps(strategy, compiled.test_fn, objects, group)
         count += len(group)
-        cbs.on_test_batch_end(count - 1, logs_of(model, compiled) if batch_logs else {})
+        cbs.on_test_batch_end(count - 1, logs_lib.logs_of(model, compiled) if batch_logs else {})
     if count == 0:
         raise errors.EmptyDatasetError(
             f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "
             "refuses an empty input too). Check that the dataset is not empty."
         )
     warn_if_ran_out(what, "steps", steps, count)
-    logs = logs_of(model, compiled)
+    logs = logs_lib.logs_of(model, compiled)
     cbs.on_test_end(logs)
     return logs
-
-
-def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
-    """The `ModelInput` of one global batch of arrays (`train_on_batch`, `test_on_batch`).
-
-    Raises:
-      InvalidArgumentTypeError: `x` is not arrays.
-    """
-    checks.check_not_parameter_server(model.distribute_strategy, what)
-    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
-    if not data_adapter.is_arrays(x):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: x must be an array (or a dict of arrays) holding one batch; received "
-            f"{type(x).__name__}. Use fit() / evaluate() for datasets."
-        )
-    return data_adapter.ModelInput(
-        model,
-        model.distribute_strategy,
-        x,
-        y,
-        sample_weight,
-        max(data_adapter.num_examples(x), 1),
-        False,
-        what,
-        class_weight=class_weight,
-        checked=compiled.checked_inputs,
-    )
-
-
-def result_of(logs: dict, return_dict: bool):
-    """Keras's `*_on_batch` result: the logs dict with `return_dict`, else the loss alone, or
-    [loss, metric, ...].
-    """
-    if return_dict:
-        return logs
-    values = list(logs.values())
-    return values[0] if len(values) == 1 else values
-
-
-def reset_metrics(model, compiled):
-    """Resets the loss tracker and every metric."""
-    compiled.tracker.reset()
-    for metric in model.metrics:
-        metric.reset_state()
-
-
-def logs_of(model, compiled) -> dict:
-    """{"loss": ..., <metric>: ...} as Python floats (reading them waits for the last step); a
-    several-threshold Precision / Recall gives one entry per threshold (`metric_registry.log_names`)."""
-    logs = {"loss": float(compiled.tracker.result())}
-    names = _output_loss_names(compiled)
-    if names:
-        logs.update(zip(names, (float(v) for v in np.asarray(compiled.tracker.output_results()))))
-    for name, metric in zip(compiled.metric_names, model.metrics):
-        logs.update(metric_registry.log_values(name, metric))
-    return logs
-
-
-def _output_loss_names(compiled) -> list:
-    return [] if compiled.outputs is None else compiled.outputs.loss_log_names
-
-
-def one_batch_size(what: str, x) -> int:
-    """The size of the one batch of arrays `x` (`predict_on_batch`).
-
-    Raises:
-      InvalidArgumentTypeError: `x` is not arrays.
-    """
-    x = data_adapter.as_arrays(x)
-    if not data_adapter.is_arrays(x):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: x must be an array (or a dict of arrays); received "
-            f"{type(x).__name__}. Use predict() for datasets."
-        )
-    return max(data_adapter.num_examples(x), 1)
-
-
-def make_train_function(model, compiled):
-    """`Model.make_train_function` (its docs and errors there)."""
-
-    def objects():
-        model.module.train()  # as Keras's training=True, whatever ran before (a test function)
-        return train_objects(model, compiled)
-
-    return _batch_function(model, "train_function", compiled.train_fn, objects)
-
-
-def make_test_function(model, compiled):
-    """`Model.make_test_function` (its docs and errors there)."""
-
-    def objects():
-        model.module.eval()  # as evaluate: Dropout off, BatchNorm's moving averages
-        return (model.module, None, model.metrics, compiled.tracker, None)
-
-    return _batch_function(model, "test_function", compiled.test_fn, objects)
-
-
-def _batch_function(model, name: str, step_fn, objects):
-    """`name(batch)`: `strategy.run(step_fn, args=objects() + (batch,))` on one distributed
-    batch; returns None.
-
-    Raises:
-      InvalidArgumentTypeError: (when called) the batch holds no distributed value.
-    """
-    strategy = model.distribute_strategy
-    checks.check_not_parameter_server(strategy, f"make_{name}")
-
-    def function(batch):
-        if not any(
-            isinstance(leaf, PerReplica)
-            for leaf in jax.tree.leaves(batch, is_leaf=lambda v: isinstance(v, PerReplica))
-        ):
-            raise errors.InvalidArgumentTypeError(
-                f"{name}: batch must be a distributed batch, an element of "
-                "strategy.experimental_distribute_dataset(...); received "
-                f"{type(batch).__name__}. (A plain array would reach every replica whole.)"
-            )
-        strategy.run(step_fn, args=objects() + (batch,))
-
-    function.__name__ = name
-    return function

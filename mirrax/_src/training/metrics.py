@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute.current import get_replica_context
 from mirrax._src.distribute.replica_context import current_replica_context
-from mirrax._src.distribute.strategy import get_replica_context
 from mirrax._src.training.targets import match_rank, sparse_labels
 
 NEG_INF = float("-inf")

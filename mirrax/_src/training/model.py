@@ -7,37 +7,39 @@ the caller's objects hold the current values after every step (no separate sync 
 callbacks that read or write the model). Batches are global batches split by the strategy's
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
-The rooms: the loops in loops.py, the steps in steps.py, inputs in data_adapter.py and
-dataset_batches.py, argument checks in arguments.py, optimizer.py, weights.py.
+The rooms: the loops in loops.py (the one-batch calls in batch_calls.py, the logs in logs.py),
+the steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py,
+argument checks in arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
+methods in model_weights.py).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import optax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.checkpointing import checkpoint
 from mirrax._src.distribute import invariant
-from mirrax._src.distribute.strategy import get_replica_context, get_strategy, has_strategy
+from mirrax._src.distribute.current import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import (
+    batch_calls,
     keras_models,
     keras_objects,
     loops,
     metric_registry,
     mixed_precision,
     model_glue,
+    model_weights,
 )
+from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import outputs as outputs_lib
 from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import steps as steps_lib
-from mirrax._src.training import weights as weights_lib
 
 
-class Model(model_glue.KerasGlue):
+class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchCalls):
     """A Keras-style model around an `nnx.Module`, as `keras.Model` with a distribution strategy.
 
     `compile` picks the strategy in scope (or the default strategy); `fit`, `evaluate` and
@@ -59,7 +61,9 @@ class Model(model_glue.KerasGlue):
     Attributes:
       module, optimizer (an `OptimizerHandle` after compile), loss, metrics, stop_training,
       history (the `History` of the last fit), distribute_strategy; `save`, `losses` and
-      `trainable_variables` come from `KerasGlue` (model_glue.py).
+      `trainable_variables` come from `KerasGlue` (model_glue.py), `get_weights` and the other
+      weight methods from `ModelWeights` (model_weights.py), `train_on_batch`, `test_on_batch`
+      and `make_*_function` from `BatchCalls` (batch_calls.py).
     """
 
     def __init__(self, module):
@@ -234,66 +238,6 @@ class Model(model_glue.KerasGlue):
             self.distribute_strategy = self._scope_strategy = strategy
         keras_models.read_keras_writes(self.module)  # writes to model.keras_model count
 
-    # -- weights ---------------------------------------------------------------------------------
-
-    def get_weights(self) -> list:
-        """The module's weights as NumPy arrays, in a fixed order (as `keras.Model.get_weights`).
-
-        Weights are every variable but PRNG state (`nnx.Rngs` keys and counts, e.g. of
-        `nnx.Dropout`): parameters and batch statistics, as Keras's `weights` leave out its
-        seed generators' state. Checkpoints (`save_weights`, `mirrax.Checkpoint`) keep all.
-        """
-        keras_models.read_keras_writes(self.module)
-        return [np.asarray(v.get_value()) for _, v in weights_lib.module_weights(self.module)]
-
-    def count_params(self) -> int:
-        """The number of values in the module's weights (`get_weights()`), as
-        `keras.Model.count_params` (trainable and non-trainable; PRNG state left out)."""
-        return int(sum(np.prod(np.shape(v.get_value())) for _, v in weights_lib.module_weights(self.module)))
-
-    def set_weights(self, weights) -> None:
-        """Sets the module's variables from `get_weights()`-ordered arrays (shapes must match).
-
-        Raises:
-          ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
-        """
-        weights_lib.set_weights(self.module, weights)
-        keras_models.after_weights_set(self.module)
-
-    def save_weights(self, filepath, overwrite: bool = True) -> None:
-        """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
-
-        As `keras.Model.save_weights`, but the file is an Orbax checkpoint directory written by
-        `mirrax.Checkpoint(weights=model.module)`: atomic (also when replacing an earlier
-        save), each array once whatever the replica count, readable back into any replica
-        count. PRNG state (`nnx.Rngs`, e.g. of `nnx.Dropout`) and batch statistics included.
-
-        Raises:
-          ExistingPathError (a FileExistsError): `filepath` exists and `overwrite` is False,
-            or `filepath` is a regular file.
-          InvalidArgumentTypeError: `filepath` is not a str or os.PathLike.
-        """
-        keras_models.read_keras_writes(self.module)
-        checkpoint.save_weights(self, filepath, overwrite)
-
-    def load_weights(self, filepath) -> None:
-        """Reads variables into the module (placed where they are now), as `keras.Model.load_weights`.
-
-        Reads what `save_weights` wrote, or the module's variables of a full checkpoint
-        (`mirrax.Checkpoint(model=model).write`, `ModelCheckpoint`'s default output), as Keras
-        loads weights from a full save; the optimizer state of a full checkpoint is not read.
-
-        Raises:
-          MissingCheckpointError (a FileNotFoundError): no checkpoint at `filepath`.
-          InvalidCheckpointError (a ValueError): the directory is not a complete checkpoint.
-          IncompatibleCheckpointError (a ValueError): the checkpoint's variables do not match
-            the module's (the message lists the paths and shapes that differ), or it holds no
-            model's weights (the message names the call that restores it).
-        """
-        keras_models.check_weights_path(self.module, filepath)
-        checkpoint.load_weights(self, filepath)
-        keras_models.after_weights_set(self.module)
-
     # -- fit -------------------------------------------------------------------------------------
 
     def fit(
@@ -444,68 +388,27 @@ class Model(model_glue.KerasGlue):
         )
         return loops.predict(self, strategy, step_fn, x, batch_size, verbose, steps, callbacks)
 
-    # -- one batch (Keras's *_on_batch) ---------------------------------------------------------
-
-    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict: bool = False):
-        """One training step on one GLOBAL batch of arrays, as `keras.Model.train_on_batch`.
-
-        The metrics are reset first (as Keras 3), so the result is this batch's loss and
-        metrics. Returns the loss (float) without metrics, else [loss, metric...]; with
-        `return_dict`, the logs dict.
-
-        Raises:
-          NotCompiledError; InvalidArgumentTypeError (x not arrays); the checks of `fit`.
-        """
-        self._check_compiled("train_on_batch")
-        return loops.train_on_batch(self, self._compiled, x, y, sample_weight, class_weight, return_dict)
-
-    def test_on_batch(self, x, y=None, sample_weight=None, return_dict: bool = False):
-        """Loss and metrics of one GLOBAL batch of arrays, as `keras.Model.test_on_batch`
-        (metrics reset first, as Keras 3); returns as `train_on_batch`."""
-        self._check_compiled("test_on_batch")
-        return loops.test_on_batch(self, self._compiled, x, y, sample_weight, return_dict)
+    # -- one batch (Keras's *_on_batch; more in batch_calls.BatchCalls) ---------------------------
 
     def predict_on_batch(self, x):
         """The module's outputs for one batch of arrays, as NumPy (`keras.Model.predict_on_batch`)."""
-        return self.predict(x, batch_size=loops.one_batch_size("predict_on_batch", x), verbose=0)
+        return self.predict(x, batch_size=batch_calls.one_batch_size("predict_on_batch", x), verbose=0)
 
     def reset_metrics(self) -> None:
         """Resets the loss tracker and every metric, as `keras.Model.reset_metrics`."""
         self._check_compiled("reset_metrics")
-        loops.reset_metrics(self, self._compiled)
+        logs_lib.reset_metrics(self, self._compiled)
 
     def get_metrics_result(self) -> dict:
         """{"loss": ..., <metric name>: ...} as Python floats, as `keras.Model.get_metrics_result`
         (what fit logs; reading it waits for the last step)."""
         self._check_compiled("get_metrics_result")
-        return loops.logs_of(self, self._compiled)
+        return logs_lib.logs_of(self, self._compiled)
 
     @property
     def metrics_names(self) -> list:
         """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
-        return [] if self._compiled is None else loops.metric_keys(self, self._compiled)
-
-    def make_train_function(self):
-        """`train_function(batch)`: one step of `fit` on a distributed batch ((x, y) or (x, y,
-        sample_weight) from `strategy.experimental_distribute_dataset`), in training mode, as
-        Keras's; returns None. No callbacks, no logs (read them with `get_metrics_result`).
-
-        Raises:
-          NotCompiledError: the model is not compiled.
-        """
-        self._check_compiled("make_train_function")
-        return loops.make_train_function(self, self._compiled)
-
-    def make_test_function(self):
-        """`test_function(batch)`: one step of `evaluate` on a distributed batch, as Keras's,
-        in inference mode (`module.eval()` at each call; the train function sets training
-        mode): the loss tracker and metrics updated; no callbacks, no reset; returns None.
-
-        Raises:
-          NotCompiledError: the model is not compiled.
-        """
-        self._check_compiled("make_test_function")
-        return loops.make_test_function(self, self._compiled)
+        return [] if self._compiled is None else logs_lib.metric_keys(self, self._compiled)
 
     # -- the steps (overridable, as Keras's) -----------------------------------------------------
 
@@ -555,23 +458,6 @@ class Model(model_glue.KerasGlue):
         if self._binding.current is not None:
             return self._binding.current[3]
         return None if self._compiled is None else self._compiled.tracker
-
-    def summary(
-        self,
-        line_length=None,
-        positions=None,
-        print_fn=None,
-        expand_nested=False,
-        show_trainable=False,
-        layer_range=None,
-    ):
-        """A Keras model: `keras_model.summary(...)` (Keras's table, all its arguments). An NNX
-        module: its variables' path, type, shape and count, with line_length, print_fn,
-        show_trainable (`nnx.Param`s are), expand_nested (accepted: all are listed); positions
-        and layer_range raise UnsupportedArgumentError, a bad type InvalidArgumentTypeError."""
-        weights_lib.print_summary(
-            self.module, line_length, positions, print_fn, expand_nested, show_trainable, layer_range
-        )
 
 
 def train_call(model: Model, what: str) -> tuple:

@@ -14,14 +14,15 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute.current import default_strategy, get_strategy
 from mirrax._src.distribute.input_options import InputContext
-from mirrax._src.distribute.strategy import default_strategy, get_strategy
 from mirrax._src.parameter_server.closures import WorkerConstant
 from mirrax._src.parameter_server.coordinator import ClusterCoordinator
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
 from mirrax._src.training import arguments as checks
+from mirrax._src.training import array_inputs
 from mirrax._src.training import callbacks as callbacks_lib
-from mirrax._src.training import data_adapter, loops
+from mirrax._src.training import logs as logs_lib
 
 # Evaluation functions per worker: enough that a slow or restarted worker delays little.
 _EVALUATION_GROUPS_PER_WORKER = 4
@@ -76,7 +77,7 @@ class Steps(WorkerConstant):
 def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
     """The per-worker dataset of fit: `x` itself when it is a dataset function, else endless
     (reshuffled) global batches of the arrays, a different order on each worker."""
-    if callable(x) and not data_adapter.is_arrays(x):
+    if callable(x) and not array_inputs.is_arrays(x):
         if y is not None or batch_size is not None:
             raise errors.InvalidArgumentError(
                 "fit: with a dataset function as x (ParameterServerStrategy), y and batch_size "
@@ -84,7 +85,7 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
                 f", batch_size={batch_size!r}."
             )
         return x
-    if not data_adapter.is_arrays(x):
+    if not array_inputs.is_arrays(x):
         raise errors.UnsupportedArgumentError(
             "fit under ParameterServerStrategy takes NumPy arrays (x, y, batch_size) or a "
             "dataset function (called on every worker, as TF's DatasetCreator: "
@@ -93,7 +94,7 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
         )
     batch_size = 32 if batch_size is None else checks.check_count("fit", "batch_size", batch_size)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-    n = data_adapter.num_examples(arrays[0])
+    n = array_inputs.num_examples(arrays[0])
     if n == 0:
         raise errors.EmptyDatasetError("fit: x holds no example, so there is nothing to train on.")
 
@@ -144,13 +145,13 @@ def fit(
             "fit: class_weight is not supported under ParameterServerStrategy; pass "
             "per-example sample weights in the batches instead."
         )
-    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
+    x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
     if validation_split and validation_data is None:
-        if not data_adapter.is_arrays(x):
+        if not array_inputs.is_arrays(x):
             raise errors.InvalidArgumentError(
                 "fit: validation_split needs NumPy array inputs; pass validation_data= instead."
             )
-        x, y, sample_weight, validation_data = data_adapter.split_validation(
+        x, y, sample_weight, validation_data = array_inputs.split_validation(
             x, y, sample_weight, validation_split
         )
     coordinator = ClusterCoordinator(model.distribute_strategy)
@@ -170,14 +171,16 @@ def fit(
         steps=steps_per_epoch,
     )
     cbs.set_params(
-        dict(cbs.params, metrics=loops.log_keys(model, compiled, validation_data is not None, cbs.callbacks))
+        dict(
+            cbs.params, metrics=logs_lib.log_keys(model, compiled, validation_data is not None, cbs.callbacks)
+        )
     )
     model.stop_training = False
     cbs.on_train_begin()
     epoch_logs: dict = {}
     per_call = model.steps_per_execution
     for epoch in range(initial_epoch, epochs):
-        loops.reset_metrics(model, compiled)
+        logs_lib.reset_metrics(model, compiled)
         cbs.on_epoch_begin(epoch)
         for first in range(0, steps_per_epoch, per_call):
             count = min(per_call, steps_per_epoch - first)
@@ -188,9 +191,9 @@ def fit(
             if model.stop_training:
                 break
         coordinator.join()
-        epoch_logs = loops.logs_of(model, compiled)
+        epoch_logs = logs_lib.logs_of(model, compiled)
         if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            vx, vy, vw = (data_adapter.as_arrays(v) for v in data_adapter.unpack_validation(validation_data))
+            vx, vy, vw = (array_inputs.as_arrays(v) for v in array_inputs.unpack_validation(validation_data))
             vbatch = validation_batch_size if validation_batch_size is not None else batch_size
             val_logs = evaluate_loop(
                 model, compiled, steps, vx, vy, vw, vbatch, validation_steps, cbs, "fit(validation_data=...)"
@@ -206,10 +209,10 @@ def fit(
 
 
 def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
-    if data_adapter.is_arrays(x):
+    if array_inputs.is_arrays(x):
         batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        n = data_adapter.num_examples(arrays[0])
+        n = array_inputs.num_examples(arrays[0])
         batches = [
             tuple(jax.tree.map(lambda a: a[i : i + batch_size], arrays)) for i in range(0, n, batch_size)
         ]
@@ -262,7 +265,7 @@ def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_s
     accumulators = _accumulators(compiled, model)
     nnx.replace_by_pure_dict(accumulators, totals)
     nnx.update((compiled.tracker, model.metrics), accumulators)
-    logs = loops.logs_of(model, compiled)
+    logs = logs_lib.logs_of(model, compiled)
     cbs.on_test_end(logs)
     return logs
 
@@ -272,7 +275,7 @@ def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, c
     verbose = checks.check_verbose("evaluate", verbose)
     steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
     return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
-    x, y, sample_weight = (data_adapter.as_arrays(v) for v in (x, y, sample_weight))
+    x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
     cbs = callbacks_lib.CallbackList(
         callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1, steps=steps
     )

@@ -15,8 +15,8 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute import gradients, invariant
+from mirrax._src.distribute.current import get_replica_context
 from mirrax._src.distribute.losses import compute_average_loss
-from mirrax._src.distribute.strategy import get_replica_context
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import keras_models, mixed_precision
 
