@@ -15,6 +15,7 @@ _LAZY_OK = {
     "mirrax._src.data.files": "grain (optional)",
     "mirrax._src.training.callbacks.tensorboard": "tensorboardX (optional)",
     "mirrax._src.parameter_server.cluster": "ray (optional), when a strategy starts",
+    "mirrax._src.parameter_server.ray_calls": "ray (optional), when a strategy starts",
     "mirrax._src.parameter_server.serialization": "ray's cloudpickle (optional)",
     "mirrax._src.parameter_server.actors": "a worker's JAX side, in the worker process only",
     "mirrax._src.training.keras_models": "keras (optional), when a Keras model is given",

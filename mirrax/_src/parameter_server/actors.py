@@ -12,10 +12,6 @@ import os
 
 import numpy as np
 
-# Seconds a worker waits for the parameter servers' answer to one pull or push. A server
-# that is alive but does not answer is as lost as a dead one.
-PARAMETER_SERVER_TIMEOUT_S = 60.0
-
 
 class ParameterServer:
     """One parameter server: a dict {(leaf, shard): array} and a count of the pushes applied.
@@ -51,10 +47,6 @@ class ParameterServer:
             self.values[key] = np.array(value)
         self.version += 1
         return self.version - 1
-
-
-class LostParameterServer(Exception):
-    """Raised on a worker when a parameter server is dead or does not answer in time."""
 
 
 class Worker:

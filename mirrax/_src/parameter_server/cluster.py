@@ -23,6 +23,7 @@ import weakref
 from mirrax import errors
 from mirrax._src.distribute.cluster import ClusterResolver
 from mirrax._src.parameter_server import actors
+from mirrax._src.parameter_server.ray_calls import import_ray
 
 # Seconds to wait for every actor of a new strategy to start (a worker imports JAX).
 START_TIMEOUT_S = 180.0
@@ -39,42 +40,6 @@ def stop_all() -> None:
     """Stops every live cluster's threads and actors (before `ray.shutdown()`, and at exit)."""
     for cluster in list(_live):
         cluster.stop()
-
-
-def import_ray():
-    """The `ray` module, imported on first use (mirrax imports without Ray installed).
-
-    Raises:
-      MissingDependencyError: Ray is not installed (the message gives the pip command).
-    """
-    try:
-        import ray
-    except ImportError:
-        raise errors.MissingDependencyError(
-            "ParameterServerStrategy runs on Ray, which is not installed. Install it with "
-            "`pip install 'mirrax[ray]'` (or `pip install ray`)."
-        ) from None
-    return ray
-
-
-def call_servers(servers: list, method: str, per_server_args: list, timeout_s: float) -> list:
-    """`method(*args)` on every parameter server at once; their answers, in server order.
-
-    Used by the coordinator and by the workers alike.
-
-    Raises:
-      LostParameterServer: a server is dead, or did not answer within `timeout_s` seconds.
-    """
-    ray = import_ray()
-    refs = [getattr(ps, method).remote(*args) for ps, args in zip(servers, per_server_args)]
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise actors.LostParameterServer(
-            f"a parameter server did not answer a {method} within {timeout_s:.0f} s"
-        ) from None
-    except ray.exceptions.RayActorError as e:
-        raise actors.LostParameterServer(f"a parameter server died during a {method}: {e}") from None
 
 
 class _TokenNotice(logging.Filter):

@@ -21,9 +21,8 @@ import jax
 
 from mirrax import errors
 from mirrax._src.parameter_server import payloads, serialization
-from mirrax._src.parameter_server.actors import LostParameterServer
 from mirrax._src.parameter_server.closures import Closure, Queue
-from mirrax._src.parameter_server.cluster import call_servers, import_ray
+from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers, import_ray
 from mirrax._src.parameter_server.remote_values import (
     PerWorkerDataset,
     RemoteValue,

@@ -14,7 +14,7 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute.input import DistributedInput, DistributedIterator
-from mirrax._src.parameter_server.cluster import import_ray
+from mirrax._src.parameter_server.ray_calls import import_ray
 
 
 @functools.cache

@@ -16,8 +16,7 @@ import weakref
 
 from mirrax import errors
 from mirrax._src.parameter_server import serialization, variables
-from mirrax._src.parameter_server.actors import LostParameterServer
-from mirrax._src.parameter_server.cluster import call_servers
+from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers
 
 # Seconds the coordinator waits for the parameter servers to answer a read or a write.
 TIMEOUT_S = 60.0

@@ -17,8 +17,11 @@ from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
 from mirrax._src.parameter_server import serialization, variables
-from mirrax._src.parameter_server.actors import PARAMETER_SERVER_TIMEOUT_S, LostParameterServer
-from mirrax._src.parameter_server.cluster import call_servers
+from mirrax._src.parameter_server.ray_calls import (
+    PARAMETER_SERVER_TIMEOUT_S,
+    LostParameterServer,
+    call_servers,
+)
 
 # Functions kept per worker (by their pickled bytes), the least recently used dropped first.
 FUNCTION_CACHE_SIZE = 256
