@@ -1,4 +1,5 @@
-"""Input pipeline: batches/s experimental_distribute_dataset delivers vs what the tutorial CNN's step consumes.
+"""Input pipeline: batches/s experimental_distribute_dataset delivers vs what the tutorial
+CNN's step consumes.
 
 Checks docs/design.md ("Input"): with the prefetch thread (the default `InputOptions()`) the
 step never waits on input. Per data set, interleaved windows (order flipped every window, medians

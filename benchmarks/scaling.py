@@ -1,4 +1,5 @@
-"""Weak scaling of strategy.run in one process, 1 to 8 fake CPU devices, and the gradient all-reduce's overlap.
+"""Weak scaling of strategy.run in one process, 1 to 8 fake CPU devices, and the gradient
+all-reduce's overlap.
 
 Scaling: `models.strategy_run_step` (Adam 1e-3) through `strategy.run` on a placed batch at a
 fixed per-replica batch (CNN 32, MLP 784-1024-1024-10 32, transformer 4x256 8), interleaved with

@@ -145,7 +145,8 @@ class UnknownFilepathFieldError(MirraxError, KeyError):
 
 
 class InvalidExportError(MirraxError, ValueError):
-    """The artifact at the path given to `load_exported` is damaged (unreadable metadata, program or weights)."""
+    """The artifact at the path given to `load_exported` is damaged (unreadable metadata, program
+    or weights)."""
 
 
 class InvalidExportInputError(MirraxError, ValueError):

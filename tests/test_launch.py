@@ -177,11 +177,14 @@ def test_gloos_connected_lines_are_not_relayed(capsys):
         print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
         print("before training")
         sys.stdout.flush()
-        sys.stderr.write("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n")
-        sys.stderr.write("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\\n")
+        sys.stderr.write("[Gloo] Rank 1 is connected to 3 peer ranks. "
+                         "Expected number of connected peer ranks is : 3\\n")
+        sys.stderr.write("[Gloo] Rank 1 is connected to 2 peer ranks. "
+                         "Expected number of connected peer ranks is : 3\\n")
         sys.stderr.write("a warning\\n")
         # Two threads' lines interleaved by the C++ stream (seen under mirrax launch).
-        sys.stderr.write("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 23 is connected to 3\\n")
+        sys.stderr.write("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. "
+                         "Expected number of connected peer ranks is : 23 is connected to 3\\n")
         sys.stderr.write(" peer ranks. Expected number of connected peer ranks is : 3\\n")
         sys.stderr.write("3 peer ranks are fine\\n")
     """)

@@ -220,7 +220,8 @@ def test_a_plain_object_holding_a_module_as_an_argument_is_refused():
     trainer = _Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(
         mirrax.errors.CapturedStateError,
-        match=r"args\[0\] is a _Trainer that holds NNX state \(args\[0\].model \(Linear\)\).*args=\(args\[0\].model",
+        match=r"args\[0\] is a _Trainer that holds NNX state \(args\[0\].model \(Linear\)\)"
+        r".*args=\(args\[0\].model",
     ):
         mirrored(2).run(lambda t, x: t.model(x), args=(trainer, np.ones((2, 2), np.float32)))
 
@@ -379,7 +380,9 @@ def test_scale_regularization_loss_counts_the_penalty_once(replicas):
     w.kernel[...] = jnp.full((1, 1), 2.0)
 
     def step(w):
-        penalty = lambda m: mirrax.scale_regularization_loss(0.5 * 0.01 * (m.kernel[...] ** 2).sum())  # noqa: E731
+        def penalty(m):
+            return mirrax.scale_regularization_loss(0.5 * 0.01 * (m.kernel[...] ** 2).sum())
+
         return nnx.grad(penalty)(w).kernel[...]
 
     grad = strategy.run(step, args=(w,))

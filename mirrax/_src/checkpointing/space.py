@@ -70,7 +70,7 @@ def write_error(what: str, target: str, error: BaseException, needed: int) -> er
         f"{what}: could not write the checkpoint {target}: {words} (the disk or a quota is "
         f"full, or a file size limit such as `ulimit -f` was hit). It needs about "
         f"{_megabytes(needed)} of arrays; {free}. Nothing was replaced: the checkpoint that "
-        "was there before is unchanged; the next save first removes this one's partial files. Free some space "
-        "(e.g. keep fewer checkpoints: CheckpointManager(max_to_keep=...)) or save elsewhere, "
-        "then save again."
+        "was there before is unchanged; the next save first removes this one's partial files. "
+        "Free some space (e.g. keep fewer checkpoints: CheckpointManager(max_to_keep=...)) or "
+        "save elsewhere, then save again."
     )

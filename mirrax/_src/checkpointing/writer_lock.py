@@ -3,13 +3,13 @@
 Two processes saving to one place overwrite and delete each other's files (Orbax then fails deep
 inside, or one's checkpoints silently replace the other's). A save first takes the owner file
 (`<path>.mirrax-writer` beside a `Checkpoint` path or prefix, or beside a manager's directory:
-Orbax's directory holds checkpoints only) with `flock(LOCK_EX | LOCK_NB)`; the file holds the owner's pid, host and what it
-writes, so a refused writer is told who holds it. The kernel releases an flock when its
-process dies, `kill -9` included, so a stale owner never blocks: the next writer takes the file
-over (logged). The lock is per job: in a multi-worker run only the chief (process 0) takes it,
-and a refusal is raised on every worker (none is left waiting in Orbax's barriers).
-Within one process the lock is re-entrant (counted), so the process's own objects never refuse
-each other.
+Orbax's directory holds checkpoints only) with `flock(LOCK_EX | LOCK_NB)`; the file holds the
+owner's pid, host and what it writes, so a refused writer is told who holds it. The kernel
+releases an flock when its process dies, `kill -9` included, so a stale owner never blocks: the
+next writer takes the file over (logged). The lock is per job: in a multi-worker run only the
+chief (process 0) takes it, and a refusal is raised on every worker (none is left waiting in
+Orbax's barriers). Within one process the lock is re-entrant (counted), so the process's own
+objects never refuse each other.
 """
 
 from __future__ import annotations

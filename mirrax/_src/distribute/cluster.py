@@ -1,10 +1,11 @@
 """Cluster resolution: which tasks make up a multi-worker job, and which one this process is.
 
 Pure Python (no `jax.distributed` here): `ClusterSpec` and the resolvers of
-`tf.distribute.cluster_resolver` (TF_CONFIG and explicit here, SLURM in slurm.py), plus the facts a multi-worker
-strategy needs from them: the training tasks (chief + workers; the chief counts as a worker,
-evaluator and ps do not), this task's index among them, the chief, and the coordinator address.
-Every error is a `ValueError` raised when the resolver is constructed, never at first use.
+`tf.distribute.cluster_resolver` (TF_CONFIG and explicit here, SLURM in slurm.py), plus the
+facts a multi-worker strategy needs from them: the training tasks (chief + workers; the chief
+counts as a worker, evaluator and ps do not), this task's index among them, the chief, and the
+coordinator address. Every error is a `ValueError` raised when the resolver is constructed,
+never at first use.
 """
 
 from __future__ import annotations

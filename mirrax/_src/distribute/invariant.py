@@ -13,8 +13,9 @@ things make the result the same bits at every R (docs/design.md, "Replica invari
   micro-batch index (exact_sums.py). A replica adds its L micro-batches' values pairwise
   (`pairwise_sum`), and `exact_psum` continues the same tree across replicas: an all-to-all
   gives replica j chunk j of every replica's partial sum, it adds them pairwise in replica
-  order, and an all-gather hands the chunks to everyone. Every replica then holds the same bits, JAX types them as unvarying,
-  and the bytes moved are a ring all-reduce's (2(R-1)/R of the vector per replica).
+  order, and an all-gather hands the chunks to everyone. Every replica then holds the same bits,
+  JAX types them as unvarying, and the bytes moved are a ring all-reduce's (2(R-1)/R of the
+  vector per replica).
 - Randomness keyed by the global micro-batch index r*L + l, not the replica id.
 
 State that the loss changes (BatchNorm statistics, metric totals, RNG counts) is combined over

@@ -61,9 +61,9 @@ class DistributedIterator(DistributedInput):
 
     As TF's `DistributedIterator`: `next(it)` / `it.get_next()` return the next batch and raise
     `StopIteration` at the end; `it.get_next_as_optional()` returns it as an `Optional`, empty
-    at the end; `it.element_spec` describes one element. An error in the source is raised here, in the caller's thread.
-    The thread holds no reference to the iterator, so an abandoned iterator is collected and
-    its thread stops (or call `close()`).
+    at the end; `it.element_spec` describes one element. An error in the source is raised here,
+    in the caller's thread. The thread holds no reference to the iterator, so an abandoned
+    iterator is collected and its thread stops (or call `close()`).
 
     Its position (the batches handed to the caller, not those prefetched) is what
     `mirrax.Checkpoint(iterator=it)` saves, as TF checkpoints a tf.data iterator.

@@ -122,9 +122,10 @@ class Recorder:
     """Defers the updates of the optimizers with sharded state during one trace of a step.
 
     Every `nnx.Optimizer` among the step's objects (once the strategy shards and has more than
-    one replica, whatever splits) gets an instance `update` that records `(model, grads, **kwargs)` and advances `optimizer.step`
-    (as flax does); `close()` removes it. `updates` holds the static part of each record,
-    `arrays()` the traced gradients and keyword arrays, in order.
+    one replica, whatever splits) gets an instance `update` that records `(model, grads,
+    **kwargs)` and advances `optimizer.step` (as flax does); `close()` removes it. `updates`
+    holds the static part of each record, `arrays()` the traced gradients and keyword arrays, in
+    order.
     """
 
     def __init__(self, nodes, state_variables, specs, fn_name: str, gradients: dict):

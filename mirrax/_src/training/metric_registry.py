@@ -62,10 +62,11 @@ def get(identifier, loss=None):
     Args:
       identifier: a `metrics_lib.Metric` (returned as is) or its class (instantiated with default
         arguments, as Keras); a string: "accuracy"/"acc", a class name
-        ("confusion.AUC", "metrics_lib.SparseCategoricalAccuracy"), a snake_case name ("sparse_categorical_accuracy",
-        "precision", "recall", "auc", "mean_squared_error") or alias ("mse", "mae"; also upper
-        case); a callable `fn(y_true, y_pred) -> values of shape (batch, ...)` (wrapped in a
-        `metrics_lib.MeanMetricWrapper`); or None (returned as None).
+        ("confusion.AUC", "metrics_lib.SparseCategoricalAccuracy"), a snake_case name
+        ("sparse_categorical_accuracy", "precision", "recall", "auc", "mean_squared_error") or
+        alias ("mse", "mae"; also upper case); a callable `fn(y_true, y_pred) -> values of shape
+        (batch, ...)` (wrapped in a `metrics_lib.MeanMetricWrapper`); or None (returned as
+        None).
       loss: the compiled loss (a `mirrax.losses.Loss` or an identifier `mirrax.losses.get`
         accepts), used only to resolve "accuracy".
 
