@@ -93,6 +93,7 @@ def _measure(args, devices: int) -> dict:
 
     import mirrax
     from benchmarks._harness import models
+    from mirrax._src.distribute import iterator as iterator_lib
 
     local = env.local_devices(args.platform, devices, MODULE)
     strategy = mirrax.MirroredStrategy(local)
@@ -132,7 +133,7 @@ def _measure(args, devices: int) -> dict:
         waited, ready = [], []
 
         def next_batch():
-            ready.append(key == "prefetch" and iterator._queue.qsize() > 0)  # placed batches
+            ready.append(key == "prefetch" and iterator_lib.prefetched_count(iterator) > 0)  # placed batches
             asked = time.perf_counter()
             batch = next(iterator)
             waited.append(time.perf_counter() - asked)

@@ -1,14 +1,22 @@
-"""The private JAX and flax APIs mirrax uses (all in mirrax/_src/distribute/_compat.py), pinned to
+"""The private third-party APIs mirrax uses (all in mirrax/_src/distribute/_compat.py), pinned to
 the versions it supports: jax 0.10 (here) and 0.11 (the GPU machine), flax 0.12. A new version
 that moves one of them fails here, by name, instead of somewhere deep in a step."""
+
+import pathlib
+import subprocess
+import sys
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
+from flax.nnx.nn import normalization as flax_normalization
 
 from mirrax._src.distribute import _compat
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUPPORTED_JAX = ("0.10.", "0.11.")
 SUPPORTED_FLAX = ("0.12.",)
 
@@ -52,3 +60,40 @@ def test_jax_distributed_state_has_the_fields_mirrax_reads():
 def test_the_backends_started_probe_answers_without_starting_them():
     jax.devices()  # the suite's JAX is started by now in any case
     assert _compat.backends_started(default=False) is True
+
+
+def test_flax_batch_norm_statistics_are_where_batch_stats_wraps_them():
+    compute_stats = getattr(flax_normalization, _compat.FLAX_COMPUTE_STATS)
+    x = jnp.array([[1.0], [3.0]])
+    mean, var = compute_stats(x, (0,), None, None, None, True, True, None)
+    # rows 1 and 3: mean (1 + 3) / 2 = 2, variance ((1 - 2)² + (3 - 2)²) / 2 = 1
+    assert mean.tolist() == [2.0] and var.tolist() == [1.0]
+
+
+def test_keras_batch_norm_moments_and_metric_directions_are_where_compat_reads_them():
+    keras = pytest.importorskip("keras")
+    assert callable(keras.layers.BatchNormalization.__dict__[_compat.KERAS_MOMENTS])
+    assert _compat.keras_metric_direction(keras.metrics.Accuracy()) == "up"
+    assert _compat.keras_metric_direction(keras.metrics.MeanSquaredError()) == "down"
+    assert _compat.keras_metric_direction(object()) is None
+
+
+def test_numpy_pickles_arrays_with_the_reconstructor_compat_names():
+    constructor, arguments, _ = np.arange(3).__reduce__()
+    assert constructor is _compat.numpy_reconstruct
+    assert constructor(*arguments).shape == (0,)  # the state (values) comes after
+
+
+def test_an_exit_hook_runs_before_the_executors_shut_down():
+    # With plain atexit, the hook would run after concurrent.futures' shutdown and its submit
+    # would raise "cannot schedule new futures after interpreter shutdown".
+    program = (
+        "import concurrent.futures\n"
+        "from mirrax._src.distribute import _compat\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(1)\n"
+        "_compat.register_before_executor_shutdown(lambda: print(pool.submit(lambda: 6 * 7).result()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert (done.returncode, done.stdout) == (0, "42\n"), done.stderr

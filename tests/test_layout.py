@@ -1,6 +1,7 @@
 """The code's layout: no import cycle among mirrax's modules (through any import, at the top of
 a module or inside a function), imports at the top of each module except the documented lazy
-ones, rooms of bounded size and lines of bounded length (docs/design.md, "Layout")."""
+ones, rooms of bounded size, lines of bounded length, and private names used only by the module
+that owns them (docs/design.md, "Layout")."""
 
 import ast
 import pathlib
@@ -245,3 +246,190 @@ def test_long_lines_are_reported_with_their_length(tmp_path):
     path.write_text("x = 1\n" + "y = '" + "z" * 10 + "'\n")  # line 2: 5 + 10 + 1 = 16 characters
     assert long_lines([path], 16) == []
     assert long_lines([path], 15) == [f"{path}:2: 16"]
+
+
+# -- private names stay in the module that owns them --------------------------------------------
+
+_COMPAT = "mirrax/_src/distribute/_compat.py"
+# Underscore names their library documents as public: os._exit, and namedtuple's API.
+_DOCUMENTED_PUBLIC = {"_exit", "_fields", "_field_defaults", "_asdict", "_make", "_replace"}
+_ATTRIBUTE_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _owned(tree: ast.Module) -> set:
+    """The private attribute names a module defines: set on `self` / `cls`, defined in a class
+    body (methods, class attributes, fields) or listed in a `__slots__`."""
+    owned = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                owned.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    owned.add(item.name)
+                targets = item.targets if isinstance(item, ast.Assign) else []
+                if isinstance(item, ast.AnnAssign):
+                    targets = [item.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        owned.add(target.id)
+                        if target.id == "__slots__":
+                            owned |= {
+                                c.value
+                                for c in ast.walk(item.value)
+                                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                            }
+    return owned
+
+
+def _project_module(dotted: str) -> pathlib.Path | None:
+    """The file (or package) of a module of this repository named `dotted`, if there is one."""
+    base = ROOT.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def private_reads(source: str, module: str) -> list:
+    """Where the code of `module` (dotted name, e.g. "mirrax._src.training.model") uses a
+    private name it does not own, as "line: what" strings; see the test below for the rule."""
+    tree = ast.parse(source)
+    owned = _owned(tree)
+    found = []
+
+    def own_object(node, classes) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in ("self", "cls") or node.id in classes
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+    def visit(node, classes):
+        if isinstance(node, ast.ClassDef):
+            classes = classes | {node.name}
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not own_object(node.value, classes) and node.attr not in owned | _DOCUMENTED_PUBLIC:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in _ATTRIBUTE_FUNCTIONS and len(node.args) >= 2:
+                target, attribute = node.args[0], node.args[1]
+                if (
+                    isinstance(attribute, ast.Constant)
+                    and isinstance(attribute.value, str)
+                    and _is_private(attribute.value)
+                    and not own_object(target, classes)
+                    and attribute.value not in owned | _DOCUMENTED_PUBLIC
+                ):
+                    found.append(f"{node.lineno}: {ast.unparse(node)}")
+            for keyword in node.keywords:
+                if keyword.arg and _is_private(keyword.arg):
+                    found.append(f"{node.lineno}: {ast.unparse(node.func)}({keyword.arg}=...)")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.Import):
+                paths = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    package = module.rsplit(".", node.level)[0]
+                    base = f"{package}.{base}" if base else package
+                paths = [f"{base}.{alias.name}" for alias in node.names]
+            for path in paths:
+                first, *rest = path.split(".")
+                if first in SOURCE_DIRS:
+                    # A private module of this repository is the package's own; a private
+                    # name inside a module belongs to that module.
+                    if _is_private(rest[-1] if rest else first) and _project_module(path) is None:
+                        found.append(f"{node.lineno}: import of {path}")
+                elif any(_is_private(part) for part in path.split(".")):
+                    found.append(f"{node.lineno}: import of {path}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, classes)
+
+    visit(tree, frozenset())
+    return found
+
+
+def _scanned_files():
+    for top in SOURCE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            yield path, ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_no_private_name_is_read_outside_the_module_that_owns_it():
+    """No module reads or writes another module's private names, in mirrax/, tests/,
+    benchmarks/ and examples/; the one exception is mirrax/_src/distribute/_compat.py, home of
+    every private third-party (JAX, flax, Keras, NumPy, CPython) use, each named in its docstring.
+
+    The rule: a private name starts with one underscore or two, and is not a dunder. A module
+    *owns* the private names it sets on `self` / `cls`, defines in a class body, or lists in a
+    `__slots__`. A module may not
+    - read or write `obj._name` (nor `getattr` / `hasattr` / `setattr` / `delattr`, including
+      `monkeypatch.setattr`, with the literal "_name") for a `_name` it does not own, unless
+      `obj` is `self`, `cls`, `super()` or an enclosing class's name;
+    - import a private name from another module (`from mirrax._src.x import _helper`); a
+      package's private modules (`_compat`, `callbacks._monitor`, `benchmarks._harness`) are
+      shared inside the repository and may be imported;
+    - import a third-party module with a private part (`jax._src...`) or pass a private keyword
+      argument (`_unsafe_bypass_check=`).
+    The stdlib's documented underscore names (`os._exit`, namedtuple's `_fields`, `_replace`,
+    `_asdict`, `_make`, `_field_defaults`) are public. Owning is by name, per module: `other._x`
+    in the module that defines `_x` (an `__eq__`, a factory) is that module's own business.
+    """
+    found, roots = [], set()
+    for path, module in _scanned_files():
+        relative = str(path.relative_to(ROOT))
+        roots.add(module.split(".")[0])
+        if relative != _COMPAT:
+            found += [f"{relative}:{where}" for where in private_reads(path.read_text(), module)]
+    assert roots == set(SOURCE_DIRS) and found == []
+
+
+def test_every_private_use_in_compat_is_named_in_its_docstring():
+    path = ROOT / _COMPAT
+    tree = ast.parse(path.read_text())
+    docstring = ast.get_docstring(tree)
+    names = set()
+    for where in private_reads(path.read_text(), "mirrax._src.distribute._compat"):
+        names |= {part for part in where.replace("(", ".").replace("=", ".").split(".") if _is_private(part)}
+    names |= {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value)
+    }
+    assert names and sorted(n for n in names if n not in docstring) == []
+
+
+def test_the_private_read_check_catches_each_kind_of_use():
+    source = """
+import jax._src.xla_bridge
+from mirrax._src.distribute import _compat
+from mirrax._src.distribute.strategy import _context_stack
+from mirrax._src.distribute.replica_context import ReplicaContext
+
+class Owner:
+    def __init__(self, other):
+        self._mine = 1
+        self._mine = other._mine + Owner._also_mine
+        self._peek = other._theirs
+        ReplicaContext._hidden
+        super()._parent_private()
+        getattr(other, "_theirs_too", None)
+        monkeypatch.setattr(_compat, "_flag", True)
+        fn(x, _bypass=True)
+        return os._exit, row._replace(a=1)
+"""
+    assert private_reads(source, "tests.synthetic") == [
+        "2: import of jax._src.xla_bridge",
+        "4: import of mirrax._src.distribute.strategy._context_stack",
+        "11: other._theirs",
+        "12: ReplicaContext._hidden",
+        "14: getattr(other, '_theirs_too', None)",
+        "15: monkeypatch.setattr(_compat, '_flag', True)",
+        "16: fn(_bypass=...)",
+    ]

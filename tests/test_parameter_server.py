@@ -176,7 +176,7 @@ def test_shutdown_names_what_ray_has_not_freed(monkeypatch):
     monkeypatch.setattr(cluster_lib, "RELEASE_TIMEOUT_S", 0.2)
     start = time.monotonic()
     with pytest.raises(errors.UnresponsivePeerError) as info:
-        stuck._wait_released(NeverFrees, {"CPU": 2.0}, {"CPU": 1.0})
+        stuck.wait_released(NeverFrees, {"CPU": 2.0}, {"CPU": 1.0})
     assert time.monotonic() - start < 5.0  # bounded, never a hang
     message = str(info.value)
     # Expected 1 free before + 2 held = 3 of the 4 CPUs; 1 free now.

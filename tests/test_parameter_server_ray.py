@@ -19,6 +19,7 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
+from mirrax._src.parameter_server import remote_values
 
 ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
 
@@ -601,8 +602,8 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     victim = coordinator.schedule(os.getpid).fetch()
     values = [coordinator.schedule(count, args=(iterator,)) for _ in range(40)]
     deadline = time.monotonic() + 60
-    while sum(v._ready.is_set() for v in values) < 6:
-        assert time.monotonic() < deadline, [v for v in values if v._ready.is_set()]
+    while sum(remote_values.is_ready(v) for v in values) < 6:
+        assert time.monotonic() < deadline, [v for v in values if remote_values.is_ready(v)]
         time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
     result = _within(120, coordinator.join)

@@ -9,12 +9,10 @@ directory and at process exit.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import errno
 import logging
 import os
-import threading
 import time
 import weakref
 
@@ -34,6 +32,7 @@ from mirrax._src.checkpointing.directory import (
 )
 from mirrax._src.checkpointing.orbax_quiet import quiet_orbax
 from mirrax._src.checkpointing.workers import checked_everywhere, chief_path, write_stub
+from mirrax._src.distribute import _compat
 
 _LOG = logging.getLogger("mirrax")
 
@@ -76,8 +75,7 @@ def _register_exit_hook() -> None:
     concurrent.futures was imported puts this one ahead of its shutdown."""
     if _EXIT_HOOK:
         return
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(_wait_for_all_in_flight)
+    _compat.register_before_executor_shutdown(_wait_for_all_in_flight)
     _EXIT_HOOK.append(True)
 
 

@@ -10,7 +10,7 @@ bytes, str and numbers, and refuses every other global.
 
 from __future__ import annotations
 
-import _codecs
+import codecs
 import io
 import os
 import pickle
@@ -19,6 +19,7 @@ import tarfile
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.distribute import _compat
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 ARCHIVE_NAME = "cifar-10-python.tar.gz"
@@ -28,11 +29,6 @@ TEST_FILES = ("test_batch",)
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 
-try:  # NumPy >= 2 keeps the implementation in numpy._core; numpy.core is a deprecated alias.
-    from numpy._core import multiarray as _multiarray
-except ImportError:  # pragma: no cover - NumPy 1.x
-    from numpy.core import multiarray as _multiarray
-
 
 def _reconstruct(subtype, shape, dtype):
     """`numpy.core.multiarray._reconstruct`, limited to plain `np.ndarray`s."""
@@ -41,7 +37,7 @@ def _reconstruct(subtype, shape, dtype):
             f"refused to reconstruct an array of type {subtype!r}: only numpy.ndarray is allowed "
             "in a CIFAR-10 batch."
         )
-    return _multiarray._reconstruct(subtype, shape, dtype)
+    return _compat.numpy_reconstruct(subtype, shape, dtype)
 
 
 def _dtype(*args):
@@ -62,7 +58,7 @@ def _latin1_encode(text, encoding="utf-8"):
             f"refused _codecs.encode({type(text).__name__}, {encoding!r}): only the "
             "(str, 'latin1') form that pickle uses for bytes is allowed."
         )
-    return _codecs.encode(text, "latin1")
+    return codecs.encode(text, "latin1")  # codecs.encode is _codecs.encode
 
 
 # The only globals a CIFAR-10 batch may name. Python 2 pickles (the published files) name

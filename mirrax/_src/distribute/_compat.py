@@ -1,23 +1,36 @@
 """Shims over JAX and flax APIs that differ between the versions mirrax supports (jax 0.10 and
-0.11, flax 0.12), and every use of a private JAX or flax API, each pinned by tests/test_compat.py.
+0.11, flax 0.12), and every use of a private third-party API (JAX, flax, Keras, NumPy, CPython),
+each pinned by tests/test_compat.py; tests/test_layout.py refuses private uses anywhere else.
 
 The private uses: flax's Variable slots (`_raw_value`, `_var_metadata`: the step's fast write-back
-and identity checks), jax's `jax._src.distributed.global_state` (the coordination client, for
-the processes' exchanges, and the layout jax.distributed was initialized with), and
-`jax._src.xla_bridge.backends_are_initialized` (whether JAX started its backends, asked
-without starting them).
+and identity checks) and its setter's `_unsafe_bypass_check`; jax's
+`jax._src.distributed.global_state` (the coordination client, for the processes' exchanges, and
+the layout jax.distributed was initialized with) and `jax._src.xla_bridge.backends_are_initialized`
+(whether JAX started its backends, asked without starting them); the BatchNorm internals that
+batch_stats.py wraps while a step is traced, flax's `normalization._compute_stats` and Keras 3's
+`BatchNormalization._moments`; a Keras 3 metric's `_direction` (which way it improves, for
+`mode="auto"`); NumPy's `numpy._core.multiarray._reconstruct` (the array constructor pickles
+name, for the CIFAR-10 reader); and CPython's `threading._register_atexit` (exit hooks that run
+before concurrent.futures shuts its executors down).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import operator
 import sys
+import threading
 
 import jax
 from flax import nnx
 from jax._src import distributed as _distributed  # private: the public API exposes no client
+
+try:  # NumPy >= 2 keeps the implementation in numpy._core; numpy.core is a deprecated alias.
+    from numpy._core import multiarray as _multiarray
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core import multiarray as _multiarray
 
 
 def varying_axes(x) -> frozenset:
@@ -119,3 +132,30 @@ def backends_started(default: bool = True) -> bool:
         return False
     started = getattr(xla_bridge, "backends_are_initialized", None)
     return bool(started()) if started is not None else default
+
+
+# -- BatchNorm internals (batch_stats.py wraps them while a replica function is traced) ----------
+
+# The name of flax's BatchNorm statistics function in `flax.nnx.nn.normalization`.
+FLAX_COMPUTE_STATS = "_compute_stats"
+# The name of Keras 3's BatchNormalization method computing the batch's mean and variance.
+KERAS_MOMENTS = "_moments"
+
+
+def keras_metric_direction(metric) -> str | None:
+    """`"up"` or `"down"`, the way a Keras 3 metric declares it improves; None when it does not."""
+    return getattr(metric, "_direction", None)
+
+
+# -- NumPy's and CPython's private hooks ----------------------------------------------------------
+
+# `numpy.core.multiarray._reconstruct`: the constructor a pickled ndarray names.
+numpy_reconstruct = _multiarray._reconstruct
+
+
+def register_before_executor_shutdown(function) -> None:
+    """Runs `function` at interpreter exit before concurrent.futures shuts its executors down
+    (threading's hooks run newest first); with plain `atexit` where this Python has no such
+    hook."""
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(function)

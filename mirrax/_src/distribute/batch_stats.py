@@ -37,12 +37,12 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import normalization as flax_normalization
 
-from mirrax._src.distribute import trace_patches
+from mirrax._src.distribute import _compat, trace_patches
 from mirrax._src.distribute.axis import REPLICA_AXIS
 from mirrax._src.distribute.replica_context import current_replica_context
 
 _original_nnx_call = nnx.BatchNorm.__call__
-_original_compute_stats = flax_normalization._compute_stats
+_original_compute_stats = getattr(flax_normalization, _compat.FLAX_COMPUTE_STATS)
 
 
 class _Active(threading.local):
@@ -261,12 +261,12 @@ def _keras_patches() -> list:
     if layers is None or not hasattr(layers, "BatchNormalization"):
         return []
     bn = layers.BatchNormalization
-    call, moments = bn.__dict__.get("call"), bn.__dict__.get("_moments")
+    call, moments = bn.__dict__.get("call"), bn.__dict__.get(_compat.KERAS_MOMENTS)
     if call is None or moments is None:
         return []
     return [
         (bn, "call", functools.wraps(call)(functools.partial(_keras_call, call))),
-        (bn, "_moments", functools.wraps(moments)(functools.partial(_keras_moments, moments))),
+        (bn, _compat.KERAS_MOMENTS, functools.wraps(moments)(functools.partial(_keras_moments, moments))),
         (layers.Layer, "activity_regularizer", _activity_property()),
     ]
 
@@ -282,7 +282,10 @@ class _Method:
 
 
 def _patches() -> list:
-    patches = [(nnx.BatchNorm, "__call__", _nnx_call), (flax_normalization, "_compute_stats", _stats)]
+    patches = [
+        (nnx.BatchNorm, "__call__", _nnx_call),
+        (flax_normalization, _compat.FLAX_COMPUTE_STATS, _stats),
+    ]
     for owner, name, wrapper in _keras_patches():
         patches.append((owner, name, wrapper if isinstance(wrapper, property) else _Method(wrapper)))
     return patches

@@ -173,7 +173,9 @@ class ClusterResolver:
         layer = rpc_layer or self.rpc_layer
         return f"{layer}://{address}" if layer else address
 
-    def _training_tasks(self) -> list[tuple[str, int]]:
+    def training_tasks(self) -> list[tuple[str, int]]:
+        """The `(job, index)` pairs of the tasks that train, in `worker_index` order: the chief
+        (when present), then the workers; empty for an empty cluster."""
         return [
             (job, index)
             for job in _TRAINING_JOBS
@@ -184,7 +186,7 @@ class ClusterResolver:
     @property
     def num_workers(self) -> int:
         """The number of training tasks: chief + workers (1 for an empty cluster)."""
-        return len(self._training_tasks()) or 1
+        return len(self.training_tasks()) or 1
 
     @property
     def worker_index(self) -> int | None:
@@ -195,7 +197,7 @@ class ClusterResolver:
         """
         if not self._cluster:
             return 0
-        tasks = self._training_tasks()
+        tasks = self.training_tasks()
         key = (self.task_type, self.task_id)
         return tasks.index(key) if key in tasks else None
 
@@ -210,7 +212,7 @@ class ClusterResolver:
 
         This is where `jax.distributed`'s coordination service will listen.
         """
-        tasks = self._training_tasks()
+        tasks = self.training_tasks()
         return self._cluster.task_address(*tasks[0]) if tasks else None
 
     @property
@@ -241,14 +243,14 @@ class ClusterResolver:
                 )
         # An evaluator-only cluster is TF's sidecar evaluator task (parameter_server_training
         # tutorial): it trains nothing and joins no collective, so TF accepts it.
-        if not self._training_tasks() and self.task_type != "evaluator":
+        if not self.training_tasks() and self.task_type != "evaluator":
             raise errors.InvalidArgumentError(
                 f"{source}: the cluster {cluster.as_dict()} has no training task. Add a 'chief' "
                 "or 'worker' job."
             )
         if self.task_type is None or self.task_id is None:
             raise errors.InvalidArgumentError(
-                f"{source}: the cluster has {len(self._training_tasks())} training tasks but "
+                f"{source}: the cluster has {len(self.training_tasks())} training tasks but "
                 f"this task's type and index are not set (received task_type="
                 f"{self.task_type!r}, task_id={self.task_id!r}). Set both, e.g. "
                 '"task": {"type": "worker", "index": 0} in TF_CONFIG.'

@@ -151,7 +151,7 @@ def packed_value_and_grad(
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=has_aux)
     if pack is None:
         pack = all_reduce_dtype is not None or (jax.process_count() > 1 and jax.default_backend() == "cpu")
-    in_step = ctx is not None and ctx._traced and ctx.num_replicas_in_sync > 1
+    in_step = ctx is not None and ctx.traced and ctx.num_replicas_in_sync > 1
     scatter = in_step and ctx.strategy.extended.shard_optimizer_state
     if not (pack or scatter) or not in_step:
         return grad_fn(module)

@@ -233,3 +233,9 @@ class Optional:
 
     def __repr__(self) -> str:
         return f"Optional(has_value={self._has_value})"
+
+
+def prefetched_count(iterator: DistributedIterator) -> int:
+    """The batches placed on the devices and waiting in `iterator`'s prefetch buffer (0 when it
+    does not prefetch); approximate while its thread runs, for measurements."""
+    return iterator._queue.qsize() if iterator._thread is not None else 0

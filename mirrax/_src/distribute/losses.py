@@ -130,7 +130,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     if current_replica_context() is not None:
         # strategy.run knows the step's example count from the host (a distributed batch's
         # lengths); otherwise count the real rows over the replicas.
-        known = ctx._example_count if mask is not None else None
+        known = ctx.example_count if mask is not None else None
         count = known if known is not None else jax.lax.psum(count, REPLICA_AXIS)
     return _per_replica(total / jnp.maximum(count, 1).astype(loss.dtype))
 

@@ -408,7 +408,7 @@ def _startup_watchdog(resolver: ClusterResolver, timeout: float, done: threading
     spec = resolver.cluster_spec()
     me = (resolver.task_type, resolver.task_id)
     others = [
-        f"{job}:{i} ({spec.task_address(job, i)})" for job, i in resolver._training_tasks() if (job, i) != me
+        f"{job}:{i} ({spec.task_address(job, i)})" for job, i in resolver.training_tasks() if (job, i) != me
     ]
     if resolver.is_chief:
         what = (

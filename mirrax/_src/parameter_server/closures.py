@@ -8,6 +8,7 @@ import collections
 import threading
 
 from mirrax import errors
+from mirrax._src.parameter_server import remote_values
 
 
 class WorkerConstant:
@@ -69,12 +70,13 @@ class Queue:
 
     def _cancel(self, reason: BaseException | None = None) -> None:
         while self.waiting:
-            self.waiting.popleft().value._fail(
+            remote_values.reject(
+                self.waiting.popleft().value,
                 reason
                 or errors.CancelledFunctionError(
                     "This scheduled function was cancelled before it ran because an earlier one "
                     "failed (the error join() raised). Schedule it again."
-                )
+                ),
             )
 
     def stop(self, error: BaseException) -> int:

@@ -381,9 +381,17 @@ class Cluster:
         for wait in self.after_stop:
             wait()
         if wait_release:
-            self._wait_released(ray, held, free_before)
+            self.wait_released(ray, held, free_before)
 
-    def _wait_released(self, ray, held: dict, free_before: dict) -> None:
+    def wait_released(self, ray, held: dict, free_before: dict) -> None:
+        """Waits, at most RELEASE_TIMEOUT_S, until `ray` (the module, or anything with its
+        `cluster_resources` / `available_resources`) shows the resources this cluster `held`
+        free again, on top of the `free_before` it started with.
+
+        Raises:
+          UnresponsivePeerError: not freed in time; the message names the processes still
+            running.
+        """
         total = ray.cluster_resources()
         wanted = {
             name: min(total.get(name, 0.0), free_before.get(name, 0.0) + amount)

@@ -19,13 +19,11 @@ class RemoteValue:
         self._value = None
         self._error: BaseException | None = None
 
-    def _set(self, value) -> None:
-        self._value = value
-        self._ready.set()
+    def _set(self, value) -> None:  # until coordinator.py calls resolve
+        resolve(self, value)
 
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
+    def _fail(self, error: BaseException) -> None:  # until coordinator.py calls reject
+        reject(self, error)
 
     def get(self):
         """Waits for the function and returns its result (NumPy arrays; a distributed value
@@ -44,8 +42,26 @@ class RemoteValue:
         return jax.device_get(self.get())
 
     def __repr__(self) -> str:
-        state = "ready" if self._ready.is_set() else "pending"
+        state = "ready" if is_ready(self) else "pending"
         return f"RemoteValue({state})"
+
+
+def is_ready(remote_value: RemoteValue) -> bool:
+    """Whether `remote_value`'s function has finished (a result or an error), without waiting."""
+    return remote_value._ready.is_set()
+
+
+def resolve(remote_value: RemoteValue, value) -> None:
+    """Hands `value` to `remote_value` (the coordinator's side: the function returned it)."""
+    remote_value._value = value
+    remote_value._ready.set()
+
+
+def reject(remote_value: RemoteValue, error: BaseException) -> None:
+    """Hands `error` to `remote_value` (the coordinator's side: the function failed or was
+    cancelled); `get` raises it."""
+    remote_value._error = error
+    remote_value._ready.set()
 
 
 class PerWorkerDataset:

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.distribute import _compat
 
 _UP = (
     "acc",
@@ -64,7 +65,7 @@ def infer_mode(monitor: str, model=None) -> str | None:
     for metric in _metrics_of(model):
         if getattr(metric, "name", None) != name:
             continue
-        direction = getattr(metric, "_direction", None) or getattr(metric, "direction", None)
+        direction = _compat.keras_metric_direction(metric) or getattr(metric, "direction", None)
         if direction == "up":
             return "max"
         if direction == "down":
