@@ -30,6 +30,8 @@ _FACTORIES = {
     "Mirrored4CPU": lambda: mirrax.MirroredStrategy([f"cpu:{i}" for i in range(4)]),
     "Mirrored8CPU": lambda: mirrax.MirroredStrategy(),
 }
+# The named strategies the `strategy` fixture runs a test under (tf.distribute's combinations).
+STRATEGY_NAMES = tuple(_FACTORIES)
 _made: dict = {}
 
 
@@ -45,7 +47,7 @@ def mirrored(replicas: int) -> mirrax.Strategy:
     return named_strategy("OneDevice" if replicas == 0 else f"Mirrored{replicas}CPU")
 
 
-@pytest.fixture(params=list(_FACTORIES))
+@pytest.fixture(params=STRATEGY_NAMES)
 def strategy(request) -> mirrax.Strategy:
     return named_strategy(request.param)
 

@@ -9,7 +9,7 @@ import pytest
 import mirrax
 from tests import bad_inputs
 from tests.bad_inputs.case import Case, Env
-from tests.conftest import _FACTORIES, named_strategy
+from tests.conftest import STRATEGY_NAMES, named_strategy
 
 
 def _cases() -> list:
@@ -24,7 +24,7 @@ _CASES = _cases()
 _RUNS = [
     pytest.param(case, name, id=f"{case.name}-{name}")
     for case in _CASES
-    for name in (_FACTORIES if case.each_strategy else ["Mirrored2CPU"])
+    for name in (STRATEGY_NAMES if case.each_strategy else ["Mirrored2CPU"])
 ]
 
 

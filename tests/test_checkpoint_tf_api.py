@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import mirrax
+from mirrax._src import atomic_dirs
 from tests.multiworker import harness
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +67,7 @@ def test_latest_checkpoint_of_a_manager_an_empty_and_a_missing_directory(tmp_pat
     assert mirrax.train.latest_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "2")
     # A state file naming a checkpoint that is gone: None, as TF.
     path = mirrax.Checkpoint(w=_var(1.0)).save(tmp_path / "gone" / "ckpt")
-    mirrax._src.atomic_dirs.delete(path)
+    atomic_dirs.delete(path)
     assert mirrax.train.latest_checkpoint(tmp_path / "gone") is None
 
 

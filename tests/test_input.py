@@ -171,9 +171,10 @@ def test_batches_are_prefetched_ahead_of_use():
 
 def test_an_abandoned_iterator_stops_its_thread():
     strategy = mirrored(2)
+    before = set(threading.enumerate())
     iterator = iter(strategy.experimental_distribute_dataset(batched_range(40, 2)))
     next(iterator)  # 19 batches left; the thread blocks on the full buffer
-    thread = iterator._thread
+    (thread,) = [t for t in threading.enumerate() if t.name == "mirrax-prefetch" and t not in before]
     del iterator
     gc.collect()
     thread.join(timeout=30)

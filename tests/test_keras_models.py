@@ -14,6 +14,7 @@ from keras import layers  # noqa: E402
 from mirrax.examples import keras_fit, keras_model  # noqa: E402
 
 import mirrax  # noqa: E402
+from mirrax._src.training import steps  # noqa: E402
 from tests.conftest import mirrored  # noqa: E402
 
 if keras.backend.backend() != "jax":
@@ -290,7 +291,7 @@ def test_mixed_precision_set_before_building_computes_the_keras_model_in_bfloat1
     module = model.module
     batch = next(iter(strategy.experimental_distribute_dataset([np.zeros((4, 8, 8, 1), np.float32)])))
     lowered = strategy.experimental_lower(
-        lambda m, x: mirrax._src.training.steps.forward(m, x, model.dtype_policy), args=(module, batch)
+        lambda m, x: steps.forward(m, x, model.dtype_policy), args=(module, batch)
     )
     convolutions = [line for line in lowered.as_text().splitlines() if "convolution" in line]
     assert convolutions and all("bf16" in line for line in convolutions)

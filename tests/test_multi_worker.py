@@ -220,11 +220,11 @@ def test_checkpoints_are_written_once_and_only_the_chief_prints(tmp_path):
         assert (ckpt / name / "commit_success.txt").exists()
     # The final checkpoint holds the weights every worker ended with.
     strategy = mirrax.OneDeviceStrategy("cpu:0")
-    from tests.multiworker.scenarios import _mlp, _mlp_problem
+    from tests.multiworker.scenarios import mlp, mlp_problem
 
-    w1, w2, _, _ = _mlp_problem()
+    w1, w2, _, _ = mlp_problem()
     with strategy.scope():
-        model = mirrax.Model(_mlp(np.zeros_like(w1), np.zeros_like(w2)))
+        model = mirrax.Model(mlp(np.zeros_like(w1), np.zeros_like(w2)))
     model.load_weights(str(ckpt / "final"))
     for worker in results:
         np.testing.assert_array_equal(np.asarray(model.module.l1.kernel[...]), worker["weights"][0])

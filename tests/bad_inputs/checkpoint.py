@@ -139,7 +139,7 @@ CASES = [
     ),
     Case(
         "Checkpoint(_hidden=1): a name starting with '_'",
-        lambda env: mirrax.Checkpoint(_hidden=1),
+        lambda env: mirrax.Checkpoint(**{"_hidden": 1}),
         errors.InvalidArgumentError,
         ("starts with '_'", "'_hidden'", "rename it"),
     ),

@@ -37,16 +37,16 @@ def checkpoints_tf(out_dir, index):
     from jax.experimental import multihost_utils
 
     import mirrax
-    from tests.multiworker.scenarios import _compiled_mlp, _mlp, _mlp_problem, _strategy, _weights
+    from tests.multiworker.scenarios import compiled_mlp, make_strategy, mlp, mlp_problem, weights_of
 
-    strategy = _strategy()
+    strategy = make_strategy()
     resolver = strategy.cluster_resolver
     task_type, task_id = resolver.task_type, resolver.task_id
     out = pathlib.Path(out_dir)
     checkpoint_dir = str(out / "ckpt")
     result = {"chief": _is_chief(task_type, task_id)}
 
-    model, x, y = _compiled_mlp(strategy)
+    model, x, y = compiled_mlp(strategy)
     epoch = nnx.Variable(jnp.asarray(0))
     marker = nnx.Variable(jnp.asarray(float(index)))  # each worker's own value, never touched
     checkpoint = mirrax.train.Checkpoint(model=model, epoch=epoch, marker=marker)
@@ -74,19 +74,19 @@ def checkpoints_tf(out_dir, index):
         manager.save()
         if not _is_chief(task_type, task_id):
             shutil.rmtree(write_dir)
-    result["trained"] = _weights(model.module)
+    result["trained"] = weights_of(model.module)
     result["chief_dir_after_training"] = _listing(checkpoint_dir)
     result["latest_after_training"] = mirrax.train.latest_checkpoint(checkpoint_dir)
 
     # The resume path: a fresh process's objects, restored on every worker, nothing left, save.
-    w1, w2, _, _ = _mlp_problem()
+    w1, w2, _, _ = mlp_problem()
     with strategy.scope():
-        fresh = mirrax.Model(_mlp(np.zeros_like(w1), np.zeros_like(w2)))
+        fresh = mirrax.Model(mlp(np.zeros_like(w1), np.zeros_like(w2)))
     fresh_epoch = nnx.Variable(jnp.asarray(0))
     resumed = mirrax.train.Checkpoint(model=fresh, epoch=fresh_epoch)
     latest = mirrax.train.latest_checkpoint(checkpoint_dir)
     resumed.restore(latest).expect_partial()
-    result["restored"] = _weights(fresh.module)
+    result["restored"] = weights_of(fresh.module)
     result["restored_epoch"] = int(fresh_epoch[...])
     resumed_manager = mirrax.train.CheckpointManager(resumed, directory=write_dir, max_to_keep=1)
     while int(fresh_epoch[...]) < 2:  # no epochs left

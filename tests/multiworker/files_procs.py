@@ -19,10 +19,10 @@ def _one_strategy(out: pathlib.Path, name: str) -> dict:
     import numpy as np
 
     import mirrax
-    from tests.multiworker.scenarios import _compiled_mlp, _strategy
+    from tests.multiworker.scenarios import compiled_mlp, make_strategy
 
-    strategy = _strategy()
-    model, x, y = _compiled_mlp(strategy)
+    strategy = make_strategy()
+    model, x, y = compiled_mlp(strategy)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     seen = 0
     for batch in strategy.experimental_distribute_dataset(

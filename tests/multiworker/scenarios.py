@@ -23,7 +23,7 @@ def _write(out_dir, index, result) -> None:
     tmp.replace(path)
 
 
-def _strategy(timeout_seconds=None, **options):
+def make_strategy(timeout_seconds=None, **options):
     import os
 
     import mirrax
@@ -36,7 +36,7 @@ def _strategy(timeout_seconds=None, **options):
 
 def facts(out_dir, index):
     """Test 1: what the strategy says about the cluster and the input pipelines."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import jax
 
     import mirrax
@@ -110,7 +110,7 @@ def _outside_the_scope(batches) -> dict:
     }
 
 
-def _mlp_problem(n=36):
+def mlp_problem(n=36):
     rng = np.random.default_rng(0)
     w1 = (rng.standard_normal((4, 3)) * 0.5).astype(np.float32)
     w2 = (rng.standard_normal((3, 2)) * 0.5).astype(np.float32)
@@ -119,7 +119,7 @@ def _mlp_problem(n=36):
     return w1, w2, x, y
 
 
-def _mlp(w1, w2):
+def mlp(w1, w2):
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -152,22 +152,22 @@ def _Joined(inner):
     return Joined()
 
 
-def _weights(module) -> list:
+def weights_of(module) -> list:
     return [np.asarray(module.l1.kernel[...]).tolist(), np.asarray(module.l2.kernel[...]).tolist()]
 
 
 def fit(out_dir, index):
     """Test 2: Model.fit / evaluate / predict and a custom training loop, 36 examples, global
     batch 8 (a partial last batch of 4), shuffled with the same seed on every worker."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import optax
     from flax import nnx
 
     import mirrax
 
-    w1, w2, x, y = _mlp_problem()
+    w1, w2, x, y = mlp_problem()
     with strategy.scope():
-        model = mirrax.Model(_mlp(w1, w2))
+        model = mirrax.Model(mlp(w1, w2))
         model.compile(
             optax.adam(0.05),
             mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -180,7 +180,7 @@ def fit(out_dir, index):
     predictions = model.predict(x[:13], batch_size=8, verbose=0)
     # The same MLP given x as a list of two column blocks (several inputs) that it joins.
     with strategy.scope():
-        joined = mirrax.Model(_Joined(_mlp(w1, w2)))
+        joined = mirrax.Model(_Joined(mlp(w1, w2)))
         joined.compile(optax.adam(0.05), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
     blocks = [x[:, :1], x[:, 1:]]
     joined_history = joined.fit(
@@ -194,7 +194,7 @@ def fit(out_dir, index):
     )
 
     with strategy.scope():
-        module = _mlp(w1, w2)
+        module = mlp(w1, w2)
         optimizer = nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Param)
     dataset = strategy.experimental_distribute_dataset(
         [(x[i : i + 8], y[i : i + 8]) for i in range(0, 36, 8)]
@@ -218,16 +218,16 @@ def fit(out_dir, index):
             losses.append(float(strategy.reduce("sum", per_replica, axis=None)))
     return {
         "history": history.history,
-        "weights": _weights(model.module),
+        "weights": weights_of(model.module),
         "evaluate": evaluation,
         "predictions": np.asarray(predictions).tolist(),
         "joined_history": joined_history.history,
-        "joined_weights": _weights(joined.module.inner),
+        "joined_weights": weights_of(joined.module.inner),
         "joined_predictions": np.asarray(
             joined.predict([b[:13] for b in blocks], batch_size=8, verbose=0)
         ).tolist(),
         "custom_losses": losses,
-        "custom_weights": _weights(module),
+        "custom_weights": weights_of(module),
     }
 
 
@@ -235,7 +235,7 @@ def sharded(out_dir, index):
     """Optimizer state sharded over every replica of every worker: Model.fit and a custom loop
     (mirrax.value_and_grad) with Adam, 32 examples in global batches of 8; the moments'
     layout."""
-    strategy = _strategy(shard_optimizer_state=True)
+    strategy = make_strategy(shard_optimizer_state=True)
     import jax
     import optax
     from flax import nnx
@@ -250,7 +250,7 @@ def sharded(out_dir, index):
         def __call__(self, x):
             return self.l2(jax.nn.relu(self.l1(x)))
 
-    _, _, x, y = _mlp_problem(32)
+    _, _, x, y = mlp_problem(32)
     with strategy.scope():
         model = mirrax.Model(Net(nnx.Rngs(0)))
         model.compile(optax.adam(0.05), mirrax.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -358,7 +358,7 @@ def invariant(out_dir, index):
 
 def autoshard(out_dir, index):
     """Test 3: 2 workers x 1 replica, global batch 4, 12 examples (0..11), no shuffling."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import mirrax
 
     out = pathlib.Path(out_dir)
@@ -403,7 +403,7 @@ def autoshard(out_dir, index):
 
 def uneven(out_dir, index):
     """Test 4: worker 0 has 5 batches of 4 examples (ids 0..19), worker 1 has 3 (ids 100..111)."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import jax.numpy as jnp
     from flax import nnx
 
@@ -443,14 +443,14 @@ def uneven(out_dir, index):
     return {"steps": steps, "gathered": gathered, "totals": totals, "evaluate_mse": mse}
 
 
-def _compiled_mlp(strategy, lr=0.05):
+def compiled_mlp(strategy, lr=0.05):
     import optax
 
     import mirrax
 
-    w1, w2, x, y = _mlp_problem()
+    w1, w2, x, y = mlp_problem()
     with strategy.scope():
-        model = mirrax.Model(_mlp(w1, w2))
+        model = mirrax.Model(mlp(w1, w2))
         model.compile(
             optax.adam(lr),
             mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -461,10 +461,10 @@ def _compiled_mlp(strategy, lr=0.05):
 
 def chief_writes(out_dir, index):
     """Test 7: ModelCheckpoint + save_weights over 3 processes, 2 epochs, progress printed."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import mirrax
 
-    model, x, y = _compiled_mlp(strategy)
+    model, x, y = compiled_mlp(strategy)
     ckpt = pathlib.Path(out_dir) / "ckpt"
     model.fit(
         x,
@@ -479,7 +479,7 @@ def chief_writes(out_dir, index):
         ],
     )
     model.save_weights(str(ckpt / "final"))
-    return {"weights": _weights(model.module)}
+    return {"weights": weights_of(model.module)}
 
 
 def killed(out_dir, index, phase):
@@ -489,10 +489,10 @@ def killed(out_dir, index, phase):
     import os
     import signal
 
-    strategy = _strategy(timeout_seconds=None if phase in ("default", "raise") else 15)
+    strategy = make_strategy(timeout_seconds=None if phase in ("default", "raise") else 15)
     import mirrax
 
-    model, x, y = _compiled_mlp(strategy)
+    model, x, y = compiled_mlp(strategy)
     out = pathlib.Path(out_dir)
     seen = []
 
@@ -519,18 +519,18 @@ def killed(out_dir, index, phase):
         callbacks.insert(0, mirrax.callbacks.BackupAndRestore(str(out / "backup")))
     epochs = 40 if phase in ("default", "raise") else 4
     model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
-    return {"weights": _weights(model.module), "seen": seen}
+    return {"weights": weights_of(model.module), "seen": seen}
 
 
 def decisions(out_dir, index):
     """Test 8: EarlyStopping and ReduceLROnPlateau on the all-reduced logs; each worker's own
     data (from distribute_datasets_from_function) would lead it to other decisions."""
-    strategy = _strategy()
+    strategy = make_strategy()
     import optax
 
     import mirrax
 
-    model, _, _ = _compiled_mlp(strategy)
+    model, _, _ = compiled_mlp(strategy)
     with strategy.scope():
         model.compile(
             optax.inject_hyperparams(optax.sgd)(learning_rate=3.0),
@@ -565,7 +565,7 @@ def decisions(out_dir, index):
 
 def divergent(out_dir, index, mode):
     """Programs that differ between the workers; each must fail on EVERY worker, not hang."""
-    strategy = _strategy()
+    strategy = make_strategy()
     ones = [np.ones((4, 2), np.float32)] * 3
     if mode == "order":
         # Worker 0 creates A then B, worker 1 B then A; both read "A" first.
@@ -589,7 +589,7 @@ def divergent(out_dir, index, mode):
         for _ in strategy.experimental_distribute_dataset(data):
             pass
     elif mode == "sigterm":
-        model, x, y = _compiled_mlp(strategy)
+        model, x, y = compiled_mlp(strategy)
         (pathlib.Path(out_dir) / f"ready{index}").write_text("")
         model.fit(x, y, batch_size=8, epochs=10_000, verbose=0)
     return {}
@@ -760,7 +760,7 @@ def loader_runs(strategy) -> dict:
 
 def loaders(out_dir, index):
     """tests/test_data_loaders.py: `loader_runs` on every worker (2 workers x 2 devices)."""
-    return loader_runs(_strategy())
+    return loader_runs(make_strategy())
 
 
 def keras_save(out_dir, index):
@@ -770,13 +770,13 @@ def keras_save(out_dir, index):
     import os
 
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    strategy = _strategy()
+    strategy = make_strategy()
     import keras
 
     import mirrax
 
     keras.utils.set_random_seed(0)
-    w1, w2, x, y = _mlp_problem()
+    w1, w2, x, y = mlp_problem()
     with strategy.scope():
         model = mirrax.Model(
             keras.Sequential(
