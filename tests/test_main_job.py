@@ -28,6 +28,7 @@ from mirrax._src.cli import main as cli
 from mirrax._src.cli.train import train
 from mirrax._src.data.cifar10 import CIFAR10_URL, load_cifar10, restricted_load
 from mirrax._src.data.digits import load_digits
+from mirrax._src.distribute import cpu_devices
 
 # -- CIFAR-10 files ---------------------------------------------------------------------------
 
@@ -215,7 +216,7 @@ def test_devices_cpu_count_is_set_before_jax_starts():
 
 
 def test_cpu_device_flag_keeps_an_existing_count_and_replaces_it_on_request(monkeypatch):
-    monkeypatch.setattr(cli, "_jax_backends_started", lambda: False)
+    monkeypatch.setattr(cpu_devices, "backends_started", lambda: False)  # as before JAX starts
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     cli.configure_cpu_devices(None)
     assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4")
