@@ -20,7 +20,7 @@ import warnings
 import jax
 
 from mirrax import errors
-from mirrax._src.parameter_server import payloads, serialization
+from mirrax._src.parameter_server import payloads, remote_values, serialization
 from mirrax._src.parameter_server.closures import Closure, Queue
 from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers, import_ray
 from mirrax._src.parameter_server.remote_values import (
@@ -281,7 +281,7 @@ class ClusterCoordinator:
                 answer = ray.get(worker.run.remote(payload))
             except ray.exceptions.RayActorError:
                 if self._queue.stopped:  # killed by shutdown(): the function is dropped
-                    closure.value._fail(self._queue.fatal)
+                    remote_values.reject(closure.value, self._queue.fatal)
                     self._queue.finish(closure)
                     return
                 closure.deaths += 1
@@ -294,13 +294,13 @@ class ClusterCoordinator:
                         "kills its process (out of memory, a crash in native code, os._exit). "
                         "Check the workers' logs (/tmp/ray/session_latest/logs)."
                     )
-                    closure.value._fail(error)
+                    remote_values.reject(closure.value, error)
                     self._queue.finish(closure, error)
                 if not self._recover(w):
                     return
                 continue
             except Exception as e:  # noqa: BLE001 - raised by join, as the function's error
-                closure.value._fail(e)
+                remote_values.reject(closure.value, e)
                 self._queue.finish(closure, e)
                 continue
             if answer[0] == "restarted":  # died between functions: this one did not run
@@ -334,20 +334,20 @@ class ClusterCoordinator:
                     "A scheduled function's result could not be unpickled on the coordinator "
                     f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them."
                 )
-                closure.value._fail(error)
+                remote_values.reject(closure.value, error)
                 self._queue.finish(closure, error)
                 return
-            closure.value._set(result)
+            remote_values.resolve(closure.value, result)
             if answer[2] is not None:
                 self.update_staleness.append(answer[2])
             self._queue.finish(closure)
         elif status == "error":
             error = serialization.unpack_error(answer[1])
-            closure.value._fail(error)
+            remote_values.reject(closure.value, error)
             self._queue.finish(closure, error)
         else:
             error = self.strategy.extended.lost_server(answer[1])
-            closure.value._fail(error)
+            remote_values.reject(closure.value, error)
             self._queue.finish(closure)
             self._queue.fail_all(error)
 

@@ -19,12 +19,6 @@ class RemoteValue:
         self._value = None
         self._error: BaseException | None = None
 
-    def _set(self, value) -> None:  # until coordinator.py calls resolve
-        resolve(self, value)
-
-    def _fail(self, error: BaseException) -> None:  # until coordinator.py calls reject
-        reject(self, error)
-
     def get(self):
         """Waits for the function and returns its result (NumPy arrays; a distributed value
         as the tuple of the worker's local replicas' values).
