@@ -281,7 +281,7 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
                 module,
                 optimizer,
                 *batch,
-                lambda l: mirrax.compute_average_loss(l, global_batch_size=spec["batch"]),
+                lambda losses: mirrax.compute_average_loss(losses, global_batch_size=spec["batch"]),
             )
 
         runs["mirrax"] = _timed(
@@ -324,7 +324,7 @@ def _jax_variants(model, spec, args, device, compute_dtype) -> tuple:
 
     def jit_step(state, xb, yb):
         module, optimizer = nnx.merge(graphdef, state)
-        loss = update(module, optimizer, xb, yb, lambda l: l.sum() / spec["batch"])
+        loss = update(module, optimizer, xb, yb, lambda losses: losses.sum() / spec["batch"])
         return nnx.state((module, optimizer)), loss
 
     jitted = jax.jit(jit_step, donate_argnums=0)

@@ -230,7 +230,7 @@ def _measure(args, devices: int) -> dict:
 
         def train(leaves, xb, yb):
             model, optimizer = rebuild(leaves)
-            loss = models.update(model, optimizer, xb, yb, lambda l: l.sum() / gb)
+            loss = models.update(model, optimizer, xb, yb, lambda losses: losses.sum() / gb)
             return jax.tree.leaves(nnx.state((model, optimizer))), jax.lax.psum(loss, "replica")
 
         def evaluate(leaves, totals, xb, yb):

@@ -280,7 +280,7 @@ def _worker_torch(spec: dict) -> tuple:
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPSILON)
         loss_fn = nn.CrossEntropyLoss()
 
-        def epoch(model=model, optimizer=optimizer, batches=batches):
+        def epoch(model=model, optimizer=optimizer, batches=batches, loss_fn=loss_fn):
             model.train()
             start = time.perf_counter()
             for xb, yb in batches:

@@ -160,7 +160,9 @@ def _devices_part(args) -> dict:
             def block(_, model=model):
                 jax.block_until_ready(nnx.state((model.module, model.optimizer.nnx_optimizer)))
 
-            step = lambda train=train, b=dist_batch: train(b)
+            def step(train=train, b=dist_batch):
+                return train(b)
+
             block(step())  # compiles
             cases[n] = (step, block, _steps_for(step, block, args.window_s))
         busy = {n: [] for n in DEVICES}

@@ -87,7 +87,7 @@ def test_element_spec_of_a_used_up_iterator_is_refused():
     iterator = iter(strategy.experimental_distribute_dataset(batched_range(4, 4)))
     next(iterator)
     with pytest.raises(mirrax.errors.EmptyDatasetError, match="no batch left to read"):
-        iterator.element_spec
+        _ = iterator.element_spec
 
 
 def test_element_spec_of_distribute_datasets_from_function():

@@ -136,7 +136,7 @@ def test_a_keras_optimizers_learning_rate_is_read_and_set_in_its_state():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
     scheduled = mirrax.KerasOptimizer(mirrax.Model(_regularized_dense()), keras.optimizers.SGD(schedule))
     with pytest.raises(AttributeError, match="has a learning-rate schedule"):
-        scheduled.learning_rate
+        _ = scheduled.learning_rate
 
 
 def test_an_activity_loss_is_the_last_calls_and_nnx_models_have_none():

@@ -65,9 +65,7 @@ def test_empty_shard_gives_zero_not_nan():
     strategy = mirrored(4)
     batch = next(iter(strategy.experimental_distribute_dataset(np.array([1.0], np.float32))))
     for kwargs in ({}, {"global_batch_size": 4}):
-        shares = strategy.run(
-            lambda b, kw=tuple(kwargs.items()): mirrax.compute_average_loss(b, **dict(kw)), args=(batch,)
-        )
+        shares = strategy.run(lambda b, kw=kwargs: mirrax.compute_average_loss(b, **kw), args=(batch,))
         values = [float(v) for v in shares.values]
         assert values[1:] == [0.0, 0.0, 0.0]
         assert not any(np.isnan(values))

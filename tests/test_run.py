@@ -604,9 +604,9 @@ def test_zero_padding_would_give_nan_gradients_but_padding_repeats_real_rows():
 
     def step(model, optimizer, x):
         # Normalising the input is undefined on an all-zero row.
-        loss_fn = lambda m: mirrax.compute_average_loss(
-            m(x / jnp.linalg.norm(x, axis=1, keepdims=True))[:, 0] ** 2
-        )  # noqa: E731
+        def loss_fn(m):
+            return mirrax.compute_average_loss(m(x / jnp.linalg.norm(x, axis=1, keepdims=True))[:, 0] ** 2)
+
         optimizer.update(model, nnx.grad(loss_fn)(model))
 
     for batch in strategy.experimental_distribute_dataset(data):

@@ -221,7 +221,7 @@ def strategy_run_step(global_batch: int, packed: bool = False):
             optimizer,
             batch[0],
             batch[1],
-            lambda l: mirrax.compute_average_loss(l, global_batch_size=global_batch),
+            lambda losses: mirrax.compute_average_loss(losses, global_batch_size=global_batch),
             packed,
         )
 
@@ -271,7 +271,7 @@ def make_handwritten(module_cls, x, y, global_batch, devices, donate=True):
 
     def per_replica(leaves, x, y):
         model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves))
-        loss = update(model, optimizer, x, y, lambda l: l.sum() / global_batch)
+        loss = update(model, optimizer, x, y, lambda losses: losses.sum() / global_batch)
         return jax.tree.leaves(nnx.state((model, optimizer))), loss[None]
 
     compiled = jax.jit(

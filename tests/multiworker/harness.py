@@ -111,7 +111,7 @@ def wait(workers, timeout: float = 240) -> list[int]:
     for w in workers:
         try:
             codes.append(w.process.wait(max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
             for other in workers:
                 other.process.kill()
             for other in workers:
@@ -119,7 +119,7 @@ def wait(workers, timeout: float = 240) -> list[int]:
             raise AssertionError(
                 f"worker {w.index} still running after {timeout} s (a hang). Output:\n"
                 + "\n".join(f"--- worker {o.index}\n{o.output[-3000:]}" for o in workers)
-            )
+            ) from err
     return codes
 
 

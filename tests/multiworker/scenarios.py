@@ -419,7 +419,7 @@ def uneven(out_dir, index):
 
     dataset = strategy.distribute_datasets_from_function(per_worker)
     steps, gathered, totals = 0, [], []
-    for x, y in dataset:
+    for x, _ in dataset:
         steps += 1
         out = strategy.run(lambda x: x[:, 0], args=(x,))
         gathered.extend(np.asarray(strategy.gather(out, axis=0)).tolist())

@@ -35,7 +35,7 @@ def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first
     """
     flat = [jax.tree.flatten(v) for v in values]
     treedef = flat[0][1]
-    for leaves, other in flat[1:]:
+    for _, other in flat[1:]:
         if other != treedef:
             raise errors.InvalidArgumentError(
                 f"Per-replica values must all have the same structure; received {treedef} and "
@@ -250,7 +250,8 @@ def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> li
     """TF's split rule: replica r gets examples [r*c, min(n, (r+1)*c)) with c = ceil(n/R)."""
     per = math.ceil(n / num_replicas)
     return [
-        jax.tree.map(lambda a: a[min(r * per, n) : min(n, (r + 1) * per)], host_batch) for r in replica_ids
+        jax.tree.map(lambda a, r=r: a[min(r * per, n) : min(n, (r + 1) * per)], host_batch)
+        for r in replica_ids
     ]
 
 
@@ -297,7 +298,7 @@ def split_invariant(strategy, host_batch, n: int, rows: int, replica_ids) -> tup
         return np.concatenate([a, np.repeat(filler, total - n, axis=0)])
 
     padded = jax.tree.map(pad, host_batch)
-    shards = [jax.tree.map(lambda a: a[r * rows : (r + 1) * rows], padded) for r in replica_ids]
+    shards = [jax.tree.map(lambda a, r=r: a[r * rows : (r + 1) * rows], padded) for r in replica_ids]
     lengths = [min(max(n - r * rows, 0), rows) for r in replica_ids]
     return shards, lengths
 
@@ -328,10 +329,11 @@ def place_host_batches(strategy, batches, batch_size: int | None = None, what: s
         rows = n // replicas
         if n % replicas == 0 and rows == placer.rows:
             lengths = (rows,) * replicas
-            stacked = jax.tree.map(lambda a: a.reshape((replicas, rows) + a.shape[1:]), batch)
+            stacked = jax.tree.map(lambda a, rows=rows: a.reshape((replicas, rows) + a.shape[1:]), batch)
             mask = placer.mask(lengths)
             yield jax.tree.map(
-                lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, stacked)
+                lambda a, mask=mask, lengths=lengths: PerReplica(strategy, a, mask, lengths),
+                put_stacked(strategy, stacked),
             )
         elif strategy.replica_invariant:
             # The batch size, not the first batch (which may be the only, partial, one), fixes

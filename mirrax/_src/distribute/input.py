@@ -254,7 +254,8 @@ class DistributedDataset(_SpecOfFirstPass, DistributedInput):
             if self._policy is AutoShardPolicy.OFF:
                 per_worker = math.ceil(n / workers)
                 pieces = [
-                    jax.tree.map(lambda a: a[i : i + per_worker], host) for i in range(0, n, per_worker)
+                    jax.tree.map(lambda a, i=i, per_worker=per_worker: a[i : i + per_worker], host)
+                    for i in range(0, n, per_worker)
                 ]
             else:
                 pieces = [host]

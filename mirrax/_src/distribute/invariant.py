@@ -322,7 +322,7 @@ def _each_micro_batch(body, shared, inputs, count: int):
         inputs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)]), inputs)
     outputs = []
     for i in range(count):
-        arguments = exact_sums.barrier(tuple(shared) + jax.tree.map(lambda a: a[i], tuple(inputs)))
+        arguments = exact_sums.barrier(tuple(shared) + jax.tree.map(lambda a, i=i: a[i], tuple(inputs)))
         outputs.append(exact_sums.barrier(body(arguments, i)))
     return jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
 

@@ -9,11 +9,11 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.training import metrics as metrics_lib
 from mirrax._src.training import targets
 from mirrax._src.training.targets import match_rank
 
 _NEG_INF = float("-inf")
-from mirrax._src.training import metrics as metrics_lib
 
 
 class _ConfusionMetric(metrics_lib.Metric):

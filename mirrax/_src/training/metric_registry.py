@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.training import confusion_metrics as confusion
 from mirrax._src.training import losses as losses_lib
+from mirrax._src.training import metrics as metrics_lib
 from mirrax._src.training.losses import InvalidIdentifierError
 
 _NEG_INF = float("-inf")
-from mirrax._src.training import confusion_metrics as confusion
-from mirrax._src.training import metrics as metrics_lib
 
 _CLASSES = (
     metrics_lib.Mean,

@@ -116,7 +116,7 @@ class Outputs:
         self.names = tuple(names)
         self.dict_output = dict_output  # named by a loss dict's keys: the module returns a dict
         self.losses, self.weights = tuple(losses), tuple(weights)
-        self.trained = tuple(i for i, l in enumerate(self.losses) if l is not None)
+        self.trained = tuple(i for i, loss in enumerate(self.losses) if loss is not None)
 
     @property
     def loss_log_names(self) -> list:
@@ -282,7 +282,7 @@ def resolve(module, loss, loss_weights):
                 _per_output("loss_weights", loss_weights, ("output_1",), 1.0)
             loss_weights = list(loss_weights.values() if isinstance(loss_weights, dict) else loss_weights)[0]
         return losses_lib.get(loss), 1.0 if loss_weights is None else float(loss_weights), None
-    per_loss = [losses_lib.get(l) for l in _per_output("loss", loss, names, None)]
+    per_loss = [losses_lib.get(each) for each in _per_output("loss", loss, names, None)]
     weights = (
         [1.0] * len(names)
         if loss_weights is None

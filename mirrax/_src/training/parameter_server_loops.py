@@ -104,7 +104,7 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, batch_size):
                 rows = order[start : start + batch_size]
-                yield tuple(jax.tree.map(lambda a: a[rows], arrays))
+                yield tuple(jax.tree.map(lambda a, rows=rows: a[rows], arrays))
 
     return dataset_fn
 
@@ -214,7 +214,7 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
         n = array_inputs.num_examples(arrays[0])
         batches = [
-            tuple(jax.tree.map(lambda a: a[i : i + batch_size], arrays)) for i in range(0, n, batch_size)
+            tuple(jax.tree.map(lambda a, i=i: a[i : i + batch_size], arrays)) for i in range(0, n, batch_size)
         ]
     else:
         if y is not None:

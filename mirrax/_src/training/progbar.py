@@ -118,10 +118,10 @@ def format_time_per_unit(seconds: float, unit_name: str) -> str:
 
 def _format_eta(seconds: float) -> str:
     if seconds > 3600:
-        return "%d:%02d:%02d" % (seconds // 3600, (seconds % 3600) // 60, seconds % 60)
+        return f"{int(seconds // 3600)}:{int((seconds % 3600) // 60):02d}:{int(seconds % 60):02d}"
     if seconds > 60:
-        return "%d:%02d" % (seconds // 60, seconds % 60)
-    return "%ds" % seconds
+        return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+    return f"{int(seconds)}s"
 
 
 def _is_number(value) -> bool:
