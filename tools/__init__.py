@@ -1,0 +1,1 @@
+"""Repository tools run by the Makefile (not installed with mirrax)."""
