@@ -229,6 +229,7 @@ class _MaskedActivity:
             return self.regularizer(output)
         loss = self.regularizer(jnp.where(_expand(rows, output.ndim), output, jnp.zeros((), output.dtype)))
         ctx = current_replica_context()
+        assert ctx is not None  # a patched regularizer is called only while strategy.run traces
         strategy = ctx.strategy
         shares = strategy.micro_batches if strategy.replica_invariant else strategy.num_replicas_in_sync
         count = ctx.example_count

@@ -185,6 +185,7 @@ def micro_batch_call(
         do not split into the replica's micro-batches.
     """
     ctx = current_replica_context()
+    assert ctx is not None  # called only while strategy.run traces a step
     strategy = ctx.strategy
     replicas = strategy.num_replicas_in_sync
     local = strategy.micro_batches // replicas

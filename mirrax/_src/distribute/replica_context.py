@@ -72,17 +72,17 @@ class ReplicaContext:
             self.mask_consulted = True
         return self._batch_mask
 
-    def peek_batch_mask(self):
-        """`batch_mask` for mirrax's own plumbing (splitting a batch into micro-batches), which
-        does not mark the step as one that masks its reductions."""
-        return self._batch_mask
-
     @batch_mask.setter
     def batch_mask(self, mask):
         # Another mask (a micro-step of steps_per_execution) has its own example count.
         if mask is not self._batch_mask:
             self._example_count = None
         self._batch_mask = mask
+
+    def peek_batch_mask(self):
+        """`batch_mask` for mirrax's own plumbing (splitting a batch into micro-batches), which
+        does not mark the step as one that masks its reductions."""
+        return self._batch_mask
 
     @property
     def traced(self) -> bool:

@@ -51,7 +51,9 @@ class LossTracker(nnx.Pytree):
 
 
 def _masked_sum(per_example, sample_weight):
-    mask = get_replica_context().batch_mask
+    ctx = get_replica_context()
+    assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
+    mask = ctx.batch_mask
     weighted = per_example if sample_weight is None else per_example * sample_weight
     valid = jnp.ones(per_example.shape[:1], bool) if mask is None else mask
     return jnp.where(valid, weighted, 0.0).sum(), valid.sum().astype(jnp.float32)
@@ -85,7 +87,9 @@ def _own_loss_share(own):
     Keras model's regularization losses), so the shares add up to the loss once."""
     if own is None:
         return 0.0
-    strategy = get_replica_context().strategy
+    ctx = get_replica_context()
+    assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
+    strategy = ctx.strategy
     shares = strategy.micro_batches if strategy.replica_invariant else strategy.num_replicas_in_sync
     return own / shares
 
@@ -305,6 +309,7 @@ def make_multi_step(step):
 
     def steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
         ctx = get_replica_context()
+        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
         saved = ctx.batch_mask
         results = []
         try:

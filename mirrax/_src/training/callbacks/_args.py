@@ -4,6 +4,7 @@ error that names the callback, the argument, the value received and what to pass
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import numpy as np
 
@@ -22,6 +23,10 @@ def count(owner: str, name: str, value, minimum: int = 0) -> int:
     return int(value)
 
 
+@overload
+def number(owner: str, name: str, value, allow_none: Literal[False] = False, minimum=None) -> float: ...
+@overload
+def number(owner: str, name: str, value, allow_none: bool, minimum=None) -> float | None: ...
 def number(owner: str, name: str, value, allow_none: bool = False, minimum=None) -> float | None:
     """`value` as a finite float (>= `minimum` when given), or None when allowed."""
     if value is None and allow_none:

@@ -146,8 +146,8 @@ class BackupAndRestore(Callback):
             )
         self.save_freq = check_save_freq(save_freq, "BackupAndRestore")
         self.delete_checkpoint = check_flag(delete_checkpoint, "delete_checkpoint", "BackupAndRestore")
-        self._checkpoint = None
-        self._manager = None
+        self._checkpoint: Checkpoint | None = None
+        self._manager: CheckpointManager | None = None
         self._counter: BatchCounter | None = None
         self._resume = (0, 0)
         self._restored = False
@@ -156,17 +156,17 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
 
-        self._checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
+        self._checkpoint = checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
         # Two kept: the previous backup stays until the next one is committed, and is the
         # fallback when the newest cannot be read (as Keras's `_latest.weights.h5`).
-        self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=2)
+        self._manager = manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=2)
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
         self._resume = (0, 0)
         self._restored = False
-        backups = self._manager.checkpoints
+        backups = manager.checkpoints
         for i, path in enumerate(reversed(backups)):
             try:
-                self._checkpoint.restore(path)
+                checkpoint.restore(path)
             except errors.InvalidCheckpointError as error:
                 if i + 1 == len(backups):
                     raise
@@ -176,7 +176,7 @@ class BackupAndRestore(Callback):
                     error,
                 )
                 continue
-            self._resume = (self._checkpoint.epoch, self._checkpoint.step)
+            self._resume = (checkpoint.epoch, checkpoint.step)
             self._restored = True
             break
 
@@ -214,6 +214,7 @@ class BackupAndRestore(Callback):
             remove_directory(self.backup_dir)
 
     def _save(self, epoch: int, step: int) -> None:
+        assert self._checkpoint is not None and self._manager is not None  # between train begin and end
         self._checkpoint.epoch = epoch
         self._checkpoint.step = step
         self._manager.save()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class Callback:
     """Base class for objects that `Model.fit`, `evaluate` and `predict` call back, as
@@ -35,8 +37,11 @@ class Callback:
     """
 
     def __init__(self):
-        self.model = None
-        self.params: dict | None = None
+        # None until the loop calls `set_model` / `set_params`, which it does before any hook, so
+        # the hooks use them unchecked. Any: the model is a `mirrax.Model`, whose module imports
+        # this one.
+        self.model: Any = None
+        self.params: Any = None
 
     def set_params(self, params: dict) -> None:
         """Receives the run's parameters: `{"epochs", "steps" (per epoch, or None), "verbose"}`."""

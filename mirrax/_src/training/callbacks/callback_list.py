@@ -43,7 +43,7 @@ def _flatten(callbacks) -> list:
 
 def _pythonify(logs: dict | None) -> dict:
     """Logs with NumPy / JAX scalars turned into Python floats (other values kept), as Keras."""
-    result = {}
+    result: dict = {}
     for key, value in (logs or {}).items():
         if isinstance(value, (str, bytes)):
             result[key] = value

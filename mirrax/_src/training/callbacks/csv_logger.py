@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections.abc
 import csv
 import os
+from typing import IO
 
 import numpy as np
 
@@ -59,8 +60,8 @@ class CSVLogger(Callback):
         self.sep = separator
         self.append = _args.flag("CSVLogger", "append", append)
         self.keys: list | None = None
-        self.writer = None
-        self.csv_file = None
+        self.writer: csv.DictWriter | None = None
+        self.csv_file: IO[str] | None = None
         self.append_header = True
 
     def on_train_begin(self, logs: dict | None = None) -> None:

@@ -212,6 +212,7 @@ class ModelCheckpoint(Callback):
                 )
                 return
             current = float(current)
+            assert self.best is not None  # _resolve_mode set it
             improved = current < self.best if self.monitor_op == "min" else current > self.best
             if not improved:
                 self._print(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")

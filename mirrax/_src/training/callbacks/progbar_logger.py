@@ -107,25 +107,23 @@ class ProgbarLogger(Callback):
         """Prints the final line of `predict`."""
         self._finalize(None)
 
-    def _start_progbar(self) -> None:
+    def _start_progbar(self) -> Progbar:
         self.seen = 0
         target = self.target if self.target is not None else self._inferred_target
         # `()`: fit's logs are already running means, so the bar shows them as given.
         self.progbar = Progbar(target=target, verbose=self.verbose, stateless_metrics=())
+        return self.progbar
 
     def _update(self, batch: int, logs: dict | None) -> None:
-        if self.progbar is None:
-            self._start_progbar()
+        progbar = self.progbar if self.progbar is not None else self._start_progbar()
         self.seen = batch + 1
         if self.verbose == 1:
-            self.progbar.update(self.seen, logs or {}, finalize=False)
+            progbar.update(self.seen, logs or {}, finalize=False)
 
     def _finalize(self, logs: dict | None) -> None:
-        if self.progbar is None:
-            self._start_progbar()
+        progbar = self.progbar if self.progbar is not None else self._start_progbar()
         if self.target is None:
             self._inferred_target = self.seen or None
-        progbar = self.progbar
         if progbar.target is None or self.seen > progbar.target:
             progbar.target = self.seen or None
         # The true count: fewer steps than the target when training stopped mid-epoch.
