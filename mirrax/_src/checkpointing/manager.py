@@ -190,7 +190,8 @@ class CheckpointManager:
         # The directory's writer lock (writer_lock.py), taken by the first save, held until
         # close() or until this manager is dropped.
         self._writer_lock: list | None = None
-        self._saving, self._saving_bytes = None, 0  # the save in flight: number, bytes
+        self._saving: int | None = None  # the save in flight: number, bytes
+        self._saving_bytes = 0
         keep_time_interval = (
             None
             if keep_checkpoint_every_n_hours is None
@@ -233,6 +234,7 @@ class CheckpointManager:
 
     def _raise_if_out_of_space(self, error: BaseException) -> None:
         if space.is_out_of_space(error):
+            assert self._saving is not None  # called while a save is in flight
             # The partial files are the next save's to remove (_tidy), once Orbax is done.
             raise space.write_error(
                 "CheckpointManager.save", self._path(self._saving), error, self._saving_bytes

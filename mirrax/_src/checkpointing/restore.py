@@ -132,9 +132,12 @@ def _root_cause(error: BaseException) -> str:
     """The innermost error's first line: TensorStore's own words (file, byte range), without
     the pages of TensorStore spec that Orbax's wrapper adds."""
     seen = set()
-    while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+    while id(error) not in seen:
+        inner = error.__cause__ or error.__context__
+        if inner is None:
+            break
         seen.add(id(error))
-        error = error.__cause__ or error.__context__
+        error = inner
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:500]}"
 

@@ -28,13 +28,14 @@ _WORDS = ("No space left on device", "File too large", "Disk quota exceeded")
 def is_out_of_space(error: BaseException) -> bool:
     """Whether `error` (or an error it wraps) says the disk, a quota or a size limit is full."""
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _CODES:
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _CODES:
             return True
-        if any(word in str(error) for word in _WORDS):
+        if any(word in str(cause) for word in _WORDS):
             return True
-        error = error.__cause__ or error.__context__
+        cause = cause.__cause__ or cause.__context__
     return False
 
 

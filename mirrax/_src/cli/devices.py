@@ -20,7 +20,8 @@ def physical_device_lines() -> list[str]:
     devices = list(jax.local_devices(backend="cpu"))
     if jax.default_backend() != "cpu":
         devices += jax.local_devices()
-    lines, counts = [], {}
+    lines: list[str] = []
+    counts: dict[str, int] = {}
     for device in devices:
         kind = device.platform.upper()
         index = counts.get(kind, 0)

@@ -48,6 +48,7 @@ def report(args):
             f"{len(y)} training images of {args.data}. Use at most {len(y)}."
         )
     batch = (x[: args.batch_size_per_replica], y[: args.batch_size_per_replica])
+    step_args: tuple  # () for a Model; the custom loop's step takes (model, optimizer)
     if args.loop == "fit":
         model = mirrax.Model(keras_fit.TutorialCNN(x.shape[1:], rngs=nnx.Rngs(args.seed)))
         # Compiled as examples/keras_fit.py's `train` compiles it.

@@ -240,7 +240,7 @@ def from_worker_zero(strategy, xs: list, shardings: list, check=None) -> tuple[l
 
 def _differing(xs, leaves, segments, check, words) -> list:
     """Indices of the flagged arrays whose bits differ from worker 0's `words` (per segment)."""
-    found = []
+    found: list[int] = []
     for segment, segment_words in zip(segments, words):
         wanted = tuple(k for k, i in enumerate(segment) if check[i])
         if not wanted:
@@ -261,6 +261,8 @@ def _differing(xs, leaves, segments, check, words) -> list:
 class _Hashable(tuple):
     """The leaves' descriptions as a static argument of the packing program (hashed by
     layout, so one program serves every call with the same shapes and dtypes)."""
+
+    _key: tuple
 
     def __new__(cls, leaves):
         self = super().__new__(cls, leaves)

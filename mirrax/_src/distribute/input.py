@@ -98,7 +98,7 @@ def _batch_source(dataset) -> Callable[[], Iterator]:
     # Asked of the type, not by calling iter(): a loader's iter() may start worker processes.
     if not isinstance(dataset, collections.abc.Iterator):
         return lambda: iter(dataset)
-    passes = []
+    passes: list = []
 
     def one_pass():
         if passes:
@@ -170,8 +170,11 @@ class _SpecOfFirstPass:
     for it, which the next `iter(dataset)` then continues (so a one-shot source loses nothing
     and every worker's passes stay in step)."""
 
-    _pending = None
+    _pending: DistributedIterator | None = None
     _spec = None
+
+    def _start(self) -> DistributedIterator:
+        raise NotImplementedError  # each dataset class starts its passes its own way
 
     @property
     def element_spec(self):
@@ -312,7 +315,7 @@ class DistributedDatasetsFromFunction(_SpecOfFirstPass, DistributedInput):
         self._placer = Placer(strategy)
         self._uid = strategy.extended.pipeline_names.dataset("distribute_datasets_from_function")
 
-    def _local_batches(self) -> Iterator[tuple[list, str]]:
+    def _local_batches(self) -> Iterator[tuple[list, str, None, None]]:
         local = len(self._strategy.extended.replica_devices.local_replica_ids)
         round_: list = []
         for batch in self._source():

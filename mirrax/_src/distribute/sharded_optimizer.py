@@ -392,7 +392,7 @@ def scatter_gradients(grads: list, replicas: int, register: dict, wire_dtype=Non
             pieces[i] = jax.lax.psum_scatter(
                 wire(grads[i]), REPLICA_AXIS, scatter_dimension=dimensions[i], tiled=True
             ).astype(grads[i].dtype)
-    out = []
+    out: list = []
     for g, piece, dimension in zip(grads, pieces, dimensions):
         if dimension is None:
             out.append(piece)

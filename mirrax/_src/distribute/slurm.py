@@ -45,7 +45,7 @@ def _expand_name(name: str, hostlist: str) -> list[str]:
     if match is None:
         return [name]
     prefix, ranges, rest = match.groups()
-    heads = []
+    heads: list[str] = []
     for item in ranges.split(","):
         bounds = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
         if bounds is None or (bounds[2] is not None and int(bounds[2]) < int(bounds[1])):
@@ -113,13 +113,14 @@ class SlurmClusterResolver(ClusterResolver):
                 f"SlurmClusterResolver: SLURM variables {missing} are not set. Start the program "
                 "with `srun`, or use TFConfigClusterResolver / SimpleClusterResolver."
             )
-        procid, ntasks = env["SLURM_PROCID"], env["SLURM_NTASKS"]
-        if not (procid.isdigit() and ntasks.isdigit() and int(ntasks) >= 1):
+        procid_text, ntasks_text = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        if not (procid_text.isdigit() and ntasks_text.isdigit() and int(ntasks_text) >= 1):
             raise errors.InvalidArgumentError(
                 f"SlurmClusterResolver: SLURM_PROCID and SLURM_NTASKS must be integers (NTASKS "
-                f">= 1); received SLURM_PROCID={procid!r}, SLURM_NTASKS={ntasks!r}."
+                f">= 1); received SLURM_PROCID={procid_text!r}, SLURM_NTASKS={ntasks_text!r}."
             )
-        procid, ntasks = int(procid), int(ntasks)
+        procid, ntasks = int(procid_text), int(ntasks_text)
+        assert nodelist  # else `missing` named it
         nodes = expand_hostlist(nodelist)
         per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
         if per_node_spec:

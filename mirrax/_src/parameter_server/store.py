@@ -48,7 +48,7 @@ class VariableStore:
         self._holdings = variables.Holdings(len(parameter_servers), partitioner)
         self._lost = lost  # (message) -> LostParameterServerError, raised by the caller
         self._lock = threading.RLock()
-        self._structure = None
+        self._structure: bytes | None = None
         # After a shutdown or a lost server the objects are the coordinator's own again:
         # nothing more is read from or written to the servers.
         self._detached = False
@@ -133,7 +133,9 @@ class VariableStore:
             assigned = self._holdings.assigned(self._holdings.current_leaves())
             if all(a is None for a in assigned):
                 return
-            per_server = self._holdings.layout.split(assigned)
+            layout = self._holdings.layout
+            assert layout is not None  # made with the first held object
+            per_server = layout.split(assigned)
             self._call("assign", [(values,) for values in per_server])
             self._holdings.mark_seen()
 
@@ -145,11 +147,15 @@ class VariableStore:
                 return
             self.write_assigned()
             answers = self._call("pull", [()] * len(self._servers))
-            leaves = self._holdings.layout.join([values for _, values in answers])
+            layout = self._holdings.layout
+            assert layout is not None  # made with the first held object
+            leaves = layout.join([values for _, values in answers])
             self._holdings.write_back(leaves)
 
     def placement(self) -> dict:
         with self._lock:
             if not self._holdings.roots:
                 return {}
-            return self._holdings.layout.describe(self._holdings.paths)
+            layout = self._holdings.layout
+            assert layout is not None  # made with the first held object
+            return layout.describe(self._holdings.paths)

@@ -52,7 +52,7 @@ class Layout:
             self.signatures.append((host.shape, host.dtype))
             count = partitioners_lib.shard_count(partitioner, host.shape, host.dtype, path)
             if host.ndim == 0:
-                cuts = [(turn % num_ps, None, None)]
+                cuts: list[tuple[int, int | None, int | None]] = [(turn % num_ps, None, None)]
                 turn += 1
             else:
                 bounds = np.cumsum(
@@ -97,7 +97,7 @@ class Layout:
         ("assign", new) for a changed boolean or key, or for a float leaf whose difference
         is not finite (an inf or NaN, before or after: adding it would give NaN), and
         (None, None) where nothing changed."""
-        out = []
+        out: list[tuple] = []
         for additive, old, now in zip(self.additive, pulled, new):
             if np.array_equal(old, now, equal_nan=now.dtype.kind in "fc"):
                 out.append((None, None))
@@ -159,7 +159,8 @@ class Holdings:
         self.partitioner = partitioner
         self.roots: list = []
         self.version = 0
-        self.graphdef = self.treedef = self.layout = None
+        self.graphdef = self.treedef = None
+        self.layout: Layout | None = None
         self.paths: list = []
         self._seen: list = []
 
@@ -183,7 +184,7 @@ class Holdings:
         self.shapes = [_shape_of(leaf) for leaf in leaves]
         self.version += 1
         self._seen = [leaf for leaf in leaves]
-        return self.layout.split([host_value(leaf) for leaf in leaves])
+        return layout.split([host_value(leaf) for leaf in leaves])
 
     def current_leaves(self) -> list:
         """The held objects' leaves now.
@@ -220,6 +221,7 @@ class Holdings:
 
     def write_back(self, host_leaves: list) -> None:
         """Writes the parameter servers' values into the coordinator's objects."""
+        assert self.layout is not None  # relayout made it before any value was pulled
         leaves = self.layout.device_leaves(host_leaves)
         leaves = [jax.numpy.asarray(leaf) if not is_key(leaf) else leaf for leaf in leaves]
         nnx.update(tuple(self.roots), state_of(self.treedef, leaves))

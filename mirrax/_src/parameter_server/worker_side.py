@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+from typing import Any
 
 import jax
 import numpy as np
@@ -77,8 +78,8 @@ class WorkerState:
         self.datasets: dict = {}
         self.iterators: dict = {}
         self.version = None
-        self.structure = None  # (graphdef, treedef, layout) of the held objects
-        self.roots = None
+        self.structure: tuple | None = None  # (graphdef, treedef, layout) of the held objects
+        self.roots: Any = None  # the held objects (a tuple of NNX objects), made from structure
         self.constant_bytes: dict = {}
         self.constants: dict = {}  # unpickled on first use, against the current roots
         self.functions: collections.OrderedDict = collections.OrderedDict()  # by content
@@ -123,6 +124,7 @@ class WorkerState:
         answers = call_servers(
             self.parameter_servers, "pull", [()] * len(self.parameter_servers), PARAMETER_SERVER_TIMEOUT_S
         )
+        assert self.structure is not None  # the first payload carried it
         _, _, layout = self.structure
         return answers[0][0], layout.join([values for _, values in answers])
 
@@ -144,6 +146,7 @@ class WorkerState:
             return ("lost", str(e))
 
     def _run(self, payload: dict) -> tuple:
+        assert self.structure is not None  # the first payload carried it
         graphdef, treedef, layout = self.structure
         pulled_version = 0
         if layout is not None:

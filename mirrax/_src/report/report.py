@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from mirrax._src.report import plot as plot_lib
+from mirrax._src.report.links import LinkModel
 
 _MIB = 2**20
 
@@ -125,7 +126,7 @@ class ScalingReport:
     cores_busy: float
     device: str
     local_devices: int
-    link: object
+    link: LinkModel
     overlap: float
     shared_cores: int | None
     shard_optimizer_state: bool

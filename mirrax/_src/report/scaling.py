@@ -138,7 +138,8 @@ def scaling_report(
     compiled_counts = [n for n in counts if n <= len(devices)]
     one_device = programs.strategy_for(devices[:1], False)
     first = programs.compile_program(subject, one_device, read_only=False)
-    variants, notes = {}, []
+    variants: dict = {}
+    notes: list[str] = []
     for sharded in (False, True):
         variants[sharded] = _programs(
             subject, devices, counts, compiled_counts, first, sharded, sharded == shard_optimizer_state, notes

@@ -177,7 +177,8 @@ class KerasModule(nnx.Module):
         seeds = tuple(v.name == _SEED_STATE_NAME and i not in trainable for i, v in enumerate(everything))
         self.is_seed = nnx.static(seeds)
         # Copies: Keras's own fit / predict donate the buffers of its variables.
-        variables, counts = {}, {}
+        variables: dict = {}
+        counts: dict = {}
         for i, v in enumerate(everything):
             _put(
                 variables,

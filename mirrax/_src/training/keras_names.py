@@ -31,7 +31,9 @@ def state_keys(paths) -> tuple:
     earlier variable's keys, or clash with them that way, becomes its first free
     f"{segment}_{n}" (n = 1, 2, ...): the second "model/same/kernel" is "model/same/kernel_1".
     """
-    leaves, inner, out = set(), set(), []
+    leaves: set[tuple] = set()
+    inner: set[tuple] = set()
+    out: list[tuple] = []
     for path in paths:
         keys = str(path).split("/")
         for j in range(len(keys)):

@@ -53,6 +53,8 @@ class Policy:
         ones). InvalidArgumentTypeError: a name that is not a str.
     """
 
+    name: str
+
     def __init__(self, name: str):
         if isinstance(name, Policy):
             name = name.name

@@ -374,9 +374,9 @@ class CompiledState:
     train_impl: Callable
     test_impl: Callable
     predict_impl: Callable
-    train_fn: Callable = None
-    test_fn: Callable = None
-    predict_fn: Callable = None
+    train_fn: Callable | None = None
+    test_fn: Callable | None = None
+    predict_fn: Callable | None = None
     checked_inputs: dict = dataclasses.field(default_factory=dict)
     outputs: Any = None
 

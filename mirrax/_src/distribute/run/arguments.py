@@ -167,7 +167,8 @@ def classify(strategy, fn, args, kwargs) -> Call:
     structure = (fn_node, tuple(args), dict(kwargs))
     leaves, treedef = _flatten(structure)
     names = LazyNames(structure)
-    nodes, node_index = [], {}
+    nodes: list = []
+    node_index: dict = {}
     slots, dynamic, array_positions = [], [], []
     mask, lengths = None, None
     for i, leaf in enumerate(leaves):
@@ -220,6 +221,7 @@ def classify(strategy, fn, args, kwargs) -> Call:
                     "NNX objects, or pytrees (tuples, lists, dicts) of them."
                 ) from None
             slots.append(StaticSlot(leaf))
+    fn_key: Any  # what the compiled-program cache tells calls of `fn` apart by
     if fn_node is fn:
         fn_key = type(fn)
     elif fn_node is not None:
@@ -244,7 +246,8 @@ def _flatten(structure):
     batch)` with the batch a tuple of `PerReplica`s) without the flatten's Python callbacks."""
     fn_node, args, kwargs = structure
     if fn_node is None and not kwargs:
-        shape, leaves = [], []
+        shape: list[int | None] = []
+        leaves = []
         for arg in args:
             if _is_flat_leaf(arg):
                 shape.append(None)
@@ -255,11 +258,11 @@ def _flatten(structure):
             else:
                 break
         else:
-            shape = tuple(shape)
-            treedef = _FLAT_TREEDEFS.get(shape)
+            key = tuple(shape)
+            treedef = _FLAT_TREEDEFS.get(key)
             if treedef is None:
-                template = tuple(0 if n is None else (0,) * n for n in shape)
-                treedef = _FLAT_TREEDEFS[shape] = jax.tree.structure((None, template, {}))
+                template = tuple(0 if n is None else (0,) * n for n in key)
+                treedef = _FLAT_TREEDEFS[key] = jax.tree.structure((None, template, {}))
             return leaves, treedef
     return jax.tree.flatten(structure, is_leaf=is_argument_leaf)
 

@@ -119,7 +119,7 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
     specs = spec.state_specs
     state_specs = P() if specs is None else [s if s is not None else P() for s in specs]
     in_specs = (state_specs, dynamic_specs, batch_spec)
-    found = {}
+    found: dict = {}
 
     def probe(state_leaves, dynamic, batch_info):
         new_state, outputs, found["treedef"], recorded = _body(spec, state_leaves, dynamic, batch_info, found)
@@ -213,7 +213,7 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     """
     state = jax.tree.unflatten(spec.state_def, state_leaves)
     variables = jax.tree.leaves(state, is_leaf=is_variable)
-    sharded_paths = frozenset()
+    sharded_paths: frozenset = frozenset()
     if spec.state_specs is not None:
         at = sharded_optimizer.variable_positions(variables)
         sharded_paths = frozenset(

@@ -120,7 +120,9 @@ class Runner:
         self._example_counts = LRU()  # int -> replicated int32 scalar
         self._compile_counts: dict = {}
         devices = strategy.extended.replica_devices.devices
-        self._in_flight = collections.deque() if len(devices) > 1 and devices[0].platform == "cpu" else None
+        self._in_flight: collections.deque | None = (
+            collections.deque() if len(devices) > 1 and devices[0].platform == "cpu" else None
+        )
 
     def clear(self) -> None:
         """Drops the compiled programs and cached device values (`clear_session`)."""
@@ -407,7 +409,7 @@ def _retrace_key(fn):
         return fn
     if captures.user_function(fn):
         return code
-    captured = []
+    captured: list[int | None] = []
     for cell in fn.__closure__ or ():
         try:
             captured.append(id(cell.cell_contents))
