@@ -36,12 +36,15 @@ def stack_host_values(values: Sequence, rows: int | None = None, fill_with_first
     flat = [jax.tree.flatten(v) for v in values]
     treedef = flat[0][1]
     for _, other in flat[1:]:
-        if other != treedef:
+        # jaxlib ships PyTreeDef (jaxlib/_jax.so) without type stubs: mypy cannot type its methods.
+        if other != treedef:  # type: ignore[operator]
             raise errors.InvalidArgumentError(
                 f"Per-replica values must all have the same structure; received {treedef} and "
                 f"{other}. Return the same pytree structure for every replica."
             )
-    columns = [[np.asarray(leaves[i]) for leaves, _ in flat] for i in range(treedef.num_leaves)]
+    # jaxlib ships PyTreeDef (jaxlib/_jax.so) without type stubs: mypy cannot type its methods.
+    num_leaves = treedef.num_leaves  # type: ignore[attr-defined]
+    columns = [[np.asarray(leaves[i]) for leaves, _ in flat] for i in range(num_leaves)]
     same = all(len({(a.shape, a.dtype) for a in column}) == 1 for column in columns)
     if same and rows is None:
         return jax.tree.unflatten(treedef, [np.stack(column) for column in columns]), None

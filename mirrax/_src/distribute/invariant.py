@@ -237,7 +237,8 @@ def micro_batch_call(
         count = jax.lax.psum(_compat.pvary(mask.sum(dtype=jnp.int32), REPLICA_AXIS), REPLICA_AXIS)
     masks = mask.reshape(local, size)
 
-    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+    # flax types nnx.split's result as a variadic tuple, which mypy will not unpack into names.
+    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)  # type: ignore[misc]
     param_leaves, param_def = jax.tree.flatten(params)
     rest_leaves, rest_def = jax.tree.flatten(rest)
     rest_variables = _variable_of_each_leaf(rest)
@@ -263,9 +264,11 @@ def micro_batch_call(
         for variable, key in zip(keys, originals):
             variable.set_value(key)
         value, aux = out if has_aux else (out, None)
-        _, _, new_rest = nnx.split(module, nnx.Param, ...)
+        # flax types nnx.split's result as a variadic tuple, which mypy will not unpack into names.
+        _, _, new_rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
         new_leaves, new_def = jax.tree.flatten(new_rest)
-        if new_def != rest_def:
+        # jaxlib ships PyTreeDef (jaxlib/_jax.so) without type stubs: mypy cannot type its methods.
+        if new_def != rest_def:  # type: ignore[operator]
             raise errors.UnsupportedArgumentError(
                 f"{what}: the loss function added or removed NNX variables, which "
                 "replica_invariant=True cannot combine over micro-batches. Create every "

@@ -141,7 +141,8 @@ class Recorder:
         for _, node in nnx.iter_graph(nodes):
             if isinstance(node, nnx.Optimizer):
                 self._check_supported(node)
-                node.update = functools.partial(self._record, node)
+                # An instance attribute shadowing the method, removed by close().
+                node.update = functools.partial(self._record, node)  # type: ignore[method-assign]
                 self._patched.append(node)
 
     def _check_supported(self, optimizer) -> None:
@@ -186,7 +187,8 @@ class Recorder:
             )
         param_pure, param_def = jax.tree.flatten(nnx.as_pure(params))
         grad_leaves, grad_def = jax.tree.flatten(nnx.as_pure(nnx.state(grads, optimizer.wrt)))
-        if grad_def != param_def:
+        # jaxlib ships PyTreeDef (jaxlib/_jax.so) without type stubs: mypy cannot type its methods.
+        if grad_def != param_def:  # type: ignore[operator]
             raise errors.InvalidArgumentError(
                 f"strategy.run: {self._fn_name}: optimizer.update got gradients whose structure "
                 f"({grad_def}) is not the parameters' ({param_def}). Pass the gradients of the "

@@ -102,7 +102,8 @@ class ExportedModel:
         want = f"expected {signature.text(expected)}"
         treedef = jax.tree.structure(expected)
         try:
-            values = treedef.flatten_up_to(x)
+            # jaxlib ships PyTreeDef (jaxlib/_jax.so) without type stubs: mypy cannot type its methods.
+            values = treedef.flatten_up_to(x)  # type: ignore[attr-defined]
         except (ValueError, TypeError):
             raise InvalidExportInputError(
                 f"exported model at {self.path}: the input's structure does not match the "

@@ -52,7 +52,9 @@ def _canonical(keys) -> dict:
     """{key: the key with each segment's number replaced by its rank within its base name}."""
     by_base: dict = {}
     for segment in {segment for key in keys for segment in key}:
-        base, number = _NUMBERED.fullmatch(segment).groups()
+        match = _NUMBERED.fullmatch(segment)
+        assert match is not None  # the pattern matches every string
+        base, number = match.groups()
         by_base.setdefault(base, []).append((int(number or 0), segment))
     rank = {
         segment: f"{base}#{i}"

@@ -79,11 +79,13 @@ class Loss:
     """
 
     default_name = "loss"
+    reduction: str | None  # set by the wrapper every __init__ gets (_refusing_keras_only_arguments)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "__init__" in vars(cls):
-            cls.__init__ = _refusing_keras_only_arguments(cls.__init__)
+            # Wrapped in place: every class takes reduction= and refuses Keras-only arguments.
+            cls.__init__ = _refusing_keras_only_arguments(cls.__init__)  # type: ignore[method-assign]
 
     def __init__(self, name: str | None = None):
         if name is not None and not isinstance(name, str):
@@ -174,7 +176,7 @@ class Loss:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-Loss.__init__ = _refusing_keras_only_arguments(Loss.__init__)
+Loss.__init__ = _refusing_keras_only_arguments(Loss.__init__)  # type: ignore[method-assign]
 
 
 class LossFunctionWrapper(Loss):

@@ -216,7 +216,7 @@ def _names_from_loss(loss) -> tuple:
     if isinstance(loss, dict):
         keys = list(loss)
         numbered = [_NUMBERED.fullmatch(str(k)) for k in keys]
-        if all(numbered) and sorted(int(m.group(1)) for m in numbered) == list(range(1, len(keys) + 1)):
+        if all(numbered) and sorted(int(m.group(1)) for m in numbered if m) == list(range(1, len(keys) + 1)):
             return tuple(f"output_{i}" for i in range(1, len(keys) + 1))
         return tuple(sorted(keys, key=str))
     return tuple(f"output_{i}" for i in range(1, len(loss) + 1))

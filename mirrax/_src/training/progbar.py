@@ -254,6 +254,7 @@ class Progbar:
         target = self.target
         known = target is not None and 0 < target and current <= target
         if known:
+            assert target is not None  # known says so (a bool mypy does not follow)
             digits = int(math.log10(target)) + 1
             line = f"{current:{digits}d}/{target}"
             if with_bar:
@@ -265,6 +266,7 @@ class Progbar:
         else:
             line = f"{current:7d}/Unknown"
         if known and not finalize:
+            assert target is not None
             line += " - ETA: " + _format_eta(time_per_unit * (target - current))
         else:
             line += f" - {now - self._start:.0f}s" + format_time_per_unit(time_per_unit, self.unit_name)

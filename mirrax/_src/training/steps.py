@@ -66,7 +66,8 @@ def forward_with_losses(module, x, policy):
     if policy.compute_dtype == "float32":
         return keras_models.call_with_losses(module, x)
     dtype = jnp.dtype(policy.compute_dtype)
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    # flax types nnx.split's result as a variadic tuple, which mypy will not unpack into names.
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     view = nnx.merge(graphdef, mixed_precision.cast_floating(params, dtype), rest)
     y_pred, own = keras_models.call_with_losses(view, mixed_precision.cast_floating(x, dtype))
     # What the call changed besides the parameters (batch statistics, seed counts) is kept.
