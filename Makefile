@@ -26,7 +26,8 @@ test: install
 
 # Formatting, lint and types (config in pyproject.toml). mypy's errors are held to
 # .ci/mypy-baseline.txt, which may only shrink: a new error fails, and so does a fixed one until
-# `$(BIN)/python -m tools.mypy_baseline $(BIN)/mypy --update` removes it from the baseline.
+# `$(BIN)/python -m tools.mypy_baseline $(BIN)/mypy --update` removes it from the baseline
+# (`--rewrite` after moving code between files, whose errors then carry the new path).
 lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .

@@ -94,6 +94,8 @@ class ParameterServerStrategy(Strategy):
       UnresponsivePeerError: a task did not start within 180 s.
     """
 
+    extended: ParameterServerExtended  # made by _new_extended
+
     def __init__(self, cluster_resolver, variable_partitioner=None):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise errors.InvalidArgumentTypeError(
@@ -111,7 +113,7 @@ class ParameterServerStrategy(Strategy):
         self._cluster.before_stop.append(self._store.detach)
         super().__init__([jax.devices()[0]])
 
-    def _new_extended(self) -> StrategyExtended:
+    def _new_extended(self) -> ParameterServerExtended:
         return ParameterServerExtended(self)
 
     @property

@@ -242,7 +242,8 @@ class MeanMetricWrapper(Mean):
         self.fn = fn
         self.fn_kwargs = tuple(sorted(kwargs.items()))
 
-    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+    # As Keras's MeanMetricWrapper: a Mean whose update_state takes (y_true, y_pred), not values.
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:  # type: ignore[override]
         """Adds `fn(y_true, y_pred)` of a batch, weighted, to the mean (see `Mean.update_state`).
 
         Args:

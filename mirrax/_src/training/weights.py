@@ -71,7 +71,7 @@ def print_summary(
             f"{type(print_fn).__name__} {print_fn!r}."
         )
     keras_model = module.keras_model if isinstance(module, keras_models.KerasModule) else None
-    if callable(getattr(keras_model, "summary", None)):
+    if keras_model is not None and callable(getattr(keras_model, "summary", None)):
         # Keras's own table (layers, output shapes, parameter counts) with Keras's arguments.
         keras_model.summary(
             line_length=line_length,
