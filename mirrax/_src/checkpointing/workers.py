@@ -43,6 +43,7 @@ def chief_path(path: str | None, what: str, check, refused: Exception | None = N
     if jax.process_count() == 1:
         if refused is not None:
             raise refused
+        assert path is not None  # None comes with `refused` only
         check(path)
         return path
     own_error = refused

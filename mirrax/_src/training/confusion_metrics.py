@@ -25,6 +25,7 @@ class _ConfusionMetric(metrics_lib.Metric):
     """
 
     _COUNTS: tuple = ()
+    _scalar: bool  # one threshold given as a number: results are scalars (set by each subclass)
 
     def __init__(self, thresholds: tuple, top_k, class_id, from_logits: bool, name, dtype):
         super().__init__(name=name, dtype=dtype)
@@ -104,6 +105,9 @@ class Precision(_ConfusionMetric):
     """
 
     _COUNTS = ("true_positives", "false_positives")
+    # Made by _ConfusionMetric.__init__ from _COUNTS (setattr).
+    true_positives: nnx.metrics.MetricState
+    false_positives: nnx.metrics.MetricState
 
     def __init__(
         self,
@@ -140,6 +144,9 @@ class Recall(_ConfusionMetric):
     """
 
     _COUNTS = ("true_positives", "false_negatives")
+    # Made by _ConfusionMetric.__init__ from _COUNTS (setattr).
+    true_positives: nnx.metrics.MetricState
+    false_negatives: nnx.metrics.MetricState
 
     def __init__(
         self,
@@ -186,6 +193,11 @@ class AUC(_ConfusionMetric):
     """
 
     _COUNTS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
+    # Made by _ConfusionMetric.__init__ from _COUNTS (setattr).
+    true_positives: nnx.metrics.MetricState
+    false_positives: nnx.metrics.MetricState
+    true_negatives: nnx.metrics.MetricState
+    false_negatives: nnx.metrics.MetricState
 
     def __init__(
         self,

@@ -296,7 +296,9 @@ def multi_step_of(step):
         ref = weakref.ref(step)
 
         def one(*args):
-            return ref()(*args)
+            fn = ref()
+            assert fn is not None  # called only while step lives (it is traced from there)
+            return fn(*args)
 
         one.__name__ = getattr(step, "__name__", "step")
         multi = _MULTI_STEPS[step] = make_multi_step(one)
