@@ -241,12 +241,14 @@ class Placer:
     def mask(self, lengths):
         """The placed bool (num_replicas, rows) mask of a batch with these per-replica lengths
         (full batches' mask made once)."""
-        if all(n == self.rows for n in lengths):
-            key = (self.rows, len(lengths))
+        rows = self.rows
+        assert rows is not None  # the first batch placed fixed it
+        if all(n == rows for n in lengths):
+            key = (rows, len(lengths))
             if key not in self._full_masks:
-                self._full_masks[key] = put_stacked(self.strategy, mask_from_lengths(lengths, self.rows))
+                self._full_masks[key] = put_stacked(self.strategy, mask_from_lengths(lengths, rows))
             return self._full_masks[key]
-        return put_stacked(self.strategy, mask_from_lengths(lengths, self.rows))
+        return put_stacked(self.strategy, mask_from_lengths(lengths, rows))
 
 
 def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> list:

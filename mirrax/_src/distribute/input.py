@@ -366,7 +366,7 @@ def _shard_policy(dataset, policy: AutoShardPolicy, workers: int) -> AutoShardPo
             f"received a {type(dataset).__name__}. Use AutoShardPolicy.DATA (every worker reads "
             "each global batch and keeps its part) or wrap the files in FileDataset."
         )
-    if policy is AutoShardPolicy.FILE and files < workers:
+    if policy is AutoShardPolicy.FILE and files is not None and files < workers:
         raise errors.InvalidArgumentError(
             f"AutoShardPolicy.FILE: the dataset has {files} file(s) for {workers} workers, so "
             "some workers would get no file. Use AutoShardPolicy.DATA (or AUTO, which falls "
