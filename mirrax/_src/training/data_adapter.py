@@ -368,15 +368,15 @@ class _ArrayBatches:
                 index = slice(start, start + d.batch_size)
             else:
                 index = self.order[start : start + d.batch_size]
-            x = jax.tree.map(lambda a: np.asarray(a)[index], d.x)
+            x = jax.tree.map(lambda a, index=index: np.asarray(a)[index], d.x)
             if d.inputs_only:
                 yield (x,)
                 continue
-            y = jax.tree.map(lambda a: np.asarray(a)[index], d.y)
+            y = jax.tree.map(lambda a, index=index: np.asarray(a)[index], d.y)
             if d.sample_weight is None:
                 yield (x, y)
             else:
-                yield (x, y, jax.tree.map(lambda a: a[index], d.sample_weight))
+                yield (x, y, jax.tree.map(lambda a, index=index: a[index], d.sample_weight))
 
 
 class _NormalizedBatches:
