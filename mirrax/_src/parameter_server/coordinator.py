@@ -90,7 +90,7 @@ class ClusterCoordinator:
         self._sent_version = [None] * len(self._cluster.workers)
         self._constants: dict = {}  # id -> (the object, kept alive; its pickled bytes)
         self._constants_lock = threading.Lock()
-        self._sent_constants = [set() for _ in self._cluster.workers]
+        self._sent_constants: list[set] = [set() for _ in self._cluster.workers]
         self._lost_workers: set = set()
         self._register_lock = threading.Lock()
         self.update_staleness: list = []
@@ -330,7 +330,7 @@ class ClusterCoordinator:
             try:
                 result = serialization.loads(answer[1])
             except Exception as e:  # noqa: BLE001 - the function ran; its result is unreadable
-                error = errors.InvalidArgumentTypeError(
+                error: BaseException = errors.InvalidArgumentTypeError(
                     "A scheduled function's result could not be unpickled on the coordinator "
                     f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them."
                 )

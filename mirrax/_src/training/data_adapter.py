@@ -8,6 +8,8 @@ import collections.abc
 import itertools
 import math
 import warnings
+from collections.abc import Generator, Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,6 +27,8 @@ from mirrax._src.training import outputs as outputs_lib
 
 class ModelInput:
     """One input of fit/evaluate/predict, as a source of distributed (x, y, sample_weight) batches."""
+
+    dataset: DistributedDataset | DistributedDatasetsFromFunction | None  # x, when distributed
 
     def __init__(
         self,
@@ -50,7 +54,7 @@ class ModelInput:
         self.class_weight = class_weight
         x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
         self.one_shot = False
-        self._pass = None
+        self._pass: Generator | None = None
         self._what = what
         # Sparse labels of every dataset batch are checked on the host against this (set from
         # the first batch's model output), and every new batch signature runs abstractly
@@ -58,7 +62,7 @@ class ModelInput:
         # or a jax error from inside the compiled step.
         self.num_classes = None
         self._signatures: set = set()
-        self.py_dataset = None  # a keras.utils.PyDataset given as x: read by index (_PyDatasetPass)
+        self.py_dataset: Any = None  # a keras.utils.PyDataset given as x: read by index (_PyDatasetPass)
         if isinstance(x, input_lib.DatasetCreator):  # as Keras: distributed from the function
             x = strategy.distribute_datasets_from_function(x, options=x.input_options)
         if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
@@ -91,7 +95,7 @@ class ModelInput:
         y = input_structure.labels(y, n)
         if y is None and not inputs_only:
             raise errors.InvalidArgumentError(f"{what}: y is required with array inputs (the labels).")
-        lengths = {"x": x} if isinstance(x, (list, tuple)) else {}
+        lengths: dict = {"x": x} if isinstance(x, (list, tuple)) else {}
         if y is not None:
             lengths["y"] = y if isinstance(y, (list, tuple, dict)) else np.asarray(y)
         if sample_weight is not None:
@@ -187,7 +191,7 @@ class ModelInput:
                     checks.host_array(batch[1]), self.num_classes
                 )
         self.source = x
-        self._stream = None
+        self._stream: Iterator | None = None
         if dataset_batches.is_py_dataset(x):
             self.py_dataset = x
 
@@ -212,6 +216,7 @@ class ModelInput:
             if fresh:
                 self.close()
                 self._pass = self.batches(None, prefetch)
+            assert self._pass is not None  # made here or by an earlier epoch
             count = 0
             for batch in self._pass:
                 yield batch
@@ -333,6 +338,7 @@ class ModelInput:
                     _NormalizedBatches(self.source, self.inputs_only, self.class_weight, self.num_classes)
                 )
             )
+        assert self._stream is not None  # made above, on the first pass
         count = 0
         for batch in self._stream:
             self._fits(batch, count)
@@ -415,6 +421,7 @@ class _PyDatasetPass:
     def __iter__(self):
         dataset, shuffle = self.data.py_dataset, self.data.shuffle and self.data.rng is not None
         count = dataset.num_batches
+        order: Iterable
         if count is None:
             order = itertools.count()
         else:

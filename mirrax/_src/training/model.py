@@ -432,12 +432,14 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         gradients, the optimizer's update, the loss tracker and the metrics.
         """
         module, optimizer, metrics, tracker, loss_scale = self._binding.objects("train_step")
+        assert self._compiled is not None  # the step runs only once compiled
         self._compiled.train_impl(module, optimizer, metrics, tracker, loss_scale, data)
 
     def test_step(self, data):
         """One evaluation step on this replica's shard, as `keras.Model.test_step`: updates the
         loss tracker and metrics (see `train_step` for where it runs and what it may use)."""
         module, _, metrics, tracker, _ = self._binding.objects("test_step")
+        assert self._compiled is not None  # the step runs only once compiled
         self._compiled.test_impl(module, metrics, tracker, data)
 
     def predict_step(self, data):
@@ -447,7 +449,9 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         if self._compiled is not None:
             return self._compiled.predict_impl(module, data)
         # Not compiled: float32, micro-batched in replica-invariant mode.
-        micro = get_replica_context().strategy.replica_invariant
+        ctx = get_replica_context()
+        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
+        micro = ctx.strategy.replica_invariant
         impl = steps_lib.PREDICT_FLOAT32_MICRO if micro else steps_lib.PREDICT_FLOAT32
         return impl(module, data)
 
@@ -464,4 +468,6 @@ def train_call(model: Model, what: str) -> tuple:
     """`fit`'s step as (fn, objects), for `strategy.run(fn, args=objects + (batch,))` on other
     strategies (the scaling report); raises NotCompiledError, naming `what`, before compile."""
     model._check_compiled(what)
-    return model._compiled.train_fn, loops.train_objects(model, model._compiled)
+    compiled = model._compiled
+    assert compiled is not None  # _check_compiled raised otherwise
+    return compiled.train_fn, loops.train_objects(model, compiled)
