@@ -120,8 +120,6 @@ class MultiWorkerExtended(StrategyExtended):
       experimental_between_graph: True (one program per task).
     """
 
-    _strategy: MultiWorkerMirroredStrategy
-
     def __init__(self, strategy: MultiWorkerMirroredStrategy):
         super().__init__(strategy)
         resolver = strategy.cluster_resolver
@@ -182,8 +180,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     Security: the coordination service (on the chief) has no authentication; run the cluster
     on a private network only.
     """
-
-    extended: MultiWorkerExtended  # made by _new_extended
 
     def __init__(
         self,
