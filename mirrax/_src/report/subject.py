@@ -215,7 +215,10 @@ def copy_objects(objects: tuple, device) -> tuple:
         lambda x: jax.device_put(x, device, may_alias=False) if isinstance(x, (jax.Array, np.ndarray)) else x,
         state,
     )
-    return tuple(nnx.merge(graphdef, state))
+    # Merged apart from tuple(): inside it, mypy takes the node type from tuple's Iterable and
+    # refuses the tuple's GraphDef (flax's GraphDef is invariant in it).
+    merged = nnx.merge(graphdef, state)
+    return tuple(merged)
 
 
 def distribute(strategy, batch, replicas: int):

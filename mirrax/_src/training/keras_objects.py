@@ -182,7 +182,8 @@ def _refuse_options(optimizer, config, allowed):
 class KerasAdamState(NamedTuple):
     """Adam's state: the update count and the first and second moments."""
 
-    count: jax.Array
+    # optax's field name (its ScaleByAdamState's), which shadows tuple.count as optax's does.
+    count: jax.Array  # type: ignore[assignment]
     mu: optax.Updates
     nu: optax.Updates
 
