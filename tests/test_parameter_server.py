@@ -13,6 +13,7 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
+from mirrax._src.distribute import prng_keys
 from mirrax._src.parameter_server import variables
 
 # -- partitioners: TF's examples and arithmetic ---------------------------------------------
@@ -112,7 +113,7 @@ def test_prng_keys_travel_as_key_data_and_are_assigned_not_added():
     rngs = nnx.Rngs(0)
     _, _, leaves, paths = variables.split_roots((rngs,))
     layout = variables.Layout(leaves, paths, 1, None)
-    key_leaf = [i for i, leaf in enumerate(leaves) if variables.is_key(leaf)][0]
+    key_leaf = [i for i, leaf in enumerate(leaves) if prng_keys.is_key(leaf)][0]
     assert layout.additive[key_leaf] is False
     host = [variables.host_value(leaf) for leaf in leaves]
     back = layout.device_leaves(host)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute import prng_keys
 from mirrax._src.parameter_server import store as parameter_servers
 
 
@@ -160,26 +161,16 @@ def tracked_parts(objects: dict, name: str, obj) -> list:
     )
 
 
-def _is_key(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-
-
 def storable(tree):
     """The tree as Orbax stores it: each typed PRNG key array (`jax.random.key`, the keys of
     `nnx.Rngs`) as its raw uint32 key data, so the shapes a restore compares are the stored
     ones; a legacy uint32 key (`jax.random.PRNGKey`) is a plain array already."""
-    return jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, tree)
+    return prng_keys.to_data(tree)[0]
 
 
 def unstorable(restored, current):
     """Re-wraps restored key data as typed keys of the implementation the target holds now."""
-    return jax.tree.map(
-        lambda now, new: (
-            jax.random.wrap_key_data(new, impl=jax.random.key_impl(now)) if _is_key(now) else new
-        ),
-        current,
-        restored,
-    )
+    return prng_keys.from_data(restored, prng_keys.impl_names(current))
 
 
 def abstract(tree):

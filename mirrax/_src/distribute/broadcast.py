@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mirrax._src.distribute import multihost
+from mirrax._src.distribute import multihost, prng_keys
 
 _COUNTER = itertools.count()
 _PROGRAMS: dict = {}  # (layout, mesh, shardings) -> jitted program; a few per model
@@ -46,13 +46,13 @@ class _Leaf:
 
     def __init__(self, x):
         self.shape = tuple(x.shape)
-        dtype = jax.dtypes.canonicalize_dtype(x.dtype) if not _is_key(x) else x.dtype
+        self.impl = prng_keys.impl_name(x)
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype) if self.impl is None else x.dtype
         self.dtype = dtype
-        self.impl = jax.random.key_impl(x) if _is_key(x) else None
         if self.impl is None:
             data = jax.ShapeDtypeStruct(self.shape, dtype)
         else:
-            data = jax.eval_shape(jax.random.key_data, x)
+            data = jax.eval_shape(lambda key: prng_keys.to_data(key)[0], x)
         nbytes = int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
         self.words = -(-nbytes // 4)
 
@@ -60,14 +60,10 @@ class _Leaf:
         return (self.shape, str(self.dtype), str(self.impl))
 
 
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _to_words(x, leaf: _Leaf):
     """`x` as a flat uint32 vector of `leaf.words` words (its bytes, zero-padded)."""
     if leaf.impl is not None:
-        x = jax.random.key_data(x)
+        x = prng_keys.to_data(x)[0]
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     if x.dtype.itemsize == 4:
@@ -81,7 +77,7 @@ def _from_words(words, leaf: _Leaf):
     """The inverse of `_to_words`."""
     if leaf.impl is not None:
         data = jax.lax.bitcast_convert_type(words, jnp.uint32)
-        return jax.random.wrap_key_data(data.reshape(leaf.shape + (-1,)), impl=leaf.impl)
+        return prng_keys.from_data(data.reshape(leaf.shape + (-1,)), [leaf.impl])
     dtype = jnp.dtype(leaf.dtype)
     if dtype.itemsize == 4 and dtype != jnp.bool_:
         return jax.lax.bitcast_convert_type(words, dtype).reshape(leaf.shape)

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, exact_sums
+from mirrax._src.distribute import _compat, exact_sums, prng_keys
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
 
@@ -252,17 +252,11 @@ def micro_batch_call(
         module = nnx.merge(
             graphdef, jax.tree.unflatten(param_def, p_leaves), jax.tree.unflatten(rest_def, r_leaves)
         )
-        keys = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.RngKey)]
-        originals = [v.get_value() for v in keys]
-        for variable in keys:
-            variable.set_value(jax.random.fold_in(variable.get_value(), first_micro_batch + index))
         call_leaves = list(leaves)
         for i, x in zip(arrays, micro):
             call_leaves[i] = x
-        with ctx.micro_batch(micro_mask, count):
+        with prng_keys.folded(module, first_micro_batch + index), ctx.micro_batch(micro_mask, count):
             out = fn(module, *jax.tree.unflatten(batch_def, call_leaves))
-        for variable, key in zip(keys, originals):
-            variable.set_value(key)
         value, aux = out if has_aux else (out, None)
         # flax types nnx.split's result as a variadic tuple, which mypy will not unpack into names.
         _, _, new_rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]

@@ -15,13 +15,13 @@ import shutil
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from mirrax import errors
 from mirrax._src import atomic_dirs
+from mirrax._src.distribute import prng_keys
 from mirrax._src.exporting import signature
 from mirrax._src.exporting.artifact import (
     FORMAT,
@@ -176,13 +176,11 @@ def _forward_and_weights(model_or_fn, positional: bool):
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten(state)
     # PRNG keys cannot go into an .npz; their raw uint32 data can, re-wrapped inside the program.
-    key_impls = [jax.random.key_impl(a) if _is_key(a) else None for a in leaves]
-    weights = [_host_copy(jax.random.key_data(a) if impl else a) for a, impl in zip(leaves, key_impls)]
+    data, key_impls = prng_keys.to_data(leaves)
+    weights = [_host_copy(a) for a in data]
 
     def forward(weights, x):
-        values = [
-            jax.random.wrap_key_data(w, impl=impl) if impl else w for w, impl in zip(weights, key_impls)
-        ]
+        values = prng_keys.from_data(weights, key_impls)
         module = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
         return _forward(_Positional(module) if positional else module, x, policy)
 
@@ -254,10 +252,6 @@ def _origin(error) -> str:
     if frame is None:
         return ""
     return f" (at {frame.tb_frame.f_code.co_filename}:{frame.tb_lineno})"
-
-
-def _is_key(array) -> bool:
-    return jnp.issubdtype(array.dtype, jax.dtypes.prng_key)
 
 
 def _host_copy(array) -> np.ndarray:

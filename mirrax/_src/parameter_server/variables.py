@@ -21,12 +21,8 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src.distribute import prng_keys
 from mirrax._src.parameter_server import partitioners as partitioners_lib
-
-
-def is_key(leaf) -> bool:
-    """True for a typed PRNG key array (`jax.random.key`, the keys of `nnx.Rngs`)."""
-    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _additive(dtype) -> bool:
@@ -46,7 +42,7 @@ class Layout:
         self.num_ps = num_ps
         turn = 0
         for leaf, path in zip(leaves, paths):
-            key = jax.random.key_impl(leaf) if is_key(leaf) else None
+            key = prng_keys.impl_name(leaf)
             self.keys.append(key)
             host = host_value(leaf)
             self.signatures.append((host.shape, host.dtype))
@@ -87,10 +83,7 @@ class Layout:
 
     def device_leaves(self, host_leaves: list) -> list:
         """Host leaves as JAX values, PRNG keys re-wrapped as typed keys."""
-        return [
-            jax.random.wrap_key_data(h, impl=k) if k is not None else h
-            for h, k in zip(host_leaves, self.keys)
-        ]
+        return prng_keys.from_data(list(host_leaves), self.keys)
 
     def updates(self, pulled: list, new: list) -> list:
         """What a worker pushes, per leaf: ("add", new - pulled) for a numeric leaf,
@@ -120,9 +113,7 @@ class Layout:
 
 def host_value(leaf) -> np.ndarray:
     """A leaf as a NumPy array (a PRNG key as its uint32 key data)."""
-    if is_key(leaf):
-        leaf = jax.random.key_data(leaf)
-    return np.asarray(jax.device_get(leaf))
+    return np.asarray(jax.device_get(prng_keys.to_data(leaf)[0]))
 
 
 def split_roots(roots: tuple):
@@ -223,6 +214,6 @@ class Holdings:
         """Writes the parameter servers' values into the coordinator's objects."""
         assert self.layout is not None  # relayout made it before any value was pulled
         leaves = self.layout.device_leaves(host_leaves)
-        leaves = [jax.numpy.asarray(leaf) if not is_key(leaf) else leaf for leaf in leaves]
+        leaves = [jax.numpy.asarray(leaf) if not prng_keys.is_key(leaf) else leaf for leaf in leaves]
         nnx.update(tuple(self.roots), state_of(self.treedef, leaves))
         self._seen = self.current_leaves()

@@ -14,6 +14,7 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute import input as input_lib
+from mirrax._src.distribute import prng_keys
 from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
@@ -156,7 +157,7 @@ class WorkerState:
             # apart from what the function changes in place, which the push compares them to.
             state = variables.state_of(
                 treedef,
-                [leaf if variables.is_key(leaf) else np.array(leaf) for leaf in layout.device_leaves(pulled)],
+                [leaf if prng_keys.is_key(leaf) else np.array(leaf) for leaf in layout.device_leaves(pulled)],
             )
             if self.roots is None:
                 self.roots = nnx.merge(graphdef, state)

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import sharded_optimizer
+from mirrax._src.distribute import prng_keys, sharded_optimizer
 from mirrax._src.training import keras_models
 from mirrax._src.training import model as model_lib
 
@@ -263,8 +263,8 @@ def _arrays(variable) -> list:
 
 
 def _nbytes(x) -> int:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return int(jax.random.key_data(x).nbytes)
+    if prng_keys.is_key(x):
+        return int(prng_keys.to_data(x)[0].nbytes)
     return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
 
 

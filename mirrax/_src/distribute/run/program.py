@@ -14,6 +14,7 @@ their old buffers are reused for the new values instead of allocating fresh ones
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any
@@ -26,7 +27,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, batch_stats, exact_sums, invariant, scan_carry, sharded_optimizer
+from mirrax._src.distribute import (
+    _compat,
+    batch_stats,
+    exact_sums,
+    invariant,
+    prng_keys,
+    scan_carry,
+    sharded_optimizer,
+)
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import (
     REPLICA_AXIS,
@@ -244,14 +253,9 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     replica_id = jax.lax.axis_index(REPLICA_AXIS)
     # Replica-invariant mode keys randomness by the global micro-batch index instead
     # (invariant.micro_batch_call), which does not depend on the replica count.
-    rng_keys = (
-        []
-        if spec.strategy.replica_invariant
-        else [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    keys_folded = (
+        contextlib.nullcontext() if spec.strategy.replica_invariant else prng_keys.folded(nodes, replica_id)
     )
-    original_keys = [v.get_value() for v in rng_keys]
-    for variable in rng_keys:
-        variable.set_value(jax.random.fold_in(variable.get_value(), replica_id))
 
     mask, count = (None, None) if batch_info is None else batch_info
     ctx = ReplicaContext(spec.strategy, batch_mask=None if mask is None else mask[0], example_count=count)
@@ -268,7 +272,12 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
     try:
         # A scan whose carry starts replica-invariant but turns per-replica (an RNN) is
         # made to start varying (scan_carry.py).
-        with replica_context_scope(ctx), scan_carry.varying_carries(), batch_stats.masked_batch_layers():
+        with (
+            keys_folded,
+            replica_context_scope(ctx),
+            scan_carry.varying_carries(),
+            batch_stats.masked_batch_layers(),
+        ):
             if spec.fn_node is None:
                 outputs = fn(*args, **kwargs)
             elif spec.fn_node is spec.fn:
@@ -302,8 +311,6 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
         if recorder is not None:
             recorder.close()
 
-    for variable, key in zip(rng_keys, original_keys):
-        variable.set_value(key)
     _, new_state = nnx.split(nodes)
     _warn_if_not_invariant(spec, new_state, old_values, ctx)
     if found is not None:
