@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test test-quick install lint bench clean
 
 $(BIN)/mirrax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,18 @@ demo: install
 	$(BIN)/mirrax train
 
 # The test suite, on 8 fake CPU devices (tests/conftest.py sets them up), in two processes
-# (pytest-xdist), each taking whole files, so a file's module-scoped set-up (a Ray cluster,
-# a multi-worker run) exists once.
+# (pytest-xdist). Tests go one by one to whichever process is free; a module whose tests share a
+# module-scoped set-up (a Ray cluster, a multi-worker run) is one xdist_group, kept on one
+# process. Compiled programs persist in .cache/xla (tests/conftest.py), shared by every process
+# the suite starts. CONTRIBUTING.md describes the tiers.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# The quick tier for the inner loop: no subprocess, cluster, notebook or slow test (pytest
+# markers; a test that starts a process without its marker fails here).
+test-quick: install
+	MIRRAX_TEST_QUICK=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup \
+		-m "not subprocess and not cluster and not notebook and not slow"
 
 # Formatting, lint and types (config in pyproject.toml). mypy's errors are held to
 # .ci/mypy-baseline.txt, which may only shrink: a new error fails, and so does a fixed one until
@@ -37,4 +45,4 @@ bench: install
 	$(BIN)/python -m benchmarks.overhead --variants run
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .cache build *.egg-info

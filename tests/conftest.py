@@ -14,6 +14,17 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # read when Keras is first imported
 
+# A persistent XLA compilation cache shared by the suite's processes and every process they
+# start (multi-worker runs, launch, examples, the notebook, Ray workers inherit the variables):
+# they compile the same programs again and again. Under the checkout, so `make clean` removes
+# it; MIRRAX_TEST_XLA_CACHE=0 turns it off (benchmarks/suite_time.md measures both).
+CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla")
+if os.environ.get("MIRRAX_TEST_XLA_CACHE", "1") != "0":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
+    # JAX caches only programs that took >= 1 s to compile by default; the suite's are small.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -56,3 +67,39 @@ def strategy(request) -> mirrax.Strategy:
 def multi_strategy(request) -> mirrax.Strategy:
     """Only strategies with more than one replica (for cross-replica behaviour)."""
     return named_strategy(request.param)
+
+
+_TIER_MARKERS = ("subprocess", "cluster", "notebook")  # the ones that start processes
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_tier_starts_no_process():
+    """Under `make test-quick` (MIRRAX_TEST_QUICK=1) starting a process fails the test, so a
+    test that starts one cannot sit in the quick tier unmarked: the marker is not a promise."""
+    if os.environ.get("MIRRAX_TEST_QUICK") != "1":
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            "the quick tier (make test-quick) starts no process, but this test started one: "
+            f"mark it with one of {', '.join('@pytest.mark.' + m for m in _TIER_MARKERS)} "
+            "(pyproject.toml lists them), so the quick tier deselects it"
+        )
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(subprocess.Popen, "__init__", refuse)
+    patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
+    patch.undo()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that start processes or clusters run first (a stable sort, so each module's
+    tests stay together and its module-scoped fixtures are built once a process): under
+    `--dist loadgroup` the two xdist processes then end on the short tests, not one of them on
+    a long multi-worker run while the other waits."""
+    heavy = {item.module.__name__ for item in items if any(item.get_closest_marker(m) for m in _TIER_MARKERS)}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)

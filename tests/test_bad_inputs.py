@@ -34,6 +34,7 @@ def test_the_catalogue_holds_at_least_80_distinct_cases():
     assert len(names) >= 80, len(names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,strategy_name", _RUNS)
 def test_bad_input_raises_a_named_mirrax_error(case: Case, strategy_name, tmp_path):
     assert issubclass(case.error, mirrax.errors.MirraxError), case.error

@@ -35,6 +35,7 @@ def _dir_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+@pytest.mark.slow
 def test_adam_state_saved_under_4_replicas_restores_exactly_under_1_2_8_and_one_device(tmp_path):
     w1, w2, _, _ = mlp_data()
     four = mirrored(4)
@@ -68,6 +69,7 @@ def test_adam_state_saved_under_4_replicas_restores_exactly_under_1_2_8_and_one_
             np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoint_size_does_not_grow_with_replicas(tmp_path):
     # 256 x 256 float32 kernel + 256 bias = 263,168 bytes of state; written once per replica,
     # 8 replicas would take about 2.1 MB.
@@ -81,6 +83,7 @@ def test_checkpoint_size_does_not_grow_with_replicas(tmp_path):
     assert sizes[1] < 2 * 263_168, sizes
 
 
+@pytest.mark.slow
 def test_model_step_counter_and_metric_round_trip_and_save_counter(tmp_path):
     with mirrored(2).scope():
         model = mirrax.Model(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
@@ -240,6 +243,7 @@ def used_rng_net(seed: int, legacy: bool) -> RngNet:
     return net
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 @pytest.mark.parametrize("how", ["restore", "read"])
 def test_dropout_batchnorm_and_rngs_state_restores_exactly(tmp_path, legacy, how):
@@ -299,6 +303,7 @@ def test_load_weights_reads_the_module_of_a_full_checkpoint(tmp_path):
     assert_same_state(target.module, saved.module)
 
 
+@pytest.mark.slow
 def test_load_weights_names_the_restoring_call_for_a_checkpoint_without_a_model(tmp_path):
     path = mirrax.Checkpoint(net=RngNet(0), step=3).write(tmp_path / "other")
     with pytest.raises(

@@ -22,6 +22,8 @@ from flax import nnx
 
 import mirrax
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("checkpoint_atomic")]
+
 # 8 arrays x 2**19 float32 = 16 MiB. The size only has to make a save more than one write;
 # where the kill lands is fixed by the child blocking itself, not by how long writing takes.
 _ARRAYS, _SIZE = 8, 2**19

@@ -83,6 +83,7 @@ def epoch_end_weights(model, into: dict):
 # -- BackupAndRestore --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_after_the_last_completed_epoch(tmp_path):
     backup = str(tmp_path / "backup")
     reference = make_model()
@@ -118,6 +119,7 @@ def test_backup_and_restore_resumes_after_the_last_completed_epoch(tmp_path):
     assert third.optimizer.iterations == 50
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_mid_epoch(tmp_path, capsys):
     backup = str(tmp_path / "backup")
     reference = make_model()
@@ -158,6 +160,7 @@ def test_backup_and_restore_resumes_mid_epoch(tmp_path, capsys):
     assert not os.path.exists(backup)
 
 
+@pytest.mark.slow
 def test_backup_and_restore_under_two_replicas(tmp_path):
     backup = str(tmp_path / "backup")
     replicas = 2
@@ -190,6 +193,7 @@ def test_backup_and_restore_rejects_a_bad_save_freq(tmp_path):
         BackupAndRestore(str(tmp_path), save_freq=0)
 
 
+@pytest.mark.slow
 def test_backup_is_kept_when_delete_checkpoint_is_false(tmp_path):
     backup = str(tmp_path / "backup")
     model = make_model()
@@ -254,6 +258,7 @@ def test_model_checkpoint_every_n_batches_names_epoch_and_batch(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1-2", "1-4", "2-1", "2-3", "2-5"]
 
 
+@pytest.mark.slow
 def test_model_checkpoint_save_best_only_keeps_improving_epochs(tmp_path):
     model = make_model()
     scores = [3.0, 1.0, 2.0, 0.5, 0.7]
@@ -309,6 +314,7 @@ def test_model_checkpoint_missing_format_field_names_it(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_model_checkpoint_saves_restore(tmp_path):
     model = make_model()
     model.fit(
@@ -347,6 +353,7 @@ def make_rng_model(seed: int = 0, legacy: bool = False, replicas: int = 1) -> mi
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 def test_model_checkpoint_output_of_a_dropout_model_restores(tmp_path, legacy):
     model = make_rng_model(0, legacy)
@@ -376,6 +383,7 @@ def test_model_checkpoint_output_of_a_dropout_model_restores(tmp_path, legacy):
     assert_same_state(full.module, model.module)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 def test_backup_and_restore_resumes_a_dropout_model_exactly(tmp_path, legacy):
     backup = str(tmp_path / "backup")
@@ -405,6 +413,7 @@ def rng_state_only(model) -> dict:
     return {k: v for k, v in rng_state(model.module).items() if "rngs" in k or "key" in k}
 
 
+@pytest.mark.slow
 def test_backup_falls_back_to_the_previous_backup_when_the_newest_is_damaged(tmp_path, caplog):
     backup = tmp_path / "backup"
     model = make_model()
@@ -457,6 +466,7 @@ def test_save_best_only_on_a_monitor_fit_will_not_log_is_refused_before_any_step
     assert os.listdir(tmp_path) == ["best"]
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_backup_past_the_new_epochs_end_restarts_that_epoch(tmp_path):
     # Backed up after batch 4 of 5 (batch_size 1 over X's 5 examples, save_freq=4); resumed
     # with batch_size 5, one batch per epoch: batch 5 of epoch 1 does not exist, so the epoch

@@ -75,6 +75,7 @@ def test_a_failed_iterator_restore_changes_no_other_object(tmp_path):
     assert float(total.result()) == 7.0  # not the saved 0.0
 
 
+@pytest.mark.slow
 def test_iterator_position_and_a_dropout_model_restore_together(tmp_path):
     from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net
 

@@ -17,6 +17,7 @@ def _numbers(manager) -> list:
     return [int(os.path.basename(p)) for p in manager.checkpoints]
 
 
+@pytest.mark.slow
 def test_keep_checkpoint_every_n_hours_keeps_old_checkpoints_beyond_max_to_keep(tmp_path):
     # 1/3600 hours = 1 second (Orbax counts whole seconds). Saves 1 and 2 come at once, then
     # a 1.2 s pause, then saves 3, 4 and 5 at once (each save takes well under 1 s here).
@@ -113,6 +114,7 @@ mirrax.CheckpointManager(mirrax.Checkpoint(state=state), sys.argv[1], async_save
 """
 
 
+@pytest.mark.slow
 def test_process_exit_waits_for_an_async_save(tmp_path):
     import subprocess
     import sys
@@ -134,6 +136,7 @@ def test_process_exit_waits_for_an_async_save(tmp_path):
 from tests.test_checkpoint import RngNet, assert_same_state, used_rng_net  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_manager_restores_rng_and_batchnorm_state_exactly(tmp_path, legacy, async_save):

@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every save and restore path once, including the situations that made Orbax warn: a save onto

@@ -29,6 +29,8 @@ import mirrax
 from mirrax import errors
 from tests.multiworker import harness
 
+pytestmark = pytest.mark.subprocess
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The child owns `<dir>/run` (a CheckpointManager) and the prefix `<dir>/tf/ckpt`

@@ -26,6 +26,8 @@ from tests.conftest import mirrored
 from tests.multiworker import harness, scenarios
 from tests.test_training_model import identity_model
 
+pytestmark = [pytest.mark.xdist_group("data_loaders"), pytest.mark.slow]
+
 MEAN = 1023 / 10  # (2**0 + ... + 2**9) / 10 examples
 # 10 examples in global batches of 4 over 4 replicas (TF's split, ceil(n / 4) each): one
 # example per replica, and the last batch's 2 on the first two replicas.

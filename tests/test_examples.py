@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import mirrored
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -18,6 +18,8 @@ from mirrax.examples.keras_fit import TutorialCNN
 import mirrax
 from tests.conftest import mirrored
 
+pytestmark = pytest.mark.xdist_group("export")
+
 BATCH_SIZES = (1, 7, 64)
 SIGNATURE = jax.ShapeDtypeStruct((-1, 8, 8, 1), jnp.float32)
 
@@ -60,6 +62,7 @@ def trained(tmp_path_factory):
     return model, path, x_test
 
 
+@pytest.mark.slow
 def test_exported_cnn_matches_live_model_in_a_fresh_process_without_its_code(trained, tmp_path):
     model, path, x_test = trained
     inputs = {f"batch_{n}": x_test[:n] for n in BATCH_SIZES}
@@ -191,6 +194,7 @@ def test_none_as_the_batch_dimension_where_jax_allows_it(tmp_path):
 # -- PRNG state, damaged artifacts, overwriting (issue 11) --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["typed_keys", "legacy_keys"])
 def test_a_model_with_rngs_and_batchnorm_exports_and_serves_in_eval_mode(tmp_path, legacy):
     from tests.test_checkpoint import RNG_X, used_rng_net
@@ -365,6 +369,7 @@ def test_a_signature_the_model_cannot_take_is_refused_before_writing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_an_empty_batch_is_refused_by_the_exported_model(tmp_path):
     module = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     mirrax.export(module, tmp_path / "artifact", jax.ShapeDtypeStruct((-1, 2), jnp.float32))

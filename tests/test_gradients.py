@@ -32,6 +32,7 @@ def _program_text(strategy, fn, args, compiled=True) -> str:
     return lowered.compile().as_text() if compiled else lowered.as_text()
 
 
+@pytest.mark.slow
 def test_packed_gradients_equal_jax_per_array_sums():
     strategy = mirrored(4)
     w1, w2, x, y = mlp_data()
@@ -68,6 +69,7 @@ def test_packed_gradients_use_one_all_reduce_of_all_parameter_bytes():
     assert len(reduces) == 1 and "f32[23]" in reduces[0], reduces
 
 
+@pytest.mark.slow
 def test_outside_replica_context_it_is_nnx_value_and_grad():
     w1, w2, x, y = mlp_data()
     module = MLP(w1, w2)

@@ -81,6 +81,7 @@ def test_partial_batch_is_padded_and_masked_without_recompiling():
     assert len(traces) == 2  # first call traces twice (probe + compile); the partial batch: 0
 
 
+@pytest.mark.slow
 def test_gather_returns_every_example_once(strategy):
     data = np.arange(30, dtype=np.float32).reshape(15, 2)
     for batch, expected in zip(strategy.experimental_distribute_dataset(batched_range(15, 6)), [0, 6, 12]):
@@ -169,6 +170,7 @@ def test_batches_are_prefetched_ahead_of_use():
     assert [t.name for t in threading.enumerate()].count("mirrax-prefetch") <= 1
 
 
+@pytest.mark.slow
 def test_an_abandoned_iterator_stops_its_thread():
     strategy = mirrored(2)
     before = set(threading.enumerate())

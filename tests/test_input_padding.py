@@ -133,6 +133,7 @@ def test_warned_once_per_program():
     assert [len(w) for w in warned] == [0, 1, 0, 0]
 
 
+@pytest.mark.slow
 def test_fit_evaluate_predict_never_warn_on_partial_batches():
     strategy = mirrored(4)
     with strategy.scope():

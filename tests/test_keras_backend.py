@@ -12,6 +12,8 @@ import pytest
 
 from mirrax._src import keras_backend
 
+pytestmark = pytest.mark.subprocess
+
 
 def test_import_mirrax_then_keras_without_keras_backend_gives_keras_on_jax(tmp_path):
     pytest.importorskip("keras", reason="Keras 3 is not installed (the test extra has it)")

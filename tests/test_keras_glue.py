@@ -248,6 +248,7 @@ def _data():
     return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [0, 4])  # OneDeviceStrategy, MirroredStrategy on 4
 def test_save_and_load_round_trip_as_tfs_save_and_load_tutorial(tmp_path, replicas):
     strategy = mirrored(replicas)
@@ -339,6 +340,7 @@ _KILL_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
     path = tmp_path / "m.keras"
     child = subprocess.Popen(
@@ -366,6 +368,7 @@ def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
 # loops with Keras models") --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
     (x, y), (x_test, y_test) = mirrax.data.load_digits()
     x, y, x_test, y_test = x[:256], y[:256], x_test[:128], y_test[:128]
@@ -447,6 +450,7 @@ def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
     assert int(new_optimizer.iterations) == 24
 
 
+@pytest.mark.slow
 def test_a_multi_worker_save_is_written_by_the_chief_only(tmp_path):
     from tests.multiworker import harness
 

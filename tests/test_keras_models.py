@@ -34,6 +34,7 @@ def _copy_keras_weights_to_nnx(keras_cnn, module):
         target.bias[...] = jnp.asarray(layer.bias.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 4])
 def test_the_tutorial_keras_cnn_fits_as_its_nnx_twin_with_the_same_weights(replicas):
     (x, y), (x_test, y_test) = DIGITS
@@ -74,6 +75,7 @@ def test_the_tutorial_keras_cnn_fits_as_its_nnx_twin_with_the_same_weights(repli
         np.testing.assert_allclose(keras_cnn.predict(x_test, verbose=0), predictions[0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_keras_example_program_trains_the_tutorial_model(capsys):
     # examples/keras_model.py's train, in this process (its script form is what
     # tests/test_examples.py runs for the NNX examples).
@@ -96,6 +98,7 @@ def _regularized_dense():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, options",
     [
@@ -120,6 +123,7 @@ def test_keras_regularization_losses_count_once_on_any_replica_count(name, optio
     np.testing.assert_allclose(model.get_weights()[0], [[0.9], [0.9]], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_keras_model_with_dropout_gives_the_same_bits_on_1_and_4_replicas_when_invariant():
     (x, y), _ = DIGITS
     runs = []
@@ -238,6 +242,7 @@ def test_keras_losses_and_metrics_in_compile_compute_keras_values():
     assert model.metrics[0].name == "sparse_categorical_accuracy"
 
 
+@pytest.mark.slow
 def test_a_keras_model_checkpoints_and_exports_like_an_nnx_module(tmp_path):
     (x, y), (x_test, _) = DIGITS
     strategy = mirrored(4)
@@ -441,6 +446,7 @@ def test_keras_s_own_predict_after_wrapping_leaves_the_mirrax_model_intact():
     assert len(model.get_weights()) == 2
 
 
+@pytest.mark.slow
 def test_a_keras_lstm_runs_scanned_and_unrolled_alike():
     x = np.linspace(-1, 1, 8 * 6 * 3, dtype=np.float32).reshape(8, 6, 3)
     # Keras builds the LSTM by calling it symbolically, broadcasting by rank.
@@ -455,6 +461,7 @@ def test_a_keras_lstm_runs_scanned_and_unrolled_alike():
     np.testing.assert_allclose(scanned.predict(x, verbose=0), unrolled.predict(x, verbose=0), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_trainable_changed_after_wrapping_takes_effect_at_the_next_compile():
     (x, y), _ = DIGITS
     base = keras.Sequential([keras.Input((8, 8, 1)), layers.Flatten(), layers.Dense(16)])

@@ -17,6 +17,8 @@ from keras import layers  # noqa: E402
 import mirrax  # noqa: E402
 from tests.conftest import mirrored  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 if keras.backend.backend() != "jax":
     pytest.skip("Keras was imported with another backend than JAX", allow_module_level=True)
 

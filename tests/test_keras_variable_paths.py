@@ -145,6 +145,7 @@ def test_summary_is_keras_summary_and_a_bare_layer_lists_its_paths():
     assert lines[-1] == "Total: 8 values"  # 3*2 + 2
 
 
+@pytest.mark.slow
 def test_tensorboard_histograms_are_tagged_as_keras_tags_them(tmp_path):
     keras_model = _keras_net()
     model = _compiled(keras_model)
@@ -162,6 +163,7 @@ def test_tensorboard_histograms_are_tagged_as_keras_tags_them(tmp_path):
     assert "seq/dense/kernel/histogram" in histograms
 
 
+@pytest.mark.slow
 def test_a_checkpoint_round_trip_is_keyed_by_name_not_position(tmp_path):
     model = _compiled(_keras_net())
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
@@ -339,6 +341,7 @@ def test_backup_and_restore_resumes_from_a_backup_keyed_by_position(tmp_path):
     assert [float(np.asarray(w).flat[0]) for w in seen[1]] == [1, 2, 3, 4, 5, 6, 8, 9]
 
 
+@pytest.mark.slow
 def test_trainable_variables_follow_the_gradients_leaves_and_the_optimizer_maps_them_back():
     # Layers named "dense_2" and "dense_10": the state sorts the paths as text ("dense_10" <
     # "dense_2", "bias" < "kernel"), so the gradients' leaves are in that order, and so are

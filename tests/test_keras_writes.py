@@ -6,6 +6,7 @@ Before, the wrapper's copies kept the values of the wrapping time: `kernel.assig
 values back over them.
 """
 
+import pytest
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -22,6 +23,7 @@ def _dense():
     return keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
 
 
+@pytest.mark.slow
 def test_assign_and_set_weights_on_the_keras_model_after_wrapping_are_used(tmp_path):
     keras_model = _dense()
     model = mirrax.Model(keras_model)

@@ -20,6 +20,8 @@ import pytest
 from mirrax._src.cli import launch as launch_lib
 from mirrax._src.cli.main import main
 
+pytestmark = pytest.mark.subprocess
+
 LAUNCH = [sys.executable, "-m", "mirrax._src.cli.main", "launch"]
 # Generous: the launcher imports the mirrax package (JAX included) before it starts anything.
 TIMEOUT_S = 30

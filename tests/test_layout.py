@@ -3,6 +3,7 @@ a module or inside a function), imports at the top of each module except the doc
 ones, rooms of bounded size, lines of bounded length, and private names used only by the module
 that owns them (docs/design.md, "Layout")."""
 
+import pytest
 import ast
 import pathlib
 import re
@@ -166,6 +167,7 @@ def test_no_import_cycle_through_any_import():
     assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
 
 
+@pytest.mark.slow
 def test_imports_sit_at_the_top_except_the_documented_lazy_ones():
     unexpected, stale = lazy_imports_not_allowed(_imports(_modules(ROOT, PACKAGE)), _LAZY_OK)
     assert unexpected == [], "function-level imports without an entry in _LAZY_OK"

@@ -30,6 +30,8 @@ from mirrax._src.data.cifar10 import CIFAR10_URL, load_cifar10, restricted_load
 from mirrax._src.data.digits import load_digits
 from mirrax._src.distribute import cpu_devices
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("main_job")]
+
 # -- CIFAR-10 files ---------------------------------------------------------------------------
 
 TRAIN_SIZES = (2, 1, 3, 1, 2)  # images in data_batch_1 .. data_batch_5

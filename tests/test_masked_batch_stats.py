@@ -42,6 +42,7 @@ def _leaves(module):
     return [np.asarray(a) for a in jax.tree.leaves(nnx.state(module))]
 
 
+@pytest.mark.slow
 def test_nnx_batch_norm_on_the_padded_last_batch_steps_as_on_the_smaller_batch():
     # Seed 4: every batch's BatchNorm variance is >= 0.06 per feature, far from epsilon (1e-5);
     # on a near-constant feature the normalization amplifies rounding by 1 / sqrt(var + eps).
@@ -73,6 +74,7 @@ def _hand_steps(module, x, y, batches, lr=0.1):
     return module
 
 
+@pytest.mark.slow
 def test_synchronized_batch_norm_on_4_replicas_with_an_empty_one_fits_as_one_device():
     # 13 examples at batch 8 over 4 replicas: the last batch of 5 splits 2, 2, 1, 0 (padded to
     # 2 rows each); replica 3 holds only padding. Count-weighted statistics over the replicas
@@ -165,6 +167,7 @@ def _keras_bn():
     )
 
 
+@pytest.mark.slow
 def test_keras_batch_normalization_fits_as_keras_with_a_partial_last_batch():
     # 500 examples at batch 64: 7 batches of 64 and one of 52 (padded to 64 rows).
     x, y = _data(500, seed=4)
@@ -220,6 +223,7 @@ def _activity_model():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, replicas",
     [
@@ -252,6 +256,7 @@ def test_full_batches_train_as_without_masking(make, replicas, monkeypatch):
         np.testing.assert_allclose(with_masking, without, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_replica_invariant_batch_norm_on_a_partial_batch_gives_the_same_bits_on_1_and_2():
     # 12 examples at batch 8 in 4 micro-batches of 2: the last batch of 4 fills micro-batches
     # 0 and 1; 2 and 3 are padding only and keep their running statistics.

@@ -59,6 +59,7 @@ def _keras_reference():
     return _REFERENCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
 def test_a_two_input_keras_model_fits_as_keras_fits_it(replicas, as_dict):
@@ -132,6 +133,7 @@ def test_labels_as_a_list_or_dict_reach_the_loss_as_that_structure(replicas):
     np.testing.assert_array_equal(p2, X2)
 
 
+@pytest.mark.slow
 def test_lists_under_replica_invariant_mode_and_several_steps_per_execution():
     # Micro-batches of 2 rows over 2 replicas (batch 4: [1..4], [5] padded); and 2 steps per
     # call: the same 12 by hand, as the padding rows are masked in both.

@@ -19,6 +19,8 @@ import mirrax  # noqa: E402
 from mirrax import errors  # noqa: E402
 from tests.conftest import mirrored  # noqa: E402
 
+pytestmark = [pytest.mark.xdist_group("multi_output"), pytest.mark.slow]
+
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 4)).astype(np.float32)
 Y_REG = RNG.normal(size=(32, 1)).astype(np.float32)

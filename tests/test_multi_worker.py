@@ -14,6 +14,8 @@ import pytest
 import mirrax
 from tests.multiworker import harness
 
+pytestmark = pytest.mark.subprocess
+
 
 def test_cluster_facts_of_the_issue_tf_config(tmp_path):
     # Chief + 2 workers (+ an evaluator that does not train) with 2 devices each.
@@ -64,6 +66,7 @@ def fit_runs(tmp_path_factory):
     return two, one[0]
 
 
+@pytest.mark.xdist_group("multi_worker_fit_runs")  # one fit_runs for both
 def test_fit_on_two_workers_equals_one_process_with_as_many_devices(fit_runs):
     (worker0, worker1), single = fit_runs
     for worker in (worker0, worker1):
@@ -88,6 +91,7 @@ def test_fit_on_two_workers_equals_one_process_with_as_many_devices(fit_runs):
         np.testing.assert_allclose(worker["joined_predictions"], worker["predictions"], atol=1e-6)
 
 
+@pytest.mark.xdist_group("multi_worker_fit_runs")  # one fit_runs for both
 def test_custom_training_loop_on_two_workers_equals_one_process(fit_runs):
     (worker0, worker1), single = fit_runs
     # 36 examples in global batches of 8 = 5 steps per pass (the last one of 4), 2 passes.

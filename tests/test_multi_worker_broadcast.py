@@ -20,6 +20,8 @@ from mirrax._src.distribute import broadcast
 from tests.conftest import mirrored
 from tests.multiworker import harness
 
+pytestmark = pytest.mark.subprocess
+
 
 def test_every_worker_holds_worker_0s_state_after_the_first_use(tmp_path):
     first, second = harness.run(

@@ -16,6 +16,8 @@ from flax import nnx
 import mirrax
 from tests.conftest import named_strategy
 
+pytestmark = pytest.mark.notebook
+
 _FLAG = "--xla_force_host_platform_device_count"
 _NOTEBOOK = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tutorial.ipynb"

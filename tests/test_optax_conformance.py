@@ -167,6 +167,7 @@ def _check(name, got, route):
             assert np.abs(got[key] - initial[key]).max() > 100 * TOLERANCE, (name, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
 @pytest.mark.parametrize("name", list(CATALOGUE))
 def test_catalogue_matches_nnx_jit(name, strategy_name):
@@ -181,6 +182,7 @@ def test_catalogue_matches_nnx_jit(name, strategy_name):
     _check(name, _custom_loop(strategy, name, CATALOGUE[name]), f"custom loop on {strategy_name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
 def test_an_update_that_needs_the_loss_runs_in_a_custom_loop(strategy_name):
     # reduce_on_plateau(patience=0) halves the rate whenever the loss does not improve.

@@ -16,6 +16,8 @@ from mirrax import errors
 from mirrax._src.distribute import prng_keys
 from mirrax._src.parameter_server import variables
 
+pytestmark = pytest.mark.cluster
+
 # -- partitioners: TF's examples and arithmetic ---------------------------------------------
 
 

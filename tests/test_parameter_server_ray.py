@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -20,6 +21,8 @@ from flax import nnx
 import mirrax
 from mirrax import errors
 from mirrax._src.parameter_server import remote_values
+
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
 
 ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
 
@@ -460,8 +463,6 @@ def test_one_synchronous_worker_equals_mirrored_strategy(tmp_path):
 def jax_leaves(module):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(module, nnx.Param))]
 
-
-import jax  # noqa: E402
 
 # -- Model.fit and evaluate ------------------------------------------------------------------
 

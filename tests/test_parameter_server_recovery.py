@@ -19,6 +19,8 @@ import mirrax
 from mirrax import errors
 from tests.test_parameter_server_ray import Line
 
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_recovery")]
+
 ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
 
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -26,6 +26,8 @@ import pytest
 
 from mirrax._src.cli.main import build_parser
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("readme")]
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)

@@ -84,6 +84,7 @@ def train_mlp(strategy, steps=5):
     return np.array(losses), model
 
 
+@pytest.mark.slow
 def test_mlp_losses_match_float64_numpy_and_the_issue(strategy):
     losses, model = train_mlp(strategy)
     expected, w1, w2 = numpy_mlp_losses()
@@ -393,6 +394,7 @@ def test_scale_regularization_loss_counts_the_penalty_once(replicas):
 # -- placement and strategy mixing ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_objects_created_outside_scope_work_as_if_created_inside(strategy):
     inside_losses, inside_model = train_mlp(strategy)
     w1, w2, x, y = mlp_data()

@@ -30,6 +30,7 @@ def _weights(model):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["OneDevice", "Mirrored4CPU"])
 def test_the_tutorials_captured_step_trains_the_same_bits_as_arguments(name):
     strategy = named_strategy(name)
@@ -99,6 +100,7 @@ def _global_step(batch):
     return loss
 
 
+@pytest.mark.slow
 def test_a_step_reaching_globals_trains_as_the_argument_step_and_follows_a_rebound_global():
     global _g_model, _g_optimizer
     strategy = mirrored(2)

@@ -1,6 +1,7 @@
 """strategy.run's state path: donated buffers, arrays the user holds, and graphs changed between
 steps (the runner skips the NNX flatten while the same objects come back unchanged)."""
 
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,7 @@ def _buffer(array) -> int:
     return array.addressable_shards[0].data.unsafe_buffer_pointer()
 
 
+@pytest.mark.slow
 def test_state_buffers_are_donated_when_nobody_else_holds_them():
     strategy = _two_replicas()
     model, optimizer, batch = _trained(strategy)

@@ -21,6 +21,8 @@ from mirrax import errors
 from mirrax._src.cli.main import main
 from mirrax.experimental import LinkModel, scaling_report
 
+pytestmark = [pytest.mark.xdist_group("scaling_report"), pytest.mark.slow]
+
 PARAMS = 8 * 8 + 8 + 8 * 4 + 4  # 108
 GRADIENT_BYTES = 4 * PARAMS  # 432
 ADAM_BYTES = 2 * GRADIENT_BYTES + 4  # mu and nu, float32 like the parameters, and an int32 count

@@ -92,6 +92,7 @@ def _keras_fit(strategy, stack):
     return _keras_fitted(strategy, stack).get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack, replicas", [("lstm", (1, 2, 4)), ("gru_simple_bidirectional", (1, 4))])
 def test_keras_recurrent_layers_fit_alike_on_1_2_and_4_replicas(stack, replicas):
     one, *others = [_keras_fit(mirrored(r), stack) for r in replicas]
@@ -131,6 +132,7 @@ def _nnx_loop(strategy):
     return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
+@pytest.mark.slow
 def test_an_nnx_rnn_trains_alike_on_1_2_and_4_replicas():
     one, *others = [_nnx_loop(mirrored(r)) for r in (1, 2, 4)]
     for params in others:
@@ -138,6 +140,7 @@ def test_an_nnx_rnn_trains_alike_on_1_2_and_4_replicas():
             np.testing.assert_allclose(a, b, atol=1e-6)  # 1e-6: float sums in another order
 
 
+@pytest.mark.slow
 def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replicas():
     results = [
         _keras_fit(strategy, "lstm")
@@ -150,6 +153,7 @@ def test_replica_invariant_mode_fits_an_lstm_to_the_same_bits_on_1_and_4_replica
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alike():
     x, y = _series()
     results = []
@@ -173,6 +177,7 @@ def test_an_lstm_fits_with_the_sharded_optimizer_and_evaluates_and_predicts_alik
     np.testing.assert_allclose(loss4, loss1, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_lstm_fits_k_steps_per_execution_as_one_at_a_time():
     results = [
         _keras_fitted(mirrored(4), batch_size=4, epochs=1, steps_per_execution=k).get_weights()

@@ -113,6 +113,7 @@ def test_shard_dimension_is_the_first_one_the_replica_count_divides():
     assert sharded_optimizer.shard_dimension((9, 4), 3) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad", ["mirrax", "nnx"])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_ten_steps_match_the_unsharded_step(transform, grad):
@@ -182,6 +183,7 @@ def test_fit_matches_the_unsharded_fit():
     _assert_close(*weights)
 
 
+@pytest.mark.slow
 def test_replica_invariant_mode_is_bitwise_the_unsharded_one():
     results = []
     for shard in (False, True):
@@ -203,6 +205,7 @@ def _device_bytes(objects, device) -> int:
     )
 
 
+@pytest.mark.slow
 def test_adam_state_per_device_is_a_quarter_at_four_replicas():
     sizes = (64, 256, 256, 10)
     sizes_by_mode = {}
@@ -254,6 +257,7 @@ def _wire_bytes(hlo: str, replicas: int) -> dict:
     return sent
 
 
+@pytest.mark.slow
 def test_the_bytes_on_the_wire_are_one_all_reduces():
     sent = {}
     for shard in (False, True):
@@ -269,6 +273,7 @@ def test_the_bytes_on_the_wire_are_one_all_reduces():
     assert sum(sent[True].values()) <= 1.05 * sum(sent[False].values())
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_whole_arrays_and_restore_into_any_layout(tmp_path):
     strategy = _strategy(4)
     model, optimizer = _build(strategy, optax.adam(1e-2))
@@ -285,6 +290,7 @@ def test_checkpoints_hold_whole_arrays_and_restore_into_any_layout(tmp_path):
         _assert_close(_arrays(restored_model, restored_optimizer), expected)
 
 
+@pytest.mark.slow
 def test_an_unsharded_checkpoint_restores_into_a_sharded_strategy(tmp_path):
     plain = _strategy(4, shard=False)
     model, optimizer = _build(plain, optax.adam(1e-2))
@@ -301,6 +307,7 @@ def test_an_unsharded_checkpoint_restores_into_a_sharded_strategy(tmp_path):
     assert kernel_mu.sharding.spec == jax.sharding.PartitionSpec("replica")
 
 
+@pytest.mark.slow
 def test_two_workers_of_two_devices_equal_one_process_of_four(tmp_path):
     two = harness.run("sharded", tmp_path / "2x2", num_workers=2, cpu_devices=2)
     (single,) = harness.run("sharded", tmp_path / "1x4", num_workers=1, cpu_devices=4)
@@ -392,6 +399,7 @@ def test_the_flag_is_reported_on_extended():
     assert _strategy(2, shard=False).extended.shard_optimizer_state is False
 
 
+@pytest.mark.slow
 def test_a_step_that_creates_a_variable_is_refused():
     strategy = _strategy(2)
     model, optimizer = _build(strategy, optax.adam(1e-2))
@@ -409,6 +417,7 @@ def test_a_step_that_creates_a_variable_is_refused():
         strategy.run(grows, args=(model, optimizer, batch))
 
 
+@pytest.mark.slow
 def test_the_update_is_deferred_whatever_splits():
     # optax.sgd keeps no state, and three replicas divide none of SIZES' arrays: the update
     # is still applied when the step returns, so the step sees the old parameters.
@@ -511,6 +520,7 @@ def test_an_update_inside_a_transformation_and_varying_keywords_are_refused():
         _run_once(strategy, model, optimizer, local_value)
 
 
+@pytest.mark.slow
 def test_the_sharded_step_donates_its_state():
     strategy = _strategy(4)
     model, optimizer = _build(strategy, optax.adam(1e-3), (64, 256, 256, 10))
@@ -530,6 +540,7 @@ def test_the_sharded_step_donates_its_state():
     assert analysis.alias_size_in_bytes >= state - 8
 
 
+@pytest.mark.slow
 def test_packed_gradients_are_one_reduce_scatter_with_the_same_numbers():
     # pack=True (the default across processes on CPU, where each collective is a Gloo round
     # trip): every split gradient travels in ONE reduce-scatter, the whole ones (the 10-wide

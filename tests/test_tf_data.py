@@ -48,6 +48,7 @@ def test_importing_tensorflow_leaves_jax_its_8_cpu_devices():
     assert [d.device_type for d in tf.config.list_physical_devices()] == ["CPU"]
 
 
+@pytest.mark.slow
 def test_fit_on_a_prefetched_tf_data_dataset_counts_every_example_once():
     dataset = _dataset()
     assert len(dataset) == 2  # known cardinality: 26 examples in batches of 16 -> 16, 10

@@ -270,6 +270,7 @@ def test_metrics_ignore_sample_weights_and_weighted_metrics_use_them():
     assert logs == {"loss": 5.5, "mean_x": 2.5, "weighted_mean_x": 2.75}
 
 
+@pytest.mark.slow
 def test_metrics_of_the_same_name_get_keras_keys_everywhere(tmp_path):
     # Issue 27, item 3: [AUC(), AUC(curve="PR")] logged one "auc". Keras 3 keys them "auc",
     # "auc_1" (compile_utils.CompileMetrics.result); a name= is kept; a weighted metric whose
@@ -422,6 +423,7 @@ def test_summary_shows_trainable_and_fills_line_length():
     assert sum(line.endswith("yes") for line in lines) == 4  # two kernels, two biases
 
 
+@pytest.mark.slow
 def test_train_and_test_on_batch_are_one_step_of_fit_and_evaluate():
     _, _, x, y = mlp_data()
     by_fit, by_batch = mlp_model(mirrored(2)), mlp_model(mirrored(2))

@@ -36,6 +36,7 @@ def _model(metric):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [
@@ -83,6 +84,7 @@ def test_the_progress_bar_shows_each_threshold(capsys):
     assert "precision_0.3: 0.6667" in out and "precision_0.6: 0.5000" in out
 
 
+@pytest.mark.slow
 def test_several_thresholds_under_a_mirrored_strategy():
     with mirrax.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
         model = _model(mirrax.metrics.Precision(thresholds=[0.3, 0.6]))
@@ -91,6 +93,7 @@ def test_several_thresholds_under_a_mirrored_strategy():
     assert {k: logs[k] for k in EXPECTED} == pytest.approx(EXPECTED)
 
 
+@pytest.mark.slow
 def test_one_threshold_in_a_list_keeps_the_plain_name():
     logs = _model(mirrax.metrics.Recall(thresholds=[0.3])).evaluate(
         X, Y, batch_size=4, verbose=0, return_dict=True

@@ -258,6 +258,7 @@ def _update(ms, batch):
     ms["mse"].update_state(batch["binary"], batch["scores"])
 
 
+@pytest.mark.slow
 def test_partial_batches_under_every_strategy_equal_the_unsplit_metrics(strategy):
     data = _data()
     # A full batch of 8, then a partial one of 5, padded to the first batch's per-replica size:

@@ -51,6 +51,7 @@ def fit_mlp(strategy, **fit_kwargs):
     return model, history
 
 
+@pytest.mark.slow
 def test_fit_matches_float64_numpy_for_every_replica_count():
     expected, w1 = numpy_fit_history()
     results = [fit_mlp(mirrored(r)) for r in (1, 2, 4, 8)]

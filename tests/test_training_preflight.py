@@ -26,6 +26,7 @@ class SyncedNorm(nnx.Module):
         return self.norm(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [0, 1, 2, 4])  # 0: OneDeviceStrategy
 def test_synchronized_batch_norm_fits_with_the_global_batchs_statistics(replicas):
     strategy = mirrored(replicas)

@@ -34,6 +34,8 @@ keras = pytest.importorskip("keras")
 import mirrax  # noqa: E402
 from tests.tutorials import sections  # noqa: E402
 
+pytestmark = [pytest.mark.xdist_group("tutorial_custom_training"), pytest.mark.slow]
+
 tutorial = sections.Tutorial()
 
 

@@ -27,6 +27,8 @@ import pytest  # noqa: E402
 import mirrax  # noqa: E402
 from tests.tutorials import sections  # noqa: E402
 
+pytestmark = [pytest.mark.xdist_group("tutorial_input"), pytest.mark.slow]
+
 tutorial = sections.Tutorial()
 
 

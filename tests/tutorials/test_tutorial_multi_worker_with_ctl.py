@@ -29,6 +29,8 @@ import pytest
 
 from tests.tutorials import launch, sections
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("tutorial_mw_ctl")]
+
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):

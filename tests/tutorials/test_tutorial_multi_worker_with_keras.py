@@ -31,6 +31,8 @@ keras = pytest.importorskip("keras")
 
 from tests.tutorials import launch, mw_keras_main, sections  # noqa: E402
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("tutorial_mw_keras")]
+
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):

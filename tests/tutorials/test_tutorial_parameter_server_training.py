@@ -48,6 +48,8 @@ import mirrax  # noqa: E402
 from mirrax import callbacks as mirrax_callbacks  # noqa: E402
 from tests.tutorials import sections  # noqa: E402
 
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("tutorial_ps")]
+
 tutorial = sections.Tutorial()
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 NUM_WORKERS, NUM_PS = 2, 2

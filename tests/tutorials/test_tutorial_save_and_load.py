@@ -32,7 +32,11 @@ import mirrax  # noqa: E402
 from tests.tutorials import sections  # noqa: E402
 
 # The notebook's `input_shape=` on the first layer: Keras 3 accepts it with a UserWarning.
-pytestmark = pytest.mark.filterwarnings("ignore:Do not pass an `input_shape`:UserWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Do not pass an `input_shape`:UserWarning"),
+    pytest.mark.xdist_group("tutorial_save_and_load"),
+]
 tutorial = sections.Tutorial()
 DEFAULT_FUNCTION_KEY = "serving_default"
 
