@@ -17,7 +17,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # read when Keras is first import
 # A persistent XLA compilation cache shared by the suite's processes and every process they
 # start (multi-worker runs, launch, examples, the notebook, Ray workers inherit the variables):
 # they compile the same programs again and again. Under the checkout, so `make clean` removes
-# it; MIRRAX_TEST_XLA_CACHE=0 turns it off (benchmarks/suite_time.md measures both).
+# it; MIRRAX_TEST_XLA_CACHE=0 turns it off (BENCHMARKS.md, The test suite's time).
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla")
 if os.environ.get("MIRRAX_TEST_XLA_CACHE", "1") != "0":
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
@@ -97,9 +97,13 @@ def _quick_tier_starts_no_process():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules that start processes or clusters run first (a stable sort, so each module's
-    tests stay together and its module-scoped fixtures are built once a process): under
-    `--dist loadgroup` the two xdist processes then end on the short tests, not one of them on
+    """The modules that start processes run first, then those with slow tests (a stable sort, so
+    each module's tests stay together and its module-scoped fixtures are built once a process):
+    under `--dist loadgroup` the two xdist processes then end on short tests, not one of them on
     a long multi-worker run while the other waits."""
-    heavy = {item.module.__name__ for item in items if any(item.get_closest_marker(m) for m in _TIER_MARKERS)}
-    items.sort(key=lambda item: item.module.__name__ not in heavy)
+
+    def modules_with(markers):
+        return {item.module.__name__ for item in items if any(item.get_closest_marker(m) for m in markers)}
+
+    processes, slow = modules_with(_TIER_MARKERS), modules_with(("slow",))
+    items.sort(key=lambda item: (item.module.__name__ not in processes, item.module.__name__ not in slow))
