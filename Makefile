@@ -23,7 +23,7 @@ demo: install
 # module-scoped set-up (a Ray cluster, a multi-worker run) is one xdist_group, kept on one
 # process. Compiled programs persist in .cache/xla (tests/conftest.py), shared by every process
 # the suite starts. CONTRIBUTING.md describes the tiers.
-test: install
+test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # The quick tier for the inner loop: no subprocess, cluster, notebook or slow test (pytest

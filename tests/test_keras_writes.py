@@ -6,8 +6,9 @@ Before, the wrapper's copies kept the values of the wrapping time: `kernel.assig
 values back over them.
 """
 
-import pytest
 import os
+
+import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 

@@ -3,10 +3,11 @@ a module or inside a function), imports at the top of each module except the doc
 ones, rooms of bounded size, lines of bounded length, and private names used only by the module
 that owns them (docs/design.md, "Layout")."""
 
-import pytest
 import ast
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mirrax"

@@ -1,11 +1,11 @@
 """strategy.run's state path: donated buffers, arrays the user holds, and graphs changed between
 steps (the runner skips the NNX flatten while the same objects come back unchanged)."""
 
-import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import mirrax
