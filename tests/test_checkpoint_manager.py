@@ -114,7 +114,7 @@ mirrax.CheckpointManager(mirrax.Checkpoint(state=state), sys.argv[1], async_save
 """
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_process_exit_waits_for_an_async_save(tmp_path):
     import subprocess
     import sys

@@ -138,7 +138,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("point", ["ckpt-2", "checkpoint"])
 def test_a_save_killed_before_its_commit_or_its_state_file_leaves_the_previous_latest(tmp_path, point):
     # "ckpt-2": the arrays are written (beside, as ckpt-2.mirrax-new), the rename into place
@@ -210,7 +210,7 @@ def test_an_evaluator_only_tf_config_is_accepted_and_the_strategy_refuses_it():
         mirrax.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_tf_multi_worker_checkpoint_pattern(tmp_path):
     chief, worker = harness.run("checkpoints_tf", tmp_path, num_workers=2, cpu_devices=2)
     ckpt = str(tmp_path / "ckpt")

@@ -170,6 +170,7 @@ def test_tf_data_in_fit_and_experimental_distribute_dataset():
 # -- two workers -----------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_two_workers_split_each_global_batch_as_one_process_does(workers, single):
     worker0, worker1 = workers
     # AutoShardPolicy.DATA (AUTO for anything but a FileDataset): every worker reads each
@@ -184,6 +185,7 @@ def test_two_workers_split_each_global_batch_as_one_process_does(workers, single
             assert sorted(seen) == list(range(10)), name  # each example once per pass
 
 
+@pytest.mark.subprocess
 def test_two_workers_fit_evaluate_predict_as_one_process(workers, single):
     for worker in workers:
         for name in FOR_FIT:
@@ -192,6 +194,7 @@ def test_two_workers_fit_evaluate_predict_as_one_process(workers, single):
         assert worker["grain_map"]["fit"] == pytest.approx([MEAN, MEAN], rel=1e-6)
 
 
+@pytest.mark.subprocess
 def test_two_workers_read_their_own_examples_from_function(workers):
     worker0, worker1 = workers
     # torch Subset(range(i, 10, 2)), Grain [i::2]: worker 0 the even ids, worker 1 the odd,
@@ -210,6 +213,7 @@ def test_two_workers_read_their_own_examples_from_function(workers):
     )
 
 
+@pytest.mark.subprocess
 def test_workers_shuffling_with_their_own_seeds_are_stopped(workers):
     # An unseeded DataLoader(shuffle=True) draws another order on each worker: under DATA each
     # would keep its part of a different batch (examples lost and repeated). Refused at step 1.

@@ -62,7 +62,7 @@ def trained(tmp_path_factory):
     return model, path, x_test
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_exported_cnn_matches_live_model_in_a_fresh_process_without_its_code(trained, tmp_path):
     model, path, x_test = trained
     inputs = {f"batch_{n}": x_test[:n] for n in BATCH_SIZES}

@@ -340,7 +340,7 @@ _KILL_CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_save_killed_while_writing_leaves_the_previous_file_whole(tmp_path):
     path = tmp_path / "m.keras"
     child = subprocess.Popen(
@@ -450,7 +450,7 @@ def test_the_custom_training_tutorial_ported_with_a_keras_model(tmp_path):
     assert int(new_optimizer.iterations) == 24
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_multi_worker_save_is_written_by_the_chief_only(tmp_path):
     from tests.multiworker import harness
 

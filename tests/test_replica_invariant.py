@@ -442,7 +442,7 @@ def test_synchronized_batch_norm_is_refused_and_all_reduce_dtype_too():
 # -- several processes ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_launch_2x2_equals_one_process_with_4_devices_and_4_processes_with_1(tmp_path):
     # `mirrax launch --nproc 2 --cpu-devices 2` (Gloo on loopback) against the harness's
     # 1 process x 4 devices and 4 processes x 1 device: the same bits everywhere.

@@ -307,7 +307,7 @@ def test_an_unsharded_checkpoint_restores_into_a_sharded_strategy(tmp_path):
     assert kernel_mu.sharding.spec == jax.sharding.PartitionSpec("replica")
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_workers_of_two_devices_equal_one_process_of_four(tmp_path):
     two = harness.run("sharded", tmp_path / "2x2", num_workers=2, cpu_devices=2)
     (single,) = harness.run("sharded", tmp_path / "1x4", num_workers=1, cpu_devices=4)
