@@ -250,11 +250,16 @@ _FULL = textwrap.dedent(
 
 
 def test_a_save_that_runs_out_of_space_is_one_clear_error_and_the_old_checkpoint_stays(tmp_path):
+    # Without the suite's compilation cache: under the 20,000-byte file limit its writes fail too,
+    # and with it (faster compiles) Orbax's metadata thread sometimes logs a traceback after the
+    # partial directory is gone (1 run in 4 here; a race the closing note of issue 29 records).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     done = subprocess.run(
         [sys.executable, "-c", _FULL.format(repo=_REPO), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]  # was ~115 lines of them
