@@ -84,6 +84,7 @@ def test_numpy_pickles_arrays_with_the_reconstructor_compat_names():
     assert constructor(*arguments).shape == (0,)  # the state (values) comes after
 
 
+@pytest.mark.subprocess
 def test_an_exit_hook_runs_before_the_executors_shut_down():
     # With plain atexit, the hook would run after concurrent.futures' shutdown and its submit
     # would raise "cannot schedule new futures after interpreter shutdown".
