@@ -24,9 +24,15 @@ def count(owner: str, name: str, value, minimum: int = 0) -> int:
 
 
 @overload
-def number(owner: str, name: str, value, allow_none: Literal[False] = False, minimum=None) -> float: ...
+def number(owner: str, name: str, value, allow_none: Literal[False] = False, minimum=None) -> float:
+    """Without `allow_none`: a float, never None (for type checkers; the body is below)."""
+
+
 @overload
-def number(owner: str, name: str, value, allow_none: bool, minimum=None) -> float | None: ...
+def number(owner: str, name: str, value, allow_none: bool, minimum=None) -> float | None:
+    """With `allow_none`: a float or None (for type checkers; the body is below)."""
+
+
 def number(owner: str, name: str, value, allow_none: bool = False, minimum=None) -> float | None:
     """`value` as a finite float (>= `minimum` when given), or None when allowed."""
     if value is None and allow_none:
