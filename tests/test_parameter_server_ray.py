@@ -568,6 +568,64 @@ def test_fit_arguments_under_parameter_server_strategy(small):
     assert len(history.history["loss"]) == 2
 
 
+def test_backup_and_restore_resumes_fit_where_the_backup_left_off(small, tmp_path):
+    # Epochs of 2 steps; the run is interrupted at the end of epoch index 1, after
+    # BackupAndRestore (listed first) backed it up: a new fit resumes at epoch index 2 with
+    # the weights of that backup, as under MirroredStrategy (the loop used to start again at 0).
+    strategy, _ = small
+    x = np.linspace(-1, 1, 32, dtype=np.float32)[:, None]
+    weights_at = {}
+
+    def make():
+        with strategy.scope():
+            model = mirrax.Model(Line())
+            model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def interrupt(epoch, logs):
+        if epoch == 1:
+            weights_at["backup"] = first.get_weights()
+            raise RuntimeError("interrupted")
+
+    first = make()
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        first.fit(
+            x,
+            3 * x + 2,
+            batch_size=8,
+            epochs=4,
+            steps_per_epoch=2,
+            verbose=0,
+            callbacks=[
+                mirrax.callbacks.BackupAndRestore(backup),
+                mirrax.callbacks.LambdaCallback(on_epoch_end=interrupt),
+            ],
+        )
+    resumed, begun = make(), []
+
+    def record(epoch, logs):
+        begun.append(epoch)
+        weights_at.setdefault("resumed", resumed.get_weights())
+
+    history = resumed.fit(
+        x,
+        3 * x + 2,
+        batch_size=8,
+        epochs=4,
+        steps_per_epoch=2,
+        verbose=0,
+        callbacks=[
+            mirrax.callbacks.BackupAndRestore(backup),
+            mirrax.callbacks.LambdaCallback(on_epoch_begin=record),
+        ],
+    )
+    assert begun == [2, 3] and len(history.history["loss"]) == 2
+    for restored, saved in zip(weights_at["resumed"], weights_at["backup"]):
+        np.testing.assert_array_equal(restored, saved)
+    assert not (tmp_path / "backup").exists()  # a fit that ends removes its backup (Keras)
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 

@@ -15,10 +15,9 @@ from mirrax import errors
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import array_inputs, data_adapter
+from mirrax._src.training import array_inputs, data_adapter, multi_step
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import logs as logs_lib
-from mirrax._src.training import steps as steps_lib
 
 
 def warn_if_ran_out(what: str, name: str, steps, count: int) -> None:
@@ -161,28 +160,8 @@ def fit(
     # Reading the logs waits for the step; do it per step only when a callback uses them.
     batch_logs = cbs.needs_batch_logs("on_train_batch_end")
     cbs.on_train_begin()
-    # A callback that restored a backup (BackupAndRestore) says where training resumes:
-    # (epoch index, batches of that epoch already done).
-    first_epoch, first_step = cbs.resume_point() or (initial_epoch, 0)
     known = steps_per_epoch if steps_per_epoch is not None else train.steps
-    if first_step and known is not None and first_step >= known:
-        # The backup was taken at batch `first_step` of an epoch that now has fewer
-        # batches (another batch_size, less data): restart that epoch, as Keras does
-        # with every mid-epoch resume, rather than run an epoch of no steps.
-        warnings.warn(
-            f"fit: a callback's resume point (a restored backup) resumes epoch "
-            f"{first_epoch + 1} at batch {first_step + 1}, but this input has {known} batch(es) "
-            f"per epoch; epoch {first_epoch + 1} restarts at its first batch.",
-            stacklevel=3,
-        )
-        first_step = 0
-    if first_epoch >= epochs:
-        warnings.warn(
-            f"fit: a callback's resume point (a restored backup) is epoch {first_epoch + 1}, at "
-            f"or after epochs={epochs}: training is already done and this fit trains nothing. "
-            "Pass a larger epochs to train more.",
-            stacklevel=3,
-        )
+    first_epoch, first_step = cbs.fit_start(initial_epoch, epochs, known)
     logs: dict = {}
     epoch_logs: dict = {}
     try:
@@ -193,7 +172,7 @@ def fit(
             step = first_step if epoch == first_epoch else 0
             trained = 0
             batches = itertools.islice(train.epoch_batches(steps_per_epoch, prefetch=batch_logs), step, None)
-            for group in steps_lib.groups(batches, model.steps_per_execution):
+            for group in multi_step.groups(batches, model.steps_per_execution):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
                 run_steps(strategy, compiled.train_fn, train_objects(model, compiled), group)
@@ -292,7 +271,7 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     objects = (model.module, None, None, None, None)
     step = 0
     try:
-        for group in steps_lib.groups(data.batches(steps), per_call):
+        for group in multi_step.groups(data.batches(steps), per_call):
             cbs.on_predict_batch_begin(step)
             outs = run_steps(strategy, predict_fn, objects, group)
             step += len(group)
@@ -335,8 +314,8 @@ def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple:
     lengths: `run` gives every output the first batch's, and the last batch may be partial)."""
     if len(group) == 1:
         return (strategy.run(step_fn, args=objects + (group[0],)),)
-    masks = tuple(PerReplica(strategy, steps_lib.mask_of(b)) for b in group)
-    results = strategy.run(steps_lib.multi_step_of(step_fn), args=objects + (tuple(group), masks))
+    masks = tuple(PerReplica(strategy, multi_step.mask_of(b)) for b in group)
+    results = strategy.run(multi_step.multi_step_of(step_fn), args=objects + (tuple(group), masks))
     return tuple(_with_rows_of(strategy, result, batch) for result, batch in zip(results, group))
 
 
@@ -392,7 +371,7 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
     objects = (model.module, None, model.metrics, compiled.tracker, None)
     count = 0
-    for group in steps_lib.groups(data.batches(steps, prefetch=batch_logs), model.steps_per_execution):
+    for group in multi_step.groups(data.batches(steps, prefetch=batch_logs), model.steps_per_execution):
         cbs.on_test_batch_begin(count)
         run_steps(strategy, compiled.test_fn, objects, group)
         count += len(group)

@@ -177,12 +177,13 @@ def fit(
     )
     model.stop_training = False
     cbs.on_train_begin()
+    first_epoch, first_step = cbs.fit_start(initial_epoch, epochs, steps_per_epoch)
     epoch_logs: dict = {}
     per_call = model.steps_per_execution
-    for epoch in range(initial_epoch, epochs):
+    for epoch in range(first_epoch, epochs):
         logs_lib.reset_metrics(model, compiled)
         cbs.on_epoch_begin(epoch)
-        for first in range(0, steps_per_epoch, per_call):
+        for first in range(first_step if epoch == first_epoch else 0, steps_per_epoch, per_call):
             count = min(per_call, steps_per_epoch - first)
             cbs.on_train_batch_begin(first)
             coordinator.schedule(steps.train, args=(iterator, count))

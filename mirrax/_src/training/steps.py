@@ -4,7 +4,6 @@ policy, the loss tracker, and the train, test and predict steps built at `compil
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,6 @@ from mirrax import errors
 from mirrax._src.distribute import gradients, invariant
 from mirrax._src.distribute.current import get_replica_context
 from mirrax._src.distribute.losses import compute_average_loss
-from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import keras_models, mixed_precision
 
 
@@ -281,73 +279,6 @@ PREDICT_FLOAT32 = make_predict_step(mixed_precision.Policy("float32"))
 PREDICT_FLOAT32_MICRO = make_predict_step(mixed_precision.Policy("float32"), True)
 
 
-# step function -> its `make_multi_step`, made once (the same function keys strategy.run's
-# program cache). Kept out of `CompiledState`: ParameterServerStrategy pickles that to its
-# workers, and each function reachable from it multiplied what a scheduled function carried
-# (three of them made the digits CNN test take 108 s instead of 23).
-_MULTI_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def multi_step_of(step):
-    """`make_multi_step(step)`, the same object for the same `step` while `step` lives (held
-    weakly: the multi-step calls `step` through a weak reference, only while tracing)."""
-    multi = _MULTI_STEPS.get(step)
-    if multi is None:
-        ref = weakref.ref(step)
-
-        def one(*args):
-            fn = ref()
-            assert fn is not None  # called only while step lives (it is traced from there)
-            return fn(*args)
-
-        one.__name__ = getattr(step, "__name__", "step")
-        multi = _MULTI_STEPS[step] = make_multi_step(one)
-    return multi
-
-
-def make_multi_step(step):
-    """k steps in one program (`steps_per_execution`, as Keras's `multi_*_steps`): each
-    micro-step sees its own batch mask. Returns the tuple of the k steps' results (predict:
-    the k batches' outputs; fit and evaluate: Nones)."""
-
-    def steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
-        ctx = get_replica_context()
-        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
-        saved = ctx.batch_mask
-        results = []
-        try:
-            for batch, mask in zip(batches, masks):
-                ctx.batch_mask = mask
-                results.append(step(module, optimizer, metrics, tracker, loss_scale, batch))
-        finally:
-            ctx.batch_mask = saved
-        return tuple(results)
-
-    steps.__name__ = f"{getattr(step, '__name__', 'step')}s"
-    return steps
-
-
-def groups(batches, size: int):
-    """Consecutive groups of `size` batches (the last may be shorter)."""
-    group = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
-def mask_of(batch):
-    """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
-    return next(
-        leaf
-        for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
-        if isinstance(leaf, PerReplica)
-    ).mask
-
-
 @dataclasses.dataclass
 class CompiledState:
     """What `Model.compile` builds besides the public attributes (optimizer, loss, metrics).
@@ -364,8 +295,8 @@ class CompiledState:
       train_impl, test_impl, predict_impl: the default steps (`Model.train_step` & co. call
         them on the model's objects).
       train_fn, test_fn, predict_fn: what fit / evaluate / predict pass to `strategy.run`
-        (they call `Model.train_step`, `test_step`, `predict_step`); `multi_step_of` gives
-        each one's several-steps-per-call form.
+        (they call `Model.train_step`, `test_step`, `predict_step`); `multi_step_of` (in
+        multi_step.py) gives each one's several-steps-per-call form.
     """
 
     loss_scale: float

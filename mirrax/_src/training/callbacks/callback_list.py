@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 from mirrax import errors
@@ -175,6 +176,36 @@ class CallbackList(Callback):
                 )
             return point
         return None
+
+    def fit_start(self, initial_epoch: int, epochs: int, steps_per_epoch: int | None) -> tuple:
+        """(epoch index, batches of it to skip) where `fit` starts: a callback's resume point
+        (a restored backup: BackupAndRestore), else (initial_epoch, 0). Called by every fit
+        loop after `on_train_begin`, which restores the backup.
+
+        A resume point past the epoch's `steps_per_epoch` batches (None: not known) restarts
+        that epoch, as Keras does with every mid-epoch resume, and one at or after `epochs`
+        trains nothing; each is warned about (UserWarning).
+        """
+        first_epoch, first_step = self.resume_point() or (initial_epoch, 0)
+        if first_step and steps_per_epoch is not None and first_step >= steps_per_epoch:
+            # The backup was taken at batch `first_step` of an epoch that now has fewer
+            # batches (another batch_size, less data): rather than an epoch of no steps.
+            warnings.warn(
+                f"fit: a callback's resume point (a restored backup) resumes epoch "
+                f"{first_epoch + 1} at batch {first_step + 1}, but this input has "
+                f"{steps_per_epoch} batch(es) per epoch; epoch {first_epoch + 1} restarts at its "
+                "first batch.",
+                stacklevel=4,
+            )
+            first_step = 0
+        if first_epoch >= epochs:
+            warnings.warn(
+                f"fit: a callback's resume point (a restored backup) is epoch {first_epoch + 1}, "
+                f"at or after epochs={epochs}: training is already done and this fit trains "
+                "nothing. Pass a larger epochs to train more.",
+                stacklevel=4,
+            )
+        return first_epoch, first_step
 
     def _call(self, hook: str, *args, **kwargs) -> None:
         for callback in self.callbacks:

@@ -1,0 +1,138 @@
+"""`steps_per_execution`: k consecutive batches in one `strategy.run`, as one `jax.lax.scan`
+over the step (its carry the objects' state) where their signatures agree, and the grouping of
+a loop's batches into calls."""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrax._src.distribute.current import get_replica_context
+from mirrax._src.distribute.values import PerReplica
+
+# step function -> its `make_multi_step`, made once (the same function keys strategy.run's
+# program cache). Kept out of `CompiledState`: ParameterServerStrategy pickles that to its
+# workers, and each function reachable from it multiplied what a scheduled function carried
+# (three of them made the digits CNN test take 108 s instead of 23).
+_MULTI_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def multi_step_of(step):
+    """`make_multi_step(step)`, the same object for the same `step` while `step` lives (held
+    weakly: the multi-step calls `step` through a weak reference, only while tracing)."""
+    multi = _MULTI_STEPS.get(step)
+    if multi is None:
+        ref = weakref.ref(step)
+
+        def one(*args):
+            fn = ref()
+            assert fn is not None  # called only while step lives (it is traced from there)
+            return fn(*args)
+
+        one.__name__ = getattr(step, "__name__", "step")
+        multi = _MULTI_STEPS[step] = make_multi_step(one)
+    return multi
+
+
+def make_multi_step(step):
+    """k steps in one program (`steps_per_execution`, as Keras's `multi_*_steps`): each
+    micro-step sees its own batch mask. Returns the tuple of the k steps' results (predict:
+    the k batches' outputs; fit and evaluate: Nones).
+
+    Consecutive batches of one signature (structure, shapes and dtypes: every batch of a call,
+    typically, a partial one padded to the same shapes) run as ONE `jax.lax.scan` over them
+    stacked, the objects' state its carry: the step is traced and compiled once whatever k,
+    where Keras unrolls k copies (compile time and program size grow with k). A lone batch,
+    and every batch in replica-invariant mode (its write-back recognises combined values by
+    identity, which a scan's carry does not keep), run unrolled, as before."""
+
+    def steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
+        ctx = get_replica_context()
+        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
+        objects = (module, optimizer, metrics, tracker, loss_scale)
+        saved = ctx.peek_batch_mask()
+        results: list = []
+        try:
+            for run in _runs(batches, masks, scan=not ctx.strategy.replica_invariant):
+                if len(run) == 1 or not _scannable(objects):
+                    for batch, mask in run:
+                        ctx.batch_mask = mask
+                        results.append(step(*objects, batch))
+                else:
+                    results.extend(_scanned(step, objects, run, ctx))
+        finally:
+            ctx.batch_mask = saved
+        return tuple(results)
+
+    steps.__name__ = f"{getattr(step, '__name__', 'step')}s"
+    return steps
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _runs(batches, masks, scan: bool) -> list:
+    """The (batch, mask) pairs cut into runs of consecutive pairs of one signature (each pair a
+    run of its own without `scan`)."""
+    runs: list = []
+    last = None
+    for pair in zip(batches, masks):
+        signature = _signature(pair) if scan else None
+        if runs and scan and signature == last:
+            runs[-1].append(pair)
+        else:
+            runs.append([pair])
+        last = signature
+    return runs
+
+
+def _scannable(objects) -> bool:
+    """Whether every leaf of the objects' state is an array (a scan's carry can hold nothing
+    else)."""
+    return all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(objects)))
+
+
+def _scanned(step, objects, run, ctx) -> list:
+    """`step(*objects, batch)` for each (batch, mask) of `run` as one `jax.lax.scan` (called
+    by attribute, so `scan_carry` can make a carry that turns per-replica start so); the
+    objects hold the last step's state after it. Returns each step's result."""
+    graphdef, state = nnx.split(objects)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
+
+    def body(carry, pair):
+        batch, mask = pair
+        copies = nnx.merge(graphdef, carry)
+        ctx.batch_mask = mask
+        result = step(*copies, batch)
+        return nnx.state(copies), result
+
+    final, results = jax.lax.scan(body, state, stacked)
+    nnx.update(objects, final)
+    return [jax.tree.map(lambda a, i=i: a[i], results) for i in range(len(run))]
+
+
+def groups(batches, size: int):
+    """Consecutive groups of `size` batches (the last may be shorter)."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def mask_of(batch):
+    """The (num_replicas, rows) mask array shared by a distributed batch's leaves."""
+    return next(
+        leaf
+        for leaf in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, PerReplica))
+        if isinstance(leaf, PerReplica)
+    ).mask

@@ -1,0 +1,108 @@
+"""`compile(steps_per_execution=k)` as one `jax.lax.scan` over the k batches of a call
+(training/multi_step.py, `make_multi_step`): traced once whatever k, and the same training, state
+and outputs as one step per call (tests/test_training_model.py has the hooks and the rows)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrax
+from tests.conftest import mirrored
+
+
+class DropoutBatchNormMLP(nnx.Module):
+    """Every kind of state a scan's carry must thread: parameters, batch statistics, the
+    dropout stream's key and count, the optimizer's momentum, the metrics and the loss tracker."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(6, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(nnx.relu(self.norm(self.hidden(x)))))
+
+
+def _data(n=100):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((n, 6)).astype(np.float32)
+    return x, (np.arange(n) % 3).astype(np.int32)
+
+
+def _model(strategy, k, model_cls=mirrax.Model):
+    with strategy.scope():
+        model = model_cls(DropoutBatchNormMLP(nnx.Rngs(0, dropout=1)))
+        model.compile(
+            optax.sgd(0.1, momentum=0.9),
+            mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=k,
+        )
+    return model
+
+
+def _leaves(model):
+    """Every leaf of the module's and the optimizer's state, as NumPy (keys as their data)."""
+
+    def host(a):
+        return np.asarray(
+            jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+        )
+
+    return [host(a) for a in jax.tree.leaves(nnx.state((model.module, model.optimizer.nnx_optimizer)))]
+
+
+def test_k_steps_train_evaluate_and_predict_as_one_step_at_a_time():
+    # 100 examples at batch 8: 12 full batches and one of 4. With k=5 the calls hold batches
+    # 0-4, 5-9 and 10-12, one scan each (the partial batch is padded to the same shapes; its
+    # mask marks its rows: 4 on replica 0, none on replica 1).
+    x, y = _data()
+    runs = []
+    for k in (1, 5):
+        model = _model(mirrored(2), k)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+        runs.append((history.history, logs, model.predict(x, batch_size=8, verbose=0), _leaves(model)))
+    (history_1, logs_1, predicted_1, state_1), (history_k, logs_k, predicted_k, state_k) = runs
+    # The same values summed in the same order, in a scan's body or in one straight program:
+    # equal to float32 rounding (XLA compiles the body on its own and may fuse it otherwise).
+    assert history_1.keys() == history_k.keys() and logs_1.keys() == logs_k.keys()
+    for key in history_1:
+        np.testing.assert_allclose(history_k[key], history_1[key], rtol=1e-5, err_msg=key)
+    for key in logs_1:
+        assert logs_k[key] == pytest.approx(logs_1[key], rel=1e-5), key
+    assert predicted_k.shape == predicted_1.shape == (100, 3)
+    np.testing.assert_allclose(predicted_k, predicted_1, rtol=1e-5, atol=1e-6)
+    # Every leaf: parameters, the momentum, batch statistics within rounding; the dropout
+    # stream's count exactly (26 steps drew 26 masks either way: the count rode the carry, or
+    # every step of a scan would have reused the first one's key and differed by far more).
+    assert len(state_k) == len(state_1)
+    for mine, reference in zip(state_k, state_1):
+        if np.issubdtype(mine.dtype, np.floating):
+            np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(mine, reference)
+
+
+def test_the_step_is_traced_as_often_for_k_32_as_for_k_4():
+    # Unrolled, a call of k steps traced the step k times (and compiled k copies); as a scan
+    # it traces the body the same number of times whatever k. 64 examples at batch 2 over
+    # 2 replicas: 32 batches, one call at k=32, eight at k=4, all full.
+    traces = []
+
+    class Counting(mirrax.Model):
+        def train_step(self, data):
+            traces[-1] += 1
+            return super().train_step(data)
+
+    x, y = _data(64)
+    losses = []
+    for k in (4, 32):
+        model = _model(mirrored(2), k, Counting)
+        traces.append(0)
+        losses.append(model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history["loss"])
+    assert traces[0] == traces[1] > 0
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)  # the same 32 steps
