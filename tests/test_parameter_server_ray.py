@@ -574,52 +574,34 @@ def test_backup_and_restore_resumes_fit_where_the_backup_left_off(small, tmp_pat
     # the weights of that backup, as under MirroredStrategy (the loop used to start again at 0).
     strategy, _ = small
     x = np.linspace(-1, 1, 32, dtype=np.float32)[:, None]
-    weights_at = {}
+    weights_at, begun = {}, []
 
-    def make():
+    def fit(**hooks):
         with strategy.scope():
             model = mirrax.Model(Line())
             model.compile(optimizer="sgd", loss="mse")
-        return model
+        callbacks = [
+            mirrax.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+            mirrax.callbacks.LambdaCallback(
+                **{k: lambda e, logs, f=f: f(model, e) for k, f in hooks.items()}
+            ),
+        ]
+        return model.fit(
+            x, 3 * x + 2, batch_size=8, epochs=4, steps_per_epoch=2, verbose=0, callbacks=callbacks
+        )
 
-    def interrupt(epoch, logs):
+    def interrupt(model, epoch):
         if epoch == 1:
-            weights_at["backup"] = first.get_weights()
+            weights_at["backup"] = model.get_weights()
             raise RuntimeError("interrupted")
 
-    first = make()
-    backup = str(tmp_path / "backup")
-    with pytest.raises(RuntimeError, match="interrupted"):
-        first.fit(
-            x,
-            3 * x + 2,
-            batch_size=8,
-            epochs=4,
-            steps_per_epoch=2,
-            verbose=0,
-            callbacks=[
-                mirrax.callbacks.BackupAndRestore(backup),
-                mirrax.callbacks.LambdaCallback(on_epoch_end=interrupt),
-            ],
-        )
-    resumed, begun = make(), []
-
-    def record(epoch, logs):
+    def record(model, epoch):
         begun.append(epoch)
-        weights_at.setdefault("resumed", resumed.get_weights())
+        weights_at.setdefault("resumed", model.get_weights())
 
-    history = resumed.fit(
-        x,
-        3 * x + 2,
-        batch_size=8,
-        epochs=4,
-        steps_per_epoch=2,
-        verbose=0,
-        callbacks=[
-            mirrax.callbacks.BackupAndRestore(backup),
-            mirrax.callbacks.LambdaCallback(on_epoch_begin=record),
-        ],
-    )
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(on_epoch_end=interrupt)
+    history = fit(on_epoch_begin=record)
     assert begun == [2, 3] and len(history.history["loss"]) == 2
     for restored, saved in zip(weights_at["resumed"], weights_at["backup"]):
         np.testing.assert_array_equal(restored, saved)
