@@ -1,8 +1,9 @@
 """`compile(steps_per_execution=k)` as one `jax.lax.scan` over the k batches of a call
-(training/multi_step.py, `make_multi_step`): traced once whatever k, and the same training, state
+(training/multi_step.py, `make_multi_step`): compiled once whatever k, and the same training, state
 and outputs as one step per call (tests/test_training_model.py has the hooks and the rows)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -106,3 +107,39 @@ def test_the_step_is_traced_as_often_for_k_32_as_for_k_4():
         losses.append(model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history["loss"])
     assert traces[0] == traces[1] > 0
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)  # the same 32 steps
+
+
+@pytest.mark.parametrize("change", ["new variable", "int32 to float32"])
+def test_a_step_that_changes_the_state_s_structure_or_types_runs_unrolled(change):
+    # A scan's carry keeps its structure and types; a step that adds a variable on its first
+    # trace, or turns an int32 count into a float32 one, runs its k batches unrolled instead
+    # (as before the scan), and trains as k=1: 40 examples at batch 8 = 5 steps per epoch, 2
+    # epochs = 10 steps, so the added counter reaches 10 and the count 10 x 0.5 = 5.0.
+    class Counting(mirrax.Model):
+        def train_step(self, data):
+            super().train_step(data)
+            module = self.module
+            if change == "new variable":
+                if not hasattr(module, "steps_seen"):
+                    module.steps_seen = nnx.BatchStat(jnp.zeros((), jnp.int32))
+                module.steps_seen[...] += 1
+            else:
+                module.count.set_value(module.count.get_value() + 0.5)
+
+    x, y = _data(40)
+    for k in (1, 2):
+        with mirrored(2).scope():
+            module = DropoutBatchNormMLP(nnx.Rngs(0, dropout=1))
+            module.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+            model = Counting(module)
+            model.compile(
+                optax.sgd(0.1),
+                mirrax.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=k,
+            )
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        if change == "new variable":
+            assert int(model.module.steps_seen[...]) == 10, k
+        else:
+            count = model.module.count.get_value()
+            assert (float(count), count.dtype) == (5.0, jnp.float32), k

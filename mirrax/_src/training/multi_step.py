@@ -45,10 +45,11 @@ def make_multi_step(step):
 
     Consecutive batches of one signature (structure, shapes and dtypes: every batch of a call,
     typically, a partial one padded to the same shapes) run as ONE `jax.lax.scan` over them
-    stacked, the objects' state its carry: the step is traced and compiled once whatever k,
-    where Keras unrolls k copies (compile time and program size grow with k). A lone batch,
-    and every batch in replica-invariant mode (its write-back recognises combined values by
-    identity, which a scan's carry does not keep), run unrolled, as before."""
+    stacked, the objects' state its carry: the step is compiled once whatever k (and traced a
+    fixed number of times), where Keras unrolls k copies (compile time and program size grow
+    with k). A lone batch, a step that changes the state's structure or types, and every batch
+    in replica-invariant mode (its write-back recognises combined values by identity, which a
+    scan's carry does not keep) run unrolled, as before."""
 
     def steps(module, optimizer, metrics, tracker, loss_scale, batches, masks):
         ctx = get_replica_context()
@@ -58,12 +59,13 @@ def make_multi_step(step):
         results: list = []
         try:
             for run in _runs(batches, masks, scan=not ctx.strategy.replica_invariant):
-                if len(run) == 1 or not _scannable(objects):
+                scanned = _scanned(step, objects, run, ctx) if len(run) > 1 and _scannable(objects) else None
+                if scanned is None:
                     for batch, mask in run:
                         ctx.batch_mask = mask
                         results.append(step(*objects, batch))
                 else:
-                    results.extend(_scanned(step, objects, run, ctx))
+                    results.extend(scanned)
         finally:
             ctx.batch_mask = saved
         return tuple(results)
@@ -98,10 +100,13 @@ def _scannable(objects) -> bool:
     return all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(objects)))
 
 
-def _scanned(step, objects, run, ctx) -> list:
+def _scanned(step, objects, run, ctx) -> list | None:
     """`step(*objects, batch)` for each (batch, mask) of `run` as one `jax.lax.scan` (called
     by attribute, so `scan_carry` can make a carry that turns per-replica start so); the
-    objects hold the last step's state after it. Returns each step's result."""
+    objects hold the last step's state after it. Returns each step's result, or None, with
+    the objects untouched, for a step that changes the state's structure or types (creates a
+    variable, turns an int32 count into a float): a scan's carry cannot, so the caller runs
+    those steps unrolled, as before."""
     graphdef, state = nnx.split(objects)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
 
@@ -112,9 +117,22 @@ def _scanned(step, objects, run, ctx) -> list:
         result = step(*copies, batch)
         return nnx.state(copies), result
 
-    final, results = jax.lax.scan(body, state, stacked)
+    try:
+        final, results = jax.lax.scan(body, state, stacked)
+    except TypeError:
+        # The body ran on copies merged from the scan's own carry: nothing reached `objects`.
+        first = jax.tree.map(lambda a: a[0], stacked)
+        if _types(jax.eval_shape(body, state, first)[0]) != _types(jax.eval_shape(lambda s: s, state)):
+            return None
+        raise
     nnx.update(objects, final)
     return [jax.tree.map(lambda a, i=i: a[i], results) for i in range(len(run))]
+
+
+def _types(shapes) -> tuple:
+    """The structure and each leaf's (shape, dtype, weak type) of a pytree of ShapeDtypeStructs."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    return treedef, tuple((x.shape, x.dtype, x.weak_type) for x in leaves)
 
 
 def groups(batches, size: int):
