@@ -175,16 +175,40 @@ def test_imports_sit_at_the_top_except_the_documented_lazy_ones():
     assert stale == [], "entries of _LAZY_OK that match no function-level import any more"
 
 
+# training/ files still over the 400 lines issue 30 sets for that room, each at most its count
+# here: the list may only shrink (a file that gets under 400 must leave it, and no file may grow).
+_TRAINING_OVER_400 = {
+    "mirrax/_src/training/arguments.py": 465,
+    "mirrax/_src/training/data_adapter.py": 434,
+    "mirrax/_src/training/keras_models.py": 478,
+    "mirrax/_src/training/losses.py": 484,
+    "mirrax/_src/training/metrics.py": 479,
+    "mirrax/_src/training/model.py": 473,
+}
+
+
+def room_limit(relative: str) -> int:
+    """distribute/ (the runtime): 450 lines per file; training/: 400, or the file's
+    `_TRAINING_OVER_400` count; the rest of mirrax/_src: 500."""
+    if "/distribute/" in relative:
+        return 450
+    if relative.startswith("mirrax/_src/training/"):
+        return _TRAINING_OVER_400.get(relative, 400)
+    return 500
+
+
 def test_rooms_are_bounded():
-    """distribute/ (the runtime): <= 450 lines per file; the rest of mirrax/_src: <= 500."""
-    over = []
+    over, stale = [], []
     for path in sorted((PACKAGE / "_src").rglob("*.py")):
         relative = str(path.relative_to(ROOT))
-        limit = 450 if "/distribute/" in relative else 500
         lines = len(path.read_text().splitlines())
-        if lines > limit:
-            over.append(f"{relative}: {lines} > {limit}")
+        if lines > room_limit(relative):
+            over.append(f"{relative}: {lines} > {room_limit(relative)}")
+        if relative in _TRAINING_OVER_400 and lines <= 400:
+            stale.append(f"{relative}: {lines} lines, under 400: remove it from _TRAINING_OVER_400")
     assert over == []
+    assert stale == []
+    assert all((ROOT / relative).exists() for relative in _TRAINING_OVER_400)
 
 
 def test_lines_are_no_longer_than_ruffs_line_length():
@@ -194,6 +218,14 @@ def test_lines_are_no_longer_than_ruffs_line_length():
 
 
 # -- each check catches what it should -----------------------------------------------------------
+
+
+def test_room_limits_are_the_ones_the_layout_sets():
+    assert room_limit("mirrax/_src/distribute/run/runner.py") == 450
+    assert room_limit("mirrax/_src/training/new_room.py") == 400
+    assert room_limit("mirrax/_src/training/callbacks/new_callback.py") == 400
+    assert room_limit("mirrax/_src/training/model.py") == _TRAINING_OVER_400["mirrax/_src/training/model.py"]
+    assert room_limit("mirrax/_src/checkpointing/checkpoint.py") == 500
 
 
 def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
