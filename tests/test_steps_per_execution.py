@@ -2,6 +2,8 @@
 (training/multi_step.py, `make_multi_step`): compiled once whatever k, and the same training, state
 and outputs as one step per call (tests/test_training_model.py has the hooks and the rows)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +145,31 @@ def test_a_step_that_changes_the_state_s_structure_or_types_runs_unrolled(change
         else:
             count = model.module.count.get_value()
             assert (float(count), count.dtype) == (5.0, jnp.float32), k
+
+
+def test_a_step_that_never_reads_the_mask_is_warned_about_a_partial_batch_in_any_call():
+    # 44 examples at batch 8 over 2 replicas: 5 full batches and one of 4 (2 rows on each
+    # replica, padded to 4). A hand-written mean over the rows counts the padding; at k=3 the
+    # partial batch is the third of the second call, and the warning names it as at k=1.
+    class UnmaskedMean(mirrax.Model):
+        def train_step(self, data):
+            x, y = data
+
+            def loss_fn(module):
+                return optax.softmax_cross_entropy_with_integer_labels(module(x), y).sum() / 8.0
+
+            loss, grads = mirrax.value_and_grad(loss_fn)(self.module)
+            self.optimizer.nnx_optimizer.update(self.module, grads)
+
+    x, y = _data(44)
+    for k in (1, 3):
+        with mirrored(2).scope():
+            model = UnmaskedMean(DropoutBatchNormMLP(nnx.Rngs(0, dropout=1)))
+            model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy", steps_per_execution=k)
+        with pytest.warns(
+            mirrax.PaddedBatchWarning,
+            match=re.escape(
+                "on a partial batch of 4 examples over 2 replicas (per replica [2, 2]), padded to 4"
+            ),
+        ):
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

@@ -123,6 +123,9 @@ class Call:
       nodes: the distinct NNX objects, in order of first appearance.
       dynamic: the arrays that enter the program (sharded and replicated), flat.
       mask, lengths: the first masked `PerReplica`'s batch mask and per-replica lengths.
+      shortest: the per-replica lengths of the masked `PerReplica` with the fewest real rows on
+        a replica (`lengths` but for several batches in one call: steps_per_execution), which
+        the padding warning reads.
       names: human names of the leaves, for messages.
     """
 
@@ -136,18 +139,37 @@ class Call:
         "dynamic",
         "mask",
         "lengths",
+        "shortest",
         "names",
         "array_positions",
     )
 
     def __init__(
-        self, fn, fn_node, fn_key, treedef, slots, nodes, dynamic, mask, lengths, names, array_positions
+        self,
+        fn,
+        fn_node,
+        fn_key,
+        treedef,
+        slots,
+        nodes,
+        dynamic,
+        mask,
+        lengths,
+        shortest,
+        names,
+        array_positions,
     ):
         self.fn, self.fn_node, self.fn_key, self.treedef = fn, fn_node, fn_key, treedef
         self.slots, self.nodes, self.dynamic = slots, nodes, dynamic
-        self.mask, self.lengths, self.names = mask, lengths, names
+        self.mask, self.lengths, self.shortest, self.names = mask, lengths, shortest, names
         # (position in `dynamic`, leaf index) of each plain array, placed by the runner
         self.array_positions = array_positions
+
+
+def _fewer_rows(lengths, than) -> bool:
+    """Whether per-replica `lengths` leave a replica with fewer rows than `than` do (both
+    known; the same lengths object, as every leaf of one batch shares, is not fewer)."""
+    return lengths is not None and than is not None and lengths is not than and min(lengths) < min(than)
 
 
 def classify(strategy, fn, args, kwargs) -> Call:
@@ -170,7 +192,7 @@ def classify(strategy, fn, args, kwargs) -> Call:
     nodes: list = []
     node_index: dict = {}
     slots, dynamic, array_positions = [], [], []
-    mask, lengths = None, None
+    mask, lengths, shortest = None, None, None
     for i, leaf in enumerate(leaves):
         if is_graph_node(leaf):
             index = node_index.get(id(leaf))
@@ -191,8 +213,11 @@ def classify(strategy, fn, args, kwargs) -> Call:
             value_leaves, value_def = jax.tree.flatten(value)
             slots.append(_value_slot(ShardedSlot, value_def, len(value_leaves)))
             dynamic.extend(value_leaves)
-            if mask is None and leaf.mask is not None:
-                mask, lengths = leaf.mask, leaf.lengths
+            if leaf.mask is not None:
+                if mask is None:
+                    mask, lengths, shortest = leaf.mask, leaf.lengths, leaf.lengths
+                elif _fewer_rows(leaf.lengths, shortest):
+                    shortest = leaf.lengths
         elif isinstance(leaf, Mirrored):
             check_owner(strategy, leaf, names, i)
             value_leaves, value_def = jax.tree.flatten(leaf.replicated)
@@ -229,7 +254,18 @@ def classify(strategy, fn, args, kwargs) -> Call:
     else:
         fn_key = fn
     return Call(
-        fn, fn_node, fn_key, treedef, tuple(slots), nodes, dynamic, mask, lengths, names, array_positions
+        fn,
+        fn_node,
+        fn_key,
+        treedef,
+        tuple(slots),
+        nodes,
+        dynamic,
+        mask,
+        lengths,
+        shortest,
+        names,
+        array_positions,
     )
 
 

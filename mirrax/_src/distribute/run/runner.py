@@ -135,7 +135,7 @@ class Runner:
     def run(self, fn, args, kwargs):
         """Implements `Strategy.run` (validated there)."""
         program, binding, call, state_leaves, batch_info, written = self._prepare(fn, args, kwargs)
-        if program.sums_padding and not program.padding_warned and call.lengths is not None:
+        if program.sums_padding and not program.padding_warned and call.shortest is not None:
             _warn_if_padded(program, call)
         if program.donates:
             state_leaves = self._protect_aliases(binding, state_leaves, written)
@@ -421,16 +421,16 @@ def _retrace_key(fn):
 def _warn_if_padded(program, call) -> None:
     """Warns, once per program and before it runs, when a step that never reads the batch mask
     is given a batch with padding rows (docs/design.md, "Input")."""
-    rows = program.batch_rows
-    if min(call.lengths) == rows:
+    rows, lengths = program.batch_rows, call.shortest
+    if min(lengths) == rows:
         return
     program.padding_warned = True
     name = arguments.fn_name(call.fn)
-    replicas = len(call.lengths)
+    replicas = len(lengths)
     warnings.warn(
         errors.PaddedBatchWarning(
-            f"strategy.run: {name} runs on a partial batch of {sum(call.lengths)} examples over "
-            f"{replicas} replicas (per replica {list(call.lengths)}), padded to {rows} rows per "
+            f"strategy.run: {name} runs on a partial batch of {sum(lengths)} examples over "
+            f"{replicas} replicas (per replica {list(lengths)}), padded to {rows} rows per "
             "replica with copies of a real example so that every replica has the same shape; "
             f"{name} never reads the batch mask, so its sums and means over the batch (e.g. "
             "jnp.sum(loss) / GLOBAL_BATCH_SIZE, a metric's update) and its state updates count "
