@@ -46,7 +46,7 @@ def check_count(what: str, name: str, value, minimum: int = 1, allow_none: bool 
     if value < minimum:
         raise errors.InvalidArgumentError(
             f"{what}: {name} must be >= {minimum}; received {name}={value!r}."
-            + (" Pass None for the default." if allow_none else "")
+            + (" Pass None for the default." if allow_none else f" Pass a whole number >= {minimum}.")
         )
     return int(value)
 

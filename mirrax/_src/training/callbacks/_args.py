@@ -19,7 +19,10 @@ def count(owner: str, name: str, value, minimum: int = 0) -> int:
             f"a whole number >= {minimum}."
         )
     if value < minimum:
-        raise errors.InvalidArgumentError(f"{owner}: {name} must be >= {minimum}; received {name}={value!r}.")
+        raise errors.InvalidArgumentError(
+            f"{owner}: {name} must be >= {minimum}; received {name}={value!r}. Pass a whole "
+            f"number >= {minimum}."
+        )
     return int(value)
 
 
