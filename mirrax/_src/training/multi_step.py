@@ -8,7 +8,6 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from mirrax._src.distribute.current import get_replica_context
@@ -74,19 +73,23 @@ def make_multi_step(step):
     return steps
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+def _types(tree) -> tuple:
+    """The structure of `tree` (arrays, tracers or ShapeDtypeStructs) and each leaf's (shape,
+    dtype, weak type): what a scan's stacked inputs must share, and its carry must keep."""
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda t: t, tree))
+    return treedef, tuple((x.shape, x.dtype, x.weak_type) for x in leaves)
 
 
 def _runs(batches, masks, scan: bool) -> list:
     """The (batch, mask) pairs cut into runs of consecutive pairs of one signature (each pair a
     run of its own without `scan`)."""
+    if not scan:
+        return [[pair] for pair in zip(batches, masks)]
     runs: list = []
     last = None
     for pair in zip(batches, masks):
-        signature = _signature(pair) if scan else None
-        if runs and scan and signature == last:
+        signature = _types(pair)
+        if runs and signature == last:
             runs[-1].append(pair)
         else:
             runs.append([pair])
@@ -122,17 +125,11 @@ def _scanned(step, objects, run, ctx) -> list | None:
     except TypeError:
         # The body ran on copies merged from the scan's own carry: nothing reached `objects`.
         first = jax.tree.map(lambda a: a[0], stacked)
-        if _types(jax.eval_shape(body, state, first)[0]) != _types(jax.eval_shape(lambda s: s, state)):
+        if _types(jax.eval_shape(body, state, first)[0]) != _types(state):
             return None
         raise
     nnx.update(objects, final)
     return [jax.tree.map(lambda a, i=i: a[i], results) for i in range(len(run))]
-
-
-def _types(shapes) -> tuple:
-    """The structure and each leaf's (shape, dtype, weak type) of a pytree of ShapeDtypeStructs."""
-    leaves, treedef = jax.tree.flatten(shapes)
-    return treedef, tuple((x.shape, x.dtype, x.weak_type) for x in leaves)
 
 
 def groups(batches, size: int):
