@@ -608,6 +608,51 @@ def test_backup_and_restore_resumes_fit_where_the_backup_left_off(small, tmp_pat
     assert not (tmp_path / "backup").exists()  # a fit that ends removes its backup (Keras)
 
 
+def test_the_fit_loop_is_the_same_under_parameter_server_and_mirrored_strategy(small):
+    # One loop over both executors: initial_epoch, steps_per_execution, validation_freq and a
+    # stop_training set by a callback mid-epoch do the same under either strategy. Epochs 1-4
+    # of 3 steps in calls of 2 steps (batch ends 1 and 2); the stop at epoch 3's first call
+    # ends that epoch after it, yet its validation still runs, as Keras's (epochs 1 and 3:
+    # (epoch + 1) % 2 == 0).
+    strategy, _ = small
+    x = np.linspace(-1, 1, 24, dtype=np.float32)[:, None]  # 3 batches of 8
+
+    def run(strategy):
+        seen = []
+
+        def batch_end(batch, logs, model):
+            seen.append((epochs_begun[-1], batch))
+            if epochs_begun[-1] == 3:
+                model.stop_training = True
+
+        epochs_begun: list = []
+        with strategy.scope():
+            model = mirrax.Model(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        callback = mirrax.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: epochs_begun.append(epoch),
+            on_train_batch_end=lambda batch, logs: batch_end(batch, logs, model),
+        )
+        history = model.fit(
+            x, 3 * x + 2, batch_size=8, epochs=5, initial_epoch=1, steps_per_epoch=3,
+            validation_data=(x, 3 * x + 2), validation_freq=2, verbose=0, callbacks=[callback],
+        )  # fmt: skip
+        return epochs_begun, seen, {k: len(v) for k, v in history.history.items()}
+
+    expected = (
+        [1, 2, 3],
+        [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)],
+        {"loss": 3, "val_loss": 2, "learning_rate": 3},
+    )
+    assert run(strategy) == expected
+    assert run(mirrax.MirroredStrategy(["cpu:0"])) == expected
+    with strategy.scope():
+        model = mirrax.Model(Line())
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(errors.InvalidArgumentError, match="validation_batch_size=4 was given without"):
+        model.fit(x, x, batch_size=8, steps_per_epoch=2, validation_batch_size=4)
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 

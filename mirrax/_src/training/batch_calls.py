@@ -12,7 +12,7 @@ import jax
 from mirrax import errors
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
-from mirrax._src.training import array_inputs, data_adapter, loops
+from mirrax._src.training import array_inputs, data_adapter, fit_arguments, local_executor
 from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import steps as steps_lib
 
@@ -68,12 +68,12 @@ class BatchCalls:
 
 def _train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_dict):
     """`Model.train_on_batch` (its arguments, docs and errors there)."""
-    class_weight = loops.class_weight_of(compiled, "train_on_batch", class_weight, sample_weight)
+    class_weight = fit_arguments.class_weight_of(compiled, "train_on_batch", class_weight, sample_weight)
     data = one_batch(model, compiled, "train_on_batch", x, y, sample_weight, class_weight)
     return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
     logs_lib.reset_metrics(model, compiled)
     model.module.train()
-    state = loops.train_objects(model, compiled)
+    state = local_executor.train_objects(model, compiled)
     for batch in data.batches():
         model.distribute_strategy.run(compiled.train_fn, args=state + (batch,))
     model.module.eval()
@@ -150,7 +150,7 @@ def _make_train_function(model, compiled):
 
     def objects():
         model.module.train()  # as Keras's training=True, whatever ran before (a test function)
-        return loops.train_objects(model, compiled)
+        return local_executor.train_objects(model, compiled)
 
     return _batch_function(model, "train_function", compiled.train_fn, objects)
 

@@ -7,7 +7,9 @@ the caller's objects hold the current values after every step (no separate sync 
 callbacks that read or write the model). Batches are global batches split by the strategy's
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
-The rooms: the loops in loops.py (the one-batch calls in batch_calls.py, the logs in logs.py),
+The rooms: the loops in loops.py over the executors of local_executor.py and
+parameter_server_loops.py, fit's arguments in fit_arguments.py (the one-batch calls in
+batch_calls.py, the logs in logs.py),
 the steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py,
 argument checks in arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
 methods in model_weights.py).
@@ -26,6 +28,7 @@ from mirrax._src.training import (
     batch_calls,
     keras_models,
     keras_objects,
+    local_executor,
     loops,
     metric_registry,
     mixed_precision,
@@ -35,8 +38,8 @@ from mirrax._src.training import (
 from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import outputs as outputs_lib
-from mirrax._src.training import parameter_server_loops as ps_loops
 from mirrax._src.training import steps as steps_lib
+from mirrax._src.training.fit_arguments import FitArguments
 
 
 class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchCalls):
@@ -303,28 +306,27 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         """
         self._check_compiled("fit")
         keras_models.before_fit(self.module)
-        fit = ps_loops.fit if ps_loops.is_parameter_server(self.distribute_strategy) else loops.fit
+        args = FitArguments.checked(
+            self._compiled,
+            x=x,
+            y=y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            validation_split=validation_split,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            sample_weight=sample_weight,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        )
         try:
-            return fit(
-                self,
-                self._compiled,
-                x,
-                y,
-                batch_size,
-                epochs,
-                verbose,
-                callbacks,
-                validation_split,
-                validation_data,
-                shuffle,
-                class_weight,
-                sample_weight,
-                initial_epoch,
-                steps_per_epoch,
-                validation_steps,
-                validation_batch_size,
-                validation_freq,
-            )
+            return loops.fit(self, self._compiled, args)
         finally:
             if isinstance(self.module, keras_models.KerasModule):
                 self.module.write_to_keras()
@@ -357,9 +359,9 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
           shapes that do not fit the model. EmptyDatasetError: the input yields no batch.
         """
         self._check_compiled("evaluate")
-        return (
-            ps_loops.evaluate if ps_loops.is_parameter_server(self.distribute_strategy) else loops.evaluate
-        )(self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict)
+        return loops.evaluate(
+            self, self._compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict
+        )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """The module's outputs for every example, in input order, as NumPy (as `keras.Model.predict`).
@@ -378,8 +380,6 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         """
         self._check_scope("predict")
         strategy = self.distribute_strategy or self._scope_strategy or get_strategy()
-        if ps_loops.is_parameter_server(strategy):
-            strategy = ps_loops.predict_strategy(strategy)
         compiled = self._compiled
         step_fn = (
             (self._uncompiled_predict_fn, 1, self._uncompiled_checked)
@@ -470,4 +470,4 @@ def train_call(model: Model, what: str) -> tuple:
     model._check_compiled(what)
     compiled = model._compiled
     assert compiled is not None  # _check_compiled raised otherwise
-    return compiled.train_fn, loops.train_objects(model, compiled)
+    return compiled.train_fn, local_executor.train_objects(model, compiled)

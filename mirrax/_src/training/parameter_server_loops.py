@@ -1,6 +1,7 @@
-"""`Model.fit`, `evaluate` and `predict` under a ParameterServerStrategy: each training step
-(or `steps_per_execution` steps) is one function scheduled on a free worker, which reads its
-own dataset; evaluation batches are dealt out by the coordinator, one group per function,
+"""`Model.fit`'s executor, `evaluate` and `predict` under a ParameterServerStrategy: each
+training step (or `steps_per_execution` steps) is one function scheduled on a free worker,
+which reads its own dataset (the loop around them is `loops.fit`, shared with this process's
+executor); evaluation batches are dealt out by the coordinator, one group per function,
 and every group's metric sums are added once on the coordinator, so each evaluation example
 counts exactly once even when a function runs twice (TF's visitation guarantee)."""
 
@@ -109,104 +110,103 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
     return dataset_fn
 
 
-def fit(
-    model,
-    compiled,
-    x,
-    y,
-    batch_size,
-    epochs,
-    verbose,
-    callbacks,
-    validation_split,
-    validation_data,
-    shuffle,
-    class_weight,
-    sample_weight,
-    initial_epoch,
-    steps_per_epoch,
-    validation_steps,
-    validation_batch_size,
-    validation_freq,
-):
-    """`Model.fit` under a ParameterServerStrategy (docs/parameter_server.md, "fit")."""
-    if steps_per_epoch is None:
-        raise errors.InvalidArgumentError(
-            "fit under ParameterServerStrategy needs steps_per_epoch (as TF): the workers read "
-            "their own endless datasets, so an epoch is a number of steps. Pass e.g. "
-            "steps_per_epoch=len(x_train) // global_batch_size."
-        )
-    steps_per_epoch = checks.check_count("fit", "steps_per_epoch", steps_per_epoch)
-    epochs, initial_epoch, verbose, shuffle = checks.check_fit_counts(epochs, initial_epoch, verbose, shuffle)
-    validation_freq = checks.check_count("fit", "validation_freq", validation_freq)
-    validation_split = checks.check_fraction("fit", "validation_split", validation_split)
-    if class_weight is not None:
-        raise errors.UnsupportedArgumentError(
-            "fit: class_weight is not supported under ParameterServerStrategy; pass "
-            "per-example sample weights in the batches instead."
-        )
-    x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
-    if validation_split and validation_data is None:
-        if not array_inputs.is_arrays(x):
+class ParameterServerExecutor:
+    """Runs `fit`'s epochs on the workers of a ParameterServerStrategy, for `loops.fit`: each
+    call of `steps_per_execution` steps is one function scheduled on a free worker, which
+    reads its own dataset (docs/parameter_server.md, "fit").
+
+    Args:
+      model: the compiled `mirrax.Model`; compiled: its `CompiledState`.
+      args: the `FitArguments`.
+
+    Raises:
+      InvalidArgumentError: no steps_per_epoch (as TF: the workers' datasets are endless).
+      UnsupportedArgumentError: class_weight, or an x the workers cannot read.
+    """
+
+    batch_logs = False  # a batch's logs would wait for its step (docs/parameter_server.md)
+
+    def __init__(self, model, compiled, args):
+        if args.steps_per_epoch is None:
             raise errors.InvalidArgumentError(
-                "fit: validation_split needs NumPy array inputs; pass validation_data= instead."
+                "fit under ParameterServerStrategy needs steps_per_epoch (as TF): the workers "
+                "read their own endless datasets, so an epoch is a number of steps. Pass e.g. "
+                "steps_per_epoch=len(x_train) // global_batch_size."
             )
-        x, y, sample_weight, validation_data = array_inputs.split_validation(
-            x, y, sample_weight, validation_split
-        )
-    coordinator = ClusterCoordinator(model.distribute_strategy)
-    iterator = iter(
-        coordinator.create_per_worker_dataset(
-            _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle)
-        )
-    )
-    steps = Steps(model, compiled)
-    cbs = callbacks_lib.CallbackList(
-        callbacks,
-        add_history=True,
-        add_progbar=verbose != 0,
-        model=model,
-        verbose=verbose,
-        epochs=epochs,
-        steps=steps_per_epoch,
-    )
-    cbs.set_params(
-        dict(
-            cbs.params, metrics=logs_lib.log_keys(model, compiled, validation_data is not None, cbs.callbacks)
-        )
-    )
-    model.stop_training = False
-    cbs.on_train_begin()
-    first_epoch, first_step = cbs.fit_start(initial_epoch, epochs, steps_per_epoch)
-    epoch_logs: dict = {}
-    per_call = model.steps_per_execution
-    for epoch in range(first_epoch, epochs):
-        logs_lib.reset_metrics(model, compiled)
-        cbs.on_epoch_begin(epoch)
-        for first in range(first_step if epoch == first_epoch else 0, steps_per_epoch, per_call):
-            count = min(per_call, steps_per_epoch - first)
-            cbs.on_train_batch_begin(first)
-            coordinator.schedule(steps.train, args=(iterator, count))
-            # Batch logs would wait for the step; the hooks get none (docs/parameter_server.md).
-            cbs.on_train_batch_end(first + count - 1, {})
-            if model.stop_training:
-                break
-        coordinator.join()
-        epoch_logs = logs_lib.logs_of(model, compiled)
-        if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            vx, vy, vw = (array_inputs.as_arrays(v) for v in array_inputs.unpack_validation(validation_data))
-            vbatch = validation_batch_size if validation_batch_size is not None else batch_size
-            val_logs = evaluate_loop(
-                model, compiled, steps, vx, vy, vw, vbatch, validation_steps, cbs, "fit(validation_data=...)"
+        if args.class_weight is not None:
+            raise errors.UnsupportedArgumentError(
+                "fit: class_weight is not supported under ParameterServerStrategy; pass "
+                "per-example sample weights in the batches instead."
             )
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        if model.optimizer.has_learning_rate:
-            epoch_logs["learning_rate"] = model.optimizer.learning_rate
-        cbs.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
-    cbs.on_train_end(epoch_logs)
-    return model.history
+        self.model, self.compiled, self.args = model, compiled, args
+        dataset_fn = _train_dataset_fn(
+            model, args.x, args.y, args.sample_weight, args.batch_size, args.shuffle
+        )
+        self.coordinator = ClusterCoordinator(model.distribute_strategy)
+        self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
+        self.steps = Steps(model, compiled)
+        self.steps_per_epoch = args.steps_per_epoch
+        self.validates = args.validation_data is not None
+
+    def begin_epoch(self) -> None:
+        """Before an epoch: nothing here (each worker's function sets training mode)."""
+
+    def groups(self, first_step: int, prefetch: bool):
+        """The epoch's calls from step `first_step` on, as ranges of step indices."""
+        del prefetch  # each worker reads its own dataset
+        per_call, total = self.model.steps_per_execution, self.steps_per_epoch
+        return (range(first, min(first + per_call, total)) for first in range(first_step, total, per_call))
+
+    def run(self, group: range) -> None:
+        """Schedules `len(group)` steps as one function on a free worker (returns at once)."""
+        self.coordinator.schedule(self.steps.train, args=(self.iterator, len(group)))
+
+    def end_epoch(self) -> None:
+        """Waits for every scheduled function (TF's `coordinator.join()` at epoch boundaries)."""
+        self.coordinator.join()
+
+    def validate(self, cbs) -> dict:
+        """The validation data evaluated on the workers (on_test_* hooks of `cbs`); its logs."""
+        vx, vy, vw = self.args.validation_arrays()
+        return evaluate_loop(
+            self.model,
+            self.compiled,
+            self.steps,
+            vx,
+            vy,
+            vw,
+            self.args.validation_batch(),
+            self.args.validation_steps,
+            cbs,
+            "fit(validation_data=...)",
+        )
+
+    def close(self) -> None:
+        """Ends fit (done or raised): the scheduled functions stay the coordinator's."""
+
+    def end_fit(self) -> None:
+        """After fit's last epoch: nothing here (the workers hold their own mode)."""
+
+    @staticmethod
+    def predict_strategy(strategy):
+        """Where `predict` runs under a ParameterServerStrategy: on the coordinator's device, with
+        the parameter servers' current values (read into the model first)."""
+        coordinator = strategy.extended.coordinator
+        if coordinator is not None:
+            coordinator.join()
+        strategy.extended.variable_store.refresh()
+        return default_strategy()
+
+    @staticmethod
+    def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks) -> dict:
+        """`Model.evaluate`'s logs on the workers (the arguments checked by `loops.evaluate`)."""
+        x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
+        cbs = callbacks_lib.CallbackList(
+            callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1, steps=steps
+        )
+        return evaluate_loop(
+            model, compiled, Steps(model, compiled), x, y, sample_weight, batch_size, steps, cbs, "evaluate"
+        )
 
 
 def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
@@ -269,31 +269,3 @@ def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_s
     logs = logs_lib.logs_of(model, compiled)
     cbs.on_test_end(logs)
     return logs
-
-
-def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict):
-    """`Model.evaluate` under a ParameterServerStrategy."""
-    verbose = checks.check_verbose("evaluate", verbose)
-    steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
-    return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
-    x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
-    cbs = callbacks_lib.CallbackList(
-        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1, steps=steps
-    )
-    logs = evaluate_loop(
-        model, compiled, Steps(model, compiled), x, y, sample_weight, batch_size, steps, cbs, "evaluate"
-    )
-    if return_dict:
-        return logs
-    values = list(logs.values())
-    return values[0] if len(values) == 1 else values
-
-
-def predict_strategy(strategy):
-    """Where `predict` runs under a ParameterServerStrategy: on the coordinator's device, with
-    the parameter servers' current values (read into the model first)."""
-    coordinator = strategy.extended.coordinator
-    if coordinator is not None:
-        coordinator.join()
-    strategy.extended.variable_store.refresh()
-    return default_strategy()
