@@ -198,15 +198,15 @@ def test_dropped_checkpoints_leave_no_trace(tmp_path):
         (
             {"max_to_keep": 0},
             mirrax.errors.InvalidArgumentError,
-            "max_to_keep must be >= 1 or None; received 0",
+            "max_to_keep must be >= 1 or None; received max_to_keep=0",
         ),
         (
             {"max_to_keep": "3"},
             mirrax.errors.InvalidArgumentTypeError,
-            "max_to_keep must be an int or None; received '3'",
+            "max_to_keep must be an int or None; received str '3'",
         ),
-        ({"max_to_keep": 2.5}, mirrax.errors.InvalidArgumentTypeError, "received 2.5 of type float"),
-        ({"max_to_keep": True}, mirrax.errors.InvalidArgumentTypeError, "received True of type bool"),
+        ({"max_to_keep": 2.5}, mirrax.errors.InvalidArgumentTypeError, "received float 2.5"),
+        ({"max_to_keep": True}, mirrax.errors.InvalidArgumentTypeError, "received bool True"),
         ({"checkpoint_interval": -1}, mirrax.errors.InvalidArgumentError, "checkpoint_interval must be >= 0"),
         ({"keep_checkpoint_every_n_hours": "1"}, mirrax.errors.InvalidArgumentTypeError, "number of hours"),
         ({"init_fn": 3}, mirrax.errors.InvalidArgumentTypeError, "init_fn must be a function"),
@@ -221,9 +221,13 @@ def test_manager_arguments_are_checked(tmp_path, kwargs, error, fragment):
 @pytest.mark.parametrize(
     "number, error, fragment",
     [
-        (-1, mirrax.errors.InvalidArgumentError, "checkpoint_number must be >= 0 or None; received -1"),
-        (2.0, mirrax.errors.InvalidArgumentTypeError, "received 2.0 of type float"),
-        ("2", mirrax.errors.InvalidArgumentTypeError, "received '2' of type str"),
+        (
+            -1,
+            mirrax.errors.InvalidArgumentError,
+            "checkpoint_number must be >= 0 or None; received checkpoint_number=-1",
+        ),
+        (2.0, mirrax.errors.InvalidArgumentTypeError, "received float 2.0"),
+        ("2", mirrax.errors.InvalidArgumentTypeError, "received str '2'"),
     ],
 )
 def test_checkpoint_number_is_checked(tmp_path, number, error, fragment):

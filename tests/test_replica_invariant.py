@@ -318,7 +318,7 @@ def test_micro_batches_not_a_power_of_two_is_refused(micro_batches, message):
 def test_wrong_types_are_refused():
     with pytest.raises(
         errors.InvalidArgumentTypeError,
-        match=re.escape("replica_invariant must be True or False; received 'yes'"),
+        match=re.escape("replica_invariant must be True or False; received str 'yes'"),
     ):
         mirrax.MirroredStrategy(jax.devices()[:2], replica_invariant="yes")
     with pytest.raises(

@@ -211,11 +211,15 @@ def test_cli_prints_json_and_writes_the_plot(capsys, tmp_path):
             errors.InvalidArgumentError,
             ("max_replicas must be a power of two", "received 3. Use 2 or 4"),
         ),
-        (dict(max_replicas=0), errors.InvalidArgumentError, ("max_replicas must be >= 1; received 0",)),
+        (
+            dict(max_replicas=0),
+            errors.InvalidArgumentError,
+            ("max_replicas must be >= 1; received max_replicas=0",),
+        ),
         (
             dict(max_replicas=4.0),
             errors.InvalidArgumentTypeError,
-            ("max_replicas must be an int >= 1; received 4.0 (float)",),
+            ("max_replicas must be an int; received float 4.0", "max_replicas=4"),
         ),
         (dict(overlap=1.5), errors.InvalidArgumentError, ("in [0, 1]; received 1.5",)),
     ],

@@ -331,7 +331,7 @@ def test_a_flag_that_is_not_a_bool_is_refused():
     with pytest.raises(
         mirrax.errors.InvalidArgumentTypeError,
         match=r"MirroredStrategy: shard_optimizer_state must be True or False; "
-        r"received 'yes' of type str",
+        r"received str 'yes'",
     ):
         mirrax.MirroredStrategy(shard_optimizer_state="yes")
 

@@ -275,25 +275,25 @@ CASES = [
         "CheckpointManager(max_to_keep=0) (TF keeps none; Orbax would keep all)",
         lambda env: _manager(env, max_to_keep=0),
         errors.InvalidArgumentError,
-        ("max_to_keep must be >= 1 or None", "received 0"),
+        ("max_to_keep must be >= 1 or None", "received max_to_keep=0"),
     ),
     Case(
         "CheckpointManager(max_to_keep='3')",
         lambda env: _manager(env, max_to_keep="3"),
         errors.InvalidArgumentTypeError,
-        ("max_to_keep must be an int or None", "received '3' of type str", "max_to_keep=3"),
+        ("max_to_keep must be an int or None", "received str '3'", "Pass a whole number >= 1"),
     ),
     Case(
         "CheckpointManager(max_to_keep=2.5)",
         lambda env: _manager(env, max_to_keep=2.5),
         errors.InvalidArgumentTypeError,
-        ("max_to_keep must be an int", "received 2.5 of type float"),
+        ("max_to_keep must be an int", "received float 2.5"),
     ),
     Case(
         "CheckpointManager(checkpoint_interval=-1)",
         lambda env: _manager(env, checkpoint_interval=-1),
         errors.InvalidArgumentError,
-        ("checkpoint_interval must be >= 0", "received -1"),
+        ("checkpoint_interval must be >= 0", "received checkpoint_interval=-1"),
     ),
     Case(
         "CheckpointManager(keep_checkpoint_every_n_hours=-1)",
@@ -329,13 +329,13 @@ CASES = [
         "CheckpointManager.save(checkpoint_number=-1)",
         lambda env: _manager(env).save(checkpoint_number=-1),
         errors.InvalidArgumentError,
-        ("checkpoint_number must be >= 0 or None", "received -1"),
+        ("checkpoint_number must be >= 0 or None", "received checkpoint_number=-1"),
     ),
     Case(
         "CheckpointManager.save(checkpoint_number=2.5)",
         lambda env: _manager(env).save(checkpoint_number=2.5),
         errors.InvalidArgumentTypeError,
-        ("checkpoint_number must be an int or None", "received 2.5 of type float"),
+        ("checkpoint_number must be an int or None", "received float 2.5"),
     ),
     # -- Model.save_weights / load_weights ------------------------------------------------------
     Case(
@@ -413,7 +413,7 @@ CASES = [
         "ModelCheckpoint(save_best_only='True'): a string flag",
         lambda env: ModelCheckpoint(str(env.tmp_path / "m"), save_best_only="True"),
         errors.InvalidArgumentTypeError,
-        ("save_best_only must be True or False", "received 'True'"),
+        ("save_best_only must be True or False", "received str 'True'"),
     ),
     Case(
         "ModelCheckpoint(monitor=3)",
@@ -481,7 +481,7 @@ CASES = [
         "BackupAndRestore(delete_checkpoint='yes')",
         lambda env: BackupAndRestore(str(env.tmp_path / "b"), delete_checkpoint="yes"),
         errors.InvalidArgumentTypeError,
-        ("delete_checkpoint must be True or False", "received 'yes'"),
+        ("delete_checkpoint must be True or False", "received str 'yes'"),
     ),
     Case(
         "BackupAndRestore(backup_dir=<a regular file>)",

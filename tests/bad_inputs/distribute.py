@@ -332,19 +332,19 @@ CASES = [
         "InputContext(num_replicas_in_sync=0)",
         lambda env: mirrax.InputContext(num_replicas_in_sync=0),
         errors.InvalidArgumentError,
-        ("num_replicas_in_sync must be an int >= 1", "received 0"),
+        ("num_replicas_in_sync must be >= 1", "received num_replicas_in_sync=0"),
     ),
     Case(
         "get_per_replica_batch_size(0)",
         lambda env: mirrax.InputContext(1, 0, 2).get_per_replica_batch_size(0),
         errors.InvalidArgumentError,
-        ("global_batch_size must be an int >= 1", "received 0"),
+        ("global_batch_size must be >= 1", "received global_batch_size=0"),
     ),
     Case(
         "get_per_replica_batch_size(64.0)",
         lambda env: mirrax.InputContext(1, 0, 2).get_per_replica_batch_size(64.0),
         errors.InvalidArgumentTypeError,
-        ("global_batch_size must be an int >= 1", "received 64.0 of type float"),
+        ("global_batch_size must be an int", "received float 64.0", "global_batch_size=64"),
     ),
     Case(
         "get_per_replica_batch_size(5) over 2 replicas",

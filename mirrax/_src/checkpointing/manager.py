@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mirrax import errors
-from mirrax._src import atomic_dirs
+from mirrax._src import argument_checks, atomic_dirs
 from mirrax._src.checkpointing import space, writer_lock
 from mirrax._src.checkpointing.checkpoint import Checkpoint, orbax_save_args
 from mirrax._src.checkpointing.directory import (
@@ -77,22 +77,6 @@ def _register_exit_hook() -> None:
         return
     _compat.register_before_executor_shutdown(_wait_for_all_in_flight)
     _EXIT_HOOK.append(True)
-
-
-def _check_count(value, name: str, owner: str, minimum: int, allow_none: bool = True):
-    """`value` if it is an int >= minimum (or None where allowed), else a clear error."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise errors.InvalidArgumentTypeError(
-            f"{owner}: {name} must be an int{' or None' if allow_none else ''}; received "
-            f"{value!r} of type {type(value).__name__}. Pass e.g. {name}={max(minimum, 3)}."
-        )
-    if value < minimum:
-        raise errors.InvalidArgumentError(
-            f"{owner}: {name} must be >= {minimum}{' or None' if allow_none else ''}; received {value}."
-        )
-    return int(value)
 
 
 class CheckpointManager:
@@ -154,7 +138,7 @@ class CheckpointManager:
                 f"CheckpointManager manages a mirrax.Checkpoint; received "
                 f"{type(checkpoint).__name__}. Pass mirrax.Checkpoint(model=..., ...)."
             )
-        max_to_keep = _check_count(max_to_keep, "max_to_keep", owner, 1)
+        max_to_keep = argument_checks.count(owner, "max_to_keep", max_to_keep, 1, allow_none=True)
         if keep_checkpoint_every_n_hours is not None:
             if isinstance(keep_checkpoint_every_n_hours, bool) or not isinstance(
                 keep_checkpoint_every_n_hours, (int, float, np.integer, np.floating)
@@ -169,7 +153,9 @@ class CheckpointManager:
                     "keep_checkpoint_every_n_hours must be a positive number of hours or None; "
                     f"received {keep_checkpoint_every_n_hours}."
                 )
-        checkpoint_interval = _check_count(checkpoint_interval, "checkpoint_interval", owner, 0)
+        checkpoint_interval = argument_checks.count(
+            owner, "checkpoint_interval", checkpoint_interval, 0, allow_none=True
+        )
         if init_fn is not None and not callable(init_fn):
             raise errors.InvalidArgumentTypeError(
                 f"CheckpointManager: init_fn must be a function or None; received {init_fn!r}."
@@ -320,7 +306,9 @@ class CheckpointManager:
           CheckpointWriteError: no space left (disk, quota or file size limit); the earlier
             checkpoints are unchanged and `save_counter` is as before the call.
         """
-        checkpoint_number = _check_count(checkpoint_number, "checkpoint_number", "CheckpointManager.save", 0)
+        checkpoint_number = argument_checks.count(
+            "CheckpointManager.save", "checkpoint_number", checkpoint_number, 0, allow_none=True
+        )
         if self._writer_lock is None:
             os.makedirs(self._shared, exist_ok=True)
             self._writer_lock = writer_lock.take(

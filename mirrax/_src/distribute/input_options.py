@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from mirrax import errors
+from mirrax._src import argument_checks
 
 
 class AutoShardPolicy(enum.Enum):
@@ -108,7 +109,7 @@ class InputContext:
             ("input_pipeline_id", input_pipeline_id, 0),
             ("num_replicas_in_sync", num_replicas_in_sync, 1),
         ):
-            _check_count(f"InputContext: {name}", value, low)
+            argument_checks.count("InputContext", name, value, low)
         if input_pipeline_id >= num_input_pipelines:
             raise errors.InvalidArgumentError(
                 f"InputContext: input_pipeline_id must be in [0, num_input_pipelines) = [0, "
@@ -124,7 +125,7 @@ class InputContext:
         Raises:
           ValueError: `global_batch_size` is not divisible by `num_replicas_in_sync`.
         """
-        _check_count("get_per_replica_batch_size: global_batch_size", global_batch_size, 1)
+        argument_checks.count("get_per_replica_batch_size", "global_batch_size", global_batch_size)
         if global_batch_size % self.num_replicas_in_sync:
             raise errors.InvalidArgumentError(
                 f"The global_batch_size {global_batch_size} is not divisible by "
@@ -156,16 +157,6 @@ def check_one_argument(fn, what: str, argument: str) -> None:
         ) from None
     except ValueError:  # no signature (a builtin): let the call decide
         pass
-
-
-def _check_count(what: str, value, low: int) -> None:
-    """Raises unless `value` is an int >= `low` (a count; bools and floats refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what} must be an int >= {low}; received {value!r} of type {type(value).__name__}."
-        )
-    if value < low:
-        raise errors.InvalidArgumentError(f"{what} must be an int >= {low}; received {value}.")
 
 
 @dataclasses.dataclass(frozen=True)

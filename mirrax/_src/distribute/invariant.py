@@ -33,21 +33,10 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import _compat, exact_sums, prng_keys
 from mirrax._src.distribute.reduce import VariableAggregation, aggregation_of
 from mirrax._src.distribute.replica_context import REPLICA_AXIS, current_replica_context
-
-
-def check_flag(owner: str, name: str, value) -> None:
-    """Refuses a strategy option that should be True or False and is not.
-
-    Raises:
-      InvalidArgumentTypeError: `value` is not a bool.
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise errors.InvalidArgumentTypeError(
-            f"{owner}: {name} must be True or False; received {value!r} of type {type(value).__name__}."
-        )
 
 
 def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
@@ -57,7 +46,7 @@ def check_arguments(owner: str, replica_invariant, micro_batches) -> None:
       InvalidArgumentTypeError: `replica_invariant` is not a bool, `micro_batches` not an int.
       InvalidArgumentError: `micro_batches` is not a power of two >= 1.
     """
-    check_flag(owner, "replica_invariant", replica_invariant)
+    argument_checks.flag(owner, "replica_invariant", replica_invariant)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, (int, np.integer)):
         raise errors.InvalidArgumentTypeError(
             f"{owner}: micro_batches must be an int, a power of two (1, 2, 4, 8, 16, ...); "

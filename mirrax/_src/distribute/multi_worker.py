@@ -27,6 +27,7 @@ import time
 import jax
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import _compat, invariant, multihost
 from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
 from mirrax._src.distribute.devices import tf_device_name
@@ -190,7 +191,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         shard_optimizer_state: bool = False,
     ):
         invariant.check_arguments(type(self).__name__, replica_invariant, micro_batches)
-        invariant.check_flag(type(self).__name__, "shard_optimizer_state", shard_optimizer_state)
+        argument_checks.flag(type(self).__name__, "shard_optimizer_state", shard_optimizer_state)
         if cluster_resolver is None:
             cluster_resolver = TFConfigClusterResolver()
         if not isinstance(cluster_resolver, ClusterResolver):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import devices as devices_lib
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute import input_options, invariant, values_from_function
@@ -87,7 +88,7 @@ class Strategy:
         owner = type(self).__name__
         devices = tuple(devices)
         invariant.check_arguments(owner, replica_invariant, micro_batches)
-        invariant.check_flag(owner, "shard_optimizer_state", shard_optimizer_state)
+        argument_checks.flag(owner, "shard_optimizer_state", shard_optimizer_state)
         self._shard_optimizer_state = bool(shard_optimizer_state)
         if replica_invariant:
             invariant.check_replicas(owner, int(micro_batches), len(devices))

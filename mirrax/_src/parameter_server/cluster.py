@@ -21,6 +21,7 @@ import warnings
 import weakref
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute.cluster import ClusterResolver
 from mirrax._src.parameter_server import actors
 from mirrax._src.parameter_server.ray_calls import import_ray
@@ -58,12 +59,6 @@ def _without_token_notice():
         logger.removeFilter(notice)
 
 
-def _count(owner: str, name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise errors.InvalidArgumentError(f"{owner}: {name} must be an int >= {low}; received {value!r}.")
-    return value
-
-
 class RayClusterResolver:
     """The tasks of a ParameterServerStrategy on a Ray cluster (mirrax's own resolver).
 
@@ -99,8 +94,8 @@ class RayClusterResolver:
         worker_env: dict | None = None,
         runtime_env: dict | None = None,
     ):
-        self.num_workers = _count("RayClusterResolver", "num_workers", num_workers, 1)
-        self.num_ps = _count("RayClusterResolver", "num_ps", num_ps, 1)
+        self.num_workers = argument_checks.count("RayClusterResolver", "num_workers", num_workers, 1)
+        self.num_ps = argument_checks.count("RayClusterResolver", "num_ps", num_ps, 1)
         if address is not None and not isinstance(address, str):
             raise errors.InvalidArgumentTypeError(
                 f"RayClusterResolver: address must be None, 'auto' or 'host:port'; received {address!r}."

@@ -10,6 +10,7 @@ import os
 import jax
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.report import links, measure, programs
 from mirrax._src.report import subject as subject_lib
 from mirrax._src.report.report import Memory, ScalingReport, ScalingRow
@@ -101,7 +102,7 @@ def scaling_report(
         sharded optimizer state (the message says why); called in a multi-process job.
     """
     max_replicas = _check_power_of_two(max_replicas)
-    timing_windows = _check_count("timing_windows", timing_windows)
+    timing_windows = argument_checks.count(WHAT, "timing_windows", timing_windows)
     overlap = _check_overlap(overlap)
     if not isinstance(shard_optimizer_state, bool):
         raise errors.InvalidArgumentTypeError(
@@ -313,24 +314,12 @@ def _assumptions(subject, timed, link, overlap, cores, local, compiled_counts, c
 
 
 def _check_power_of_two(value) -> int:
-    value = _check_count("max_replicas", value)
+    value = argument_checks.count(WHAT, "max_replicas", value)
     if value & (value - 1):
         below = 1 << (value.bit_length() - 1)
         raise errors.InvalidArgumentError(
             f"{WHAT}: max_replicas must be a power of two (the rows are 1, 2, 4, ...); received "
             f"{value}. Use {below} or {below * 2}."
-        )
-    return value
-
-
-def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.InvalidArgumentTypeError(
-            f"{WHAT}: {name} must be an int >= 1; received {value!r} ({type(value).__name__})."
-        )
-    if value < 1:
-        raise errors.InvalidArgumentError(
-            f"{WHAT}: {name} must be >= 1; received {value}. Pass e.g. {name}=8."
         )
     return value
 
@@ -371,4 +360,4 @@ def _check_cores(shared_cores, link, devices):
         return len(affinity(0)) if affinity else os.cpu_count() or 1
     if shared_cores is None:
         return None
-    return _check_count("shared_cores", shared_cores)
+    return argument_checks.count(WHAT, "shared_cores", shared_cores)

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import host_tensors, scan_carry
 from mirrax._src.distribute.current import get_strategy, has_strategy
 from mirrax._src.distribute.replica_context import ReplicaContext, replica_context_scope
@@ -31,69 +32,6 @@ def python_numbers(x) -> bool:
     return isinstance(first, (int, float, list)) and not isinstance(first, bool)
 
 
-def check_count(what: str, name: str, value, minimum: int = 1, allow_none: bool = False):
-    """`value` as an int >= `minimum` (or None when allowed); bools, floats and strings refused."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        hint = (
-            f" (an int, e.g. {name}={int(value)})" if isinstance(value, float) and value.is_integer() else ""
-        )
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: {name} must be an int{' or None' if allow_none else ''}; received "
-            f"{type(value).__name__} {value!r}. Pass a whole number >= {minimum}{hint}."
-        )
-    if value < minimum:
-        raise errors.InvalidArgumentError(
-            f"{what}: {name} must be >= {minimum}; received {name}={value!r}."
-            + (" Pass None for the default." if allow_none else f" Pass a whole number >= {minimum}.")
-        )
-    return int(value)
-
-
-def check_verbose(what: str, verbose) -> int:
-    """Keras's verbose: "auto" (1), 0, 1 or 2."""
-    if verbose == "auto":
-        return 1
-    if not isinstance(verbose, (int, np.integer)) or verbose not in (0, 1, 2):  # True is 1
-        raise errors.InvalidArgumentError(
-            f"{what}: verbose must be 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
-            f"epoch); received {verbose!r}."
-        )
-    return int(verbose)
-
-
-def check_bool(what: str, name: str, value) -> bool:
-    """`value` as a bool; `what`/`name` name the call and argument in the error.
-
-    Raises:
-      InvalidArgumentTypeError: not a bool (a string such as 'yes' would count as True).
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: {name} must be True or False; received {type(value).__name__} {value!r}."
-        )
-    return bool(value)
-
-
-def check_fraction(what: str, name: str, value) -> float:
-    """`value` as a float in [0, 1) (e.g. `validation_split`).
-
-    Raises:
-      InvalidArgumentTypeError / InvalidArgumentError: not a number, or outside [0, 1).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise errors.InvalidArgumentTypeError(
-            f"{what}: {name} must be a float in [0, 1); received {type(value).__name__} {value!r}."
-        )
-    if not 0.0 <= value < 1.0:
-        raise errors.InvalidArgumentError(
-            f"{what}: {name} must be in [0, 1) (the fraction held out); received {value!r}. "
-            "Pass e.g. 0.2 to hold out the last 20%."
-        )
-    return float(value)
-
-
 def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
     """fit's (epochs, initial_epoch, verbose, shuffle), checked and normalized.
 
@@ -101,8 +39,8 @@ def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
       InvalidArgumentTypeError / InvalidArgumentError: a bad count or flag, or initial_epoch
         not below epochs.
     """
-    epochs = check_count("fit", "epochs", epochs)
-    initial_epoch = check_count("fit", "initial_epoch", initial_epoch, minimum=0)
+    epochs = argument_checks.count("fit", "epochs", epochs)
+    initial_epoch = argument_checks.count("fit", "initial_epoch", initial_epoch, minimum=0)
     if initial_epoch >= epochs:
         raise errors.InvalidArgumentError(
             f"fit: initial_epoch={initial_epoch} is not below epochs={epochs}, so no epoch would "
@@ -114,7 +52,12 @@ def check_fit_counts(epochs, initial_epoch, verbose, shuffle):
             "fit: shuffle='batch' (tf.keras 2's chunked shuffle for HDF5) is not supported; "
             "pass shuffle=True (every epoch reshuffles the arrays) or False."
         )
-    return epochs, initial_epoch, check_verbose("fit", verbose), check_bool("fit", "shuffle", shuffle)
+    return (
+        epochs,
+        initial_epoch,
+        argument_checks.progress_verbose("fit", verbose),
+        argument_checks.flag("fit", "shuffle", shuffle),
+    )
 
 
 def metric_names(plain, weighted) -> list:

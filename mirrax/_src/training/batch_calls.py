@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import array_inputs, data_adapter, fit_arguments, local_executor
@@ -70,7 +71,7 @@ def _train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_d
     """`Model.train_on_batch` (its arguments, docs and errors there)."""
     class_weight = fit_arguments.class_weight_of(compiled, "train_on_batch", class_weight, sample_weight)
     data = one_batch(model, compiled, "train_on_batch", x, y, sample_weight, class_weight)
-    return_dict = checks.check_bool("train_on_batch", "return_dict", return_dict)
+    return_dict = argument_checks.flag("train_on_batch", "return_dict", return_dict)
     logs_lib.reset_metrics(model, compiled)
     model.module.train()
     state = local_executor.train_objects(model, compiled)
@@ -83,7 +84,7 @@ def _train_on_batch(model, compiled, x, y, sample_weight, class_weight, return_d
 def _test_on_batch(model, compiled, x, y, sample_weight, return_dict):
     """`Model.test_on_batch` (its arguments, docs and errors there)."""
     data = one_batch(model, compiled, "test_on_batch", x, y, sample_weight, None)
-    return_dict = checks.check_bool("test_on_batch", "return_dict", return_dict)
+    return_dict = argument_checks.flag("test_on_batch", "return_dict", return_dict)
     logs_lib.reset_metrics(model, compiled)
     model.module.eval()
     for batch in data.batches():

@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.training import metrics as metrics_lib
 from mirrax._src.training import targets
 from mirrax._src.training.targets import match_rank
@@ -45,7 +46,7 @@ class _ConfusionMetric(metrics_lib.Metric):
         self.thresholds = thresholds
         self.top_k = top_k
         self.class_id = class_id
-        self.from_logits = targets.check_flag(owner, "from_logits", from_logits)
+        self.from_logits = argument_checks.flag(owner, "from_logits", from_logits)
         for count in self._COUNTS:
             zeros = jnp.zeros((len(thresholds),), jnp.float32)
             setattr(self, count, nnx.metrics.MetricState(zeros))

@@ -1,6 +1,5 @@
-"""`Model`'s inputs into distributed batches: arrays (cut into global batches, in order or
-shuffled), datasets, generators and loaders (normalized to (x, y, sample_weight)), with the
-checks each needs, and the validation split."""
+"""`Model`'s inputs into distributed batches: arrays (global batches, in order or shuffled),
+datasets, generators and loaders (as (x, y, sample_weight)), with the checks each needs."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import batching, input_options
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.distribute.input import DistributedDataset, DistributedDatasetsFromFunction
@@ -106,7 +106,7 @@ class ModelInput:
                 f"{what}: x has 0 examples (shape {jax.tree.leaves(x)[0].shape}); there is "
                 "nothing to train on or evaluate. Check how the arrays were loaded or split."
             )
-        self.batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
+        self.batch_size = 32 if batch_size is None else argument_checks.count(what, "batch_size", batch_size)
         self.x, self.y = x, y
         if sample_weight is not None:
             sample_weight = input_structure.sample_weights(what, sample_weight, n, y, model)

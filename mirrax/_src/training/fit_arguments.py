@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import array_inputs
 
@@ -51,9 +52,9 @@ class FitArguments:
             a["epochs"], a["initial_epoch"], a["verbose"], a["shuffle"]
         )
         for name in ("steps_per_epoch", "validation_steps"):
-            a[name] = checks.check_count("fit", name, a[name], allow_none=True)
-        a["validation_freq"] = checks.check_count("fit", "validation_freq", a["validation_freq"])
-        split = checks.check_fraction("fit", "validation_split", a["validation_split"])
+            a[name] = argument_checks.count("fit", name, a[name], allow_none=True)
+        a["validation_freq"] = argument_checks.count("fit", "validation_freq", a["validation_freq"])
+        split = argument_checks.fraction("fit", "validation_split", a["validation_split"])
         a["class_weight"] = class_weight_of(compiled, "fit", a["class_weight"], a["sample_weight"])
         for name in ("x", "y", "sample_weight"):
             a[name] = array_inputs.as_arrays(a[name])

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import values as values_lib
-from mirrax._src.training import arguments as checks
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import data_adapter, local_executor, multi_step
 from mirrax._src.training import logs as logs_lib
@@ -100,9 +100,9 @@ def fit(model, compiled, args):
 
 def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict):
     """`Model.evaluate` (its arguments, docs and errors there), on `executor_of`'s executor."""
-    verbose = checks.check_verbose("evaluate", verbose)
-    steps = checks.check_count("evaluate", "steps", steps, allow_none=True)
-    return_dict = checks.check_bool("evaluate", "return_dict", return_dict)
+    verbose = argument_checks.progress_verbose("evaluate", verbose)
+    steps = argument_checks.count("evaluate", "steps", steps, allow_none=True)
+    return_dict = argument_checks.flag("evaluate", "return_dict", return_dict)
     logs = executor_of(model.distribute_strategy).evaluate(
         model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks
     )
@@ -116,8 +116,8 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     """`Model.predict` (its arguments, docs and errors there) on `strategy`. `step_fn` is
     (predict_fn, steps per call, the input signatures already checked): each call
     `strategy.run`s that many batches (`steps_per_execution`, as Keras)."""
-    verbose = checks.check_verbose("predict", verbose)
-    steps = checks.check_count("predict", "steps", steps, allow_none=True)
+    verbose = argument_checks.progress_verbose("predict", verbose)
+    steps = argument_checks.count("predict", "steps", steps, allow_none=True)
     strategy = executor_of(strategy).predict_strategy(strategy)
     predict_fn, per_call, checked = step_fn
     data = data_adapter.ModelInput(

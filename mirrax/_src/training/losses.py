@@ -4,11 +4,11 @@ A `Loss` has two faces. `per_example(y_true, y_pred)` is the float32 loss of eac
 (Keras's `reduction=None`, averaged over trailing axes as Keras's loss functions average the last
 one). `loss(y_true, y_pred, sample_weight)` is `mirrax.compute_average_loss` of that: inside
 `strategy.run` this replica's share of the global mean over the real (unmasked) examples, so the
-replicas' shares add up to Keras's "sum_over_batch_size" of the whole global batch; outside every
-strategy the plain weighted mean over the batch.
+replicas' shares add up to Keras's "sum_over_batch_size" of the global batch; outside every
+strategy the plain weighted mean.
 
 Probabilities (`from_logits=False`) are clipped to [1e-7, 1 - 1e-7] before the log, as Keras's
-backend does, so a probability of exactly 0 gives a large finite loss, never inf.
+backend does: a probability of 0 gives a large finite loss.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import numpy as np
 import optax
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute.losses import compute_average_loss
 from mirrax._src.training import loss_reductions as reductions
 from mirrax._src.training import targets
-
-"""Keras's `backend.epsilon()`: probabilities are clipped to [targets.EPSILON, 1 - targets.EPSILON]."""
-
 
 # These two belong in mirrax/errors.py (with the rest of the hierarchy); they live here until
 # that file gains them, and are shared with the metrics module.
@@ -231,7 +229,7 @@ class SparseCategoricalCrossentropy(Loss):
 
     def __init__(self, from_logits: bool = False, name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = targets.check_flag(type(self).__name__, "from_logits", from_logits)
+        self.from_logits = argument_checks.flag(type(self).__name__, "from_logits", from_logits)
 
     def _elementwise(self, y_true, y_pred):
         y_pred = y_pred.astype(jnp.float32)
@@ -296,7 +294,7 @@ class _SmoothedCrossentropy(Loss):
 
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str | None = None):
         super().__init__(name=name)
-        self.from_logits = targets.check_flag(type(self).__name__, "from_logits", from_logits)
+        self.from_logits = argument_checks.flag(type(self).__name__, "from_logits", from_logits)
         self.label_smoothing = targets.check_smoothing(label_smoothing, type(self).__name__)
 
 

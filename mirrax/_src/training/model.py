@@ -8,10 +8,9 @@ callbacks that read or write the model). Batches are global batches split by the
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
 The rooms: the loops in loops.py over the executors of local_executor.py and
-parameter_server_loops.py, fit's arguments in fit_arguments.py (the one-batch calls in
-batch_calls.py, the logs in logs.py),
-the steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py,
-argument checks in arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
+parameter_server_loops.py (the one-batch calls in batch_calls.py, the logs in logs.py), the
+steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py, checks in
+fit_arguments.py, arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
 methods in model_weights.py).
 """
 
@@ -21,6 +20,7 @@ import optax
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.current import get_replica_context, get_strategy, has_strategy
 from mirrax._src.training import arguments as checks
@@ -183,8 +183,8 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
             loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile, auto_scale_loss
         )
         loss, loss_scale, outputs = outputs_lib.resolve(self.module, loss, loss_weights)
-        steps_per_execution = checks.check_count("compile", "steps_per_execution", steps_per_execution)
-        gradient_accumulation_steps = checks.check_count(
+        steps_per_execution = argument_checks.count("compile", "steps_per_execution", steps_per_execution)
+        gradient_accumulation_steps = argument_checks.count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps
         )
         self.distribute_strategy = checks.compile_strategy(self._scope_strategy)

@@ -11,6 +11,7 @@ import re
 import numpy as np
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import keras_models, metric_registry
 from mirrax._src.training import losses as losses_lib
@@ -71,7 +72,7 @@ def check_compile_args(
                 f"{value!r}."
                 + (f" Pass e.g. {name}=[{value!r}]." if isinstance(value, str) or callable(value) else "")
             )
-    if checks.check_bool("compile", "run_eagerly", run_eagerly):
+    if argument_checks.flag("compile", "run_eagerly", run_eagerly):
         raise errors.UnsupportedArgumentError(
             "compile: run_eagerly=True is not supported: every step is one compiled program "
             "over the replicas. To debug a step, run it under `with jax.disable_jit():` or "
@@ -86,7 +87,7 @@ def check_compile_args(
         raise errors.InvalidArgumentError(
             f"compile: jit_compile must be 'auto' or True; received {jit_compile!r}."
         )
-    checks.check_bool("compile", "auto_scale_loss", auto_scale_loss)
+    argument_checks.flag("compile", "auto_scale_loss", auto_scale_loss)
 
 
 def module_output_names(module):

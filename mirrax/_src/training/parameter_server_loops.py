@@ -15,12 +15,12 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.distribute.current import default_strategy, get_strategy
 from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.parameter_server.closures import WorkerConstant
 from mirrax._src.parameter_server.coordinator import ClusterCoordinator
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
-from mirrax._src.training import arguments as checks
 from mirrax._src.training import array_inputs
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import logs as logs_lib
@@ -93,7 +93,7 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
             "`def dataset_fn(input_context): ... return batches`); received a "
             f"{type(x).__name__}, which cannot be read on the workers."
         )
-    batch_size = 32 if batch_size is None else checks.check_count("fit", "batch_size", batch_size)
+    batch_size = 32 if batch_size is None else argument_checks.count("fit", "batch_size", batch_size)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     n = array_inputs.num_examples(arrays[0])
     if n == 0:
@@ -211,7 +211,7 @@ class ParameterServerExecutor:
 
 def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
     if array_inputs.is_arrays(x):
-        batch_size = 32 if batch_size is None else checks.check_count(what, "batch_size", batch_size)
+        batch_size = 32 if batch_size is None else argument_checks.count(what, "batch_size", batch_size)
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
         n = array_inputs.num_examples(arrays[0])
         batches = [

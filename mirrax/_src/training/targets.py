@@ -48,15 +48,6 @@ def clip_probabilities(probs):
     return jnp.clip(probs, EPSILON, 1.0 - EPSILON)
 
 
-def check_flag(owner: str, name: str, value) -> bool:
-    """`value` if it is a bool (a string such as 'yes' would silently count as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise errors.InvalidArgumentTypeError(
-            f"{owner}: {name} must be True or False; received {type(value).__name__} {value!r}."
-        )
-    return bool(value)
-
-
 def check_smoothing(label_smoothing, owner: str) -> float:
     """`label_smoothing` as a float in [0, 1]; `owner` names the loss.
 

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.training import arguments as checks
+from mirrax._src import argument_checks
 from mirrax._src.training import keras_models
 
 
@@ -88,9 +88,9 @@ def print_summary(
                 f"summary: {name}={value!r} is not supported (the table lists variables, "
                 "not layers, in fixed columns); leave it None."
             )
-    checks.check_bool("summary", "expand_nested", expand_nested)
-    show_trainable = checks.check_bool("summary", "show_trainable", show_trainable)
-    line_length = checks.check_count("summary", "line_length", line_length, minimum=40, allow_none=True)
+    argument_checks.flag("summary", "expand_nested", expand_nested)
+    show_trainable = argument_checks.flag("summary", "show_trainable", show_trainable)
+    line_length = argument_checks.count("summary", "line_length", line_length, minimum=40, allow_none=True)
     print_fn = print_fn or print
     rows, total = [], 0
     named = (

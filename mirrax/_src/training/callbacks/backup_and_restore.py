@@ -12,6 +12,7 @@ import os
 import shutil
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager
 from mirrax._src.training.callbacks._chief import is_chief
@@ -39,15 +40,6 @@ def check_save_freq(save_freq, owner: str):
     raise error(
         f"{owner}: unrecognized save_freq: {save_freq!r}. Expected save_freq='epoch' (save at "
         "the end of every epoch) or a positive int (save every that many batches)."
-    )
-
-
-def check_flag(value, name: str, owner: str) -> bool:
-    """`value` if it is a bool, else InvalidArgumentTypeError (a string 'False' is truthy)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
-    raise errors.InvalidArgumentTypeError(
-        f"{owner}: {name} must be True or False; received {value!r} of type {type(value).__name__}."
     )
 
 
@@ -145,7 +137,9 @@ class BackupAndRestore(Callback):
                 "path (created when needed) that nothing else uses."
             )
         self.save_freq = check_save_freq(save_freq, "BackupAndRestore")
-        self.delete_checkpoint = check_flag(delete_checkpoint, "delete_checkpoint", "BackupAndRestore")
+        self.delete_checkpoint = argument_checks.flag(
+            "BackupAndRestore", "delete_checkpoint", delete_checkpoint
+        )
         self._checkpoint: Checkpoint | None = None
         self._manager: CheckpointManager | None = None
         self._counter: BatchCounter | None = None

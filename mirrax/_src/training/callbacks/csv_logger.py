@@ -10,7 +10,7 @@ from typing import IO
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.training.callbacks import _args
+from mirrax._src import argument_checks
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback
 
@@ -58,7 +58,7 @@ class CSVLogger(Callback):
             )
         self.filename = os.fspath(filename)
         self.sep = separator
-        self.append = _args.flag("CSVLogger", "append", append)
+        self.append = argument_checks.flag("CSVLogger", "append", append)
         self.keys: list | None = None
         self.writer: csv.DictWriter | None = None
         self.csv_file: IO[str] | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import warnings
 
 from mirrax import errors
-from mirrax._src.training.callbacks import _args, _monitor
+from mirrax._src import argument_checks
+from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -71,14 +72,14 @@ class EarlyStopping(Callback):
     ):
         super().__init__()
         owner = "EarlyStopping"
-        self.monitor = _args.monitor(owner, monitor)
-        self.min_delta = abs(_args.number(owner, "min_delta", min_delta))
-        self.patience = _args.count(owner, "patience", patience)
-        self.verbose = _args.verbose(owner, verbose)
+        self.monitor = argument_checks.monitor(owner, monitor)
+        self.min_delta = abs(argument_checks.number(owner, "min_delta", min_delta))
+        self.patience = argument_checks.count(owner, "patience", patience, minimum=0)
+        self.verbose = argument_checks.message_verbose(owner, verbose)
         self.mode = _monitor.check_mode(mode, owner)
-        self.baseline = _args.number(owner, "baseline", baseline, allow_none=True)
-        self.restore_best_weights = _args.flag(owner, "restore_best_weights", restore_best_weights)
-        self.start_from_epoch = _args.count(owner, "start_from_epoch", start_from_epoch)
+        self.baseline = argument_checks.number(owner, "baseline", baseline, allow_none=True)
+        self.restore_best_weights = argument_checks.flag(owner, "restore_best_weights", restore_best_weights)
+        self.start_from_epoch = argument_checks.count(owner, "start_from_epoch", start_from_epoch, minimum=0)
         self.monitor_op: str | None = None  # "min" or "max" once resolved
         self.wait = 0
         self.stopped_epoch = 0

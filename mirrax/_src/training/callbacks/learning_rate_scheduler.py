@@ -6,7 +6,8 @@ import inspect
 from collections.abc import Callable
 
 from mirrax import errors
-from mirrax._src.training.callbacks import _args, _monitor
+from mirrax._src import argument_checks
+from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -55,7 +56,7 @@ class LearningRateScheduler(Callback):
                 f"received {type(schedule).__name__} {schedule!r}."
             )
         self.schedule = schedule
-        self.verbose = _args.verbose("LearningRateScheduler", verbose)
+        self.verbose = argument_checks.message_verbose("LearningRateScheduler", verbose)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Checks, before any step, that the optimizer's learning rate can be set.

@@ -8,12 +8,12 @@ import tempfile
 import warnings
 
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.backup_and_restore import (
     BatchCounter,
-    check_flag,
     check_save_freq,
 )
 from mirrax._src.training.callbacks.callback import Callback
@@ -125,8 +125,8 @@ class ModelCheckpoint(Callback):
         self.filepath = os.fspath(filepath)
         self.monitor = monitor
         self.verbose = verbose
-        self.save_best_only = check_flag(save_best_only, "save_best_only", owner)
-        self.save_weights_only = check_flag(save_weights_only, "save_weights_only", owner)
+        self.save_best_only = argument_checks.flag(owner, "save_best_only", save_best_only)
+        self.save_weights_only = argument_checks.flag(owner, "save_weights_only", save_weights_only)
         self.mode = _monitor.check_mode(mode, "ModelCheckpoint")
         self.save_freq = check_save_freq(save_freq, "ModelCheckpoint")
         self.initial_value_threshold = initial_value_threshold

@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 
 from mirrax import errors
-from mirrax._src.training.callbacks import _args, _monitor
+from mirrax._src import argument_checks
+from mirrax._src.training.callbacks import _monitor
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -78,21 +79,21 @@ class ReduceLROnPlateau(Callback):
                 + ". Its arguments are monitor, factor, patience, verbose, mode, min_delta, "
                 "cooldown, min_lr."
             )
-        factor = _args.number(owner, "factor", factor)
+        factor = argument_checks.number(owner, "factor", factor)
         if not 0.0 <= factor < 1.0:
             raise errors.InvalidArgumentError(
                 "ReduceLROnPlateau does not support a factor >= 1.0 or < 0 (the rate is "
                 f"multiplied by it and must go down); received factor={factor}. Pass e.g. "
                 "factor=0.5."
             )
-        self.monitor = _args.monitor(owner, monitor)
+        self.monitor = argument_checks.monitor(owner, monitor)
         self.factor = factor
-        self.patience = _args.count(owner, "patience", patience)
-        self.verbose = _args.verbose(owner, verbose)
+        self.patience = argument_checks.count(owner, "patience", patience, minimum=0)
+        self.verbose = argument_checks.message_verbose(owner, verbose)
         self.mode = _monitor.check_mode(mode, owner)
-        self.min_delta = _args.number(owner, "min_delta", min_delta)
-        self.cooldown = _args.count(owner, "cooldown", cooldown)
-        self.min_lr = _args.number(owner, "min_lr", min_lr, minimum=0.0)
+        self.min_delta = argument_checks.number(owner, "min_delta", min_delta)
+        self.cooldown = argument_checks.count(owner, "cooldown", cooldown, minimum=0)
+        self.min_lr = argument_checks.number(owner, "min_lr", min_lr, minimum=0.0)
         self.cooldown_counter = 0
         self.wait = 0
         self.monitor_op: str = "min"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from mirrax._src.training.callbacks import _args
+from mirrax._src import argument_checks
 from mirrax._src.training.callbacks.callback import Callback
 from mirrax._src.training.progbar import print_msg
 
@@ -27,7 +27,7 @@ class TerminateOnNaN(Callback):
 
     def __init__(self, raise_error: bool = False):
         super().__init__()
-        self.raise_error = _args.flag("TerminateOnNaN", "raise_error", raise_error)
+        self.raise_error = argument_checks.flag("TerminateOnNaN", "raise_error", raise_error)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Checks `logs["loss"]`; stops (or raises) on NaN or inf."""
