@@ -150,7 +150,8 @@ def test_a_step_that_changes_the_state_s_structure_or_types_runs_unrolled(change
 def test_a_step_that_never_reads_the_mask_is_warned_about_a_partial_batch_in_any_call():
     # 44 examples at batch 8 over 2 replicas: 5 full batches and one of 4 (2 rows on each
     # replica, padded to 4). A hand-written mean over the rows counts the padding; at k=3 the
-    # partial batch is the third of the second call, and the warning names it as at k=1.
+    # partial batch is the third of the second call, and the warning names it (and the step) as at
+    # k=1.
     class UnmaskedMean(mirrax.Model):
         def train_step(self, data):
             x, y = data
@@ -169,7 +170,8 @@ def test_a_step_that_never_reads_the_mask_is_warned_about_a_partial_batch_in_any
         with pytest.warns(
             mirrax.PaddedBatchWarning,
             match=re.escape(
-                "on a partial batch of 4 examples over 2 replicas (per replica [2, 2]), padded to 4"
+                "strategy.run: train_step runs on a partial batch of 4 examples over 2 replicas (per "
+                "replica [2, 2]), padded to 4"
             ),
         ):
             model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

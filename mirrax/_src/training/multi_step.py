@@ -69,7 +69,8 @@ def make_multi_step(step):
             ctx.batch_mask = saved
         return tuple(results)
 
-    steps.__name__ = f"{getattr(step, '__name__', 'step')}s"
+    # Errors and warnings about the call name the user's step, not this wrapper.
+    steps.__name__ = steps.__qualname__ = getattr(step, "__name__", "step")
     return steps
 
 
