@@ -179,7 +179,7 @@ def test_imports_sit_at_the_top_except_the_documented_lazy_ones():
 # here: the list may only shrink (a file that gets under 400 must leave it, and no file may grow).
 _TRAINING_OVER_400 = {
     "mirrax/_src/training/arguments.py": 408,
-    "mirrax/_src/training/data_adapter.py": 434,
+    "mirrax/_src/training/data_adapter.py": 430,
     "mirrax/_src/training/keras_models.py": 478,
     "mirrax/_src/training/losses.py": 482,
     "mirrax/_src/training/metrics.py": 479,

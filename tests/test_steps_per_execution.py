@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import mirrax
+from mirrax._src.distribute import batching
 from tests.conftest import mirrored
 
 
@@ -175,3 +176,32 @@ def test_a_step_that_never_reads_the_mask_is_warned_about_a_partial_batch_in_any
             ),
         ):
             model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def test_k_full_array_batches_are_placed_as_one_and_a_partial_one_alone():
+    # 36 examples at batch 8 over 2 replicas: 4 full batches (4 rows per replica) and one of
+    # 4 examples (2 rows each, padded to 4). fit with steps_per_execution=4 defers the full
+    # ones (HostBatch) and places the 4 of a call with one device_put per leaf: leaves of
+    # shape (replicas, k, rows, ...) = (2, 4, 4, 6) and an all-True (2, 4, 4) mask; the
+    # partial batch is placed on its own, so a group holding it is not stacked.
+    strategy = mirrored(2)
+    x, y = _data(36)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 36, 8)]
+    placed = list(batching.place_host_batches(strategy, batches, defer=True))
+    assert [type(b).__name__ for b in placed] == ["HostBatch"] * 4 + ["tuple"]
+    stacked = batching.place_group(placed[:4])
+    assert stacked[0].stacked.shape == (2, 4, 4, 6) and stacked[1].stacked.shape == (2, 4, 4)
+    assert stacked[0].mask.shape == (2, 4, 4) and bool(np.asarray(stacked[0].mask).all())
+    assert stacked[0].lengths == (4, 4)
+    np.testing.assert_array_equal(
+        np.asarray(stacked[0].stacked)[1, 2], x[16 + 4 : 16 + 8]
+    )  # batch 2, replica 1
+    assert batching.place_group(placed[3:]) is None
+    alone = placed[0].place()
+    np.testing.assert_array_equal(np.asarray(alone[0].stacked), x[:8].reshape(2, 4, 6))
+    # Replica-invariant mode keeps its own (unrolled) path: nothing is deferred.
+    invariant = mirrax.MirroredStrategy(["cpu:0", "cpu:1"], replica_invariant=True, micro_batches=2)
+    assert not any(
+        isinstance(b, batching.HostBatch)
+        for b in batching.place_host_batches(invariant, batches, batch_size=8, defer=True)
+    )

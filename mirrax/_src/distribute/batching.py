@@ -250,6 +250,64 @@ class Placer:
             return self._full_masks[key]
         return put_stacked(self.strategy, mask_from_lengths(lengths, rows))
 
+    def group_mask(self, count: int):
+        """The placed all-True bool (num_replicas, count, rows) mask of `count` full batches
+        placed as one (`place_group`), made once per count."""
+        rows = self.rows
+        assert rows is not None  # a HostBatch exists only once the rows are fixed
+        key = ("group", rows, count)  # not a one-batch mask's (rows, replicas)
+        if key not in self._full_masks:
+            replicas = len(self.strategy.extended.replica_devices.local_replica_ids)
+            self._full_masks[key] = put_stacked(self.strategy, np.ones((replicas, count, rows), bool))
+        return self._full_masks[key]
+
+
+class HostBatch:
+    """A full global batch cut for the replicas, not yet placed: host arrays of shape
+    (num_replicas, rows, ...) (`place_host_batches(..., defer=True)`). `place()` places it as
+    the distributed batch it stands for; `place_group` places several consecutive ones as one.
+    """
+
+    __slots__ = ("host", "placer", "rows")
+
+    def __init__(self, host, placer: Placer, rows: int):
+        self.host, self.placer, self.rows = host, placer, rows
+
+    def place(self):
+        """The distributed batch (a `PerReplica` per leaf, every row real)."""
+        strategy = self.placer.strategy
+        lengths = (self.rows,) * strategy.num_replicas_in_sync
+        mask = self.placer.mask(lengths)
+        return jax.tree.map(
+            lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, self.host)
+        )
+
+    def signature(self) -> tuple:
+        """The structure, shapes and dtypes of the batch (what batches placed as one share)."""
+        leaves, treedef = jax.tree.flatten(self.host)
+        return treedef, tuple((a.shape, a.dtype) for a in leaves)
+
+
+def place_group(batches: list):
+    """Consecutive batches of one call (`steps_per_execution`) placed as ONE distributed batch
+    of (num_replicas, k, rows, ...) arrays, its mask (num_replicas, k, rows), when all k are
+    `HostBatch`es of one signature (one `device_put` per leaf for the k, not k of them); else
+    None. A replica's value is then its k batches stacked on a leading axis, and its lengths
+    those of one batch (every row real)."""
+    first = batches[0]
+    if len(batches) < 2 or not isinstance(first, HostBatch):
+        return None
+    signature = first.signature()
+    if not all(
+        isinstance(b, HostBatch) and b.placer is first.placer and b.signature() == signature for b in batches
+    ):
+        return None
+    strategy = first.placer.strategy
+    host = jax.tree.map(lambda *parts: np.stack(parts, axis=1), *(b.host for b in batches))
+    mask = first.placer.group_mask(len(batches))
+    lengths = (first.rows,) * strategy.num_replicas_in_sync
+    return jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, host))
+
 
 def split_global_batch(host_batch, n: int, num_replicas: int, replica_ids) -> list:
     """TF's split rule: replica r gets examples [r*c, min(n, (r+1)*c)) with c = ceil(n/R)."""
@@ -308,7 +366,9 @@ def split_invariant(strategy, host_batch, n: int, rows: int, replica_ids) -> tup
     return shards, lengths
 
 
-def place_host_batches(strategy, batches, batch_size: int | None = None, what: str = "the input") -> Iterator:
+def place_host_batches(
+    strategy, batches, batch_size: int | None = None, what: str = "the input", defer: bool = False
+) -> Iterator:
     """Distributed batches of host global batches, made in the caller's thread, one process.
 
     The same batches `experimental_distribute_dataset(batches)` yields (TF's split rule, the
@@ -318,10 +378,14 @@ def place_host_batches(strategy, batches, batch_size: int | None = None, what: s
     `Placer`. On CPU `device_put` may alias a NumPy array instead of copying it, so the batches
     must not be modified while their steps run. `batch_size` fixes the micro-batch size in
     replica-invariant mode (default: the first batch's size); `what` names the input in errors.
+    `defer` (not in replica-invariant mode): yield each batch that splits evenly as a
+    `HostBatch`, placed later by its consumer (alone, or k at once by `place_group`); the first
+    batch fixes the rows as the general path would.
     """
     placer = Placer(strategy)
     replicas = strategy.num_replicas_in_sync
     local = strategy.extended.replica_devices.local_replica_ids
+    defer = defer and not strategy.replica_invariant
     checked = False
     for batch in batches:
         if not checked:
@@ -329,10 +393,16 @@ def place_host_batches(strategy, batches, batch_size: int | None = None, what: s
             checked = True
             if batch_size is None:
                 batch_size = n
-        else:
-            n = len(jax.tree.leaves(batch)[0])
+        leaves, treedef = jax.tree.flatten(batch)
+        n = len(leaves[0])
         rows = n // replicas
+        if defer and placer.rows is None and n % replicas == 0 and rows > 0:
+            placer.rows = rows  # what Placer.place fixes for an even first batch
         if n % replicas == 0 and rows == placer.rows:
+            if defer:  # flatten / unflatten: a tree.map here cost as much as the rest per batch
+                cut = [a.reshape((replicas, rows) + a.shape[1:]) for a in leaves]
+                yield HostBatch(jax.tree.unflatten(treedef, cut), placer, rows)
+                continue
             lengths = (rows,) * replicas
             stacked = jax.tree.map(lambda a, rows=rows: a.reshape((replicas, rows) + a.shape[1:]), batch)
             mask = placer.mask(lengths)

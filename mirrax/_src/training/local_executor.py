@@ -11,6 +11,7 @@ import warnings
 import jax
 
 from mirrax import errors
+from mirrax._src.distribute import batching
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.distribute.values import PerReplica
 from mirrax._src.training import array_inputs, data_adapter, multi_step
@@ -89,7 +90,7 @@ class LocalExecutor:
     def groups(self, first_step: int, prefetch: bool):
         """The epoch's calls from batch `first_step` on: lists of consecutive batches, each
         one `strategy.run` (`steps_per_execution`; the last may be shorter)."""
-        batches = self.train.epoch_batches(self.args.steps_per_epoch, prefetch=prefetch)
+        batches = self.train.epoch_batches(self.args.steps_per_epoch, prefetch, deferred(self.model))
         return multi_step.groups(itertools.islice(batches, first_step, None), self.model.steps_per_execution)
 
     def run(self, group: list) -> None:
@@ -185,11 +186,24 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
             )
 
 
-def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple:
+def deferred(model) -> bool:
+    """Whether fit's and evaluate's array batches are placed k at once (`batching.HostBatch`):
+    `steps_per_execution` > 1, outside replica-invariant mode (which runs its k unrolled)."""
+    return model.steps_per_execution > 1 and not model.distribute_strategy.replica_invariant
+
+
+def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple | None:
     """Runs the consecutive batches `group` as ONE `strategy.run`: `step_fn(*objects, batch)`
     for one batch, else its `multi_step_of` with each batch's mask (`steps_per_execution`).
     Returns each batch's result; its `PerReplica` values carry that batch's rows (mask and
-    lengths: `run` gives every output the first batch's, and the last batch may be partial)."""
+    lengths: `run` gives every output the first batch's, and the last batch may be partial).
+    A group of `HostBatch`es placed as one (`batching.place_group`) runs stacked and returns
+    None (fit and evaluate, which read no step's result)."""
+    stacked = batching.place_group(group)
+    if stacked is not None:
+        strategy.run(multi_step.multi_step_of(step_fn, stacked=True), args=objects + (stacked,))
+        return None
+    group = [b.place() if isinstance(b, batching.HostBatch) else b for b in group]
     if len(group) == 1:
         return (strategy.run(step_fn, args=objects + (group[0],)),)
     masks = tuple(PerReplica(strategy, multi_step.mask_of(b)) for b in group)
@@ -233,7 +247,8 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
     objects = (model.module, None, model.metrics, compiled.tracker, None)
     count = 0
-    for group in multi_step.groups(data.batches(steps, prefetch=batch_logs), model.steps_per_execution):
+    batches = data.batches(steps, prefetch=batch_logs, defer=deferred(model))
+    for group in multi_step.groups(batches, model.steps_per_execution):
         cbs.on_test_batch_begin(count)
         run_steps(strategy, compiled.test_fn, objects, group)
         count += len(group)

@@ -18,12 +18,15 @@ from mirrax._src.distribute.values import PerReplica
 # workers, and each function reachable from it multiplied what a scheduled function carried
 # (three of them made the digits CNN test take 108 s instead of 23).
 _MULTI_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STACKED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def multi_step_of(step):
-    """`make_multi_step(step)`, the same object for the same `step` while `step` lives (held
-    weakly: the multi-step calls `step` through a weak reference, only while tracing)."""
-    multi = _MULTI_STEPS.get(step)
+def multi_step_of(step, stacked: bool = False):
+    """`make_multi_step(step)` (`stacked`: `make_stacked_multi_step(step)`), the same object for
+    the same `step` while `step` lives (held weakly: the multi-step calls `step` through a weak
+    reference, only while tracing)."""
+    cache = _STACKED_STEPS if stacked else _MULTI_STEPS
+    multi = cache.get(step)
     if multi is None:
         ref = weakref.ref(step)
 
@@ -33,7 +36,7 @@ def multi_step_of(step):
             return fn(*args)
 
         one.__name__ = getattr(step, "__name__", "step")
-        multi = _MULTI_STEPS[step] = make_multi_step(one)
+        multi = cache[step] = (make_stacked_multi_step if stacked else make_multi_step)(one)
     return multi
 
 
@@ -74,6 +77,30 @@ def make_multi_step(step):
     return steps
 
 
+def make_stacked_multi_step(step):
+    """k steps in one program over a batch placed k at once (`batching.place_group`): each
+    replica's batch leaves are (k, rows, ...) and its batch mask (k, rows), every row real, so
+    each step keeps the call's example count (one batch's). One `jax.lax.scan` over the leading
+    axis, as `make_multi_step`'s, without stacking the batches on the device first; a step that
+    changes the state's structure or types runs unrolled on each slice. Returns None (fit and
+    evaluate, whose steps' results are not read)."""
+
+    def steps(module, optimizer, metrics, tracker, loss_scale, batch):
+        ctx = get_replica_context()
+        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
+        objects = (module, optimizer, metrics, tracker, loss_scale)
+        masks, count = ctx.peek_batch_mask(), ctx.example_count
+        if _scannable(objects) and _scan(step, objects, (batch, masks), ctx, count) is not None:
+            return None
+        for i in range(masks.shape[0]):
+            with ctx.micro_batch(masks[i], count):
+                step(*objects, jax.tree.map(lambda a, i=i: a[i], batch))
+        return None
+
+    steps.__name__ = steps.__qualname__ = getattr(step, "__name__", "step")
+    return steps
+
+
 def _types(tree) -> tuple:
     """The structure of `tree` (arrays, tracers or ShapeDtypeStructs) and each leaf's (shape,
     dtype, weak type): what a scan's stacked inputs must share, and its carry must keep."""
@@ -105,20 +132,29 @@ def _scannable(objects) -> bool:
 
 
 def _scanned(step, objects, run, ctx) -> list | None:
-    """`step(*objects, batch)` for each (batch, mask) of `run` as one `jax.lax.scan` (called
-    by attribute, so `scan_carry` can make a carry that turns per-replica start so); the
-    objects hold the last step's state after it. Returns each step's result, or None, with
-    the objects untouched, for a step that changes the state's structure or types (creates a
-    variable, turns an int32 count into a float): a scan's carry cannot, so the caller runs
-    those steps unrolled, as before."""
+    """`step(*objects, batch)` for each (batch, mask) of `run` as one `jax.lax.scan` over them
+    stacked (`_scan`); each step's result, or None with the objects untouched."""
+    scanned = _scan(step, objects, jax.tree.map(lambda *xs: jnp.stack(xs), *run), ctx, None)
+    if scanned is None:
+        return None
+    return [jax.tree.map(lambda a, i=i: a[i], scanned[0]) for i in range(len(run))]
+
+
+def _scan(step, objects, stacked, ctx, count):
+    """`step(*objects, batch)` for each (batch, mask) along the leading axis of `stacked` as one
+    `jax.lax.scan` (called by attribute, so `scan_carry` can make a carry that turns
+    per-replica start so), each step with the example count `count` (None: not known); the
+    objects hold the last step's state after it. Returns (the steps' results stacked,), or None,
+    with the objects untouched, for a step that changes the state's structure or types
+    (creates a variable, turns an int32 count into a float): a scan's carry cannot, so the
+    caller runs those steps unrolled, as before."""
     graphdef, state = nnx.split(objects)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
 
     def body(carry, pair):
         batch, mask = pair
         copies = nnx.merge(graphdef, carry)
-        ctx.batch_mask = mask
-        result = step(*copies, batch)
+        with ctx.micro_batch(mask, count):
+            result = step(*copies, batch)
         return nnx.state(copies), result
 
     try:
@@ -130,7 +166,7 @@ def _scanned(step, objects, run, ctx) -> list | None:
             return None
         raise
     nnx.update(objects, final)
-    return [jax.tree.map(lambda a, i=i: a[i], results) for i in range(len(run))]
+    return (results,)
 
 
 def groups(batches, size: int):
