@@ -145,6 +145,7 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
         for group in multi_step.groups(data.batches(steps), per_call):
             cbs.on_predict_batch_begin(step)
             outs = local_executor.run_steps(strategy, predict_fn, objects, group)
+            assert outs is not None  # predict places its batches one by one (never a HostBatch)
             step += len(group)
             if per_batch:
                 gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0)) for out in outs]
