@@ -268,10 +268,11 @@ class HostBatch:
     the distributed batch it stands for; `place_group` places several consecutive ones as one.
     """
 
-    __slots__ = ("host", "placer", "rows")
+    __slots__ = ("host", "placer", "rows", "signature")
 
-    def __init__(self, host, placer: Placer, rows: int):
-        self.host, self.placer, self.rows = host, placer, rows
+    def __init__(self, host, placer: Placer, rows: int, signature: tuple):
+        # signature: the structure, shapes and dtypes (what batches placed as one share).
+        self.host, self.placer, self.rows, self.signature = host, placer, rows, signature
 
     def place(self):
         """The distributed batch (a `PerReplica` per leaf, every row real)."""
@@ -281,11 +282,6 @@ class HostBatch:
         return jax.tree.map(
             lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, self.host)
         )
-
-    def signature(self) -> tuple:
-        """The structure, shapes and dtypes of the batch (what batches placed as one share)."""
-        leaves, treedef = jax.tree.flatten(self.host)
-        return treedef, tuple((a.shape, a.dtype) for a in leaves)
 
 
 def place_group(batches: list):
@@ -297,9 +293,9 @@ def place_group(batches: list):
     first = batches[0]
     if len(batches) < 2 or not isinstance(first, HostBatch):
         return None
-    signature = first.signature()
     if not all(
-        isinstance(b, HostBatch) and b.placer is first.placer and b.signature() == signature for b in batches
+        isinstance(b, HostBatch) and b.placer is first.placer and b.signature == first.signature
+        for b in batches
     ):
         return None
     strategy = first.placer.strategy
@@ -401,7 +397,8 @@ def place_host_batches(
         if n % replicas == 0 and rows == placer.rows:
             if defer:  # flatten / unflatten: a tree.map here cost as much as the rest per batch
                 cut = [a.reshape((replicas, rows) + a.shape[1:]) for a in leaves]
-                yield HostBatch(jax.tree.unflatten(treedef, cut), placer, rows)
+                signature = (treedef, tuple((a.shape, a.dtype) for a in cut))
+                yield HostBatch(jax.tree.unflatten(treedef, cut), placer, rows, signature)
                 continue
             lengths = (rows,) * replicas
             stacked = jax.tree.map(lambda a, rows=rows: a.reshape((replicas, rows) + a.shape[1:]), batch)
