@@ -653,6 +653,22 @@ def test_the_fit_loop_is_the_same_under_parameter_server_and_mirrored_strategy(s
         model.fit(x, x, batch_size=8, steps_per_epoch=2, validation_batch_size=4)
 
 
+def test_terminate_on_nan_stops_at_the_epoch_end_when_batch_hooks_get_no_logs(small, capsys):
+    # Under the strategy the batch hooks get empty logs, so TerminateOnNaN checks the epoch's
+    # loss at its end: NaN inputs make the first epoch's loss NaN, and fit stops after it.
+    strategy, _ = small
+    with strategy.scope():
+        model = mirrax.Model(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.full((16, 1), np.nan, np.float32)
+    history = model.fit(
+        x, x, batch_size=8, epochs=3, steps_per_epoch=2, verbose=0,
+        callbacks=[mirrax.callbacks.TerminateOnNaN()],
+    )  # fmt: skip
+    assert history.epoch == [0] and np.isnan(history.history["loss"][0])
+    assert "Epoch 0: Invalid loss, terminating training" in capsys.readouterr().out
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 

@@ -43,8 +43,7 @@ def count(owner: str, name: str, value, minimum: int = 1, allow_none: bool = Fal
     if value < minimum:
         raise errors.InvalidArgumentError(
             f"{owner}: {name} must be >= {minimum}{' or None' if allow_none else ''}; received "
-            f"{name}={value!r}."
-            + (" Pass None for the default." if allow_none else f" Pass a whole number >= {minimum}.")
+            f"{name}={value!r}. Pass a whole number >= {minimum}."
         )
     return int(value)
 

@@ -278,6 +278,14 @@ CASES = [
         ("max_to_keep must be >= 1 or None", "received max_to_keep=0"),
     ),
     Case(
+        "SidecarEvaluator(steps=1.5)",
+        lambda env: mirrax.SidecarEvaluator(
+            _model(), (np.zeros((4, 2), np.float32),), "/nonexistent", steps=1.5
+        ),
+        errors.InvalidArgumentTypeError,
+        ("SidecarEvaluator: steps must be an int or None", "received float 1.5"),
+    ),
+    Case(
         "CheckpointManager(max_to_keep='3')",
         lambda env: _manager(env, max_to_keep="3"),
         errors.InvalidArgumentTypeError,

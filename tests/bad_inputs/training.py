@@ -320,6 +320,20 @@ CASES = [
         ("validation_batch_size=4", "validation_data="),
         S,
     ),
+    Case(
+        "fit(validation_steps) without validation data (Keras ignores it)",
+        lambda env: _fit(env, X, Y, validation_steps=2),
+        errors.InvalidArgumentError,
+        ("validation_steps=2 was given without validation data", "validation_data="),
+        S,
+    ),
+    Case(
+        "fit(validation_batch_size=0): the argument named",
+        lambda env: _fit(env, X, Y, validation_split=0.5, validation_batch_size=0),
+        errors.InvalidArgumentError,
+        ("fit: validation_batch_size must be >= 1", "received validation_batch_size=0"),
+        S,
+    ),
     # -- fit: the data --------------------------------------------------------------------------
     Case("fit(x=None)", lambda env: _fit(env), errors.InvalidArgumentError, ("x is required",), S),
     Case(

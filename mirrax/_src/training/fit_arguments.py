@@ -43,7 +43,7 @@ class FitArguments:
         Raises:
           InvalidArgumentTypeError / InvalidArgumentError: a count, flag or fraction of the
             wrong type or out of range; `validation_split` with a non-array x;
-            `validation_batch_size` without validation data.
+            `validation_batch_size` or `validation_steps` without validation data.
           UnsupportedArgumentError: class_weight with several outputs or with sample_weight
             (`class_weight_of`), shuffle='batch'.
         """
@@ -51,7 +51,7 @@ class FitArguments:
         a["epochs"], a["initial_epoch"], a["verbose"], a["shuffle"] = checks.check_fit_counts(
             a["epochs"], a["initial_epoch"], a["verbose"], a["shuffle"]
         )
-        for name in ("steps_per_epoch", "validation_steps"):
+        for name in ("steps_per_epoch", "validation_steps", "validation_batch_size"):
             a[name] = argument_checks.count("fit", name, a[name], allow_none=True)
         a["validation_freq"] = argument_checks.count("fit", "validation_freq", a["validation_freq"])
         split = argument_checks.fraction("fit", "validation_split", a["validation_split"])
@@ -69,11 +69,12 @@ class FitArguments:
                 a["x"], a["y"], a["sample_weight"], split
             )
         a["validation_split"] = 0.0
-        if a["validation_data"] is None and a["validation_batch_size"] is not None:
-            raise errors.InvalidArgumentError(
-                f"fit: validation_batch_size={a['validation_batch_size']!r} was given without "
-                "validation data; pass validation_data= or validation_split=, or drop it."
-            )
+        for name in ("validation_batch_size", "validation_steps"):
+            if a["validation_data"] is None and a[name] is not None:
+                raise errors.InvalidArgumentError(
+                    f"fit: {name}={a[name]!r} was given without validation data, so it would do "
+                    "nothing; pass validation_data= or validation_split=, or drop it."
+                )
         return cls(**a)
 
     def validation_arrays(self) -> tuple:

@@ -222,9 +222,12 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
             raise errors.InvalidArgumentError(f"{what}: y must be None when x is a dataset.")
         if callable(x):  # a dataset function, as fit takes: read here, on the coordinator
             if steps is None:
+                x_name, steps_name = (
+                    ("validation_data", "validation_steps") if what.startswith("fit") else ("x", "steps")
+                )
                 raise errors.InvalidArgumentError(
-                    f"{what}: with a dataset function as x, pass steps= (its dataset may be "
-                    "endless); or pass the batches (a list, a dataset) themselves."
+                    f"{what}: with a dataset function as {x_name}, pass {steps_name}= (its dataset "
+                    "may be endless); or pass the batches (a list, a dataset) themselves."
                 )
             x = x(InputContext()) if _takes_argument(x) else x()
         batches = []

@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 import re
 
-import numpy as np
-
 from mirrax import errors
+from mirrax._src import argument_checks
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.checkpointing.directory import SAVE_COUNTER, stored_items
 from mirrax._src.checkpointing.state_file import checkpoints_iterator
@@ -65,12 +64,7 @@ class SidecarEvaluator:
                 "the training's loss and metrics."
             )
         for name, value in (("steps", steps), ("max_evaluations", max_evaluations)):
-            if value is not None and (
-                isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1
-            ):
-                raise errors.InvalidArgumentError(
-                    f"SidecarEvaluator: {name} must be an int >= 1 or None; received {value!r}."
-                )
+            argument_checks.count("SidecarEvaluator", name, value, allow_none=True)
         if callbacks is not None and not isinstance(callbacks, (list, tuple)):
             raise errors.InvalidArgumentTypeError(
                 f"SidecarEvaluator: callbacks must be a list of Callbacks or None; received "
