@@ -186,3 +186,43 @@ def test_shutdown_names_what_ray_has_not_freed(monkeypatch):
     assert "free now {'CPU': 1.0}, expected {'CPU': 3.0}" in message
     assert f"still running: worker 0 (pid {os.getpid()})" in message
     assert "parameter server" not in message and "ray status" in message
+
+
+# -- the coordinator's queue -------------------------------------------------------------------
+
+
+def test_an_error_is_raised_once_and_a_function_in_flight_then_does_not_fail_the_next_batch():
+    # Three functions scheduled; two run (one per worker) and the first fails: join raises
+    # its error once and cancels the third, still waiting. The second, in flight when the
+    # error was raised, fails afterwards: its RemoteValue holds its error, but the next
+    # schedule / join must not raise it (it belongs to the failed batch). A worker's death
+    # hands back a function of the failed batch: it is cancelled, not run again.
+    from mirrax._src.parameter_server import closures, remote_values
+
+    queue = closures.Queue()
+    first, second, third, fourth, fifth = (
+        closures.Closure(b"", remote_values.RemoteValue()) for _ in range(5)
+    )
+    for closure in (first, second, third):
+        queue.put(closure)
+    assert queue.take() is first and queue.take() is second
+    queue.finish(first, error=ValueError("bad batch"))
+    with queue.cond, pytest.raises(ValueError, match="bad batch"):
+        queue.raise_if_error()
+    with pytest.raises(errors.CancelledFunctionError, match="cancelled before it ran"):
+        third.value.fetch()
+    queue.finish(second, error=ValueError("also bad"))
+    with queue.cond:
+        queue.raise_if_error()  # nothing left to raise: the next batch starts clean
+    queue.put(fourth)
+    assert queue.take() is fourth
+    queue.finish(fourth, give_back=True)  # handed back within its batch: queued again
+    queue.put(fifth)
+    assert queue.take() is fourth and queue.take() is fifth
+    queue.finish(fifth, error=ValueError("third bad"))
+    with queue.cond, pytest.raises(ValueError, match="third bad"):
+        queue.raise_if_error()
+    queue.finish(fourth, give_back=True)  # its batch failed meanwhile: cancelled, not rerun
+    with pytest.raises(errors.CancelledFunctionError):
+        fourth.value.fetch()
+    assert not queue.waiting

@@ -23,6 +23,7 @@ class Closure:
         self.payload = payload
         self.value = value
         self.deaths = 0  # times a worker died while running it
+        self.generation = 0  # the queue's error generation when it was scheduled
 
 
 class Queue:
@@ -35,9 +36,13 @@ class Queue:
         self.error: BaseException | None = None
         self.fatal: BaseException | None = None
         self.stopped = False
+        # Raised errors so far: a function scheduled before the last raise that fails after it
+        # belongs to the failed batch (its RemoteValue gets its error), not to the next one.
+        self.generation = 0
 
     def put(self, closure: Closure) -> None:
         with self.cond:
+            closure.generation = self.generation
             self.waiting.append(closure)
             self.cond.notify_all()
 
@@ -55,9 +60,11 @@ class Queue:
     def finish(self, closure: Closure, error: BaseException | None = None, give_back: bool = False) -> None:
         with self.cond:
             self.running -= 1
-            if give_back:
+            if give_back and closure.generation != self.generation:
+                remote_values.reject(closure.value, _cancelled())  # its batch failed meanwhile
+            elif give_back:
                 self.waiting.appendleft(closure)
-            elif error is not None and self.error is None:
+            elif error is not None and self.error is None and closure.generation == self.generation:
                 self.error = error
             self.cond.notify_all()
 
@@ -72,11 +79,7 @@ class Queue:
         while self.waiting:
             remote_values.reject(
                 self.waiting.popleft().value,
-                reason
-                or errors.CancelledFunctionError(
-                    "This scheduled function was cancelled before it ran because an earlier one "
-                    "failed (the error join() raised). Schedule it again."
-                ),
+                reason or _cancelled(),
             )
 
     def stop(self, error: BaseException) -> int:
@@ -98,5 +101,13 @@ class Queue:
             raise self.fatal
         if self.error is not None:
             error, self.error = self.error, None
+            self.generation += 1
             self._cancel()
             raise error
+
+
+def _cancelled() -> errors.CancelledFunctionError:
+    return errors.CancelledFunctionError(
+        "This scheduled function was cancelled before it ran because an earlier one failed "
+        "(the error join() raised). Schedule it again."
+    )
