@@ -136,18 +136,19 @@ class LocalExecutor:
             "evaluate",
             checked=compiled.checked_inputs,
         )
-        cbs = callbacks_lib.CallbackList(
-            callbacks,
-            add_progbar=verbose != 0,
-            model=model,
-            verbose=verbose,
-            epochs=1,
-            steps=steps if steps is not None else data.steps,
-        )
+        cbs = one_pass_callbacks(callbacks, model, verbose, steps if steps is not None else data.steps)
         try:
             return evaluate_loop(model, compiled, data, steps, cbs, "evaluate")
         finally:
             data.close()
+
+
+def one_pass_callbacks(callbacks, model, verbose: int, steps) -> callbacks_lib.CallbackList:
+    """The `CallbackList` of one pass over an input (evaluate, predict): a progress bar unless
+    `verbose` is 0, over `steps` batches (None: not known)."""
+    return callbacks_lib.CallbackList(
+        callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1, steps=steps
+    )
 
 
 def warn_if_ran_out(what: str, name: str, steps, count: int) -> None:

@@ -125,13 +125,8 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     )
     model.module.eval()
     outputs = []
-    cbs = callbacks_lib.CallbackList(
-        callbacks,
-        add_progbar=verbose != 0,
-        model=model,
-        verbose=verbose,
-        epochs=1,
-        steps=steps if steps is not None else data.steps,
+    cbs = local_executor.one_pass_callbacks(
+        callbacks, model, verbose, steps if steps is not None else data.steps
     )
     cbs.on_predict_begin()
     # Outputs are copied to the host at the end, so steps queue without a device round
