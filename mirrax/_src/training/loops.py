@@ -1,7 +1,7 @@
 """The loops of `Model.fit`, `evaluate` and `predict`: ONE epoch/step loop for fit, with its
 callbacks, resume point, validation and logs, over an executor chosen in one place
 (`executor_of`): this process's (`local_executor`: one process or multi-worker) or the
-parameter-server workers' (`parameter_server_loops`)."""
+parameter-server workers' (`parameter_server_executor`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mirrax._src.distribute import values as values_lib
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import data_adapter, local_executor, multi_step
 from mirrax._src.training import logs as logs_lib
-from mirrax._src.training import parameter_server_loops as ps_loops
+from mirrax._src.training import parameter_server_executor as ps_executor
 
 # predict copies a batch's outputs to the host this many steps after dispatching it.
 PREDICT_AHEAD = 32
@@ -25,8 +25,8 @@ PREDICT_AHEAD = 32
 def executor_of(strategy):
     """The executor class of fit and evaluate on `strategy`: `ParameterServerExecutor` under a
     ParameterServerStrategy, else `LocalExecutor`."""
-    if ps_loops.is_parameter_server(strategy):
-        return ps_loops.ParameterServerExecutor
+    if ps_executor.is_parameter_server(strategy):
+        return ps_executor.ParameterServerExecutor
     return local_executor.LocalExecutor
 
 

@@ -8,7 +8,7 @@ callbacks that read or write the model). Batches are global batches split by the
 input pipeline (padded and masked when partial), so every example counts exactly once.
 
 The rooms: the loops in loops.py over the executors of local_executor.py and
-parameter_server_loops.py (the one-batch calls in batch_calls.py, the logs in logs.py), the
+parameter_server_executor.py (the one-batch calls in batch_calls.py, the logs in logs.py), the
 steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py, checks in
 fit_arguments.py, arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
 methods in model_weights.py).
