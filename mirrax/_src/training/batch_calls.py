@@ -12,8 +12,7 @@ import jax
 from mirrax import errors
 from mirrax._src import argument_checks
 from mirrax._src.distribute.values import PerReplica
-from mirrax._src.training import arguments as checks
-from mirrax._src.training import array_inputs, data_adapter, fit_arguments, local_executor
+from mirrax._src.training import array_inputs, data_adapter, fit_arguments, local_executor, strategy_checks
 from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import steps as steps_lib
 
@@ -100,7 +99,7 @@ def one_batch(model, compiled, what, x, y, sample_weight, class_weight):
     Raises:
       InvalidArgumentTypeError: `x` is not arrays.
     """
-    checks.check_not_parameter_server(model.distribute_strategy, what)
+    strategy_checks.check_not_parameter_server(model.distribute_strategy, what)
     x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
     if not array_inputs.is_arrays(x):
         raise errors.InvalidArgumentTypeError(
@@ -174,7 +173,7 @@ def _batch_function(model, name: str, step_fn, objects):
       InvalidArgumentTypeError: (when called) the batch holds no distributed value.
     """
     strategy = model.distribute_strategy
-    checks.check_not_parameter_server(strategy, f"make_{name}")
+    strategy_checks.check_not_parameter_server(strategy, f"make_{name}")
 
     def function(batch):
         if not any(

@@ -10,7 +10,7 @@ input pipeline (padded and masked when partial), so every example counts exactly
 The rooms: the loops in loops.py over the executors of local_executor.py and
 parameter_server_executor.py (the one-batch calls in batch_calls.py, the logs in logs.py), the
 steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py, checks in
-fit_arguments.py, arguments.py, optimizer.py, weights.py (`get_weights` and the other weight
+fit_arguments.py, arguments.py, strategy_checks.py, optimizer.py, weights.py (the other weight
 methods in model_weights.py).
 """
 
@@ -23,7 +23,6 @@ from mirrax import errors
 from mirrax._src import argument_checks
 from mirrax._src.distribute import invariant
 from mirrax._src.distribute.current import get_replica_context, get_strategy, has_strategy
-from mirrax._src.training import arguments as checks
 from mirrax._src.training import (
     batch_calls,
     keras_models,
@@ -34,6 +33,7 @@ from mirrax._src.training import (
     mixed_precision,
     model_glue,
     model_weights,
+    strategy_checks,
 )
 from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import optimizer as optimizers
@@ -187,12 +187,12 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         gradient_accumulation_steps = argument_checks.count(
             "compile", "gradient_accumulation_steps", gradient_accumulation_steps
         )
-        self.distribute_strategy = checks.compile_strategy(self._scope_strategy)
+        self.distribute_strategy = strategy_checks.compile_strategy(self._scope_strategy)
         if self._scope_strategy is not None:  # it may have moved off one that was shut down
             self._scope_strategy = self.distribute_strategy
         if self.distribute_strategy.replica_invariant:
             invariant.check_no_sync_batch_norm((self.module,), "compile")
-        checks.check_sharded_optimizer(
+        strategy_checks.check_sharded_optimizer(
             self.distribute_strategy,
             steps_per_execution,
             mixed_precision.global_policy().uses_loss_scaling and auto_scale_loss,
@@ -236,7 +236,7 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         self._check_scope(what)
 
     def _check_scope(self, what: str):
-        strategy = checks.check_model_scope(what, self.distribute_strategy)
+        strategy = strategy_checks.check_model_scope(what, self.distribute_strategy)
         if strategy is not self.distribute_strategy:  # moved off a strategy that was shut down
             self.distribute_strategy = self._scope_strategy = strategy
         keras_models.read_keras_writes(self.module)  # writes to model.keras_model count
