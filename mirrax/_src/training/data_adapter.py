@@ -7,7 +7,7 @@ import collections.abc
 import itertools
 import math
 import warnings
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import jax
@@ -62,7 +62,7 @@ class ModelInput:
         # or a jax error from inside the compiled step.
         self.num_classes = None
         self._signatures: set = set()
-        self.py_dataset: Any = None  # a keras.utils.PyDataset given as x: read by index (_PyDatasetPass)
+        self.py_dataset: Any = None  # a keras.utils.PyDataset given as x: read by index (PyDatasetPass)
         if isinstance(x, input_lib.DatasetCreator):  # as Keras: distributed from the function
             x = strategy.distribute_datasets_from_function(x, options=x.input_options)
         if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
@@ -261,10 +261,16 @@ class ModelInput:
             else:
                 iterator = iter(self.strategy.experimental_distribute_dataset(_ArrayBatches(self, order)))
         else:
-            source = self.source if self.py_dataset is None else _PyDatasetPass(self)
+            source = (
+                self.source
+                if self.py_dataset is None
+                else dataset_batches.PyDatasetPass(self.py_dataset, self.rng if self.shuffle else None)
+            )
             iterator = iter(
                 self.strategy.experimental_distribute_dataset(
-                    _NormalizedBatches(source, self.inputs_only, self.class_weight, self.num_classes)
+                    dataset_batches.NormalizedBatches(
+                        source, self.inputs_only, self.class_weight, self.num_classes
+                    )
                 )
             )
         count = 0
@@ -337,7 +343,9 @@ class ModelInput:
         if first_pass:
             self._stream = iter(
                 self.strategy.experimental_distribute_dataset(
-                    _NormalizedBatches(self.source, self.inputs_only, self.class_weight, self.num_classes)
+                    dataset_batches.NormalizedBatches(
+                        self.source, self.inputs_only, self.class_weight, self.num_classes
+                    )
                 )
             )
         assert self._stream is not None  # made above, on the first pass
@@ -379,52 +387,3 @@ class _ArrayBatches:
         for start in range(0, d.n, size):
             index = slice(start, start + size) if order is None else order[start : start + size]
             yield jax.tree.unflatten(treedef, [a[index] for a in leaves])
-
-
-class _NormalizedBatches:
-    """Batches of a user dataset as (x, y, sample_weight) (or (x,) for predict); with
-    `num_classes`, each batch's sparse labels are checked on the host (a min and a max)."""
-
-    def __init__(self, source, inputs_only, class_weight=None, num_classes=None):
-        self.source, self.inputs_only, self.class_weight = source, inputs_only, class_weight
-        self.num_classes = num_classes
-
-    def __iter__(self):
-        items = self.source.as_numpy_iterator() if hasattr(self.source, "as_numpy_iterator") else self.source
-        for index, batch in enumerate(items):
-            batch = dataset_batches.normalize_batch(batch, self.inputs_only, self.class_weight)
-            if self.num_classes is not None:
-                try:
-                    losses_lib.SparseCategoricalCrossentropy.check_labels(
-                        checks.host_array(batch[1]), self.num_classes
-                    )
-                except errors.InvalidLabelError as error:
-                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") from None
-            yield batch
-
-
-class _PyDatasetPass:
-    """One pass over a `keras.utils.PyDataset`, as Keras 3's PyDatasetAdapter: batches by index,
-    0 .. num_batches - 1, or a permutation of them when `fit(shuffle=True)` (drawn from the
-    compiled model's RNG, seeded at compile, where Keras draws from Python's `random`); the
-    dataset's `on_epoch_begin()` before and `on_epoch_end()` after. Batches are read in the
-    caller's thread: the PyDataset's `workers`, `use_multiprocessing` and `max_queue_size` are
-    accepted and not used. `num_batches` None is an endless dataset (needs steps_per_epoch)."""
-
-    def __init__(self, data: ModelInput):
-        self.data = data
-
-    def __iter__(self):
-        dataset, shuffle = self.data.py_dataset, self.data.shuffle and self.data.rng is not None
-        count = dataset.num_batches
-        order: Iterable
-        if count is None:
-            order = itertools.count()
-        else:
-            order = self.data.rng.permutation(count) if shuffle else range(count)
-        dataset.on_epoch_begin()
-        try:
-            for index in order:
-                yield dataset[int(index)]
-        finally:
-            dataset.on_epoch_end()

@@ -1,10 +1,13 @@
 """The batches of a user's dataset for `Model.fit` / `evaluate` / `predict`: a first look at
-the source, each batch as (x, y, sample_weight) (or (x,)), and the errors, with the fix, for what
-loaders give instead (dict batches, single examples, a map-style dataset)."""
+the source, each batch as (x, y, sample_weight) (or (x,)), the errors, with the fix, for what
+loaders give instead (dict batches, single examples, a map-style dataset), and the passes over
+a dataset (`NormalizedBatches`) and a Keras `PyDataset` (`PyDatasetPass`)."""
 
 from __future__ import annotations
 
 import inspect
+import itertools
+from collections.abc import Iterable
 
 import jax
 import numpy as np
@@ -14,6 +17,7 @@ from mirrax._src.distribute import batching
 from mirrax._src.distribute import input as input_lib
 from mirrax._src.training import arguments as checks
 from mirrax._src.training import input_structure
+from mirrax._src.training import losses as losses_lib
 
 
 def class_weights_of(y, table) -> np.ndarray:
@@ -236,3 +240,52 @@ def normalize_batch(batch, inputs_only: bool, class_weight=None):
     if not isinstance(weights, (list, tuple, dict)) or not input_structure.is_weights_tree(weights):
         return (x, y, np.asarray(checks.host_array(weights), np.float32))
     return (x, y, jax.tree.map(lambda w: np.asarray(checks.host_array(w), np.float32), weights))
+
+
+class NormalizedBatches:
+    """Batches of a user dataset as (x, y, sample_weight) (or (x,) for predict); with
+    `num_classes`, each batch's sparse labels are checked on the host (a min and a max)."""
+
+    def __init__(self, source, inputs_only, class_weight=None, num_classes=None):
+        self.source, self.inputs_only, self.class_weight = source, inputs_only, class_weight
+        self.num_classes = num_classes
+
+    def __iter__(self):
+        items = self.source.as_numpy_iterator() if hasattr(self.source, "as_numpy_iterator") else self.source
+        for index, batch in enumerate(items):
+            batch = normalize_batch(batch, self.inputs_only, self.class_weight)
+            if self.num_classes is not None:
+                try:
+                    losses_lib.SparseCategoricalCrossentropy.check_labels(
+                        checks.host_array(batch[1]), self.num_classes
+                    )
+                except errors.InvalidLabelError as error:
+                    raise errors.InvalidLabelError(f"batch {index + 1} of the dataset: {error}") from None
+            yield batch
+
+
+class PyDatasetPass:
+    """One pass over a `keras.utils.PyDataset`, as Keras 3's PyDatasetAdapter: batches by index,
+    0 .. num_batches - 1, or a permutation of them when `fit(shuffle=True)` (drawn from the
+    compiled model's RNG, seeded at compile, where Keras draws from Python's `random`); the
+    dataset's `on_epoch_begin()` before and `on_epoch_end()` after. Batches are read in the
+    caller's thread: the PyDataset's `workers`, `use_multiprocessing` and `max_queue_size` are
+    accepted and not used. `num_batches` None is an endless dataset (needs steps_per_epoch)."""
+
+    def __init__(self, dataset, rng):
+        self.dataset, self.rng = dataset, rng  # rng: the permutations' NumPy Generator, or None
+
+    def __iter__(self):
+        dataset = self.dataset
+        count = dataset.num_batches
+        order: Iterable
+        if count is None:
+            order = itertools.count()
+        else:
+            order = self.rng.permutation(count) if self.rng is not None else range(count)
+        dataset.on_epoch_begin()
+        try:
+            for index in order:
+                yield dataset[int(index)]
+        finally:
+            dataset.on_epoch_end()
