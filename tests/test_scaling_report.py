@@ -143,8 +143,17 @@ def test_sharded_state_is_one_over_r_with_reduce_scatter_and_all_gather(sharded_
     instructions = sum(n for n, _ in row.collectives.values())
     communication_ms = instructions * 0.015 + GRADIENT_BYTES / 1e9 * 1e3
     assert row.communication_ms == pytest.approx(communication_ms)
-    # overlap 0.5: half of the communication hides behind the compute.
-    assert row.step_ms == pytest.approx(sharded_report.one_device_ms + communication_ms / 2)
+    # overlap 0.5: half of the communication hides behind the compute, but never more than the
+    # compute itself. The compute is 2 replicas' sharing this machine's cores (one device's at
+    # least) and is measured, so which bound holds depends on the machine: on a fast one the
+    # step measures under communication / 2 (e.g. 8 instructions: 0.06 ms) and the step is then the
+    # communication alone.
+    compute_ms = row.compute_ms
+    assert compute_ms >= sharded_report.one_device_ms
+    if compute_ms >= communication_ms / 2:
+        assert row.step_ms == pytest.approx(compute_ms + communication_ms / 2)
+    else:
+        assert row.step_ms == pytest.approx(communication_ms)
 
 
 def test_the_table_json_and_caller_objects(report):
