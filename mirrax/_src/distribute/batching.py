@@ -232,7 +232,11 @@ class Placer:
         self.rows = max(self.rows, max(all_lengths))
         # Padding rows repeat a real example: finite wherever the model is finite on real data.
         stacked, _ = stack_host_values(shards, rows=self.rows, fill_with_first_row=True)
-        return _distributed(self.strategy, stacked, self.mask(tuple(lengths)), all_lengths)
+        mask = self.mask(tuple(lengths))
+        return jax.tree.map(
+            lambda a: PerReplica(self.strategy, a, mask, all_lengths),
+            put_stacked(self.strategy, stacked),
+        )
 
     def mask(self, lengths):
         """The placed bool (num_replicas, rows) mask of a batch with these per-replica lengths
@@ -274,7 +278,10 @@ class HostBatch:
         """The distributed batch (a `PerReplica` per leaf, every row real)."""
         strategy = self.placer.strategy
         lengths = (self.rows,) * strategy.num_replicas_in_sync
-        return _distributed(strategy, self.host, self.placer.mask(lengths), lengths)
+        mask = self.placer.mask(lengths)
+        return jax.tree.map(
+            lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, self.host)
+        )
 
 
 def place_group(batches: list):
@@ -294,11 +301,7 @@ def place_group(batches: list):
     strategy = first.placer.strategy
     host = jax.tree.map(lambda *parts: np.stack(parts, axis=1), *(b.host for b in batches))
     mask = first.placer.group_mask(len(batches))
-    return _distributed(strategy, host, mask, (first.rows,) * strategy.num_replicas_in_sync)
-
-
-def _distributed(strategy, host, mask, lengths):
-    """`host` placed (`put_stacked`), a `PerReplica` per leaf sharing `mask` and `lengths`."""
+    lengths = (first.rows,) * strategy.num_replicas_in_sync
     return jax.tree.map(lambda a: PerReplica(strategy, a, mask, lengths), put_stacked(strategy, host))
 
 
@@ -392,11 +395,18 @@ def place_host_batches(
         if defer and placer.rows is None and n % replicas == 0 and rows > 0:
             placer.rows = rows  # what Placer.place fixes for an even first batch
         if n % replicas == 0 and rows == placer.rows:
-            # flatten / unflatten: a tree.map here cost as much as the rest per batch
-            cut = [a.reshape((replicas, rows) + a.shape[1:]) for a in leaves]
-            signature = (treedef, tuple((a.shape, a.dtype) for a in cut))
-            host = HostBatch(jax.tree.unflatten(treedef, cut), placer, rows, signature)
-            yield host if defer else host.place()
+            if defer:  # flatten / unflatten: a tree.map here cost as much as the rest per batch
+                cut = [a.reshape((replicas, rows) + a.shape[1:]) for a in leaves]
+                signature = (treedef, tuple((a.shape, a.dtype) for a in cut))
+                yield HostBatch(jax.tree.unflatten(treedef, cut), placer, rows, signature)
+                continue
+            lengths = (rows,) * replicas
+            stacked = jax.tree.map(lambda a, rows=rows: a.reshape((replicas, rows) + a.shape[1:]), batch)
+            mask = placer.mask(lengths)
+            yield jax.tree.map(
+                lambda a, mask=mask, lengths=lengths: PerReplica(strategy, a, mask, lengths),
+                put_stacked(strategy, stacked),
+            )
         elif strategy.replica_invariant:
             # The batch size, not the first batch (which may be the only, partial, one), fixes
             # the micro-batch size.
