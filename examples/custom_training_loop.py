@@ -3,7 +3,8 @@
 The tutorial's program with TF's names swapped for mirrax's: a `MirroredStrategy`, the model
 and optimizer built under `strategy.scope()`, a distributed dataset, a `train_step` run on
 every replica by `strategy.run` with its loss scaled by `mirrax.compute_average_loss`, and the
-replicas' results combined with `strategy.reduce`. The model is the CNN of `keras_fit.py`; the
+replicas' results combined with `strategy.reduce`, the two compiled into one program by
+`@mirrax.function` (TF's `@tf.function`). The model is the CNN of `keras_fit.py`; the
 data are scikit-learn's bundled handwritten digits (no download).
 
     python examples/custom_training_loop.py --epochs 10
@@ -147,6 +148,18 @@ def train(
         model = TutorialCNN(x_train.shape[1:], rngs=nnx.Rngs(seed))
         optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
 
+    # As TF's @tf.function: the run and the two reduces of a step are one compiled program
+    # (the model and optimizer are carried from the closure, updated in place).
+    @mirrax.function
+    def distributed_train_step(batch):
+        loss, correct = strategy.run(train_step, args=(model, optimizer, batch))
+        return strategy.reduce("sum", loss, axis=None), strategy.reduce("sum", correct, axis=None)
+
+    @mirrax.function
+    def distributed_test_step(batch):
+        loss, correct = strategy.run(test_step, args=(model, batch))
+        return strategy.reduce("sum", loss, axis=None), strategy.reduce("sum", correct, axis=None)
+
     test_batches = global_batches(x_test, y_test, global_batch_size)
     test_dataset = strategy.experimental_distribute_dataset(test_batches)
     rng = np.random.default_rng(seed)
@@ -155,15 +168,13 @@ def train(
         batches = global_batches(x_train, y_train, global_batch_size, rng.permutation(len(x_train)))
         start = time.perf_counter()
         loss, accuracy = _epoch(
-            strategy,
-            train_step,
-            (model, optimizer),
+            distributed_train_step,
             strategy.experimental_distribute_dataset(batches),
             [len(b[1]) for b in batches],
         )
         seconds = time.perf_counter() - start
         test_loss, test_accuracy = _epoch(
-            strategy, test_step, (model,), test_dataset, [len(b[1]) for b in test_batches]
+            distributed_test_step, test_dataset, [len(b[1]) for b in test_batches]
         )
         for key, value in (
             ("loss", loss),
@@ -183,17 +194,19 @@ def train(
     return model, history, history["test_accuracy"][-1]
 
 
-def _epoch(strategy, step, state: tuple, dataset, sizes: list) -> tuple:
-    """Runs `step` on every batch of `dataset`; returns (mean loss, accuracy) over the examples.
+def _epoch(distributed_step, dataset, sizes: list) -> tuple:
+    """Runs `distributed_step` on every batch of `dataset`; returns (mean loss, accuracy) over
+    the examples.
 
-    `sizes` are the global batch sizes in order (to weight each batch's mean loss). Results
-    stay on the devices until the end, so the host does not wait for each step.
+    `distributed_step(batch)` returns the batch's global mean loss and its number of correct
+    examples; `sizes` are the global batch sizes in order (to weight each batch's mean loss).
+    Results stay on the devices until the end, so the host does not wait for each step.
     """
     losses, corrects = [], []
     for batch in dataset:
-        loss, correct = strategy.run(step, args=state + (batch,))
-        losses.append(strategy.reduce("sum", loss))
-        corrects.append(strategy.reduce("sum", correct))
+        loss, correct = distributed_step(batch)
+        losses.append(loss)
+        corrects.append(correct)
     losses = np.asarray(jax.device_get(losses), np.float64)
     total = sum(sizes)
     mean_loss = float(np.dot(losses, np.asarray(sizes, np.float64)) / total)

@@ -54,6 +54,7 @@ from mirrax._src.distribute.reduce import ReduceOp as ReduceOp
 from mirrax._src.distribute.reduce import VariableAggregation as VariableAggregation
 from mirrax._src.distribute.replica_context import REPLICA_AXIS as REPLICA_AXIS
 from mirrax._src.distribute.replica_context import ReplicaContext as ReplicaContext
+from mirrax._src.distribute.run.function import function as function
 from mirrax._src.distribute.slurm import SlurmClusterResolver as SlurmClusterResolver
 from mirrax._src.distribute.strategy import Strategy as Strategy
 from mirrax._src.distribute.strategy import StrategyExtended as StrategyExtended

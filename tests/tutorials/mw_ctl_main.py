@@ -125,7 +125,8 @@ def define_a_custom_training_loop_and_train_the_model(ns):
     ns.optimizer, ns.train_accuracy = optimizer, train_accuracy
     before = weight_sums(multi_worker_model)
 
-    def train_step(iterator):  # @tf.function dropped
+    @mirrax.function  # @tf.function
+    def train_step(iterator):
         """Training step function."""
 
         def step_fn(inputs):

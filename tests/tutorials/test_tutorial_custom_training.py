@@ -8,10 +8,12 @@ a Keras metric's variables cannot be carried through a JAX step); for the steps,
 translation docs/training.md documents ("Custom training loops with Keras models"): a Keras
 optimizer as `mirrax.KerasOptimizer(model, keras_optimizer)`, `tf.GradientTape` ->
 `mirrax.value_and_grad(loss_fn)(model.module)`, `apply_gradients(zip(jax.tree.leaves(grads),
-model.trainable_variables))` (TF's literal lines are one extra test); `@tf.function`
-dropped; `tf.train.*` -> `mirrax.train.*`; Fashion-MNIST -> the bundled digits (8x8: both
-convolutions get padding="same", as 3x3 kernels leave nothing for the second pooling
-otherwise), 3 epochs instead of 10, 16 examples per replica.
+model.trainable_variables))` (TF's literal lines are one extra test); `@tf.function` ->
+`@mirrax.function` (dropped in "iterating inside a tf.function": a dataset iterated inside a
+function would be traced batch by batch into one program); `tf.train.*` -> `mirrax.train.*`;
+Fashion-MNIST -> the bundled digits (8x8: both convolutions get padding="same", as 3x3
+kernels leave nothing for the second pooling otherwise), 3 epochs instead of 10, 16 examples
+per replica.
 `Reduction.NONE` is Keras 3's `reduction=None`.
 
 Sections (11, and one test of TF's literal step lines): dataset, strategy, input pipeline,
@@ -176,10 +178,12 @@ def training_loop(ns):
         test_accuracy.update_state(labels, predictions)
 
     # `run` replicates the provided computation and runs it with the distributed input.
+    @mirrax.function
     def distributed_train_step(dataset_inputs):
         per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
         return strategy.reduce(mirrax.ReduceOp.SUM, per_replica_losses, axis=None)
 
+    @mirrax.function
     def distributed_test_step(dataset_inputs):
         return strategy.run(test_step, args=(dataset_inputs,))
 
@@ -256,7 +260,7 @@ def using_iterators(ns):
 def iterating_inside_a_tf_function(ns):
     strategy = ns.strategy
 
-    def distributed_train_epoch(dataset):  # @tf.function dropped: the loop runs in Python
+    def distributed_train_epoch(dataset):  # @tf.function dropped: the loop runs in Python (see above)
         total_loss = 0.0
         num_batches = 0
         for x in dataset:

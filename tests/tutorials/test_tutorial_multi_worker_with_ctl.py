@@ -10,7 +10,7 @@ JAX, the model wrapped in `mirrax.Model`; `tf.keras.metrics` -> `mirrax.metrics`
 the steps as docs/training.md translates them for Keras models ("Custom training
 loops with Keras models": `mirrax.KerasOptimizer(model, keras_optimizer)`, `tf.GradientTape` ->
 `mirrax.value_and_grad(loss_fn)(model.module)`, `zip(jax.tree.leaves(grads), ...)`);
-`@tf.function` dropped; `tf.Variable` ->
+`@tf.function` -> `@mirrax.function` (its `next(iterator)` inside); `tf.Variable` ->
 `nnx.Variable` (`assign_add(1)` -> `.value = .value + 1`); `tf.train.*` -> `mirrax.train.*`;
 `tf.io.gfile` -> `os` / `shutil`; MNIST -> the bundled digits as (N, 8, 8) images; 16 examples
 per worker and 5 steps per epoch instead of 64 and 70.

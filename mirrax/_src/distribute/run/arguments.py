@@ -172,8 +172,9 @@ def _fewer_rows(lengths, than) -> bool:
     return lengths is not None and than is not None and lengths is not than and min(lengths) < min(than)
 
 
-def classify(strategy, fn, args, kwargs) -> Call:
-    """Sorts the arguments of `strategy.run(fn, args, kwargs)` (validated by the caller).
+def classify(strategy, fn, args, kwargs, traced: bool = False) -> Call:
+    """Sorts the arguments of `strategy.run(fn, args, kwargs)` (validated by the caller);
+    `traced`: inside a `mirrax.function` trace, whose values enter as replicated arrays.
 
     Raises:
       InvalidArgumentError: a PerReplica whose replicas cannot be stacked.
@@ -224,7 +225,10 @@ def classify(strategy, fn, args, kwargs) -> Call:
             slots.append(_value_slot(MirroredSlot, value_def, len(value_leaves)))
             dynamic.extend(value_leaves)
         elif isinstance(leaf, jax.core.Tracer):
-            raise inside_transformation(f"argument {names[i]}")
+            if not traced:
+                raise inside_transformation(f"argument {names[i]}")
+            slots.append(ARRAY)
+            dynamic.append(leaf)
         elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             slots.append(ARRAY)
             array_positions.append((len(dynamic), i))
@@ -340,8 +344,9 @@ def inside_transformation(what: str) -> Exception:
         f"strategy.run: {what} is a traced value: strategy.run was called inside jax.jit, "
         "nnx.jit or another JAX transformation, or given a jitted function. strategy.run "
         "already compiles the step into one program: call it directly with the plain step "
-        "function, without the decorator (the TF habit of wrapping it in @tf.function is not "
-        "needed)."
+        "function, without the decorator; to compile the run with the reduce and the "
+        "arithmetic around it into one program, as @tf.function does, decorate the function "
+        "that calls strategy.run with @mirrax.function instead."
     )
 
 

@@ -367,7 +367,7 @@ def global_names(code) -> list:
     return names
 
 
-def check_static_holders(slots, names):
+def check_static_holders(slots, names, what: str = "strategy.run"):
     """Refuses a compile-time-constant argument (a plain object) that holds NNX objects.
 
     Such an object is hashed, not traversed, so the NNX state inside it would be compiled in
@@ -384,7 +384,7 @@ def check_static_holders(slots, names):
         if held:
             listing = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in held)
             raise errors.CapturedStateError(
-                f"strategy.run: argument {names[i]} is a {type(slot.value).__name__} that holds "
+                f"{what}: argument {names[i]} is a {type(slot.value).__name__} that holds "
                 f"NNX state ({listing}). Only NNX objects, arrays, distributed values and "
                 "tuples/lists/dicts of them are traversed; any other object is a compile-time "
                 "constant, so the state inside it would be compiled in and its updates lost. "

@@ -92,6 +92,8 @@ class Program:
         count the padding rows (the runner warns, `padding_warned` once set).
       batch_rows: the static per-replica rows of the step's distributed batch, or None.
       state_def: the structure of the state (and, with `same_state`, of the new state).
+      step: the program's function before `jax.jit` (a `mirrax.function` traces it into its
+        own program: a nested jit cannot carry the compiler options).
     """
 
     compiled: Any
@@ -104,6 +106,7 @@ class Program:
     padding_warned: bool = False
     batch_rows: int | None = None
     state_def: Any = None
+    step: Any = None
 
 
 def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
@@ -209,6 +212,7 @@ def compile_program(spec: Spec, state_leaves, dynamic, batch_info) -> Program:
         sums_padding=found.get("sums_padding", False),
         batch_rows=None if batch_info is None else batch_info[0].shape[-1],
         state_def=spec.state_def,
+        step=step,
     )
 
 

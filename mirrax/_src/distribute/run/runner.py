@@ -6,11 +6,8 @@ is found or compiled (program.py), the state is placed and, where nobody else ho
 and the step's new state is written back into the caller's Variables, so mutation looks in
 place as in TF.
 
-Donation and aliases: a state array that only its Variable (and mirrax) references is donated:
-after the step it is deleted and the Variable holds the new value. An array that something else
-also references (the user kept `w = model.kernel.value`, a callback kept the best weights, an
-async checkpoint is reading it) is copied for the step instead, so every array a user holds
-stays valid and keeps the value it had: the semantics of TF's `variable.read_value()`. An
+Donation and aliases (bound_state.py): an array someone else also references is copied for the
+step instead of donated, so every array a user holds stays valid and keeps its value. An
 array placed on the replicas for a step is a fresh copy, never sharing the buffers of the
 array it came from. Not seen: a per-device piece taken with `addressable_data(i)` or
 `addressable_shards[i].data` shares its parent's buffer without referencing the parent, so
@@ -20,8 +17,6 @@ it is deleted with it (as in plain JAX); copy it (`np.asarray`) to keep it.
 from __future__ import annotations
 
 import collections
-import operator
-import sys
 import warnings
 
 import jax
@@ -29,42 +24,24 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import _compat, sharded_optimizer
+from mirrax._src.distribute import _compat
 from mirrax._src.distribute.replica_context import current_replica_context
-from mirrax._src.distribute.run import arguments, captures
+from mirrax._src.distribute.run import arguments, bound_state, captures, tracing
 from mirrax._src.distribute.run import nodes as nodes_lib
 from mirrax._src.distribute.run import program as prog
 from mirrax._src.distribute.run.arguments import StaticSlot, is_variable
-from mirrax._src.distribute.run.placement import place, place_state
+from mirrax._src.distribute.run.placement import place
 from mirrax._src.distribute.values import Mirrored, PerReplica
 
 _CACHE_SIZE = 256
 _MEMO_SIZE = 16  # programs remembered per set of NNX objects
 _RETRACE_WARNING_AT = 6
+# The node state of objects a `mirrax.function` trace made: never cached (they live one trace).
+_UNCACHED = nodes_lib.NodeState((), None, None)
 # XLA:CPU runs a multi-device program's all-reduce as a rendezvous of host threads; with about
 # 100 such steps queued it deadlocks and aborts the process. On CPU, wait for the oldest step
 # once this many are in flight (accelerators queue steps on their own streams and need no cap).
-_CPU_MAX_IN_FLIGHT = 4
-# References to a state array that mirrax itself holds during the donation check; more means
-# someone else holds it, so it is copied instead of donated. An array the last step wrote back:
-# the Variable's slot, the list of arrays passed, the list of arrays written back, and
-# `sys.getrefcount`'s argument. Any other array a Variable holds: the slot, the list passed,
-# the argument. An array placed for this call: the list passed, the argument.
-_WRITTEN_REFERENCES = 4
-_HELD_REFERENCES = 3
-_COPY_REFERENCES = 2
-
-
-def _copy(x):
-    """A copy of `x` in new buffers on the same devices: a per-device transfer, not a program,
-    so processes that copy different arrays (each holds its own references) stay in step."""
-    if not isinstance(x, jax.Array):
-        return x
-    if x.is_fully_addressable:
-        return jax.device_put(x, x.sharding, may_alias=False)
-    # Several processes: copy this process's shards (device_put wants addressable devices).
-    shards = [jax.device_put(shard.data, shard.device, may_alias=False) for shard in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+CPU_MAX_IN_FLIGHT = 4
 
 
 class LRU:
@@ -93,23 +70,6 @@ class LRU:
         self._entries.clear()
 
 
-class _Binding:
-    """A program bound to one set of NNX objects: their Variables in the program's state
-    order, and the arrays the last step wrote into them."""
-
-    __slots__ = ("live", "written", "specs")
-
-    def __init__(self, live, strategy):
-        # A Variable whose value is an empty pytree carries no array, so it has no place among
-        # the state leaves and nothing is written back into it: optax.masked and
-        # multi_transform (optax.contrib.muon too) keep one, holding optax.MaskedNode, for
-        # each parameter outside a group.
-        self.live = [v for v in live if jax.tree.leaves(_compat.raw_value(v))]
-        self.written = None
-        # Per Variable, the PartitionSpec of its sharded optimizer state, or None.
-        self.specs = sharded_optimizer.state_specs(strategy, live)
-
-
 class Runner:
     """Runs, lowers and caches the programs of one strategy's `run` calls."""
 
@@ -134,14 +94,37 @@ class Runner:
 
     def run(self, fn, args, kwargs):
         """Implements `Strategy.run` (validated there)."""
+        trace = tracing.current()
+        if trace is not None:
+            return self._run_traced(trace, fn, args, kwargs)
         program, binding, call, state_leaves, batch_info, written = self._prepare(fn, args, kwargs)
         if program.sums_padding and not program.padding_warned and call.shortest is not None:
             _warn_if_padded(program, call)
         if program.donates:
-            state_leaves = self._protect_aliases(binding, state_leaves, written)
+            state_leaves = bound_state.protect_aliases(binding, state_leaves, written)
         new_state, outputs = program.compiled(state_leaves, call.dynamic, batch_info)
         del state_leaves
         return self._finish(program, binding, call, new_state, outputs)
+
+    def _run_traced(self, trace, fn, args, kwargs):
+        """`run` inside a `mirrax.function` trace: the step's program is inlined into the
+        function's, on the trace's values; its new state goes into the trace's objects."""
+        trace.used(self._strategy)
+        program, binding, call, state_leaves, batch_info, _ = self._prepare(fn, args, kwargs, traced=True)
+        carried = [isinstance(x, jax.core.Tracer) for x in state_leaves]
+        if not all(carried):
+            raise errors.CapturedStateError(
+                f"mirrax.function: {trace.name} calls strategy.run with "
+                f"{arguments.fn_name(call.fn)}, which reaches NNX objects that {trace.name} does "
+                "not carry (its arguments, closure and globals, followed three calls deep, are "
+                "what it carries); their updates would be lost. Pass those objects to "
+                f"{trace.name} as arguments, or capture them directly (a closure variable or "
+                "global holding them)."
+            )
+        if program.sums_padding and not program.padding_warned and call.shortest is not None:
+            _warn_if_padded(program, call)
+        new_state, outputs = program.step(state_leaves, call.dynamic, batch_info)
+        return self._finish(program, binding, call, new_state, outputs, traced=True)
 
     def lower(self, fn, args, kwargs):
         """Implements `Strategy.experimental_lower` (validated there): the program `run` would
@@ -151,8 +134,9 @@ class Runner:
 
     # -- one call -----------------------------------------------------------------------------
 
-    def _prepare(self, fn, args, kwargs):
-        """Sorts the arguments, finds (or compiles) the program, gathers the state arrays.
+    def _prepare(self, fn, args, kwargs, traced=False):
+        """Sorts the arguments, finds (or compiles) the program, gathers the state arrays
+        (`traced`: inside a `mirrax.function` trace, where they are the trace's values).
 
         Returns (program, binding, call, state leaves, batch info, whether the state leaves
         are the arrays the last step wrote back).
@@ -164,7 +148,7 @@ class Runner:
                 "already runs once per replica."
             )
         strategy = self._strategy
-        call = arguments.classify(strategy, fn, args, kwargs)
+        call = arguments.classify(strategy, fn, args, kwargs, traced)
         for position, index in call.array_positions:
             call.dynamic[position] = place(strategy, call.dynamic[position], call.names, index)
         # The batch mask enters sharded, with the step's number of real examples (all
@@ -182,7 +166,7 @@ class Runner:
             captured_at = ()
         if captured.key is not None:
             call.fn_key = captured.key
-        node_state = self._nodes.lookup(call.nodes)
+        node_state = _UNCACHED if traced else self._nodes.lookup(call.nodes)
         call_key = (call.fn_key, call.treedef, call.slots, mask_key, captured_at)
         program = binding = bound = None
         if node_state.key is not None:
@@ -194,7 +178,7 @@ class Runner:
                 program = self._programs.get(key)
                 if program is not None and program.order is not None:
                     variables = node_state.variables
-                    binding = _Binding([variables[i] for i in program.order], strategy)
+                    binding = bound_state.Binding([variables[i] for i in program.order], strategy)
         if binding is None:
             graphdef, state = nnx.split(tuple(call.nodes))
             state_def = jax.tree.structure(state)
@@ -202,8 +186,13 @@ class Runner:
             if node_state.key is None:
                 key = (call_key, graphdef, state_def)
                 program = self._programs.get(key)
-            binding = _Binding(live, strategy)
-        state_leaves, written = self._state_leaves(binding, call, node_state.memo)
+            binding = bound_state.Binding(live, strategy)
+        if traced:
+            state_leaves, written = jax.tree.leaves(list(map(_compat.raw_value, binding.live))), False
+        else:
+            state_leaves, written = bound_state.state_leaves(
+                strategy, binding, call.names, call.nodes, node_state.memo
+            )
         if program is None:
             program = self._compile(
                 call,
@@ -223,53 +212,6 @@ class Runner:
                 memo.clear()
             memo[call_key] = (program, binding)
         return program, binding, call, state_leaves, batch_info, written
-
-    def _state_leaves(self, binding, call, memo) -> tuple[list, bool]:
-        """The state arrays to pass, and whether they are the ones this runner wrote back last
-        step (passed as they are: their placement is known); others are placed."""
-        raw = list(map(_compat.raw_value, binding.live))
-        written = binding.written
-        if written is not None and len(written) == len(raw) and all(map(operator.is_, raw, written)):
-            return raw, True
-        binding.written = None
-        strategy = self._strategy
-        leaves = jax.tree.leaves(raw)
-        specs = (
-            binding.specs
-            if binding.specs is not None and len(binding.specs) == len(leaves)
-            else (None,) * len(leaves)
-        )
-        later = None
-        if written is not None and jax.process_count() > 1 and len(written) == len(raw) == len(leaves):
-            # Leaves that replaced what a step wrote, and that no other program over these
-            # objects wrote since (fit's validation): assigned by the user between steps.
-            steps = {id(x) for _, other in memo.values() if other.written is not None for x in other.written}
-            later = [x is not w and id(x) not in steps for x, w in zip(raw, written)]
-        return place_state(strategy, leaves, call.names, call.nodes, specs, later), False
-
-    @staticmethod
-    def _protect_aliases(binding, state_leaves, written: bool) -> list:
-        """`state_leaves` with a copy in place of every array someone else also references
-        (see the module docstring), so donating the list deletes only mirrax's own arrays."""
-        live = binding.live
-        if len(state_leaves) != len(live):  # values that are pytrees: nothing is donated
-            return [_copy(x) for x in state_leaves]
-        counts = list(map(sys.getrefcount, state_leaves))
-        if written and max(counts) <= _WRITTEN_REFERENCES:
-            return state_leaves
-        protected = None
-        for i, (count, variable) in enumerate(zip(counts, live)):
-            if written:
-                expected = _WRITTEN_REFERENCES
-            elif state_leaves[i] is _compat.raw_value(variable):
-                expected = _HELD_REFERENCES
-            else:
-                expected = _COPY_REFERENCES
-            if count > expected:
-                if protected is None:
-                    protected = list(state_leaves)
-                protected[i] = _copy(state_leaves[i])
-        return state_leaves if protected is None else protected
 
     def _compile(
         self,
@@ -310,18 +252,19 @@ class Runner:
         self._programs.put(key, program)
         return program
 
-    def _finish(self, program, binding, call, new_state, outputs):
+    def _finish(self, program, binding, call, new_state, outputs, traced=False):
         """Writes the step's new state into the caller's objects and wraps the outputs."""
         if program.same_state:  # a flat list: its first leaf, without a flatten
             first = new_state[0] if new_state else (outputs[0] if outputs else None)
         else:
             first = next(iter(jax.tree.leaves((new_state, outputs))), None)
-        if isinstance(first, jax.core.Tracer):
-            # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the
-            # jitted function (so no argument was traced): the new state exists only inside
-            # that trace, and writing it back into the caller's objects would fail in flax.
-            raise arguments.inside_transformation("the step's result")
-        self._bound_in_flight(new_state, outputs)
+        if not traced:  # in a mirrax.function's trace, the new state goes into its copies
+            if isinstance(first, jax.core.Tracer):
+                # Called inside an outer jax.jit / nnx.jit with the NNX objects captured by the
+                # jitted function (so no argument was traced): the new state exists only inside
+                # that trace, and writing it back into the caller's objects would fail in flax.
+                raise arguments.inside_transformation("the step's result")
+            self.bound_in_flight(new_state, outputs)
         live = binding.live
         if program.same_state and len(live) == len(new_state) and live:
             _compat.set_raw_values(live, new_state)
@@ -341,7 +284,8 @@ class Runner:
 
     # -- caches and queues --------------------------------------------------------------------
 
-    def _bound_in_flight(self, new_state, outputs) -> None:
+    def bound_in_flight(self, new_state, outputs) -> None:
+        """On a multi-device CPU mesh, waits for the oldest step once too many are queued."""
         queue_ = self._in_flight
         if queue_ is None:
             return
@@ -349,7 +293,7 @@ class Runner:
         if token is None:
             return
         queue_.append(token)
-        if len(queue_) > _CPU_MAX_IN_FLIGHT:
+        if len(queue_) > CPU_MAX_IN_FLIGHT:
             jax.block_until_ready(queue_.popleft())
 
     def _example_count(self, lengths) -> jax.Array:
