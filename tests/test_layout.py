@@ -34,7 +34,7 @@ _LAZY_OK = {
     ("mirrax._src.parameter_server.actors", "mirrax._src.parameter_server.worker_side"): (
         "a worker's JAX side, in the worker process only"
     ),
-    ("mirrax._src.training.keras_models", "keras"): "keras (optional), when a Keras model is given",
+    ("mirrax._src.training.keras_checks", "keras"): "keras (optional), when a Keras model is given",
     ("mirrax._src.training.keras_saving", "keras"): "keras (optional), when a .keras file is loaded",
     ("mirrax._src.report.plot", "matplotlib.backends.backend_agg"): "matplotlib (optional), on a plot",
     ("mirrax._src.report.plot", "matplotlib.figure"): "matplotlib (optional), when a plot is drawn",
@@ -175,38 +175,23 @@ def test_imports_sit_at_the_top_except_the_documented_lazy_ones():
     assert stale == [], "entries of _LAZY_OK that match no function-level import any more"
 
 
-# training/ files still over the 400 lines issue 30 sets for that room, each at most its count
-# here: the list may only shrink (a file that gets under 400 must leave it, and no file may grow).
-_TRAINING_OVER_400 = {
-    "mirrax/_src/training/keras_models.py": 478,
-    "mirrax/_src/training/losses.py": 482,
-    "mirrax/_src/training/metrics.py": 479,
-    "mirrax/_src/training/model.py": 473,
-}
-
-
 def room_limit(relative: str) -> int:
-    """distribute/ (the runtime): 450 lines per file; training/: 400, or the file's
-    `_TRAINING_OVER_400` count; the rest of mirrax/_src: 500."""
+    """distribute/ (the runtime): 450 lines per file; training/: 400; the rest of mirrax/_src: 500."""
     if "/distribute/" in relative:
         return 450
     if relative.startswith("mirrax/_src/training/"):
-        return _TRAINING_OVER_400.get(relative, 400)
+        return 400
     return 500
 
 
 def test_rooms_are_bounded():
-    over, stale = [], []
+    over = []
     for path in sorted((PACKAGE / "_src").rglob("*.py")):
         relative = str(path.relative_to(ROOT))
         lines = len(path.read_text().splitlines())
         if lines > room_limit(relative):
             over.append(f"{relative}: {lines} > {room_limit(relative)}")
-        if relative in _TRAINING_OVER_400 and lines <= 400:
-            stale.append(f"{relative}: {lines} lines, under 400: remove it from _TRAINING_OVER_400")
     assert over == []
-    assert stale == []
-    assert all((ROOT / relative).exists() for relative in _TRAINING_OVER_400)
 
 
 def test_lines_are_no_longer_than_ruffs_line_length():
@@ -222,7 +207,7 @@ def test_room_limits_are_the_ones_the_layout_sets():
     assert room_limit("mirrax/_src/distribute/run/runner.py") == 450
     assert room_limit("mirrax/_src/training/new_room.py") == 400
     assert room_limit("mirrax/_src/training/callbacks/new_callback.py") == 400
-    assert room_limit("mirrax/_src/training/model.py") == _TRAINING_OVER_400["mirrax/_src/training/model.py"]
+    assert room_limit("mirrax/_src/training/model.py") == 400
     assert room_limit("mirrax/_src/checkpointing/checkpoint.py") == 500
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute import prng_keys, sharded_optimizer
-from mirrax._src.training import keras_models
+from mirrax._src.training import keras_checks
 from mirrax._src.training import model as model_lib
 
 WHAT = "scaling_report"
@@ -106,7 +106,7 @@ def from_step(fn, batch, args, kwargs) -> Subject:
         graph or arrays).
       InvalidBatchError: `batch` holds no arrays, or arrays with different first dimensions.
     """
-    if isinstance(fn, nnx.Module) or keras_models.is_keras_model(fn):
+    if isinstance(fn, nnx.Module) or keras_checks.is_keras_model(fn):
         # Called as a step it would run the forward pass on the batch tuple and fail deep in
         # JAX ("Cannot concatenate arrays ..."), naming neither the model nor the fix.
         raise errors.InvalidArgumentTypeError(

@@ -10,8 +10,8 @@ from flax import nnx
 
 from mirrax import errors
 from mirrax._src import argument_checks
+from mirrax._src.training import metric_functions, targets
 from mirrax._src.training import metrics as metrics_lib
-from mirrax._src.training import targets
 from mirrax._src.training.targets import match_rank
 
 _NEG_INF = float("-inf")
@@ -124,7 +124,7 @@ class Precision(_ConfusionMetric):
     def result(self):
         """Precision (0.0 where nothing was predicted positive), float32 scalar or (T,) vector."""
         tp = self.true_positives.get_value()
-        return self._maybe_scalar(metrics_lib.divide_no_nan(tp, tp + self.false_positives.get_value()))
+        return self._maybe_scalar(metric_functions.divide_no_nan(tp, tp + self.false_positives.get_value()))
 
 
 class Recall(_ConfusionMetric):
@@ -163,7 +163,7 @@ class Recall(_ConfusionMetric):
     def result(self):
         """Recall (0.0 where there were no positive labels), float32 scalar or (T,) vector."""
         tp = self.true_positives.get_value()
-        return self._maybe_scalar(metrics_lib.divide_no_nan(tp, tp + self.false_negatives.get_value()))
+        return self._maybe_scalar(metric_functions.divide_no_nan(tp, tp + self.false_negatives.get_value()))
 
 
 class AUC(_ConfusionMetric):
@@ -245,11 +245,11 @@ class AUC(_ConfusionMetric):
         fn = self.false_negatives.get_value()
         if self.curve == "PR" and self.summation_method == "interpolation":
             return _interpolate_pr_auc(tp, fp, fn)
-        recall = metrics_lib.divide_no_nan(tp, tp + fn)
+        recall = metric_functions.divide_no_nan(tp, tp + fn)
         if self.curve == "ROC":
-            x, y = metrics_lib.divide_no_nan(fp, fp + tn), recall
+            x, y = metric_functions.divide_no_nan(fp, fp + tn), recall
         else:
-            x, y = recall, metrics_lib.divide_no_nan(tp, tp + fp)
+            x, y = recall, metric_functions.divide_no_nan(tp, tp + fp)
         if self.summation_method == "interpolation":
             heights = (y[:-1] + y[1:]) / 2.0
         elif self.summation_method == "minoring":
@@ -264,11 +264,11 @@ def _interpolate_pr_auc(tp, fp, fn):
     dtp = tp[:-1] - tp[1:]
     p = tp + fp
     dp = p[:-1] - p[1:]
-    slope = metrics_lib.divide_no_nan(dtp, jnp.maximum(dp, 0.0))
+    slope = metric_functions.divide_no_nan(dtp, jnp.maximum(dp, 0.0))
     intercept = tp[1:] - slope * p[1:]
     both = (p[:-1] > 0) & (p[1:] > 0)
-    ratio = jnp.where(both, metrics_lib.divide_no_nan(p[:-1], jnp.maximum(p[1:], 0.0)), 1.0)
-    increment = metrics_lib.divide_no_nan(
+    ratio = jnp.where(both, metric_functions.divide_no_nan(p[:-1], jnp.maximum(p[1:], 0.0)), 1.0)
+    increment = metric_functions.divide_no_nan(
         slope * (dtp + intercept * jnp.log(ratio)), jnp.maximum(tp[1:] + fn[1:], 0.0)
     )
     return increment.sum()
@@ -298,14 +298,14 @@ def _confusion_counts(metric: _ConfusionMetric, y_true, y_pred, sample_weight) -
         y_true = y_true[..., metric.class_id, None]
         y_pred = y_pred[..., metric.class_id, None]
     y_true, y_pred = match_rank(y_true, y_pred)
-    metrics_lib.check_same_shape(metric.name, y_true, y_pred)
+    metric_functions.check_same_shape(metric.name, y_true, y_pred)
     if sample_weight is None:
         weight = jnp.ones(y_pred.shape, jnp.float32)
     else:
-        weight = metrics_lib.align_weight(metric.name, sample_weight, y_pred.shape)
+        weight = metric_functions.align_weight(metric.name, sample_weight, y_pred.shape)
         weight = weight.reshape(weight.shape + (1,) * (y_pred.ndim - weight.ndim))
         weight = jnp.broadcast_to(weight, y_pred.shape)
-    mask = metrics_lib.batch_mask(metric.name, batch)
+    mask = metric_functions.batch_mask(metric.name, batch)
     if mask is not None:
         mask = jnp.broadcast_to(mask.reshape((batch,) + (1,) * (y_pred.ndim - 1)), y_pred.shape)
         weight = jnp.where(mask, weight, 0.0)

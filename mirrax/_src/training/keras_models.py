@@ -17,8 +17,6 @@ Keras is imported only when a Keras model is given; it is the optional extra `mi
 from __future__ import annotations
 
 import inspect
-import sys
-import warnings
 import weakref
 
 import jax
@@ -27,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.training import keras_names
+from mirrax._src.training import keras_checks, keras_names
 
 _SEED_STATE_NAME = "seed_generator_state"
 
@@ -40,60 +38,6 @@ _LAST_CALL_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # arrays themselves: Keras's `assign` and `set_weights` replace a variable's array, so an array
 # that is no longer the variable's means the user wrote to the Keras model after wrapping).
 _KERAS_VALUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def is_keras_model(obj) -> bool:
-    """Whether `obj` is a Keras 3 model or layer, subclasses included (a Keras object cannot
-    exist unless Keras was imported, so Keras is never imported here)."""
-    keras = sys.modules.get("keras")
-    return keras is not None and isinstance(obj, keras.layers.Layer)
-
-
-def _all_built(layer) -> bool:
-    """Whether the layer and every layer inside it have made their variables (a subclassed
-    model's `build(input_shape)` can mark it built while its layers still wait for a call)."""
-    return layer.built and all(_all_built(inner) for inner in getattr(layer, "layers", ()))
-
-
-def _check_keras(keras_model):
-    import keras
-
-    backend = keras.backend.backend()
-    if backend != "jax":
-        raise errors.UnsupportedArgumentError(
-            f"mirrax.Model: the Keras model runs on Keras's {backend!r} backend; mirrax runs "
-            "Keras models on the JAX backend only. Set the environment variable "
-            "KERAS_BACKEND=jax before Keras is first imported (e.g. os.environ['KERAS_BACKEND'] "
-            "= 'jax' at the top of the program, or in the shell), then build the model again."
-        )
-    if not _all_built(keras_model):
-        raise errors.InvalidArgumentError(
-            f"mirrax.Model: the Keras model {keras_model.name!r} is not built (its variables "
-            "do not exist yet), so there is nothing to place on the replicas. Give it its input "
-            "shape: start a Sequential with keras.Input(shape=...) (or input_shape=... on the "
-            "first layer), or call the model once on a batch (keras_model(x[:1])), before "
-            "mirrax.Model(...)."
-        )
-
-
-def _warn_if_own_steps(keras_model) -> None:
-    import keras
-
-    overridden = [
-        name
-        for name in ("train_step", "test_step", "predict_step")
-        if getattr(type(keras_model), name, None) is not getattr(keras.Model, name, None)
-        and isinstance(keras_model, keras.Model)
-    ]
-    if overridden:
-        warnings.warn(
-            f"mirrax.Model: the Keras model {keras_model.name!r} overrides {', '.join(overridden)}, "
-            "which mirrax's fit / evaluate / predict do not call (they run their own distributed "
-            "steps on the model's call). Override the same method of a mirrax.Model subclass "
-            "instead (docs/training.md, 'Keras 3 models').",
-            UserWarning,
-            stacklevel=4,
-        )
 
 
 def _put(tree: dict, keys: tuple, value) -> None:
@@ -159,8 +103,8 @@ class KerasModule(nnx.Module):
     """
 
     def __init__(self, keras_model):
-        _check_keras(keras_model)
-        _warn_if_own_steps(keras_model)
+        keras_checks.check_keras(keras_model)
+        keras_checks.warn_if_own_steps(keras_model)
         self.keras_model = nnx.static(keras_model)
         everything = list(keras_model.variables)
         position = {id(v): i for i, v in enumerate(everything)}
@@ -406,73 +350,3 @@ class KerasModule(nnx.Module):
             if count is not None:
                 count.set_value(jnp.zeros((), jnp.uint32))
         _KERAS_VALUES[self] = now
-
-
-def before_compile(module, policy) -> None:
-    """For `Model.compile` of a Keras model: re-reads which variables are trainable, and
-    refuses a dtype policy the model's layers were not built with (Keras layers cast their
-    inputs to their own compute dtype, so mirrax's casts alone would leave the model computing
-    in float32, or in bfloat16 without loss scaling).
-
-    Raises:
-      UnsupportedArgumentError: the policies' compute dtypes differ (the message says to set
-        the policy before building the model).
-    """
-    if not isinstance(module, KerasModule):
-        return
-    built = module.keras_model.dtype_policy
-    if built.compute_dtype != policy.compute_dtype:
-        raise errors.UnsupportedArgumentError(
-            f"compile: mirrax's mixed precision policy is {policy.name!r} but the Keras model "
-            f"{module.keras_model.name!r} was built under Keras's policy {built.name!r} "
-            f"(its layers compute in {built.compute_dtype}). Set the policy you want with "
-            "mirrax.mixed_precision.set_global_policy(name) (it sets Keras's policy too) after "
-            "importing Keras and BEFORE building the Keras model, as Keras's mixed precision "
-            "guide does; then build, wrap and compile it. (keras.mixed_precision."
-            "set_global_policy alone leaves mirrax's policy as it was.)"
-        )
-    module.refresh_trainable()
-
-
-def before_fit(module) -> None:
-    """`Model.fit`'s check of a Keras model (see `KerasModule.check_trainable_unchanged`)."""
-    if isinstance(module, KerasModule):
-        module.check_trainable_unchanged("fit")
-
-
-def read_keras_writes(module) -> None:
-    """Before a `Model` use: a Keras model's variables written directly since wrapping are
-    taken (`KerasModule.read_keras_writes`); nothing for other modules."""
-    if isinstance(module, KerasModule):
-        module.read_keras_writes()
-
-
-def after_weights_set(module) -> None:
-    """Writes a Keras model's variables after `set_weights` / `load_weights`, so the Keras
-    model used directly sees them too."""
-    if isinstance(module, KerasModule):
-        module.write_to_keras()
-
-
-def call_with_losses(module, *args):
-    """(outputs, the module's own losses summed): a Keras model's regularization and
-    `add_loss` losses; None for any other module (NNX modules have no loss collection)."""
-    if isinstance(module, KerasModule):
-        return module.call_with_losses(*args)
-    return module(*args), None
-
-
-def check_weights_path(module, filepath) -> None:
-    """Refuses a Keras weights file given to `Model.load_weights` of a Keras model, naming the
-    route: Keras's own `load_weights` before wrapping (mirrax reads its own checkpoints).
-
-    Raises:
-      UnsupportedArgumentError: `filepath` ends in .h5 or .keras.
-    """
-    if isinstance(module, KerasModule) and str(filepath).endswith((".h5", ".keras")):
-        raise errors.UnsupportedArgumentError(
-            f"load_weights({str(filepath)!r}): that is a Keras weights file; mirrax.Model reads "
-            "the checkpoints mirrax writes (save_weights, Checkpoint, ModelCheckpoint). Load it "
-            "into the Keras model before wrapping it: keras_model.load_weights(path), then "
-            "mirrax.Model(keras_model)."
-        )

@@ -8,6 +8,7 @@ import numpy as np
 from mirrax import errors
 from mirrax._src.training import confusion_metrics as confusion
 from mirrax._src.training import losses as losses_lib
+from mirrax._src.training import metric_functions
 from mirrax._src.training import metrics as metrics_lib
 from mirrax._src.training.losses import InvalidIdentifierError
 
@@ -109,7 +110,7 @@ def _accuracy_for(loss, name: str) -> metrics_lib.Metric:
         return metrics_lib.CategoricalAccuracy(name=name)
     if isinstance(loss, losses_lib.SparseCategoricalCrossentropy):
         return metrics_lib.SparseCategoricalAccuracy(name=name)
-    return metrics_lib.MeanMetricWrapper(metrics_lib.accuracy_by_shape, name=name)
+    return metrics_lib.MeanMetricWrapper(metric_functions.accuracy_by_shape, name=name)
 
 
 def per_threshold(metric) -> bool:

@@ -22,7 +22,6 @@ replica's increment on top of the previous state).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -30,9 +29,21 @@ import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute.current import get_replica_context
 from mirrax._src.distribute.replica_context import current_replica_context
-from mirrax._src.training.targets import match_rank, sparse_labels
+from mirrax._src.training.metric_functions import (
+    absolute_error,
+    accuracy,
+    align_weight,
+    batch_mask,
+    binary_accuracy,
+    categorical_accuracy,
+    divide_no_nan,
+    mean_trailing,
+    scalar_weight,
+    snake,
+    sparse_categorical_accuracy,
+    squared_error,
+)
 
 NEG_INF = float("-inf")
 
@@ -65,7 +76,7 @@ class Metric(nnx.Pytree):
                 f"{type(self).__name__}: mirrax metrics keep float32 state; received "
                 f"dtype={dtype!r}. Leave dtype unset (cast the result if you need another type)."
             )
-        self.name = name or _snake(type(self).__name__)
+        self.name = name or snake(type(self).__name__)
 
     def update_state(self, *args, **kwargs) -> None:
         """Adds a batch to the state (see the subclass for the arguments)."""
@@ -148,19 +159,19 @@ class Mean(Metric):
             weight = (
                 jnp.ones((), jnp.float32)
                 if sample_weight is None
-                else _scalar_weight(self.name, sample_weight)
+                else scalar_weight(self.name, sample_weight)
             )
             self._add(self.total, values * weight)
             self._add(self.count, weight)
             return
         if sample_weight is None:
-            per_example, weight = _mean_trailing(values), None
+            per_example, weight = mean_trailing(values), None
         else:
             weight = align_weight(self.name, sample_weight, values.shape)
             if values.ndim > weight.ndim:
                 values = values.mean(axis=tuple(range(weight.ndim, values.ndim)))
             weight = jnp.broadcast_to(weight, values.shape)
-            per_example, weight = _mean_trailing(values * weight), _mean_trailing(weight)
+            per_example, weight = mean_trailing(values * weight), mean_trailing(weight)
         mask = batch_mask(self.name, values.shape[0])
         if mask is None:
             count = values.shape[0] if weight is None else weight.sum()
@@ -202,7 +213,7 @@ class Sum(Metric):
         """
         values = jnp.asarray(values, jnp.float32)
         if values.ndim == 0:
-            weight = 1.0 if sample_weight is None else _scalar_weight(self.name, sample_weight)
+            weight = 1.0 if sample_weight is None else scalar_weight(self.name, sample_weight)
             self._add(self.total, values * weight)
             return
         if sample_weight is not None:
@@ -271,7 +282,7 @@ class Accuracy(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "accuracy", dtype=None):
-        super().__init__(_accuracy, name=name, dtype=dtype)
+        super().__init__(accuracy, name=name, dtype=dtype)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
@@ -292,7 +303,7 @@ class BinaryAccuracy(MeanMetricWrapper):
                 f"BinaryAccuracy: threshold must be a float; received {type(threshold).__name__} "
                 f"{threshold!r}. Pass e.g. 0.5 (0.0 for logits)."
             )
-        super().__init__(_binary_accuracy, name=name, dtype=dtype, threshold=float(threshold))
+        super().__init__(binary_accuracy, name=name, dtype=dtype, threshold=float(threshold))
 
 
 class CategoricalAccuracy(MeanMetricWrapper):
@@ -306,7 +317,7 @@ class CategoricalAccuracy(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "categorical_accuracy", dtype=None):
-        super().__init__(_categorical_accuracy, name=name, dtype=dtype)
+        super().__init__(categorical_accuracy, name=name, dtype=dtype)
 
 
 class SparseCategoricalAccuracy(MeanMetricWrapper):
@@ -321,7 +332,7 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "sparse_categorical_accuracy", dtype=None):
-        super().__init__(_sparse_categorical_accuracy, name=name, dtype=dtype)
+        super().__init__(sparse_categorical_accuracy, name=name, dtype=dtype)
 
 
 class MeanSquaredError(MeanMetricWrapper):
@@ -335,7 +346,7 @@ class MeanSquaredError(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "mean_squared_error", dtype=None):
-        super().__init__(_squared_error, name=name, dtype=dtype)
+        super().__init__(squared_error, name=name, dtype=dtype)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
@@ -349,131 +360,7 @@ class MeanAbsoluteError(MeanMetricWrapper):
     """
 
     def __init__(self, name: str | None = "mean_absolute_error", dtype=None):
-        super().__init__(_absolute_error, name=name, dtype=dtype)
+        super().__init__(absolute_error, name=name, dtype=dtype)
 
 
 # -- per-example functions (Keras's keras.metrics.* functions) -------------------------------
-
-
-def _accuracy(y_true, y_pred):
-    y_pred = jnp.asarray(y_pred)
-    y_true, y_pred = match_rank(jnp.asarray(y_true).astype(y_pred.dtype), y_pred)
-    check_same_shape("accuracy", y_true, y_pred)
-    return (y_true == y_pred).astype(jnp.float32)
-
-
-def _binary_accuracy(y_true, y_pred, threshold=0.5):
-    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    check_same_shape("binary_accuracy", y_true, y_pred)
-    return (y_true == (y_pred > threshold).astype(jnp.float32)).astype(jnp.float32)
-
-
-def _categorical_accuracy(y_true, y_pred):
-    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
-    check_same_shape("categorical_accuracy", y_true, y_pred)
-    return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
-
-
-def _sparse_categorical_accuracy(y_true, y_pred):
-    y_pred = jnp.asarray(y_pred)
-    y_true = sparse_labels("sparse_categorical_accuracy", y_true, y_pred, "CategoricalAccuracy")
-    predicted = jnp.argmax(y_pred, axis=-1).astype(jnp.float32)
-    return (y_true.astype(jnp.float32) == predicted).astype(jnp.float32)
-
-
-def accuracy_by_shape(y_true, y_pred):
-    """Keras 3's resolution of "accuracy" from the shapes (compile_utils.get_metric)."""
-    y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
-    if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
-        return _binary_accuracy(y_true, y_pred)
-    if y_true.ndim < y_pred.ndim or y_true.shape[-1] == 1:
-        return _sparse_categorical_accuracy(y_true, y_pred)
-    return _categorical_accuracy(y_true, y_pred)
-
-
-def _squared_error(y_true, y_pred):
-    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    check_same_shape("mean_squared_error", y_true, y_pred)
-    return jnp.square(y_pred - y_true)
-
-
-def _absolute_error(y_true, y_pred):
-    y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
-    check_same_shape("mean_absolute_error", y_true, y_pred)
-    return jnp.abs(y_pred - y_true)
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-def batch_mask(owner: str, batch_size: int):
-    """The replica's batch mask (bool (batch,)), or None outside a run with a distributed batch."""
-    ctx = get_replica_context()
-    mask = None if ctx is None else ctx.batch_mask
-    if mask is None:
-        return None
-    if mask.shape[0] != batch_size:
-        raise errors.IncompatibleInputError(
-            f"{owner}: update_state received {batch_size} examples but this replica's batch has "
-            f"{mask.shape[0]} rows; update metrics inside strategy.run with the per-example "
-            "values of the batch that run passed in (not gathered or reduced ones)."
-        )
-    return mask
-
-
-def align_weight(owner: str, sample_weight, shape: tuple):
-    """`sample_weight` as float32, aligned with the leading axes of `shape` (rank matching)."""
-    weight = jnp.asarray(sample_weight, jnp.float32)
-    while weight.ndim > len(shape) and weight.shape[-1] == 1:
-        weight = weight.reshape(weight.shape[:-1])
-    if weight.ndim == 0:
-        return jnp.broadcast_to(weight, shape[:1])
-    lead = shape[: weight.ndim]
-    if weight.ndim > len(shape) or any(w not in (1, s) for w, s in zip(weight.shape, lead)):
-        raise errors.IncompatibleInputError(
-            f"{owner}: sample_weight of shape {weight.shape} does not fit values of shape "
-            f"{tuple(shape)}; pass a scalar, one weight per example (shape {tuple(shape[:1])}), "
-            "or an array matching the leading axes of the values."
-        )
-    return jnp.broadcast_to(weight, lead)
-
-
-def _scalar_weight(owner: str, sample_weight):
-    weight = jnp.asarray(sample_weight, jnp.float32)
-    if weight.size != 1:
-        raise errors.IncompatibleInputError(
-            f"{owner}: a scalar value takes a scalar sample_weight; received sample_weight of "
-            f"shape {weight.shape}. Pass per-example values of shape (batch,) to weight each."
-        )
-    return weight.reshape(())
-
-
-def check_same_shape(owner: str, y_true, y_pred) -> None:
-    """Refuses labels and predictions of different shapes; `owner` names the metric.
-
-    Raises:
-      IncompatibleInputError: the shapes differ.
-    """
-    if y_true.shape != y_pred.shape:
-        raise errors.IncompatibleInputError(
-            f"{owner}: y_true of shape {y_true.shape} does not match y_pred of shape "
-            f"{y_pred.shape}; give labels of the predictions' shape (a trailing axis of size 1 "
-            "may be added or left out)."
-        )
-
-
-def _mean_trailing(values):
-    if values.ndim > 1:
-        values = values.mean(axis=tuple(range(1, values.ndim)))
-    return values
-
-
-def divide_no_nan(numerator, denominator):
-    """`numerator / denominator` in float32, 0 where the denominator is 0 (Keras's)."""
-    safe = jnp.where(denominator == 0, 1.0, denominator)
-    return jnp.where(denominator == 0, 0.0, numerator / safe).astype(jnp.float32)
-
-
-def _snake(name: str) -> str:
-    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()

@@ -16,33 +16,31 @@ methods in model_weights.py).
 
 from __future__ import annotations
 
-import optax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src import argument_checks
-from mirrax._src.distribute import invariant
-from mirrax._src.distribute.current import get_replica_context, get_strategy, has_strategy
+from mirrax._src.distribute.current import get_strategy, has_strategy
 from mirrax._src.training import (
     batch_calls,
+    keras_checks,
+    keras_hooks,
     keras_models,
-    keras_objects,
     local_executor,
     loops,
-    metric_registry,
     mixed_precision,
+    model_compile,
     model_glue,
+    model_steps,
     model_weights,
     strategy_checks,
 )
 from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import optimizer as optimizers
-from mirrax._src.training import outputs as outputs_lib
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training.fit_arguments import FitArguments
 
 
-class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchCalls):
+class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchCalls, model_steps.ModelSteps):
     """A Keras-style model around an `nnx.Module`, as `keras.Model` with a distribution strategy.
 
     `compile` picks the strategy in scope (or the default strategy); `fit`, `evaluate` and
@@ -66,11 +64,12 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
       history (the `History` of the last fit), distribute_strategy; `save`, `losses` and
       `trainable_variables` come from `KerasGlue` (model_glue.py), `get_weights` and the other
       weight methods from `ModelWeights` (model_weights.py), `train_on_batch`, `test_on_batch`
-      and `make_*_function` from `BatchCalls` (batch_calls.py).
+      and `make_*_function` from `BatchCalls` (batch_calls.py), `train_step`, `test_step`,
+      `predict_step` and `loss_tracker` from `ModelSteps` (model_steps.py).
     """
 
     def __init__(self, module):
-        if keras_models.is_keras_model(module):
+        if keras_checks.is_keras_model(module):
             module = keras_models.KerasModule(module)
         if not isinstance(module, nnx.Module):
             raise errors.InvalidArgumentTypeError(
@@ -106,7 +105,7 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         """What `mirrax.Checkpoint` stores for this model (mirrax's checkpoint protocol): the
         module and, once compiled, the `nnx.Optimizer` (as f"{name}.module" and
         f"{name}.optimizer")."""
-        keras_models.read_keras_writes(self.module)
+        keras_hooks.read_keras_writes(self.module)
         children = {"module": self.module}
         if self.optimizer is not None:
             children["optimizer"] = self.optimizer.nnx_optimizer
@@ -168,7 +167,7 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
           MixedStrategyError: compiled under another strategy's scope than the one the model
             was made in.
         """
-        keras_models.before_compile(self.module, mixed_precision.global_policy())
+        keras_hooks.before_compile(self.module, mixed_precision.global_policy())
         self._remember_compile(
             optimizer=optimizer,
             loss=loss,
@@ -176,57 +175,30 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
             metrics=metrics,
             weighted_metrics=weighted_metrics,
         )
-        loss, optimizer, metrics, weighted_metrics = keras_objects.from_keras(
-            loss, optimizer, metrics, weighted_metrics
-        )
-        outputs_lib.check_compile_args(
-            loss, loss_weights, metrics, weighted_metrics, run_eagerly, jit_compile, auto_scale_loss
-        )
-        loss, loss_scale, outputs = outputs_lib.resolve(self.module, loss, loss_weights)
-        steps_per_execution = argument_checks.count("compile", "steps_per_execution", steps_per_execution)
-        gradient_accumulation_steps = argument_checks.count(
-            "compile", "gradient_accumulation_steps", gradient_accumulation_steps
-        )
-        self.distribute_strategy = strategy_checks.compile_strategy(self._scope_strategy)
-        if self._scope_strategy is not None:  # it may have moved off one that was shut down
-            self._scope_strategy = self.distribute_strategy
-        if self.distribute_strategy.replica_invariant:
-            invariant.check_no_sync_batch_norm((self.module,), "compile")
-        strategy_checks.check_sharded_optimizer(
-            self.distribute_strategy,
+        done = model_compile.configure(
+            self,
+            self.module,
+            self._scope_strategy,
+            self._binding,
+            optimizer,
+            loss,
+            loss_weights,
+            metrics,
+            weighted_metrics,
+            run_eagerly,
             steps_per_execution,
-            mixed_precision.global_policy().uses_loss_scaling and auto_scale_loss,
+            jit_compile,
+            auto_scale_loss,
+            gradient_accumulation_steps,
         )
-        tx = optimizers.resolve_optimizer(optimizer)
-        self.steps_per_execution = steps_per_execution
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        if gradient_accumulation_steps > 1:
-            # optax's accumulator: the mean of k micro-batch gradients, applied every k-th step.
-            tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
-        self.optimizer = optimizers.make_handle(self.module, tx, self.distribute_strategy)
-        self.loss = loss
-        self.metrics, names, weighted_flags, where = outputs_lib.build_metrics(
-            loss, outputs, metrics, weighted_metrics
-        )
-        self.dtype_policy = mixed_precision.global_policy()
-        compiled = steps_lib.compiled_state(
-            self.loss,
-            loss_scale,
-            self.dtype_policy,
-            metric_registry.checked_scalar(names, self.metrics),
-            weighted_flags,
-            self.dtype_policy.uses_loss_scaling and auto_scale_loss,
-            self.distribute_strategy.replica_invariant,
-            outputs,
-            where,
-        )
-        # New step functions at every compile: they key strategy.run's program cache, so a
-        # recompiled model (another loss, policy or metrics) never reuses an old program.
-        compiled.train_fn = steps_lib.bound_step(self, self._binding, "train_step")
-        compiled.test_fn = steps_lib.bound_step(self, self._binding, "test_step")
-        compiled.predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
-        self.optimizer.dynamic_scale = compiled.dynamic_scale
-        self._compiled = compiled
+        self.distribute_strategy = done.strategy
+        if self._scope_strategy is not None:  # it may have moved off one that was shut down
+            self._scope_strategy = done.strategy
+        self.steps_per_execution = done.steps_per_execution
+        self.gradient_accumulation_steps = done.gradient_accumulation_steps
+        self.optimizer, self.loss, self.metrics = done.optimizer, done.loss, done.metrics
+        self.dtype_policy = done.dtype_policy
+        self._compiled = done.compiled
 
     def _check_compiled(self, what: str):
         if not self._compiled:
@@ -239,7 +211,7 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         strategy = strategy_checks.check_model_scope(what, self.distribute_strategy)
         if strategy is not self.distribute_strategy:  # moved off a strategy that was shut down
             self.distribute_strategy = self._scope_strategy = strategy
-        keras_models.read_keras_writes(self.module)  # writes to model.keras_model count
+        keras_hooks.read_keras_writes(self.module)  # writes to model.keras_model count
 
     # -- fit -------------------------------------------------------------------------------------
 
@@ -305,7 +277,7 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         dataset function, steps_per_epoch is required (docs/parameter_server.md, "fit").
         """
         self._check_compiled("fit")
-        keras_models.before_fit(self.module)
+        keras_hooks.before_fit(self.module)
         args = FitArguments.checked(
             self._compiled,
             x=x,
@@ -409,59 +381,6 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
     def metrics_names(self) -> list:
         """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
         return [] if self._compiled is None else logs_lib.metric_keys(self, self._compiled)
-
-    # -- the steps (overridable, as Keras's) -----------------------------------------------------
-
-    def train_step(self, data):
-        """One training step on this replica's shard of a batch, as `keras.Model.train_step`.
-
-        `fit` (and `train_on_batch`) run it inside `strategy.run`, once per replica, with
-        `data = (x, y)` or `(x, y, sample_weight)` (as the input has weights or not): this
-        replica's rows of the global batch (`get_replica_context().batch_mask` marks the real
-        rows of a partial batch). Inside, `self.module`, `self.optimizer.nnx_optimizer`,
-        `self.metrics` and `self.loss_tracker` are this replica's objects: update them in
-        place (e.g. `mirrax.value_and_grad(loss_fn)(self.module, ...)`, then
-        `self.optimizer.nnx_optimizer.update(self.module, grads)`, and
-        `self.loss_tracker.update(total, count)` for the logged loss). Gradients of
-        replicated parameters are summed over the replicas by JAX (divide the loss by the
-        global batch, as `compute_average_loss` does). The return value is ignored: fit's
-        logs are read from the loss tracker and the metrics. Traced once per program, so it
-        must be a pure function of its inputs and the objects above (as a `tf.function`).
-
-        The default: the compiled loss (mixed precision and loss scaling included) and its
-        gradients, the optimizer's update, the loss tracker and the metrics.
-        """
-        module, optimizer, metrics, tracker, loss_scale = self._binding.objects("train_step")
-        assert self._compiled is not None  # the step runs only once compiled
-        self._compiled.train_impl(module, optimizer, metrics, tracker, loss_scale, data)
-
-    def test_step(self, data):
-        """One evaluation step on this replica's shard, as `keras.Model.test_step`: updates the
-        loss tracker and metrics (see `train_step` for where it runs and what it may use)."""
-        module, _, metrics, tracker, _ = self._binding.objects("test_step")
-        assert self._compiled is not None  # the step runs only once compiled
-        self._compiled.test_impl(module, metrics, tracker, data)
-
-    def predict_step(self, data):
-        """The outputs for this replica's shard `data = (x,)`, as `keras.Model.predict_step`:
-        an array (or pytree of arrays) with the shard's rows first (see `train_step`)."""
-        module = self._binding.objects("predict_step")[0]
-        if self._compiled is not None:
-            return self._compiled.predict_impl(module, data)
-        # Not compiled: float32, micro-batched in replica-invariant mode.
-        ctx = get_replica_context()
-        assert ctx is not None  # a step runs in a replica context (None is cross-replica only)
-        micro = ctx.strategy.replica_invariant
-        impl = steps_lib.PREDICT_FLOAT32_MICRO if micro else steps_lib.PREDICT_FLOAT32
-        return impl(module, data)
-
-    @property
-    def loss_tracker(self):
-        """The `LossTracker` of the logged loss (`update(total, count)`, `result()`, `reset()`):
-        inside a step, this replica's; None before compile."""
-        if self._binding.current is not None:
-            return self._binding.current[3]
-        return None if self._compiled is None else self._compiled.tracker
 
 
 def train_call(model: Model, what: str) -> tuple:

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 from mirrax._src.checkpointing import checkpoint
-from mirrax._src.training import keras_models
+from mirrax._src.training import keras_hooks
 from mirrax._src.training import weights as weights_lib
 
 
@@ -24,7 +24,7 @@ class ModelWeights:
         `nnx.Dropout`): parameters and batch statistics, as Keras's `weights` leave out its
         seed generators' state. Checkpoints (`save_weights`, `mirrax.Checkpoint`) keep all.
         """
-        keras_models.read_keras_writes(self.module)
+        keras_hooks.read_keras_writes(self.module)
         return [np.asarray(v.get_value()) for _, v in weights_lib.module_weights(self.module)]
 
     def count_params(self) -> int:
@@ -39,7 +39,7 @@ class ModelWeights:
           ValueError: wrong number of arrays or a shape mismatch (the message names the variable).
         """
         weights_lib.set_weights(self.module, weights)
-        keras_models.after_weights_set(self.module)
+        keras_hooks.after_weights_set(self.module)
 
     def save_weights(self, filepath, overwrite: bool = True) -> None:
         """Writes the module's variables to the directory `filepath` (a `mirrax.Checkpoint`).
@@ -54,7 +54,7 @@ class ModelWeights:
             or `filepath` is a regular file.
           InvalidArgumentTypeError: `filepath` is not a str or os.PathLike.
         """
-        keras_models.read_keras_writes(self.module)
+        keras_hooks.read_keras_writes(self.module)
         checkpoint.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath) -> None:
@@ -71,9 +71,9 @@ class ModelWeights:
             the module's (the message lists the paths and shapes that differ), or it holds no
             model's weights (the message names the call that restores it).
         """
-        keras_models.check_weights_path(self.module, filepath)
+        keras_hooks.check_weights_path(self.module, filepath)
         checkpoint.load_weights(self, filepath)
-        keras_models.after_weights_set(self.module)
+        keras_hooks.after_weights_set(self.module)
 
     def summary(
         self,

@@ -16,7 +16,7 @@ from mirrax import errors
 from mirrax._src.distribute import gradients, invariant
 from mirrax._src.distribute.current import get_replica_context
 from mirrax._src.distribute.losses import compute_average_loss
-from mirrax._src.training import keras_models, mixed_precision
+from mirrax._src.training import keras_hooks, mixed_precision
 
 
 class LossTracker(nnx.Pytree):
@@ -62,12 +62,12 @@ def forward_with_losses(module, x, policy):
     (parameters cast), and the module's own losses summed (a Keras model's regularization
     and `add_loss` losses, float32; None for an NNX module)."""
     if policy.compute_dtype == "float32":
-        return keras_models.call_with_losses(module, x)
+        return keras_hooks.call_with_losses(module, x)
     dtype = jnp.dtype(policy.compute_dtype)
     # flax types nnx.split's result as a variadic tuple, which mypy will not unpack into names.
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     view = nnx.merge(graphdef, mixed_precision.cast_floating(params, dtype), rest)
-    y_pred, own = keras_models.call_with_losses(view, mixed_precision.cast_floating(x, dtype))
+    y_pred, own = keras_hooks.call_with_losses(view, mixed_precision.cast_floating(x, dtype))
     # What the call changed besides the parameters (batch statistics, seed counts) is kept.
     nnx.update(module, nnx.state(view, nnx.Not(nnx.Param)))
     y_pred = jax.tree.map(
