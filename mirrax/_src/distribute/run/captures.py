@@ -33,6 +33,8 @@ from mirrax._src.distribute.run.arguments import StaticSlot, is_graph_node
 # objects of mirrax (a `mirrax.Model` holding its module) are looked into, its functions not.
 _OBJECT_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "builtins", "functools", "keras")
 _LIBRARY_PREFIXES = _OBJECT_LIBRARIES + ("mirrax",)
+# mirrax's example programs are user code (the steps of `mirrax train --loop custom`).
+_USER_MODULES = ("mirrax.examples",)
 MAX_DEPTH = 3
 _CACHE_SIZE = 64
 MISSING = object()
@@ -160,7 +162,7 @@ def _cell_id(cell):
 
 def _is_library(value) -> bool:
     module = getattr(value, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARY_PREFIXES
+    return module.split(".")[0] in _LIBRARY_PREFIXES and not module.startswith(_USER_MODULES)
 
 
 def user_function(value) -> bool:
