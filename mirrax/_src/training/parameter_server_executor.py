@@ -21,7 +21,7 @@ from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.parameter_server.closures import WorkerConstant
 from mirrax._src.parameter_server.coordinator import ClusterCoordinator
 from mirrax._src.parameter_server.strategy import ParameterServerStrategy
-from mirrax._src.training import array_inputs
+from mirrax._src.training import array_inputs, data_adapter
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import logs as logs_lib
 
@@ -75,7 +75,7 @@ class Steps(WorkerConstant):
         return sums
 
 
-def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
+def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle, checked_inputs):
     """The per-worker dataset of fit: `x` itself when it is a dataset function, else endless
     (reshuffled) global batches of the arrays, a different order on each worker."""
     if callable(x) and not array_inputs.is_arrays(x):
@@ -93,11 +93,13 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle):
             "`def dataset_fn(input_context): ... return batches`); received a "
             f"{type(x).__name__}, which cannot be read on the workers."
         )
-    batch_size = 32 if batch_size is None else argument_checks.count("fit", "batch_size", batch_size)
-    arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-    n = array_inputs.num_examples(arrays[0])
-    if n == 0:
-        raise errors.EmptyDatasetError("fit: x holds no example, so there is nothing to train on.")
+    # The checks fit makes of arrays under every other strategy, here on the coordinator before
+    # any function is scheduled: lengths, empty input, shapes through the model, label range.
+    checked = data_adapter.ModelInput(
+        model, default_strategy(), x, y, sample_weight, batch_size, shuffle, "fit", checked=checked_inputs
+    )
+    batch_size, n = checked.batch_size, checked.n
+    arrays = tuple(a for a in (checked.x, checked.y, checked.sample_weight) if a is not None)
 
     def dataset_fn(input_context):
         rng = np.random.default_rng(input_context.input_pipeline_id)
@@ -140,7 +142,7 @@ class ParameterServerExecutor:
             )
         self.model, self.compiled, self.args = model, compiled, args
         dataset_fn = _train_dataset_fn(
-            model, args.x, args.y, args.sample_weight, args.batch_size, args.shuffle
+            model, args.x, args.y, args.sample_weight, args.batch_size, args.shuffle, compiled.checked_inputs
         )
         self.coordinator = ClusterCoordinator(model.distribute_strategy)
         self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
