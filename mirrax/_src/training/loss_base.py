@@ -6,9 +6,6 @@ one). `loss(y_true, y_pred, sample_weight)` is `mirrax.compute_average_loss` of 
 `strategy.run` this replica's share of the global mean over the real (unmasked) examples, so the
 replicas' shares add up to Keras's "sum_over_batch_size" of the global batch; outside every
 strategy the plain weighted mean.
-
-Probabilities (`from_logits=False`) are clipped to [1e-7, 1 - 1e-7] before the log, as Keras's
-backend does: a probability of 0 gives a large finite loss.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Keras-named losses built on optax, whose `__call__` is a replica's share of the global mean.
 
-A `Loss` has two faces. `per_example(y_true, y_pred)` is the float32 loss of each example
-(Keras's `reduction=None`, averaged over trailing axes as Keras's loss functions average the last
-one). `loss(y_true, y_pred, sample_weight)` is `mirrax.compute_average_loss` of that: inside
-`strategy.run` this replica's share of the global mean over the real (unmasked) examples, so the
-replicas' shares add up to Keras's "sum_over_batch_size" of the global batch; outside every
-strategy the plain weighted mean.
+The built-in classes and `get` (Keras's names); what every `Loss` computes is in loss_base.py.
 
 Probabilities (`from_logits=False`) are clipped to [1e-7, 1 - 1e-7] before the log, as Keras's
 backend does: a probability of 0 gives a large finite loss.
