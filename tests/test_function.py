@@ -402,3 +402,56 @@ def test_a_changing_python_value_warns_on_the_sixth_compile():
             scale(jnp.ones(()), factor)
     messages = [str(w.message) for w in caught if "has compiled scale 6 times" in str(w.message)]
     assert len(messages) == 1 and "pass values that change every call as arrays" in messages[0]
+
+
+def test_a_function_called_inside_jit_with_captured_state_leaves_the_model_as_it_was():
+    strategy = mirrored(2)
+    model, optimizer = _linear(strategy)
+    batch = next(iter(strategy.experimental_distribute_dataset((np.ones((4, 1), np.float32),) * 2)))
+
+    @mirrax.function
+    def step():
+        return strategy.reduce(
+            "sum", strategy.run(_squared_error_step, args=(model, optimizer, batch)), axis=None
+        )
+
+    # Before: the jit returned a number and the model held tracers from then on.
+    with pytest.raises(mirrax.errors.ReplicaContextError, match=r"step was called inside jax.jit"):
+        jax.jit(lambda: step())()
+    assert float(model.kernel[0, 0]) == 2.0 and int(optimizer.step[...]) == 0
+    assert float(step()) == 1.0  # (2 - 1)^2: the model still trains
+
+
+def test_a_captured_iterator_is_refused_rather_than_frozen_into_the_program():
+    strategy = mirrored(2)
+    iterator = iter(strategy.experimental_distribute_dataset(np.arange(8, dtype=np.float32).reshape(8, 1)))
+
+    @mirrax.function
+    def take():  # before: every call summed the batch its trace took
+        return strategy.reduce("sum", strategy.run(jnp.sum, args=(next(iterator),)), axis=None)
+
+    with pytest.raises(
+        TypeError, match=r"calls next\(\) on a distributed iterator it captures.*take\(iterator\)"
+    ):
+        take()
+    # Nothing was taken: the first batch (all 8 rows, 0 + 1 + ... + 7 = 28) is still next.
+    assert float(strategy.reduce("sum", strategy.run(jnp.sum, args=(next(iterator),)), axis=None)) == 28.0
+
+
+def test_local_results_and_an_iterator_given_to_run_inside_a_function():
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(np.arange(8, dtype=np.float32).reshape(8, 1))
+
+    @mirrax.function
+    def per_replica_sums(batch):
+        return strategy.experimental_local_results(strategy.run(jnp.sum, args=(batch,)))
+
+    # Rows 0-3 on replica 0 (sum 6), rows 4-7 on replica 1 (sum 22).
+    assert [float(v) for v in per_replica_sums(next(iter(dataset)))] == [6.0, 22.0]
+
+    @mirrax.function
+    def wrong(iterator):
+        return strategy.run(jnp.sum, args=(iterator,))
+
+    with pytest.raises(TypeError, match=r"is a TracedIterator, not a batch"):
+        wrong(iter(dataset))

@@ -168,3 +168,24 @@ def test_dataset_creator_refusals():
         "DatasetCreator: dataset_fn must return a dataset (batches: a tuple/dict of arrays, an "
         "iterable of such batches, a tf.data.Dataset); it returned int (3). (The dataset must "
     )
+
+
+@pytest.mark.subprocess
+def test_a_program_that_leaves_an_iterator_half_read_exits_cleanly():
+    # Before: the prefetch thread, still placing the next batch while the interpreter tore JAX
+    # down, aborted the finished program (C++ terminate, exit 134) in 6 runs of 6.
+    import subprocess
+    import sys
+
+    program = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"
+        "import numpy as np, mirrax\n"
+        "strategy = mirrax.MirroredStrategy()\n"
+        "batches = [np.ones((8, 2), np.float32)] * 3\n"
+        "it = iter(strategy.experimental_distribute_dataset(batches))\n"
+        "next(it)\n"
+        "print('done')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr[-2000:]

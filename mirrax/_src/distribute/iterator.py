@@ -4,8 +4,10 @@ thread, TF's `DistributedIterator` API on them (`next`, `get_next`, `get_next_as
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 import jax
@@ -13,6 +15,7 @@ import numpy as np
 
 from mirrax import errors
 from mirrax._src.distribute.input_options import InputOptions
+from mirrax._src.distribute.run import tracing
 from mirrax._src.distribute.values import DistributedInput, PerReplica
 
 
@@ -51,6 +54,24 @@ def _fill(producer: Iterator, out: queue.Queue, stop: threading.Event):
         put(_Failure(e))
 
 
+# Iterators whose prefetch thread may still run. At exit each thread is stopped and joined:
+# a daemon thread still placing a batch while the interpreter tears JAX down aborts the
+# process (C++ terminate, exit 134) after the program itself finished.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_JOIN_AT_EXIT_S = 2.0
+
+
+def _stop_all_at_exit() -> None:
+    iterators = list(_LIVE)
+    for iterator in iterators:
+        iterator.close()
+    for iterator in iterators:
+        iterator.join(_JOIN_AT_EXIT_S)
+
+
+atexit.register(_stop_all_at_exit)
+
+
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
@@ -85,11 +106,22 @@ class DistributedIterator(DistributedInput):
                 name="mirrax-prefetch",
             )
             self._thread.start()
+            _LIVE.add(self)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> PerReplica:
+        trace = tracing.current()
+        if trace is not None:
+            # Inside a mirrax.function's trace the batch would become a constant of the program:
+            # every later call would run on it. An iterator argument is advanced per call.
+            raise errors.InvalidArgumentTypeError(
+                f"mirrax.function: {trace.name} calls next() on a distributed iterator it captures "
+                "(a closure variable or global), so its batch would be traced into the program "
+                f"once and reused at every call. Pass the iterator as an argument: {trace.name}("
+                "iterator), with next(iterator) inside, as TF's train_step(iterator)."
+            )
         item = self._next()
         self._handed += 1
         return item
@@ -200,6 +232,11 @@ class DistributedIterator(DistributedInput):
         """Stops the prefetch thread (also done when the iterator is garbage-collected)."""
         if self._thread is not None:
             self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for a stopped prefetch thread to end."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def __del__(self):
         self.close()

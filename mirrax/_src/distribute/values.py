@@ -185,6 +185,9 @@ def local_rows(leaf: jax.Array, strategy, stacked: bool = True) -> list:
     With `stacked`, `leaf` has shape (num_replicas, ...) and replica r gets `leaf[r]`; otherwise
     `leaf` is replicated and every replica gets the whole array.
     """
+    if isinstance(leaf, jax.core.Tracer):  # inside a mirrax.function: rows of the traced value
+        ids = strategy.extended.replica_devices.local_replica_ids
+        return [leaf[r] for r in ids] if stacked else [leaf] * len(ids)
     by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
     rows = [by_device[d] for d in strategy.extended.replica_devices.local_devices]
     return [row[0] for row in rows] if stacked else rows

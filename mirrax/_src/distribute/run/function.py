@@ -176,6 +176,14 @@ class Function:
             state_leaves = bound_state.protect_aliases(binding, state_leaves, written)
         new_state, outputs = program.compiled(state_leaves, call.dynamic)
         del state_leaves
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((outputs, new_state))[:1]):
+            # Called inside jax.jit / nnx.jit with nothing traced passed in: the new state exists
+            # only in that trace; written back, it would leave tracers in the caller's Variables.
+            raise errors.ReplicaContextError(
+                f"mirrax.function: {self._name} was called inside jax.jit, nnx.jit or another JAX "
+                "transformation. A mirrax.function is already one compiled program: call it "
+                "outside them (the NNX objects are unchanged)."
+            )
         self._write_back(call, program, binding, new_state)
         self._bound_in_flight(call.strategy, new_state, outputs)
         return jax.tree.map(inputs.restored, outputs, is_leaf=inputs.is_out)

@@ -72,7 +72,7 @@ class NeedsBatch(Exception):
         self.index = index
 
 
-class TracedIterator:
+class TracedIterator(DistributedInput):
     """An iterator argument as the traced function sees it: it hands out the batches taken
     from the caller's iterator for this call, as traced distributed values."""
 

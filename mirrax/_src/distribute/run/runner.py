@@ -308,6 +308,8 @@ class Runner:
 
     def _warn_on_retracing(self, call) -> None:
         """Warns, as tf.function does, when one function keeps being compiled anew."""
+        if tracing.current() is not None:  # the mirrax.function counts its own compiles
+            return
         counts = self._compile_counts
         key = _retrace_key(call.fn)
         counts[key] = counts.get(key, 0) + 1
