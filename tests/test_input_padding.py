@@ -180,3 +180,30 @@ def test_replica_invariant_mode_warns_a_hand_written_sum():
     (_, w1), (partial, w2) = run_all(strategy, fixed, zero_model())
     assert partial == pytest.approx(29 * LN10 / GLOBAL)  # 2.086718
     assert not w1 and not w2
+
+
+def test_a_full_batch_of_another_size_is_not_called_padded():
+    # One program serves batches of 2 and 3 rows per replica (jax.jit retraces it per shape).
+    # Before: the batch of 12 (3 rows on each of 4 replicas, none padded) was warned about as
+    # "padded to 2 rows per replica", the first batch's size.
+    strategy = mirrored(4)
+
+    def total(batch):
+        return jnp.sum(batch)
+
+    def run(n):
+        batch = next(iter(strategy.experimental_distribute_dataset(np.ones((n, 1), np.float32))))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = float(strategy.reduce("sum", strategy.run(total, args=(batch,)), axis=None))
+        return result, [w for w in caught if issubclass(w.category, mirrax.PaddedBatchWarning)]
+
+    assert run(8) == (8.0, []) and run(12) == (12.0, [])
+    # 10 examples: per replica 3, 3, 3, 1 (TF's split), the last padded to 3 rows with copies of
+    # a real example, which the unmasked sum counts: 10 + 2 = 12, and the warning says so.
+    result, padded = run(10)
+    assert (
+        result == 12.0
+        and len(padded) == 1
+        and "per replica [3, 3, 3, 1]), padded to 3 rows" in str(padded[0].message)
+    )

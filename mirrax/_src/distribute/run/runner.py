@@ -367,7 +367,10 @@ def _retrace_key(fn):
 def _warn_if_padded(program, call) -> None:
     """Warns, once per program and before it runs, when a step that never reads the batch mask
     is given a batch with padding rows (docs/design.md, "Input")."""
-    rows, lengths = program.batch_rows, call.shortest
+    # The rows of THIS call's batch: one program serves batches of several static sizes (jax.jit
+    # retraces it per shape), so the first trace's size is not this batch's.
+    rows = program.batch_rows if call.mask is None else call.mask.shape[-1]
+    lengths = call.shortest
     if min(lengths) == rows:
         return
     program.padding_warned = True
