@@ -25,6 +25,12 @@ def all_built(layer) -> bool:
 
 
 def check_keras(keras_model):
+    """Refuses a Keras model mirrax cannot wrap.
+
+    Raises:
+      UnsupportedArgumentError: Keras runs on another backend than JAX.
+      InvalidArgumentError: the model (or a layer inside it) is not built.
+    """
     import keras
 
     backend = keras.backend.backend()
@@ -46,6 +52,8 @@ def check_keras(keras_model):
 
 
 def warn_if_own_steps(keras_model) -> None:
+    """Warns (UserWarning) when the Keras model overrides `train_step`, `test_step` or
+    `predict_step`, which mirrax's fit / evaluate / predict do not call."""
     import keras
 
     overridden = [

@@ -16,6 +16,12 @@ from mirrax._src.training.targets import match_rank, sparse_labels
 
 
 def accuracy(y_true, y_pred):
+    """Per example, 1.0 where y_true equals y_pred, else 0.0 (float32, y_pred's shape after
+    rank matching), as Keras's `accuracy`.
+
+    Raises:
+      IncompatibleInputError: labels and predictions of different shapes.
+    """
     y_pred = jnp.asarray(y_pred)
     y_true, y_pred = match_rank(jnp.asarray(y_true).astype(y_pred.dtype), y_pred)
     check_same_shape("accuracy", y_true, y_pred)
@@ -23,18 +29,36 @@ def accuracy(y_true, y_pred):
 
 
 def binary_accuracy(y_true, y_pred, threshold=0.5):
+    """Per element, 1.0 where y_true equals (y_pred > threshold), else 0.0 (float32), as Keras's
+    `binary_accuracy`.
+
+    Raises:
+      IncompatibleInputError: labels and predictions of different shapes.
+    """
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
     check_same_shape("binary_accuracy", y_true, y_pred)
     return (y_true == (y_pred > threshold).astype(jnp.float32)).astype(jnp.float32)
 
 
 def categorical_accuracy(y_true, y_pred):
+    """Per example (batch,), 1.0 where the arg-max of one-hot y_true (..., classes) equals
+    y_pred's, else 0.0 (float32), as Keras's `categorical_accuracy`.
+
+    Raises:
+      IncompatibleInputError: labels and predictions of different shapes.
+    """
     y_true, y_pred = jnp.asarray(y_true), jnp.asarray(y_pred)
     check_same_shape("categorical_accuracy", y_true, y_pred)
     return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
 
 
 def sparse_categorical_accuracy(y_true, y_pred):
+    """Per example (batch,), 1.0 where the integer label equals the arg-max of y_pred
+    (batch, classes), else 0.0 (float32), as Keras's `sparse_categorical_accuracy`.
+
+    Raises:
+      IncompatibleInputError: labels whose shape does not fit y_pred (batch, ..., classes).
+    """
     y_pred = jnp.asarray(y_pred)
     y_true = sparse_labels("sparse_categorical_accuracy", y_true, y_pred, "CategoricalAccuracy")
     predicted = jnp.argmax(y_pred, axis=-1).astype(jnp.float32)
@@ -52,12 +76,22 @@ def accuracy_by_shape(y_true, y_pred):
 
 
 def squared_error(y_true, y_pred):
+    """Per element, (y_pred - y_true) ** 2 in float32 (MeanSquaredError averages it).
+
+    Raises:
+      IncompatibleInputError: labels and predictions of different shapes.
+    """
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
     check_same_shape("mean_squared_error", y_true, y_pred)
     return jnp.square(y_pred - y_true)
 
 
 def absolute_error(y_true, y_pred):
+    """Per element, |y_pred - y_true| in float32 (MeanAbsoluteError averages it).
+
+    Raises:
+      IncompatibleInputError: labels and predictions of different shapes.
+    """
     y_true, y_pred = match_rank(jnp.asarray(y_true, jnp.float32), jnp.asarray(y_pred, jnp.float32))
     check_same_shape("mean_absolute_error", y_true, y_pred)
     return jnp.abs(y_pred - y_true)
@@ -99,6 +133,11 @@ def align_weight(owner: str, sample_weight, shape: tuple):
 
 
 def scalar_weight(owner: str, sample_weight):
+    """`sample_weight` as a float32 scalar, for a metric updated with one scalar value.
+
+    Raises:
+      IncompatibleInputError: a weight with more than one element; `owner` names the metric.
+    """
     weight = jnp.asarray(sample_weight, jnp.float32)
     if weight.size != 1:
         raise errors.IncompatibleInputError(
@@ -123,6 +162,7 @@ def check_same_shape(owner: str, y_true, y_pred) -> None:
 
 
 def mean_trailing(values):
+    """`values` (batch, ...) averaged over every axis after the first: one value per example."""
     if values.ndim > 1:
         values = values.mean(axis=tuple(range(1, values.ndim)))
     return values

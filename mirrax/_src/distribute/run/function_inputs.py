@@ -240,8 +240,10 @@ def encoded(outputs, name: str):
 
 
 def is_out(x) -> bool:
+    """True for a distributed value as the program returns it (a `DistributedOut`)."""
     return isinstance(x, DistributedOut)
 
 
 def restored(x):
+    """`x` as the caller gets it: a `DistributedOut` as its `PerReplica` / `Mirrored`."""
     return x.restored() if isinstance(x, DistributedOut) else x
