@@ -89,3 +89,80 @@ def test_stop_training_and_an_exception_leave_the_last_completed_step_s_weights(
             callbacks=[mirrax.callbacks.LambdaCallback(on_train_batch_begin=fail)],
         )  # fmt: skip
     assert _w(model) == pytest.approx(0.64, rel=1e-6)  # batches 0 and 1 only
+
+
+# Without a callback hook between batches the state is carried through the epoch and written
+# into the model at its end (docs/design.md, "Carried state in fit, evaluate and predict"): what
+# the epoch-end hooks, validation, a checkpoint and an exception see is checked below.
+
+
+def test_the_epoch_end_sees_the_epoch_s_last_weights_when_no_hook_runs_between_batches():
+    model = _model()
+    seen = []
+    record = mirrax.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((_w(model), logs)))
+    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, callbacks=[record])
+    w = [0.8**n for n in range(9)]  # the weight before step n: each step multiplies it by 0.8
+    assert [s[0] for s in seen] == pytest.approx([w[4], w[8]], rel=1e-6)
+    # The epoch's loss: the mean of w^2 over its 4 steps, taken before each step.
+    assert [s[1]["loss"] for s in seen] == pytest.approx(
+        [np.mean(np.square(w[0:4])), np.mean(np.square(w[4:8]))], rel=1e-6
+    )
+    assert _w(model) == pytest.approx(w[8], rel=1e-6)
+
+
+def test_validation_and_the_next_epoch_start_from_the_epoch_s_last_weights():
+    model = _model()
+    history = model.fit(
+        X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0, validation_data=(X[:1], Y[:1])
+    )
+    # val_loss is (w x)^2 after the epoch's 4 steps: (0.8^4)^2, then (0.8^8)^2.
+    assert history.history["val_loss"] == pytest.approx([0.8**8, 0.8**16], rel=1e-6)
+    assert _w(model) == pytest.approx(0.8**8, rel=1e-6)
+
+
+def test_an_error_from_the_input_mid_epoch_leaves_the_last_completed_step_s_weights():
+    model = _model()
+
+    def batches():
+        yield X[:1], Y[:1]
+        yield X[:1], Y[:1]
+        raise RuntimeError("the input failed")
+
+    with pytest.raises(RuntimeError, match="the input failed"):
+        model.fit(batches(), epochs=1, steps_per_epoch=4, verbose=0)
+    assert _w(model) == pytest.approx(0.64, rel=1e-6)  # two steps: 1 * 0.8 * 0.8
+    model.fit(X[:1], Y[:1], batch_size=1, epochs=1, verbose=0)  # and training goes on from there
+    assert _w(model) == pytest.approx(0.512, rel=1e-6)
+
+
+def test_early_stopping_restores_the_best_epoch_s_carried_weights():
+    model = _model()
+    model.optimizer.learning_rate = 1.1  # each step: w - 2 * 1.1 * w = -1.2 w, so the loss grows
+    stop = mirrax.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)
+    history = model.fit(
+        X, Y, batch_size=1, epochs=5, steps_per_epoch=1, shuffle=False, verbose=0, callbacks=[stop]
+    )
+    # Epoch 0: loss 1, w -> -1.2 (the best); epoch 1: loss 1.44, worse: stop, restore -1.2.
+    assert history.history["loss"] == pytest.approx([1.0, 1.44], rel=1e-6)
+    assert _w(model) == pytest.approx(-1.2, rel=1e-6)
+
+
+def test_a_checkpoint_every_two_batches_holds_the_weights_after_those_batches(tmp_path):
+    model = _model()
+    checkpoint = mirrax.callbacks.ModelCheckpoint(
+        str(tmp_path / "w-{batch}.weights.h5"), save_freq=2, save_weights_only=True
+    )
+    model.fit(X, Y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
+    for batch, steps in (("2", 2), ("4", 4)):  # 1-based batch numbers: after 2 and 4 steps
+        restored = _model()
+        restored.load_weights(str(tmp_path / f"w-{batch}.weights.h5"))
+        assert _w(restored) == pytest.approx(0.8**steps, rel=1e-6)
+
+
+def test_evaluate_and_predict_carry_the_state_and_leave_the_model_usable():
+    model = _model()
+    model.set_weights([np.full((1, 1), 3.0, np.float32)])
+    assert model.evaluate(X, Y, batch_size=1, verbose=0) == pytest.approx(9.0, rel=1e-6)  # (3 x)^2
+    np.testing.assert_array_equal(model.predict(X, batch_size=1, verbose=0), np.full((4, 1), 3.0, np.float32))
+    model.fit(X[:1], Y[:1], batch_size=1, epochs=1, verbose=0)
+    assert _w(model) == pytest.approx(2.4, rel=1e-6)  # 3 - 2 * 0.1 * 3

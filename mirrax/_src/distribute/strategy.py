@@ -31,6 +31,7 @@ from mirrax._src.distribute.replica_context import (
 )
 from mirrax._src.distribute.run import runner as runner_lib
 from mirrax._src.distribute.run.arguments import check_owner, check_run_arguments
+from mirrax._src.distribute.run.carried import CarriedSteps
 from mirrax._src.distribute.values import DistributedValues, PerReplica, is_distributed
 
 
@@ -62,6 +63,14 @@ class StrategyExtended:
     @property
     def parameter_devices(self) -> tuple:
         return self.worker_devices
+
+    def carried_steps(self, objects: tuple) -> CarriedSteps:
+        """mirrax's own, for loops that run many steps over the same NNX objects (fit,
+        evaluate, predict): a `CarriedSteps` whose `run(fn, batch)` is
+        `strategy.run(fn, args=objects + (batch,))` with the objects' state carried between
+        steps and written into them at `release()` (docs/design.md, "Carried state in fit,
+        evaluate and predict")."""
+        return CarriedSteps(self._strategy._runner, objects)
 
 
 class Strategy:

@@ -6,6 +6,7 @@ out. The loop around them is `loops.fit`, shared with the parameter-server execu
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 
 import jax
@@ -82,6 +83,7 @@ class LocalExecutor:
         )
         self.steps_per_epoch = args.steps_per_epoch if args.steps_per_epoch is not None else known
         self.validates = self.val is not None
+        self.carried = None  # the training step's CarriedSteps, made at the first call
 
     def begin_epoch(self) -> None:
         """Before an epoch's first step (and before fit's first callback): training mode."""
@@ -94,12 +96,21 @@ class LocalExecutor:
         return multi_step.groups(itertools.islice(batches, first_step, None), self.model.steps_per_execution)
 
     def run(self, group: list) -> None:
-        """One call: the training step on each batch of `group`."""
-        strategy = self.model.distribute_strategy
-        run_steps(strategy, self.compiled.train_fn, train_objects(self.model, self.compiled), group)
+        """One call: the training step on each batch of `group`, the model's state carried
+        (`release` writes it into the model)."""
+        objects = train_objects(self.model, self.compiled)
+        self.carried = carried_for(self.model.distribute_strategy, self.carried, objects)
+        run_steps(self.carried, self.compiled.train_fn, group)
+
+    def release(self) -> None:
+        """Writes the carried state into the model (before anything else reads or changes it)."""
+        if self.carried is not None:
+            self.carried.release()
 
     def end_epoch(self) -> None:
-        """After an epoch's last call: nothing waits here (the logs read the values)."""
+        """After an epoch's last call: the carried state written into the model (nothing
+        waits here: the logs read the values)."""
+        self.release()
 
     def validate(self, cbs) -> dict:
         """One pass of the validation data (on_test_* hooks of `cbs`); its logs."""
@@ -110,8 +121,12 @@ class LocalExecutor:
         return logs
 
     def close(self) -> None:
-        """Ends fit (done or raised): the training input's prefetch stops."""
-        self.train.close()
+        """Ends fit (done or raised): the model holds the last completed step's state and the
+        training input's prefetch stops."""
+        try:
+            self.release()
+        finally:
+            self.train.close()
 
     def end_fit(self) -> None:
         """After fit's last epoch: inference mode, as Keras leaves the model."""
@@ -193,22 +208,33 @@ def deferred(model) -> bool:
     return model.steps_per_execution > 1 and not model.distribute_strategy.replica_invariant
 
 
-def run_steps(strategy, step_fn, objects: tuple, group: list) -> tuple | None:
-    """Runs the consecutive batches `group` as ONE `strategy.run`: `step_fn(*objects, batch)`
-    for one batch, else its `multi_step_of` with each batch's mask (`steps_per_execution`).
-    Returns each batch's result; its `PerReplica` values carry that batch's rows (mask and
-    lengths: `run` gives every output the first batch's, and the last batch may be partial).
-    A group of `HostBatch`es placed as one (`batching.place_group`) runs stacked and returns
-    None (fit and evaluate, which read no step's result)."""
+def carried_for(strategy, carried, objects: tuple):
+    """`carried` if it carries `objects` (the same objects, by identity), else a new
+    `CarriedSteps` of `objects` on `strategy` (`carried` released first)."""
+    if carried is not None:
+        if len(carried.objects) == len(objects) and all(map(operator.is_, carried.objects, objects)):
+            return carried
+        carried.release()
+    return strategy.extended.carried_steps(objects)
+
+
+def run_steps(carried, step_fn, group: list) -> tuple | None:
+    """Runs the consecutive batches `group` as ONE step of `carried` (a `CarriedSteps`):
+    `step_fn(*objects, batch)` for one batch, else its `multi_step_of` with each batch's mask
+    (`steps_per_execution`). Returns each batch's result; its `PerReplica` values carry that
+    batch's rows (mask and lengths: `run` gives every output the first batch's, and the last
+    batch may be partial). A group of `HostBatch`es placed as one (`batching.place_group`)
+    runs stacked and returns None (fit and evaluate, which read no step's result)."""
     stacked = batching.place_group(group)
     if stacked is not None:
-        strategy.run(multi_step.multi_step_of(step_fn, stacked=True), args=objects + (stacked,))
+        carried.run(multi_step.multi_step_of(step_fn, stacked=True), stacked)
         return None
     group = [b.place() if isinstance(b, batching.HostBatch) else b for b in group]
     if len(group) == 1:
-        return (strategy.run(step_fn, args=objects + (group[0],)),)
+        return (carried.run(step_fn, group[0]),)
+    strategy = carried.strategy
     masks = tuple(PerReplica(strategy, multi_step.mask_of(b)) for b in group)
-    results = strategy.run(multi_step.multi_step_of(step_fn), args=objects + (tuple(group), masks))
+    results = carried.run(multi_step.multi_step_of(step_fn), tuple(group), masks)
     return tuple(_with_rows_of(strategy, result, batch) for result, batch in zip(results, group))
 
 
@@ -240,20 +266,27 @@ def train_objects(model, compiled) -> tuple:
 
 
 def evaluate_loop(model, compiled, data, steps, cbs, what):
-    """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`."""
+    """Runs the test step over `data`, calling the on_test_* hooks of the `CallbackList`; the
+    state carried between batches unless a callback's hook needs the model."""
     strategy = model.distribute_strategy
     logs_lib.reset_metrics(model, compiled)
     model.module.eval()
     cbs.on_test_begin()
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
-    objects = (model.module, None, model.metrics, compiled.tracker, None)
+    release_each = batch_logs or cbs.needs_model_between_batches("test")
+    carried = strategy.extended.carried_steps((model.module, None, model.metrics, compiled.tracker, None))
     count = 0
     batches = data.batches(steps, prefetch=batch_logs, defer=deferred(model))
-    for group in multi_step.groups(batches, model.steps_per_execution):
-        cbs.on_test_batch_begin(count)
-        run_steps(strategy, compiled.test_fn, objects, group)
-        count += len(group)
-        cbs.on_test_batch_end(count - 1, logs_lib.logs_of(model, compiled) if batch_logs else {})
+    try:
+        for group in multi_step.groups(batches, model.steps_per_execution):
+            cbs.on_test_batch_begin(count)
+            run_steps(carried, compiled.test_fn, group)
+            count += len(group)
+            if release_each:
+                carried.release()
+            cbs.on_test_batch_end(count - 1, logs_lib.logs_of(model, compiled) if batch_logs else {})
+    finally:
+        carried.release()
     if count == 0:
         raise errors.EmptyDatasetError(
             f"{what}: the input yielded no batch, so there is nothing to evaluate (Keras "

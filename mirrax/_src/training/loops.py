@@ -55,6 +55,10 @@ def fit(model, compiled, args):
     executor.begin_epoch()
     # Reading the logs waits for the step; do it per step only when a callback uses them.
     batch_logs = executor.batch_logs and cbs.needs_batch_logs("on_train_batch_end")
+    # The state is carried between steps and written into the model before anything reads it:
+    # each step's end when a callback's hook or the batch logs need the model, else the
+    # epoch's (docs/design.md, "Carried state in fit, evaluate and predict").
+    release_each = batch_logs or cbs.needs_model_between_batches("train")
     cbs.on_train_begin()
     first_epoch, first_step = cbs.fit_start(args.initial_epoch, epochs, executor.steps_per_epoch)
     epoch_logs: dict = {}
@@ -69,6 +73,8 @@ def fit(model, compiled, args):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
                 executor.run(group)
+                if release_each:
+                    executor.release()
                 cbs.on_train_batch_end(last, logs_lib.logs_of(model, compiled) if batch_logs else {})
                 step = last + 1
                 trained += len(group)
@@ -133,15 +139,18 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     # trip each, unless a callback reads each batch's outputs or several processes hold
     # them (strategy.gather then replicates them first).
     per_batch = jax.process_count() > 1 or cbs.needs_batch_logs("on_predict_batch_end")
+    release_each = cbs.needs_model_between_batches("predict")
     pending: collections.deque = collections.deque()
-    objects = (model.module, None, None, None, None)
+    carried = strategy.extended.carried_steps((model.module, None, None, None, None))
     step = 0
     try:
         for group in multi_step.groups(data.batches(steps), per_call):
             cbs.on_predict_batch_begin(step)
-            outs = local_executor.run_steps(strategy, predict_fn, objects, group)
+            outs = local_executor.run_steps(carried, predict_fn, group)
             assert outs is not None  # predict places its batches one by one (never a HostBatch)
             step += len(group)
+            if release_each:
+                carried.release()
             if per_batch:
                 gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0)) for out in outs]
                 outputs += gathered
@@ -156,6 +165,7 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
                         outputs.append(values_lib.gather_to_host(strategy, pending.popleft()))
                 cbs.on_predict_batch_end(step - 1, {})
     finally:
+        carried.release()
         data.close()
     outputs += [values_lib.gather_to_host(strategy, out) for out in pending]
     if not outputs:

@@ -163,6 +163,9 @@ class ParameterServerExecutor:
         """Schedules `len(group)` steps as one function on a free worker (returns at once)."""
         self.coordinator.schedule(self.steps.train, args=(self.iterator, len(group)))
 
+    def release(self) -> None:
+        """Nothing to write: the parameter servers hold the state, read back at `end_epoch`."""
+
     def end_epoch(self) -> None:
         """Waits for every scheduled function (TF's `coordinator.join()` at epoch boundaries)."""
         self.coordinator.join()

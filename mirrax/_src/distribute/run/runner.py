@@ -84,6 +84,11 @@ class Runner:
             collections.deque() if len(devices) > 1 and devices[0].platform == "cpu" else None
         )
 
+    @property
+    def strategy(self):
+        """The strategy whose `run` this runner implements."""
+        return self._strategy
+
     def clear(self) -> None:
         """Drops the compiled programs and cached device values (`clear_session`)."""
         self._programs.clear()
@@ -97,20 +102,20 @@ class Runner:
         trace = tracing.current()
         if trace is not None:
             return self._run_traced(trace, fn, args, kwargs)
-        program, binding, call, state_leaves, batch_info, written = self._prepare(fn, args, kwargs)
+        program, binding, call, state_leaves, batch_info, written = self.prepare(fn, args, kwargs)
         if program.sums_padding and not program.padding_warned and call.shortest is not None:
-            _warn_if_padded(program, call)
+            warn_if_padded(program, call)
         if program.donates:
             state_leaves = bound_state.protect_aliases(binding, state_leaves, written)
         new_state, outputs = program.compiled(state_leaves, call.dynamic, batch_info)
         del state_leaves
-        return self._finish(program, binding, call, new_state, outputs)
+        return self.finish(program, binding, call, new_state, outputs)
 
     def _run_traced(self, trace, fn, args, kwargs):
         """`run` inside a `mirrax.function` trace: the step's program is inlined into the
         function's, on the trace's values; its new state goes into the trace's objects."""
         trace.used(self._strategy)
-        program, binding, call, state_leaves, batch_info, _ = self._prepare(fn, args, kwargs, traced=True)
+        program, binding, call, state_leaves, batch_info, _ = self.prepare(fn, args, kwargs, traced=True)
         carried = [isinstance(x, jax.core.Tracer) for x in state_leaves]
         if not all(carried):
             raise errors.CapturedStateError(
@@ -122,19 +127,19 @@ class Runner:
                 "global holding them)."
             )
         if program.sums_padding and not program.padding_warned and call.shortest is not None:
-            _warn_if_padded(program, call)
+            warn_if_padded(program, call)
         new_state, outputs = program.step(state_leaves, call.dynamic, batch_info)
-        return self._finish(program, binding, call, new_state, outputs, traced=True)
+        return self.finish(program, binding, call, new_state, outputs, traced=True)
 
     def lower(self, fn, args, kwargs):
         """Implements `Strategy.experimental_lower` (validated there): the program `run` would
         execute, lowered on the arguments it would give it; nothing runs, nothing is written."""
-        program, _, call, state_leaves, batch_info, _ = self._prepare(fn, args, kwargs)
+        program, _, call, state_leaves, batch_info, _ = self.prepare(fn, args, kwargs)
         return program.compiled.lower(state_leaves, call.dynamic, batch_info)
 
     # -- one call -----------------------------------------------------------------------------
 
-    def _prepare(self, fn, args, kwargs, traced=False):
+    def prepare(self, fn, args, kwargs, traced=False):
         """Sorts the arguments, finds (or compiles) the program, gathers the state arrays
         (`traced`: inside a `mirrax.function` trace, where they are the trace's values).
 
@@ -149,14 +154,7 @@ class Runner:
             )
         strategy = self._strategy
         call = arguments.classify(strategy, fn, args, kwargs, traced)
-        for position, index in call.array_positions:
-            call.dynamic[position] = place(strategy, call.dynamic[position], call.names, index)
-        # The batch mask enters sharded, with the step's number of real examples (all
-        # replicas) replicated, so `compute_average_loss` needs no cross-replica sum.
-        batch_info = None
-        if call.mask is not None:
-            count = None if call.lengths is None else self._example_count(call.lengths)
-            batch_info = (call.mask, count)
+        batch_info = self.batch_inputs(call)
         mask_key = None if batch_info is None else batch_info[1] is not None
 
         captured = captures.lookup(call.fn, call.fn_node)
@@ -213,6 +211,18 @@ class Runner:
             memo[call_key] = (program, binding)
         return program, binding, call, state_leaves, batch_info, written
 
+    def batch_inputs(self, call):
+        """Places the call's plain arrays (in `call.dynamic`) and returns its batch info: None,
+        or (the batch mask, the step's int32 count of real examples over all replicas or
+        None). The mask enters sharded and the count replicated, so `compute_average_loss`
+        needs no cross-replica sum."""
+        strategy = self._strategy
+        for position, index in call.array_positions:
+            call.dynamic[position] = place(strategy, call.dynamic[position], call.names, index)
+        if call.mask is None:
+            return None
+        return (call.mask, None if call.lengths is None else self._example_count(call.lengths))
+
     def _compile(
         self,
         call,
@@ -252,7 +262,7 @@ class Runner:
         self._programs.put(key, program)
         return program
 
-    def _finish(self, program, binding, call, new_state, outputs, traced=False):
+    def finish(self, program, binding, call, new_state, outputs, traced=False):
         """Writes the step's new state into the caller's objects and wraps the outputs."""
         if program.same_state:  # a flat list: its first leaf, without a flatten
             first = new_state[0] if new_state else (outputs[0] if outputs else None)
@@ -274,6 +284,12 @@ class Runner:
                 new_state = jax.tree.unflatten(program.state_def, new_state)
             nnx.update(tuple(call.nodes), new_state)
             binding.written = None
+        return self.wrap(program, call, outputs)
+
+    def wrap(self, program, call, outputs):
+        """The step's output arrays as the function's structure of distributed values: a
+        `PerReplica` (with the call's batch mask and lengths) where they vary across replicas,
+        else a `Mirrored`."""
         strategy = self._strategy
         mask, lengths = call.mask, call.lengths
         wrapped = [
@@ -283,6 +299,11 @@ class Runner:
         return jax.tree.unflatten(program.out_treedef, wrapped)
 
     # -- caches and queues --------------------------------------------------------------------
+
+    @property
+    def caps_in_flight(self) -> bool:
+        """Whether steps wait once `CPU_MAX_IN_FLIGHT` are queued (a multi-device CPU mesh)."""
+        return self._in_flight is not None
 
     def bound_in_flight(self, new_state, outputs) -> None:
         """On a multi-device CPU mesh, waits for the oldest step once too many are queued."""
@@ -364,7 +385,7 @@ def _retrace_key(fn):
     return (code, tuple(captured))
 
 
-def _warn_if_padded(program, call) -> None:
+def warn_if_padded(program, call) -> None:
     """Warns, once per program and before it runs, when a step that never reads the batch mask
     is given a batch with padding rows (docs/design.md, "Input")."""
     # The rows of THIS call's batch: one program serves batches of several static sizes (jax.jit

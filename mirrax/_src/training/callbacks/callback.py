@@ -65,6 +65,23 @@ class Callback:
             name in vars(self) or getattr(type(self), name) is not getattr(Callback, name) for name in names
         )
 
+    def needs_model_between_batches(self, kind: str) -> bool:
+        """Whether a hook of this callback between two `kind` ("train", "test", "predict")
+        batches may read or change the model (weights, optimizer, metrics, layers): the loop
+        then writes the step's state into the model before each such hook; otherwise it
+        carries the state and writes it at the end of the pass (docs/design.md, "Carried
+        state in fit, evaluate and predict"). Default: when the subclass overrides (or the
+        instance sets) `on_{kind}_batch_begin` or `on_{kind}_batch_end` (for training also
+        `on_batch_begin` / `on_batch_end`). Override it where those hooks only read their
+        logs or count batches.
+        """
+        names: tuple[str, ...] = (f"on_{kind}_batch_begin", f"on_{kind}_batch_end")
+        if kind == "train":
+            names += ("on_batch_begin", "on_batch_end")
+        return any(
+            name in vars(self) or getattr(type(self), name) is not getattr(Callback, name) for name in names
+        )
+
     def resume_point(self) -> tuple | None:
         """Where `fit` resumes after `on_train_begin`: (epoch index, batches of that epoch
         already done), or None (start at `initial_epoch`). `BackupAndRestore` returns the

@@ -143,16 +143,31 @@ class CallbackList(Callback):
         Raises:
           InvalidArgumentTypeError: a callback's answer is not a bool.
         """
+        return self._any(lambda callback: callback.needs_batch_logs(hook), f"needs_batch_logs({hook!r})")
+
+    def _any(self, ask, what: str) -> bool:
+        """Whether `ask(callback)` is True for any callback, each answer checked to be a bool."""
         for callback in self.callbacks:
-            answer = callback.needs_batch_logs(hook)
+            answer = ask(callback)
             if not isinstance(answer, bool):
                 raise errors.InvalidArgumentTypeError(
-                    f"{type(callback).__name__}.needs_batch_logs({hook!r}) returned "
-                    f"{answer!r}; it must return True or False."
+                    f"{type(callback).__name__}.{what} returned {answer!r}; it must return True or False."
                 )
             if answer:
                 return True
         return False
+
+    def needs_model_between_batches(self, kind: str) -> bool:
+        """Whether any callback's hook between `kind` batches may read or change the model
+        (see `Callback.needs_model_between_batches`).
+
+        Raises:
+          InvalidArgumentTypeError: a callback's answer is not a bool.
+        """
+        return self._any(
+            lambda callback: callback.needs_model_between_batches(kind),
+            f"needs_model_between_batches({kind!r})",
+        )
 
     def resume_point(self) -> tuple | None:
         """The first callback's resume point that is not None (see `Callback.resume_point`).

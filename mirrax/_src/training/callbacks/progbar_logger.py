@@ -72,6 +72,9 @@ class ProgbarLogger(Callback):
         # the epoch's line.
         return self.verbose == 1 and sys.stdout.isatty() and hook != "on_predict_batch_end"
 
+    def needs_model_between_batches(self, kind: str) -> bool:
+        return False  # the bar reads its logs only
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Redraws the bar at step `batch + 1` with the running logs."""
         self._update(batch, logs)
