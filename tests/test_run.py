@@ -644,3 +644,19 @@ def test_experimental_lower_gives_the_program_run_executes_without_running_it():
         ),
     ):
         strategy.experimental_lower(3)
+
+
+def test_none_arguments_reach_the_function_as_none_among_objects_and_batches():
+    strategy = mirrored(2)
+    w1, w2, x, y = mlp_data()
+    model = MLP(w1, w2)
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+
+    def step(first, model, second, batch, third):
+        assert first is None and second is None and third is None
+        return model(batch[0]).sum()
+
+    total = strategy.reduce("sum", strategy.run(step, args=(None, model, None, batch, None)), axis=None)
+    # The same sum computed on the host: relu(x w1 + b1) w2 + b2 over all 16 examples (biases 0).
+    expected = (np.maximum(x @ w1, 0.0) @ w2).sum()
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5)  # float32 sums in another order

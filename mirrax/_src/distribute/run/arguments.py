@@ -282,14 +282,17 @@ _is_flat_leaf = _per_type(
 
 def _flatten(structure):
     """`jax.tree.flatten(structure, is_leaf=is_argument_leaf)`; for the common call (no function
-    object, no kwargs, each argument a leaf or a tuple of leaves: `args=(model, optimizer,
-    batch)` with the batch a tuple of `PerReplica`s) without the flatten's Python callbacks."""
+    object, no kwargs, each argument a leaf, None or a tuple of leaves: `args=(model, optimizer,
+    batch)` with the batch a tuple of `PerReplica`s, fit's steps with None for the objects a
+    step does not use) without the flatten's Python callbacks."""
     fn_node, args, kwargs = structure
     if fn_node is None and not kwargs:
         shape: list[int | None] = []
         leaves = []
         for arg in args:
-            if _is_flat_leaf(arg):
+            if arg is None:  # no leaf, as in jax's flatten
+                shape.append(-1)
+            elif _is_flat_leaf(arg):
                 shape.append(None)
                 leaves.append(arg)
             elif type(arg) is tuple and all(map(_is_flat_leaf, arg)):
@@ -301,7 +304,7 @@ def _flatten(structure):
             key = tuple(shape)
             treedef = _FLAT_TREEDEFS.get(key)
             if treedef is None:
-                template = tuple(0 if n is None else (0,) * n for n in key)
+                template = tuple(0 if n is None else None if n == -1 else (0,) * n for n in key)
                 treedef = _FLAT_TREEDEFS[key] = jax.tree.structure((None, template, {}))
             return leaves, treedef
     return jax.tree.flatten(structure, is_leaf=is_argument_leaf)
