@@ -378,12 +378,8 @@ class _ArrayBatches:
         self.data, self.order = data, order
 
     def __iter__(self):
-        d, size, order = self.data, self.data.batch_size, self.order
+        d = self.data
         parts = (
             (d.x,) if d.inputs_only else (d.x, d.y, d.sample_weight)[: 2 if d.sample_weight is None else 3]
         )
-        # Flattened once: a tree.map per batch cost more than the slicing (fit at batch 8).
-        leaves, treedef = jax.tree.flatten(jax.tree.map(np.asarray, parts))
-        for start in range(0, d.n, size):
-            index = slice(start, start + size) if order is None else order[start : start + size]
-            yield jax.tree.unflatten(treedef, [a[index] for a in leaves])
+        return array_inputs.global_batches(parts, d.batch_size, self.order)

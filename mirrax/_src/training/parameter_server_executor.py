@@ -104,10 +104,9 @@ def _train_dataset_fn(model, x, y, sample_weight, batch_size, shuffle, checked_i
     def dataset_fn(input_context):
         rng = np.random.default_rng(input_context.input_pipeline_id)
         while True:  # each pass: every example once, the last batch short (as Keras)
-            order = rng.permutation(n) if shuffle else np.arange(n)
-            for start in range(0, n, batch_size):
-                rows = order[start : start + batch_size]
-                yield tuple(jax.tree.map(lambda a, rows=rows: a[rows], arrays))
+            yield from array_inputs.global_batches(
+                arrays, batch_size, rng.permutation(n) if shuffle else None
+            )
 
     return dataset_fn
 
@@ -218,10 +217,7 @@ def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
     if array_inputs.is_arrays(x):
         batch_size = 32 if batch_size is None else argument_checks.count(what, "batch_size", batch_size)
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        n = array_inputs.num_examples(arrays[0])
-        batches = [
-            tuple(jax.tree.map(lambda a, i=i: a[i : i + batch_size], arrays)) for i in range(0, n, batch_size)
-        ]
+        batches = list(array_inputs.global_batches(arrays, batch_size))
     else:
         if y is not None:
             raise errors.InvalidArgumentError(f"{what}: y must be None when x is a dataset.")
