@@ -43,6 +43,11 @@ class CapturedStateError(MirraxError, ValueError):
     deeper than the capture walk looks (an attribute of an attribute)."""
 
 
+class TracedValueError(MirraxError, TypeError):
+    """A step made a Python decision (`if`, `while`, `int()`, `np.asarray`) on a value that exists
+    only while its compiled program runs."""
+
+
 class VaryingVariableError(MirraxError, ValueError):
     """A variable whose aggregation is NONE came out of `strategy.run` different on each replica."""
 

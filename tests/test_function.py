@@ -455,3 +455,40 @@ def test_local_results_and_an_iterator_given_to_run_inside_a_function():
 
     with pytest.raises(TypeError, match=r"is a TracedIterator, not a batch"):
         wrong(iter(dataset))
+
+
+def test_a_python_decision_on_a_traced_value_names_the_function_and_the_fix():
+    strategy = mirrored(2)
+    w1, w2, x, y = mlp_data()
+    model = MLP(w1, w2)
+    batch = next(iter(strategy.experimental_distribute_dataset((x, y))))
+    before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model))]
+
+    def per_replica(batch):
+        return model(batch[0]).sum()
+
+    @mirrax.function
+    def positive_part(batch):
+        total = strategy.reduce("sum", strategy.run(per_replica, args=(batch,)), axis=None)
+        if total > 0:  # Python control flow on a value computed in the program
+            return total
+        return -total
+
+    with pytest.raises(
+        mirrax.errors.TracedValueError, match=r"mirrax.function: positive_part asks for the Python value"
+    ) as info:
+        positive_part(batch)
+    assert "jnp.where, jax.lax.cond" in str(info.value)
+    assert "state_leaves" not in str(info.value)  # JAX's names of the program's inner arguments
+    assert isinstance(info.value, TypeError)  # what JAX raised, as before
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), before):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+    def branching_step(model, batch):
+        loss = model(batch[0]).sum()
+        return loss if int(loss) > 0 else -loss
+
+    with pytest.raises(
+        mirrax.errors.TracedValueError, match=r"strategy.run: branching_step asks for the Python value"
+    ):
+        strategy.run(branching_step, args=(model, batch))

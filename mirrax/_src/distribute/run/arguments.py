@@ -353,6 +353,30 @@ def inside_transformation(what: str) -> Exception:
     )
 
 
+# What JAX raises when Python asks a traced array for a concrete value.
+CONCRETE_VALUE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def traced_value(what: str, name: str, error: Exception) -> Exception:
+    """The TracedValueError for `error` (one of `CONCRETE_VALUE_ERRORS`): `name`, traced into
+    one program by `what` ("strategy.run", "mirrax.function"), turned a traced array into a
+    Python value. JAX's own message names the program's inner arguments (state_leaves[0],
+    dynamic[1]), not the user's."""
+    said = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return errors.TracedValueError(
+        f"{what}: {name} asks for the Python value of an array computed inside the step (an "
+        "`if` or `while` on it, bool(), int(), float(), .item() or np.asarray()), but the "
+        "step is traced into one compiled program, where arrays have no value yet. Use "
+        "jnp.where, jax.lax.cond or jax.lax.while_loop for a decision on data, or return "
+        "the array and decide outside the step (as tf.function without AutoGraph). "
+        f"(JAX said: {said})"
+    )
+
+
 class LazyNames:
     """Human names ('args[0]', "kwargs['model']") of argument leaves, built only for messages."""
 

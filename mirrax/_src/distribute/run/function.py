@@ -36,7 +36,7 @@ from mirrax._src.distribute import _compat, invariant
 from mirrax._src.distribute.current import get_strategy
 from mirrax._src.distribute.iterator import DistributedIterator
 from mirrax._src.distribute.replica_context import current_replica_context
-from mirrax._src.distribute.run import bound_state, captures, rebuild, tracing
+from mirrax._src.distribute.run import arguments, bound_state, captures, rebuild, tracing
 from mirrax._src.distribute.run import function_inputs as inputs
 from mirrax._src.distribute.run import nodes as nodes_lib
 from mirrax._src.distribute.run.arguments import (
@@ -312,6 +312,8 @@ class Function:
             try:
                 with tracing.tracing(trace):
                     outputs = target(*args, **kwargs)
+            except arguments.CONCRETE_VALUE_ERRORS as e:
+                raise arguments.traced_value("mirrax.function", name, e) from e
             except flax.errors.TraceContextError as e:
                 raise errors.CapturedStateError(
                     f"mirrax.function: {name} mutates an NNX object it reaches by a path mirrax "

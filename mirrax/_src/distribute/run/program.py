@@ -44,6 +44,7 @@ from mirrax._src.distribute.replica_context import (
 )
 from mirrax._src.distribute.run import rebuild
 from mirrax._src.distribute.run.arguments import (
+    CONCRETE_VALUE_ERRORS,
     ArraySlot,
     MirroredSlot,
     NodeSlot,
@@ -52,6 +53,7 @@ from mirrax._src.distribute.run.arguments import (
     inside_transformation,
     is_graph_node,
     is_variable,
+    traced_value,
 )
 
 _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
@@ -299,6 +301,8 @@ def _body(spec: Spec, state_leaves, dynamic, batch_info, found=None):
             "strategy.run(step, args=(model, optimizer, batch)), or capture the object itself "
             f"(a closure variable or global holding it). (flax said: {e})"
         ) from e
+    except CONCRETE_VALUE_ERRORS as e:
+        raise traced_value("strategy.run", fn_name(spec.fn), e) from e
     except ValueError as e:
         # flax's nnx.split / nnx.grad of an object that belongs to no trace of this step (it was
         # reached through an unrelated object); flax raises a plain ValueError for it.
