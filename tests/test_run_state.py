@@ -202,3 +202,29 @@ def test_variables_holding_no_array_or_several_are_written_back_to_themselves():
     np.testing.assert_array_equal(np.asarray(b), [4.0, 4.0, 4.0])  # 1 * 2 * 2
     np.testing.assert_array_equal(np.asarray(module.w[...]), [3.0, 3.0])  # 1 + 1 + 1
     assert module.empty.get_value() == optax.MaskedNode()
+
+
+def test_a_model_nobody_holds_is_freed_with_its_weights_after_fit_and_run():
+    import gc
+    import weakref
+
+    strategy = _two_replicas()
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    refs = []
+    for seed in range(2):
+        with strategy.scope():
+            model = mirrax.Model(nnx.Linear(4, 2, rngs=nnx.Rngs(seed)))
+            model.compile(optax.sgd(0.1), "mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        model.evaluate(x, y, batch_size=4, verbose=0)
+        model.predict(x, batch_size=4, verbose=0)
+        module = MLP(*mlp_data()[:2])
+        optimizer = nnx.Optimizer(module, optax.sgd(0.1), wrt=nnx.Param)
+        batch = next(iter(strategy.experimental_distribute_dataset(mlp_data()[2:])))
+        strategy.run(sgd_step, args=(module, optimizer, batch))
+        refs += [weakref.ref(model), weakref.ref(model.module), weakref.ref(module), weakref.ref(optimizer)]
+        del model, module, optimizer
+    gc.collect()
+    # Before: the program caches held the step functions, which held the model, and the NNX
+    # graph cache held the objects it checks, so both models stayed alive with their weights.
+    assert [ref() is None for ref in refs] == [True] * 8

@@ -32,6 +32,7 @@ from mirrax._src.training import (
     model_glue,
     model_steps,
     model_weights,
+    step_binding,
     strategy_checks,
 )
 from mirrax._src.training import logs as logs_lib
@@ -87,8 +88,8 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         self._scope_strategy = get_strategy() if has_strategy() else None
         self.steps_per_execution = self.gradient_accumulation_steps = self.dtype_policy = None
         self._compiled: steps_lib.CompiledState | None = None  # the compiled steps and state
-        self._binding = steps_lib.StepBinding()  # the replica's objects while a step is traced
-        self._uncompiled_predict_fn = steps_lib.bound_step(self, self._binding, "predict_step")
+        self._binding = step_binding.StepBinding()  # the replica's objects while a step is traced
+        self._uncompiled_predict_fn = step_binding.bound_step(self, self._binding, "predict_step")
         self._uncompiled_checked: dict = {}  # predict's checked inputs before compile
 
     def __call__(self, *args, **kwargs):

@@ -11,7 +11,13 @@ import optax
 
 from mirrax._src import argument_checks
 from mirrax._src.distribute import invariant
-from mirrax._src.training import keras_objects, metric_registry, mixed_precision, strategy_checks
+from mirrax._src.training import (
+    keras_objects,
+    metric_registry,
+    mixed_precision,
+    step_binding,
+    strategy_checks,
+)
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import outputs as outputs_lib
 from mirrax._src.training import steps as steps_lib
@@ -88,9 +94,9 @@ def configure(
     )
     # New step functions at every compile: they key strategy.run's program cache, so a
     # recompiled model (another loss, policy or metrics) never reuses an old program.
-    compiled.train_fn = steps_lib.bound_step(model, binding, "train_step")
-    compiled.test_fn = steps_lib.bound_step(model, binding, "test_step")
-    compiled.predict_fn = steps_lib.bound_step(model, binding, "predict_step")
+    compiled.train_fn = step_binding.bound_step(model, binding, "train_step")
+    compiled.test_fn = step_binding.bound_step(model, binding, "test_step")
+    compiled.predict_fn = step_binding.bound_step(model, binding, "predict_step")
     handle.dynamic_scale = compiled.dynamic_scale
     return Compiled(
         strategy,

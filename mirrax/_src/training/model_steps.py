@@ -5,6 +5,7 @@ them inside `strategy.run` are built at compile, steps.py)."""
 from __future__ import annotations
 
 from mirrax._src.distribute.current import get_replica_context
+from mirrax._src.training import step_binding
 from mirrax._src.training import steps as steps_lib
 
 
@@ -12,7 +13,7 @@ class ModelSteps:
     """The steps of `mirrax.Model` (see `Model`): each runs once per replica inside a step."""
 
     _compiled: steps_lib.CompiledState | None
-    _binding: steps_lib.StepBinding
+    _binding: step_binding.StepBinding
 
     def train_step(self, data):
         """One training step on this replica's shard of a batch, as `keras.Model.train_step`.

@@ -45,9 +45,9 @@ class NodeState:
         self.memo: dict = {}
         self._checks = checks
 
-    def unchanged(self) -> bool:
-        """True when every object the flatten walked through is as it was."""
-        return self._checks is not None and self._checks.hold()
+    def unchanged(self, nodes) -> bool:
+        """True when every object the flatten of `nodes` walked through is as it was."""
+        return self._checks is not None and self._checks.hold(nodes)
 
 
 class _Checks:
@@ -60,6 +60,8 @@ class _Checks:
     """
 
     __slots__ = (
+        "roots",
+        "root_owned",
         "owners",
         "owned",
         "dicts",
@@ -72,10 +74,17 @@ class _Checks:
         "items",
     )
 
-    def __init__(self, objects, dicts, lists, variables):
+    def __init__(self, nodes, objects, dicts, lists, variables):
         chain = itertools.chain.from_iterable
-        self.owners = tuple(o for o, _ in objects)
-        self.owned = tuple(d for _, d in objects)  # each owner's attribute dict
+        # The objects of the call themselves are not held (the caller passes them to `hold`), so
+        # a model nobody holds is collected and its weak reference drops the cache entry; the
+        # objects below them are held: they cannot be reused ids while the entry lives.
+        position = {id(node): i for i, node in enumerate(nodes)}
+        roots = [(position[id(o)], d) for o, d in objects if id(o) in position]
+        self.roots = tuple(i for i, _ in roots)
+        self.root_owned = tuple(d for _, d in roots)
+        self.owners = tuple(o for o, _ in objects if id(o) not in position)
+        self.owned = tuple(d for o, d in objects if id(o) not in position)  # each owner's attribute dict
         self.dicts = tuple(dicts)
         self.lists = tuple(lists)
         self.variables = tuple(variables)
@@ -87,14 +96,17 @@ class _Checks:
         self.values = tuple(chain(map(dict.values, self.dicts)))
         self.items = tuple(chain(self.lists))
 
-    def hold(self) -> bool:
+    def hold(self, nodes) -> bool:
+        """True when nothing reachable from `nodes` (the objects the checks were made for)
+        changed."""
         # Everything by identity (an object's own == may say equal for another object: a
         # Variable compares its value). The lengths come first: `map` stops at the shorter
         # side, so equal lengths make each pass see every entry. A key that is an equal string
         # but another object fails the check: a needless flatten, never a missed change.
         chain, is_ = itertools.chain.from_iterable, operator.is_
         return (
-            all(map(is_, map(vars, self.owners), self.owned))
+            all(map(is_, map(vars, map(nodes.__getitem__, self.roots)), self.root_owned))
+            and all(map(is_, map(vars, self.owners), self.owned))
             and all(map(is_, map(_compat.metadata_dict, self.variables), self.metadata))
             and tuple(map(len, self.dicts)) + tuple(map(len, self.lists)) == self.lengths
             and all(map(is_, chain(self.dicts), self.keys))
@@ -176,7 +188,7 @@ def _walk(nodes, variables) -> _Checks | None:
         return None
     if {id(v) for v in found} != {id(v) for v in variables}:
         return None
-    return _Checks(objects, dicts, lists, found)
+    return _Checks(nodes, objects, dicts, lists, found)
 
 
 class _Unknown(Exception):
@@ -200,7 +212,7 @@ class NodeCache:
         entry = self._entries.get(ids)
         if entry is not None:
             refs, state = entry
-            if all(ref() is node for ref, node in zip(refs, nodes)) and state.unchanged():
+            if all(ref() is node for ref, node in zip(refs, nodes)) and state.unchanged(nodes):
                 return state
             del self._entries[ids]
         state = flatten(tuple(nodes))
