@@ -95,3 +95,49 @@ def test_a_step_that_fails_leaves_the_last_completed_step_s_state_to_release():
     carried.release()
     for got, want in zip(_state(model, optimizer), _state(expected_model, expected_optimizer)):
         np.testing.assert_array_equal(got, want)
+
+
+def _fails_from_the_third_step(step):
+    if step >= 2:
+        raise RuntimeError("the device failed")
+
+
+def test_a_step_that_fails_on_the_device_after_taking_the_state_is_named_at_release():
+    # One device: XLA:CPU runs the step, and raises its callback's error, inside the dispatch
+    # that consumed the state (on several, the error reaches a later wait instead).
+    strategy, model, optimizer, batches = _setup(1)
+
+    def failing_step(model, optimizer, batch):
+        loss = sgd_step(model, optimizer, batch)
+        jax.debug.callback(_fails_from_the_third_step, optimizer.step[...])
+        return loss
+
+    carried = strategy.extended.carried_steps((model, optimizer))
+    with pytest.raises(Exception, match="the device failed"):
+        for b in batches + batches:
+            carried.run(failing_step, b)
+        jax.block_until_ready(carried.run(failing_step, batches[0]))
+    # The failed step had consumed the carried arrays: nothing valid is left to write back.
+    with pytest.warns(UserWarning, match="A step was interrupted while it ran"):
+        carried.release()
+
+
+def test_writing_without_release_in_a_stretch_is_overwritten_and_warned():
+    strategy, model, optimizer, batches = _setup(2)
+    carried = strategy.extended.carried_steps((model, optimizer))
+    carried.run(sgd_step, batches[0])
+    model.l1.kernel.set_value(np.zeros((4, 3), np.float32))  # not through a callback's hook
+    carried.run(sgd_step, batches[1])
+    with pytest.warns(UserWarning, match="the training overwrote the assignment"):
+        carried.release()
+    assert not np.array_equal(np.asarray(model.l1.kernel.get_value()), np.zeros((4, 3), np.float32))
+
+
+def test_carry_false_writes_back_after_every_step():
+    strategy, model, optimizer, batches = _setup(2)
+    carried = strategy.extended.carried_steps((model, optimizer), carry=False)
+    carried.run(sgd_step, batches[0])
+    assert not carried.carrying
+    after_one = np.asarray(model.l1.kernel.get_value())  # readable: written back
+    carried.run(sgd_step, batches[1])
+    assert not np.array_equal(np.asarray(model.l1.kernel.get_value()), after_one)

@@ -166,3 +166,57 @@ def test_evaluate_and_predict_carry_the_state_and_leave_the_model_usable():
     np.testing.assert_array_equal(model.predict(X, batch_size=1, verbose=0), np.full((4, 1), 3.0, np.float32))
     model.fit(X[:1], Y[:1], batch_size=1, epochs=1, verbose=0)
     assert _w(model) == pytest.approx(2.4, rel=1e-6)  # 3 - 2 * 0.1 * 3
+
+
+def test_a_progress_bar_subclass_with_its_own_batch_hook_sees_each_step():
+    model = _model()
+    seen = []
+
+    class WeightBar(mirrax.callbacks.ProgbarLogger):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(_w(self.model))
+
+    model.fit(
+        X, Y, batch_size=1, epochs=1, steps_per_epoch=3, shuffle=False, verbose=0, callbacks=[WeightBar()]
+    )
+    assert seen == pytest.approx([0.8, 0.64, 0.512], rel=1e-6)  # 1 * 0.8 per step
+
+
+def test_a_batch_hook_set_in_on_train_begin_reads_and_writes_each_step():
+    model = _model()
+    seen = []
+
+    class Late(mirrax.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            def begin(batch, logs=None):
+                seen.append(_w(self.model))
+                if batch == 1:
+                    self.model.set_weights([np.full((1, 1), 10.0, np.float32)])
+
+            self.on_train_batch_begin = begin
+
+    model.fit(X, Y, batch_size=1, epochs=1, steps_per_epoch=3, shuffle=False, verbose=0, callbacks=[Late()])
+    assert seen == pytest.approx([1.0, 0.8, 8.0], rel=1e-6)  # 1, 0.8, then 10 * 0.8
+    assert _w(model) == pytest.approx(6.4, rel=1e-6)
+
+
+def test_epoch_level_saving_callbacks_leave_the_state_carried_and_batch_level_ones_do_not(tmp_path):
+    callbacks = mirrax.callbacks
+    epoch_level = [
+        callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
+        callbacks.BackupAndRestore(str(tmp_path / "backup")),
+        callbacks.TensorBoard(str(tmp_path / "logs")),
+        callbacks.ProgbarLogger(),
+    ]
+    batch_level = [
+        callbacks.ModelCheckpoint(str(tmp_path / "b.weights.h5"), save_weights_only=True, save_freq=5),
+        callbacks.BackupAndRestore(str(tmp_path / "backup2"), save_freq=5),
+    ]
+    assert [c.needs_model_between_batches("train") for c in epoch_level] == [False] * 4
+    assert [c.needs_model_between_batches("train") for c in batch_level] == [True] * 2
+
+    class Reading(callbacks.TensorBoard):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.get_weights()
+
+    assert Reading(str(tmp_path / "logs2")).needs_model_between_batches("train")

@@ -64,13 +64,13 @@ class StrategyExtended:
     def parameter_devices(self) -> tuple:
         return self.worker_devices
 
-    def carried_steps(self, objects: tuple) -> CarriedSteps:
+    def carried_steps(self, objects: tuple, carry: bool = True) -> CarriedSteps:
         """mirrax's own, for loops that run many steps over the same NNX objects (fit,
         evaluate, predict): a `CarriedSteps` whose `run(fn, batch)` is
         `strategy.run(fn, args=objects + (batch,))` with the objects' state carried between
         steps and written into them at `release()` (docs/design.md, "Carried state in fit,
-        evaluate and predict")."""
-        return CarriedSteps(self._strategy._runner, objects)
+        evaluate and predict"); `carry` False writes it back after every step."""
+        return CarriedSteps(self._strategy._runner, objects, carry)
 
 
 class Strategy:

@@ -84,6 +84,7 @@ class LocalExecutor:
         self.steps_per_epoch = args.steps_per_epoch if args.steps_per_epoch is not None else known
         self.validates = self.val is not None
         self.carried = None  # the training step's CarriedSteps, made at the first call
+        self.carry = True  # whether it carries the state between calls (`carry_state`)
 
     def begin_epoch(self) -> None:
         """Before an epoch's first step (and before fit's first callback): training mode."""
@@ -99,8 +100,13 @@ class LocalExecutor:
         """One call: the training step on each batch of `group`, the model's state carried
         (`release` writes it into the model)."""
         objects = train_objects(self.model, self.compiled)
-        self.carried = carried_for(self.model.distribute_strategy, self.carried, objects)
+        self.carried = carried_for(self.model.distribute_strategy, self.carried, objects, self.carry)
         run_steps(self.carried, self.compiled.train_fn, group)
+
+    def carry_state(self, carry: bool) -> None:
+        """Whether the state is carried between calls (False: written back after every call,
+        when a callback's batch hook or the batch logs need the model after each)."""
+        self.carry = carry
 
     def release(self) -> None:
         """Writes the carried state into the model (before anything else reads or changes it)."""
@@ -208,14 +214,15 @@ def deferred(model) -> bool:
     return model.steps_per_execution > 1 and not model.distribute_strategy.replica_invariant
 
 
-def carried_for(strategy, carried, objects: tuple):
-    """`carried` if it carries `objects` (the same objects, by identity), else a new
-    `CarriedSteps` of `objects` on `strategy` (`carried` released first)."""
+def carried_for(strategy, carried, objects: tuple, carry: bool = True):
+    """`carried` if it steps `objects` (the same objects, by identity), else a new
+    `CarriedSteps` of `objects` on `strategy` (`carried` released first); `carry`: as
+    `carried_steps`."""
     if carried is not None:
         if len(carried.objects) == len(objects) and all(map(operator.is_, carried.objects, objects)):
             return carried
         carried.release()
-    return strategy.extended.carried_steps(objects)
+    return strategy.extended.carried_steps(objects, carry)
 
 
 def run_steps(carried, step_fn, group: list) -> tuple | None:
@@ -274,7 +281,9 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     cbs.on_test_begin()
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
     release_each = batch_logs or cbs.needs_model_between_batches("test")
-    carried = strategy.extended.carried_steps((model.module, None, model.metrics, compiled.tracker, None))
+    carried = strategy.extended.carried_steps(
+        (model.module, None, model.metrics, compiled.tracker, None), carry=not release_each
+    )
     count = 0
     batches = data.batches(steps, prefetch=batch_logs, defer=deferred(model))
     try:

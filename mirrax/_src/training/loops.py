@@ -53,13 +53,15 @@ def fit(model, compiled, args):
     )
     model.stop_training = False
     executor.begin_epoch()
-    # Reading the logs waits for the step; do it per step only when a callback uses them.
+    cbs.on_train_begin()
+    # Asked after on_train_begin, which may set a hook on the instance. Reading the logs waits
+    # for the step; do it per step only when a callback uses them.
     batch_logs = executor.batch_logs and cbs.needs_batch_logs("on_train_batch_end")
     # The state is carried between steps and written into the model before anything reads it:
     # each step's end when a callback's hook or the batch logs need the model, else the
     # epoch's (docs/design.md, "Carried state in fit, evaluate and predict").
     release_each = batch_logs or cbs.needs_model_between_batches("train")
-    cbs.on_train_begin()
+    executor.carry_state(not release_each)
     first_epoch, first_step = cbs.fit_start(args.initial_epoch, epochs, executor.steps_per_epoch)
     epoch_logs: dict = {}
     try:
@@ -141,7 +143,7 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     per_batch = jax.process_count() > 1 or cbs.needs_batch_logs("on_predict_batch_end")
     release_each = cbs.needs_model_between_batches("predict")
     pending: collections.deque = collections.deque()
-    carried = strategy.extended.carried_steps((model.module, None, None, None, None))
+    carried = strategy.extended.carried_steps((model.module, None, None, None, None), carry=not release_each)
     step = 0
     try:
         for group in multi_step.groups(data.batches(steps), per_call):

@@ -162,6 +162,9 @@ class ParameterServerExecutor:
         """Schedules `len(group)` steps as one function on a free worker (returns at once)."""
         self.coordinator.schedule(self.steps.train, args=(self.iterator, len(group)))
 
+    def carry_state(self, carry: bool) -> None:
+        """Nothing to choose: the parameter servers hold the state."""
+
     def release(self) -> None:
         """Nothing to write: the parameter servers hold the state, read back at `end_epoch`."""
 

@@ -18,6 +18,7 @@ releases before any callback, log, checkpoint or exception reaches the objects.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -38,11 +39,25 @@ class CarriedSteps:
     reads or changes the objects (it is idempotent and cheap when nothing is carried).
     """
 
-    __slots__ = ("_runner", "_objects", "_program", "_binding", "_key", "_carried", "_queued")
+    __slots__ = (
+        "_runner",
+        "_objects",
+        "_carry",
+        "_program",
+        "_binding",
+        "_key",
+        "_carried",
+        "_held",
+        "_queued",
+    )
 
-    def __init__(self, runner: runner_lib.Runner, objects: tuple):
+    def __init__(self, runner: runner_lib.Runner, objects: tuple, carry: bool = True):
         self._runner = runner
         self._objects = tuple(objects)
+        # False: every step is strategy.run's (written back at once), for loops that release
+        # after every step anyway (a callback's batch hook needs the model).
+        self._carry = carry
+        self._held: tuple = ()  # ids of the arrays the Variables held when the stretch began
         self._program: Any = None  # the stretch's Program, Binding and call key
         self._binding: Any = None
         self._key: Any = None
@@ -73,6 +88,8 @@ class CarriedSteps:
         """
         runner = self._runner
         args = self._objects + inputs
+        if not self._carry:
+            return runner.run(fn, args, {})
         if self._carried is not None:
             call = arguments.classify(runner.strategy, fn, args, {})
             if (fn, call.treedef, call.slots, call.mask is None, call.lengths is None) == self._key:
@@ -92,6 +109,7 @@ class CarriedSteps:
             # strategy.run's own write-back handles (or refuses) them.
             return runner.finish(program, binding, call, new_state, outputs)
         self._program, self._binding, self._carried = program, binding, new_state
+        self._held = tuple(map(id, map(_compat.raw_value, live)))
         self._key = (fn, call.treedef, call.slots, call.mask is None, call.lengths is None)
         self._bound_in_flight(new_state, outputs)
         return runner.wrap(program, call, outputs)
@@ -129,6 +147,25 @@ class CarriedSteps:
             return
         binding = self._binding
         assert binding is not None  # set with the carried state
-        _compat.set_raw_values(binding.live, carried)
+        live = binding.live
+        if tuple(map(id, map(_compat.raw_value, live))) != self._held:
+            warnings.warn(
+                "The model's variables were assigned while fit / evaluate / predict carried its "
+                "state between steps (from the input pipeline, another thread, a signal handler, "
+                "or a callback whose needs_model_between_batches() returned False); the "
+                "training overwrote the assignment. Change the model in a callback's batch hook "
+                "(on_train_batch_begin / _end), which sees and keeps the last step's values.",
+                stacklevel=2,
+            )
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in carried):
+            warnings.warn(
+                "A step was interrupted while it ran (KeyboardInterrupt or a signal during its "
+                "dispatch, or an error raised by the device): it had consumed the model's state, "
+                "so the model's variables hold no values now. Restore them from a checkpoint "
+                "(BackupAndRestore, ModelCheckpoint) before using the model.",
+                stacklevel=2,
+            )
+        _compat.set_raw_values(live, carried)
         binding.written = carried
         self._carried = self._program = self._binding = self._key = None
+        self._held = ()

@@ -16,7 +16,7 @@ from mirrax._src import argument_checks
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager
 from mirrax._src.training.callbacks._chief import is_chief
-from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 
 _LOG = logging.getLogger("mirrax")
 
@@ -180,6 +180,12 @@ class BackupAndRestore(Callback):
 
     def needs_batch_logs(self, hook: str) -> bool:
         return False  # backups are taken by batch count, not from the logs
+
+    def needs_model_between_batches(self, kind: str) -> bool:
+        # Batch-level backups read the model; epoch-level ones only count batches.
+        return (kind == "train" and self.save_freq != "epoch") or overrides_batch_hooks(
+            self, kind, BackupAndRestore
+        )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch

@@ -75,12 +75,7 @@ class Callback:
         `on_batch_begin` / `on_batch_end`). Override it where those hooks only read their
         logs or count batches.
         """
-        names: tuple[str, ...] = (f"on_{kind}_batch_begin", f"on_{kind}_batch_end")
-        if kind == "train":
-            names += ("on_batch_begin", "on_batch_end")
-        return any(
-            name in vars(self) or getattr(type(self), name) is not getattr(Callback, name) for name in names
-        )
+        return overrides_batch_hooks(self, kind, Callback)
 
     def resume_point(self) -> tuple | None:
         """Where `fit` resumes after `on_train_begin`: (epoch index, batches of that epoch
@@ -167,3 +162,17 @@ HOOKS = (
     "on_predict_batch_end",
 )
 """The names of every hook a `Callback` has."""
+
+
+def overrides_batch_hooks(callback: Callback, kind: str, base: type) -> bool:
+    """Whether `callback`'s class overrides (or the instance sets) a hook between `kind`
+    batches that `base` (one of its classes) does not define: `on_{kind}_batch_begin` / `_end`,
+    for "train" also `on_batch_begin` / `_end`. A class whose own batch hooks only read their
+    logs answers `needs_model_between_batches` with this and itself as `base`, so a subclass
+    that adds its own hooks is still seen."""
+    names: tuple[str, ...] = (f"on_{kind}_batch_begin", f"on_{kind}_batch_end")
+    if kind == "train":
+        names += ("on_batch_begin", "on_batch_end")
+    return any(
+        name in vars(callback) or getattr(type(callback), name) is not getattr(base, name) for name in names
+    )

@@ -16,7 +16,7 @@ from mirrax._src.training.callbacks.backup_and_restore import (
     BatchCounter,
     check_save_freq,
 )
-from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 from mirrax._src.training.progbar import print_msg
 
 
@@ -138,6 +138,12 @@ class ModelCheckpoint(Callback):
     def needs_batch_logs(self, hook: str) -> bool:
         # Batch-level saves monitor the batch's logs; epoch-level saves need none.
         return hook == "on_train_batch_end" and self.save_freq != "epoch"
+
+    def needs_model_between_batches(self, kind: str) -> bool:
+        # Batch-level saves read the model; epoch-level ones only count batches.
+        return (kind == "train" and self.save_freq != "epoch") or overrides_batch_hooks(
+            self, kind, ModelCheckpoint
+        )
 
     def _resolve_mode(self) -> None:
         self.monitor_op = self.mode if self.mode != "auto" else _monitor.infer_mode(self.monitor, self.model)

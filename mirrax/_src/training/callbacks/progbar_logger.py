@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 from mirrax._src.training.progbar import Progbar, print_msg
 
 
@@ -73,7 +73,8 @@ class ProgbarLogger(Callback):
         return self.verbose == 1 and sys.stdout.isatty() and hook != "on_predict_batch_end"
 
     def needs_model_between_batches(self, kind: str) -> bool:
-        return False  # the bar reads its logs only
+        # The bar reads its logs only; a subclass's own batch hooks may read the model.
+        return overrides_batch_hooks(self, kind, ProgbarLogger)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Redraws the bar at step `batch + 1` with the running logs."""

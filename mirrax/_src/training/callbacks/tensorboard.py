@@ -13,7 +13,7 @@ import numpy as np
 from mirrax import errors
 from mirrax._src.training import weights as weights_lib
 from mirrax._src.training.callbacks._chief import is_chief
-from mirrax._src.training.callbacks.callback import Callback
+from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 
 # Event files are named by time and host; a per-process counter keeps two writers opened in
 # the same second on the same folder (fit, then evaluate) from overwriting each other.
@@ -200,6 +200,10 @@ class TensorBoard(Callback):
         """Notes the epoch's start (for steps per second)."""
         self._steps_before_epoch = self._step
         self._epoch_start_time = time.monotonic()
+
+    def needs_model_between_batches(self, kind: str) -> bool:
+        # Its batch hooks write the batch logs and start or stop the profiler.
+        return overrides_batch_hooks(self, kind, TensorBoard)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Starts the profiler at the first profiled step."""
