@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 
 # Orbax's absl warnings that mirrax's own checks make redundant (each is either a condition
@@ -65,6 +66,43 @@ def quiet_orbax():
         yield
     finally:
         logger.removeFilter(_NOISE_FILTER)
+
+
+# The targets of saves that failed out of space, each until a monotonic deadline: Orbax's writer
+# threads for the save's other items may still run after mirrax raised the error, and when the
+# next save removes the partial files their late writes fail and are logged with a traceback
+# (one run in four of tests/test_checkpoint_writers.py's out-of-space test).
+_ABANDONED: dict = {}
+_ABANDONED_FOR_S = 120.0
+
+
+class _AbandonedSaveFilter(logging.Filter):
+    """Drops ERROR records (and their tracebacks) about a save mirrax already reported failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _ABANDONED or record.levelno < logging.ERROR:
+            return True
+        now = time.monotonic()
+        for path, deadline in list(_ABANDONED.items()):
+            if deadline < now:
+                _ABANDONED.pop(path, None)
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not any(path in text for path in _ABANDONED)
+
+
+_ABANDONED_FILTER = _AbandonedSaveFilter()
+
+
+def abandon(target: str) -> None:
+    """Silences, for the next two minutes, what Orbax's threads still log about the failed save to
+    `target` (a path: the checkpoint directory it was writing); its error reached the caller."""
+    # absl: the writer threads' errors; asyncio: their futures' errors, never retrieved.
+    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+        if _ABANDONED_FILTER not in logger.filters:
+            logger.addFilter(_ABANDONED_FILTER)
+    _ABANDONED[os.fspath(target)] = time.monotonic() + _ABANDONED_FOR_S
 
 
 _UNRAISABLE_FILTER: list = []

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
+from mirrax._src.checkpointing import orbax_quiet
 
 # The errno codes and TensorStore's words for "no room to write".
 _CODES = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -56,7 +57,9 @@ def save_bytes(save_args) -> int:
 
 
 def write_error(what: str, target: str, error: BaseException, needed: int) -> errors.CheckpointWriteError:
-    """The CheckpointWriteError for a save of `needed` bytes to `target` that ran out of space."""
+    """The CheckpointWriteError for a save of `needed` bytes to `target` that ran out of space
+    (what Orbax's threads still log about that save is silenced: `orbax_quiet.abandon`)."""
+    orbax_quiet.abandon(target)
     parent = target
     while parent and not os.path.isdir(parent):
         parent = os.path.dirname(parent)
