@@ -208,6 +208,16 @@ def check_generators_last(train, steps_per_epoch, val, validation_steps, epochs,
             )
 
 
+def prefetches(strategy, waits: bool) -> bool:
+    """Whether a pass's array batches are made in a background thread: when the loop waits for
+    every step (`waits`: it reads each step's logs or outputs), or the batch is placed on
+    several devices, whose placement costs the host more than the thread's hand-off. On one
+    device, with steps running ahead, cutting the batch in the loop's own thread was faster
+    (predict of a 784-256-256-10 MLP at batch 128, 1 device: 1.05 against 1.15 with the thread;
+    4 devices: 1.23-1.29 without it, 1.15 with; BENCHMARKS.md, "Carried state")."""
+    return waits or len(strategy.extended.replica_devices.local_devices) > 1
+
+
 def deferred(model) -> bool:
     """Whether fit's and evaluate's array batches are placed k at once (`batching.HostBatch`):
     `steps_per_execution` > 1, outside replica-invariant mode (which runs its k unrolled)."""
@@ -285,7 +295,7 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
         (model.module, None, model.metrics, compiled.tracker, None), carry=not release_each
     )
     count = 0
-    batches = data.batches(steps, prefetch=batch_logs, defer=deferred(model))
+    batches = data.batches(steps, prefetch=prefetches(strategy, batch_logs), defer=deferred(model))
     try:
         for group in multi_step.groups(batches, model.steps_per_execution):
             cbs.on_test_batch_begin(count)

@@ -146,7 +146,8 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     carried = strategy.extended.carried_steps((model.module, None, None, None, None), carry=not release_each)
     step = 0
     try:
-        for group in multi_step.groups(data.batches(steps), per_call):
+        batches = data.batches(steps, prefetch=local_executor.prefetches(strategy, per_batch))
+        for group in multi_step.groups(batches, per_call):
             cbs.on_predict_batch_begin(step)
             outs = local_executor.run_steps(carried, predict_fn, group)
             assert outs is not None  # predict places its batches one by one (never a HostBatch)
