@@ -290,9 +290,9 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
     model.module.eval()
     cbs.on_test_begin()
     batch_logs = cbs.needs_batch_logs("on_test_batch_end")
-    release_each = batch_logs or cbs.needs_model_between_batches("test")
     carried = strategy.extended.carried_steps(
-        (model.module, None, model.metrics, compiled.tracker, None), carry=not release_each
+        (model.module, None, model.metrics, compiled.tracker, None),
+        carry=not (batch_logs or cbs.needs_model_between_batches("test")),
     )
     count = 0
     batches = data.batches(steps, prefetch=prefetches(strategy, batch_logs), defer=deferred(model))
@@ -301,8 +301,6 @@ def evaluate_loop(model, compiled, data, steps, cbs, what):
             cbs.on_test_batch_begin(count)
             run_steps(carried, compiled.test_fn, group)
             count += len(group)
-            if release_each:
-                carried.release()
             cbs.on_test_batch_end(count - 1, logs_lib.logs_of(model, compiled) if batch_logs else {})
     finally:
         carried.release()

@@ -57,11 +57,10 @@ def fit(model, compiled, args):
     # Asked after on_train_begin, which may set a hook on the instance. Reading the logs waits
     # for the step; do it per step only when a callback uses them.
     batch_logs = executor.batch_logs and cbs.needs_batch_logs("on_train_batch_end")
-    # The state is carried between steps and written into the model before anything reads it:
-    # each step's end when a callback's hook or the batch logs need the model, else the
-    # epoch's (docs/design.md, "Carried state in fit, evaluate and predict").
-    release_each = batch_logs or cbs.needs_model_between_batches("train")
-    executor.carry_state(not release_each)
+    # The state is carried between steps and written into the model at the epoch's end, or at
+    # every step's when a callback's hook or the batch logs need the model (docs/design.md,
+    # "Carried state in fit, evaluate and predict").
+    executor.carry_state(not (batch_logs or cbs.needs_model_between_batches("train")))
     first_epoch, first_step = cbs.fit_start(args.initial_epoch, epochs, executor.steps_per_epoch)
     epoch_logs: dict = {}
     try:
@@ -75,8 +74,6 @@ def fit(model, compiled, args):
                 last = step + len(group) - 1
                 cbs.on_train_batch_begin(step)
                 executor.run(group)
-                if release_each:
-                    executor.release()
                 cbs.on_train_batch_end(last, logs_lib.logs_of(model, compiled) if batch_logs else {})
                 step = last + 1
                 trained += len(group)
@@ -141,9 +138,10 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
     # trip each, unless a callback reads each batch's outputs or several processes hold
     # them (strategy.gather then replicates them first).
     per_batch = jax.process_count() > 1 or cbs.needs_batch_logs("on_predict_batch_end")
-    release_each = cbs.needs_model_between_batches("predict")
     pending: collections.deque = collections.deque()
-    carried = strategy.extended.carried_steps((model.module, None, None, None, None), carry=not release_each)
+    carried = strategy.extended.carried_steps(
+        (model.module, None, None, None, None), carry=not cbs.needs_model_between_batches("predict")
+    )
     step = 0
     try:
         batches = data.batches(steps, prefetch=local_executor.prefetches(strategy, per_batch))
@@ -152,8 +150,6 @@ def predict(model, strategy, step_fn, x, batch_size, verbose, steps, callbacks):
             outs = local_executor.run_steps(carried, predict_fn, group)
             assert outs is not None  # predict places its batches one by one (never a HostBatch)
             step += len(group)
-            if release_each:
-                carried.release()
             if per_batch:
                 gathered = [jax.tree.map(np.asarray, strategy.gather(out, axis=0)) for out in outs]
                 outputs += gathered

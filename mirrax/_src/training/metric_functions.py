@@ -175,5 +175,7 @@ def divide_no_nan(numerator, denominator):
 
 
 def snake(name: str) -> str:
+    """A CamelCase class name in snake_case, as Keras names a metric by default
+    ("SparseCategoricalAccuracy" -> "sparse_categorical_accuracy")."""
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()

@@ -165,9 +165,6 @@ class ParameterServerExecutor:
     def carry_state(self, carry: bool) -> None:
         """Nothing to choose: the parameter servers hold the state."""
 
-    def release(self) -> None:
-        """Nothing to write: the parameter servers hold the state, read back at `end_epoch`."""
-
     def end_epoch(self) -> None:
         """Waits for every scheduled function (TF's `coordinator.join()` at epoch boundaries)."""
         self.coordinator.join()
