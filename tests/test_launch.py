@@ -423,17 +423,26 @@ def test_a_program_that_is_not_executable_gives_126(capsys, tmp_path):
 
 
 def test_the_launch_module_imports_no_jax_and_main_applies_no_cpu_devices():
-    # launch.py loaded on its own (as it would be with a lazy mirrax package): no JAX.
+    # launch.py imported with the mirrax packages' __init__ files skipped (as with a lazy
+    # mirrax package): it loads only its two standard-library helpers, and no JAX.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(launch_lib.__file__))))
     check_module = textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("standalone_launch", {launch_lib.__file__!r})
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        import importlib, os, sys, types
+        for name in ("mirrax", "mirrax._src", "mirrax._src.cli"):
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join({root!r}, *name.split("."))]
+            sys.modules[name] = package
+        importlib.import_module("mirrax._src.cli.launch")
         print(sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "mirrax"))))
     """)
     result = subprocess.run(
         [sys.executable, "-c", check_module], capture_output=True, text=True, timeout=TIMEOUT_S
     )
-    assert (result.returncode, result.stdout) == (0, "[]\n"), result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "['mirrax', 'mirrax._src', 'mirrax._src.cli', 'mirrax._src.cli.launch', "
+        "'mirrax._src.cli.worker_output', 'mirrax._src.launch_progress']\n"
+    )
     # Through main: JAX's backends never start and the launcher's XLA_FLAGS stay as they were.
     check_main = textwrap.dedent("""
         import os, sys

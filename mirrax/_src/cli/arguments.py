@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Run PROGRAM as --nproc worker processes on this node, each with a TF_CONFIG "
             "(worker 0 is the chief; its address is the coordinator of jax.distributed), its "
             "output lines prefixed '[worker i] '. Signals are forwarded; when a worker fails, "
-            "the others are stopped and the launcher exits with the worker's code. A bare "
+            "the others are stopped and the launcher exits with the worker's code, or, with "
+            "--max-restarts, starts the group again. A bare "
             "'python' or 'python3' as PROGRAM is the interpreter running mirrax (sys.executable, "
             "as torchrun does), not the first one on PATH, so the workers see the same packages; "
             "give a path (e.g. /usr/bin/python3) to run another. For several "
@@ -308,6 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default 10)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="start the whole group again, up to N times, when a worker fails (not when the "
+        "launcher is signalled); the program resumes from its backup (BackupAndRestore) "
+        "(default 0: never)",
+    )
+    launch.add_argument(
+        "--restart-delay",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between a failed attempt's end and the restart (default 1)",
     )
     launch.add_argument(
         "program",

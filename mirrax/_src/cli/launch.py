@@ -3,8 +3,9 @@
 Each worker gets a `TF_CONFIG` (a "worker" job, no "chief": worker 0 is the chief, and its
 address is the coordinator where `jax.distributed`'s coordination service listens), its output
 prefixed `[worker i] ` line by line, the launcher's SIGINT/SIGTERM/SIGHUP, and is stopped when
-another worker fails. Standard library only: the launcher never imports or starts JAX, so the
-workers own every device and `--cpu-devices` reaches them through their `XLA_FLAGS`.
+another worker fails; with `--max-restarts N` the whole group is then started again, up to N
+times. Standard library only: the launcher never imports or starts JAX, so the workers own
+every device and `--cpu-devices` reaches them through their `XLA_FLAGS`.
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+
+from mirrax._src import launch_progress
+from mirrax._src.cli.worker_output import Output, relay_lines
 
 GRACE_PERIOD_S = 10.0
+RESTART_DELAY_S = 1.0
 # Written independently of main.configure_cpu_devices (same flag, same pattern) so this module
 # imports nothing from mirrax.
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -35,21 +41,6 @@ _KILL_WAIT_S = 5.0
 _DRAIN_S = 5.0
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What a POSIX shell returns for a command it cannot find / cannot execute.
-# Gloo (jax.distributed's CPU collectives) prints this C++ line once per worker and connection
-# group, through the worker's own stdout/stderr: noise when every peer connected (it is kept
-# when fewer peers connected than expected, which tells why a collective waits).
-_GLOO_CONNECTED = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer "
-    rb"ranks is : (\d+)\s*"
-)
-# Two threads of one worker may print that line at once, and the C++ stream interleaves the
-# pieces ("[Gloo] Rank [Gloo] Rank 3 is connected to 3 peer ranks. ... : 23 is connected to 3"
-# then " peer ranks. Expected ... : 3"): a line made only of those pieces is dropped too.
-_GLOO_PIECES = re.compile(
-    rb"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
-    rb"|\d+|\s+"
-)
-_GLOO_WORDS = re.compile(rb"\[Gloo\] Rank|is connected to|connected peer ranks")
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 # A bare interpreter name after '--' means the launcher's own interpreter, as torchrun runs
@@ -83,6 +74,8 @@ def check_arguments(
     node_rank: int,
     coordinator: str | None,
     grace_period: float,
+    max_restarts: int = 0,
+    restart_delay: float = RESTART_DELAY_S,
 ) -> None:
     """Validates `launch`'s arguments (see there) without starting anything.
 
@@ -90,7 +83,8 @@ def check_arguments(
       ValueError: an empty command; nproc, nnodes or cpu_devices < 1; node_rank outside
         [0, nnodes); nnodes > 1 without a coordinator; a coordinator that is not "host:port";
         both port and coordinator; a port outside [1, 65535] or whose worker ports
-        port .. port + nnodes * nproc - 1 pass 65535; a negative grace period.
+        port .. port + nnodes * nproc - 1 pass 65535; a negative or infinite grace period or
+        restart delay; max_restarts not an int >= 0.
     """
     if not argv_command:
         raise ValueError(
@@ -126,8 +120,13 @@ def check_arguments(
             f"the {total} workers' addresses use ports {port} .. {port + total - 1}, past "
             f"{_MAX_PORT}; choose a port <= {_MAX_PORT - total + 1}."
         )
-    if not grace_period >= 0 or grace_period == float("inf"):
-        raise ValueError(f"--grace-period must be a finite number of seconds >= 0; received {grace_period}.")
+    for name, seconds in (("--grace-period", grace_period), ("--restart-delay", restart_delay)):
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0; received {seconds}.")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            f"--max-restarts must be an integer >= 0 (0: never restart); received {max_restarts!r}."
+        )
 
 
 def free_port(host: str = _LOCALHOST) -> int:
@@ -177,19 +176,35 @@ def resolve_program(argv_command: Sequence[str]) -> list[str]:
     return argv
 
 
-def worker_env(base: Mapping[str, str], config: dict, cpu_devices: int | None) -> dict[str, str]:
+def worker_env(
+    base: Mapping[str, str],
+    config: dict,
+    cpu_devices: int | None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
+    progress_file: str | None = None,
+) -> dict[str, str]:
     """The environment of one worker: `base` plus TF_CONFIG and the launcher's variables.
 
     Sets TF_CONFIG (JSON of `config`), MIRRAX_LAUNCH_RANK (the global worker index),
-    MIRRAX_LAUNCH_WORLD_SIZE (the number of workers on all nodes), PYTHONUNBUFFERED=1 (lines
-    reach the launcher as they are printed) and, when `cpu_devices` is set, XLA_FLAGS with
-    `--xla_force_host_platform_device_count=cpu_devices` in place of any count already there
-    (the other flags are kept).
+    MIRRAX_LAUNCH_WORLD_SIZE (the number of workers on all nodes), MIRRAX_LAUNCH_RESTART_COUNT
+    (how many times the group was restarted before this attempt: 0 at first, as torchrun's
+    TORCHELASTIC_RESTART_COUNT), MIRRAX_LAUNCH_MAX_RESTARTS, MIRRAX_LAUNCH_PROGRESS (where
+    `fit` records its epoch and step, `launch_progress.py`) when `progress_file` is given,
+    PYTHONUNBUFFERED=1 (lines reach the launcher as they are printed) and, when `cpu_devices`
+    is set, XLA_FLAGS with `--xla_force_host_platform_device_count=cpu_devices` in place of any
+    count already there (the other flags are kept).
     """
     env = dict(base)
     env["TF_CONFIG"] = json.dumps(config)
     env["MIRRAX_LAUNCH_RANK"] = str(config["task"]["index"])
     env["MIRRAX_LAUNCH_WORLD_SIZE"] = str(len(config["cluster"]["worker"]))
+    env["MIRRAX_LAUNCH_RESTART_COUNT"] = str(restart_count)
+    env["MIRRAX_LAUNCH_MAX_RESTARTS"] = str(max_restarts)
+    if progress_file is not None:
+        env[launch_progress.ENV] = progress_file
+    else:
+        env.pop(launch_progress.ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
     if cpu_devices is not None:
         flags = _COUNT_PATTERN.sub("", env.get("XLA_FLAGS", "")).split()
@@ -212,48 +227,6 @@ def _describe(returncode: int) -> str:
     return f"was killed by signal {name}"
 
 
-class _Output:
-    """Whole lines to the launcher's streams, one at a time, flushed: never two half lines."""
-
-    def __init__(self, stdout: TextIO, stderr: TextIO):
-        self.stdout, self.stderr = stdout, stderr
-        self._lock = threading.Lock()
-        self._broken: set[int] = set()
-
-    def line(self, stream: TextIO, text: str) -> None:
-        with self._lock:
-            if id(stream) in self._broken:
-                return
-            try:
-                try:
-                    stream.write(text + "\n")
-                except UnicodeEncodeError:  # e.g. U+FFFD on an ASCII terminal
-                    stream.write(text.encode("ascii", "backslashreplace").decode("ascii") + "\n")
-                stream.flush()
-            except (OSError, ValueError):
-                # A closed stream (`mirrax launch ... | head`): keep draining the workers' pipes
-                # so they never block, but write no more.
-                self._broken.add(id(stream))
-
-    def message(self, text: str) -> None:
-        self.line(self.stderr, f"mirrax launch: {text}")
-
-
-def _relay(pipe, prefix: str, output: _Output, stream: TextIO) -> None:
-    """Copies `pipe` (bytes) to `stream` line by line, each line after `prefix`, without Gloo's
-    "is connected" lines (`_GLOO_CONNECTED`), whole or interleaved (`_GLOO_PIECES`)."""
-    with pipe:
-        for raw in iter(pipe.readline, b""):
-            if raw.endswith(b"\n"):
-                raw = raw[:-1]
-            gloo = _GLOO_CONNECTED.fullmatch(raw)
-            if gloo is not None and gloo[1] == gloo[2]:
-                continue
-            if gloo is None and _GLOO_WORDS.search(raw) and not _GLOO_PIECES.sub(b"", raw):
-                continue
-            output.line(stream, prefix + raw.decode("utf-8", errors="replace"))
-
-
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
     """Sends `signum` to a worker's process group (the worker and anything it started)."""
     if process.poll() is not None:
@@ -273,6 +246,8 @@ def launch(
     node_rank: int = 0,
     coordinator: str | None = None,
     grace_period: float = GRACE_PERIOD_S,
+    max_restarts: int = 0,
+    restart_delay: float = RESTART_DELAY_S,
 ) -> int:
     """Runs `argv_command` as this node's `nproc` workers of a multi-worker job; waits for them.
 
@@ -287,7 +262,15 @@ def launch(
     SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker (each runs
     in its own process group, which receives the signal); a second one kills them at once. When
     a worker exits non-zero or by a signal, the others get SIGTERM. Either way, workers still
-    running `grace_period` seconds later get SIGKILL.
+    running `grace_period` seconds later get SIGKILL. A failed worker is named with the epoch
+    and step `fit` was running (`launch_progress.py`), when it was in `fit`.
+
+    With `max_restarts` N > 0, a group that ended by a worker's failure (not by a signal to the
+    launcher, nor a program that cannot be started) is started again with the same command
+    after `restart_delay` seconds, up to N times, each attempt's end in one line
+    (`attempt 1/3: worker 1 was killed by signal SIGKILL at epoch 2, step 5; restarting ...`).
+    The program resumes its own work (`BackupAndRestore` in fit: docs/multi_worker.md,
+    "Failures"). Without --port or --coordinator each attempt takes a new free port.
 
     Args:
       argv_command: the program and its arguments, e.g. ["python", "train.py", "--epochs", "2"].
@@ -298,36 +281,100 @@ def launch(
       node_rank: this node's index, in [0, nnodes); node 0 runs worker 0, the coordinator.
       coordinator: "host:port" of worker 0 on node 0; required when nnodes > 1.
       grace_period: seconds between SIGTERM (or a forwarded signal) and SIGKILL (>= 0).
+      max_restarts: times the group is started again after a failure (>= 0; 0: never).
+      restart_delay: seconds between the end of a failed attempt and the next start (>= 0).
 
     Returns:
-      The exit status: 0 when every worker exited 0; else the first failed worker's code (128 +
-      S for a death by signal S); 128 + S when the launcher received signal S (and no worker
-      had failed before); 127 when the program is not found, 126 when it cannot be executed.
+      The last attempt's exit status: 0 when every worker exited 0; else the first failed
+      worker's code (128 + S for a death by signal S); 128 + S when the launcher received
+      signal S (and no worker had failed before); 127 when the program is not found, 126 when
+      it cannot be executed.
 
     Raises:
       ValueError: invalid arguments, as `check_arguments` (nothing started).
     """
-    check_arguments(argv_command, nproc, cpu_devices, port, nnodes, node_rank, coordinator, grace_period)
-    if coordinator is None:
-        coordinator = f"{_LOCALHOST}:{port if port is not None else free_port()}"
-    configs = local_tf_configs(nproc, nnodes, node_rank, coordinator)
+    check_arguments(
+        argv_command,
+        nproc,
+        cpu_devices,
+        port,
+        nnodes,
+        node_rank,
+        coordinator,
+        grace_period,
+        max_restarts,
+        restart_delay,
+    )
     program = resolve_program(argv_command)
-    output = _Output(sys.stdout, sys.stderr)
+    output = Output(sys.stdout, sys.stderr)
     received: list[int] = []
     previous_handlers = {}
     if threading.current_thread() is threading.main_thread():
         # Installed before any worker starts, so no signal can kill the launcher alone.
         for signum in _FORWARDED_SIGNALS:
             previous_handlers[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
-    workers: list[tuple[int, subprocess.Popen]] = []
+    progress_dir = tempfile.mkdtemp(prefix="mirrax-launch-")
+    attempts = max_restarts + 1
+    try:
+        for attempt in range(attempts):
+            address = coordinator or f"{_LOCALHOST}:{port if port is not None else free_port()}"
+            configs = local_tf_configs(nproc, nnodes, node_rank, address)
+            code, failure = _attempt(
+                program, argv_command, configs, cpu_devices, (attempt, max_restarts), progress_dir,
+                received, output, grace_period,
+            )  # fmt: skip
+            if failure is None or attempts == 1:
+                return code
+            if attempt + 1 == attempts:
+                output.message(
+                    f"attempt {attempt + 1}/{attempts}: {failure}; no restart left "
+                    f"(--max-restarts {max_restarts}), exiting with status {code}"
+                )
+                return code
+            output.message(
+                f"attempt {attempt + 1}/{attempts}: {failure}; restarting the group's "
+                f"{len(configs)} worker(s) in {restart_delay:g} s (attempt {attempt + 2}/{attempts})"
+            )
+            if not _sleep_unless_signalled(restart_delay, received):
+                name = signal.Signals(received[0]).name
+                output.message(f"received {name} before the restart; not restarting")
+                return 128 + received[0]
+        raise AssertionError("unreachable: the last attempt returns")
+    finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        shutil.rmtree(progress_dir, ignore_errors=True)
+
+
+def _sleep_unless_signalled(seconds: float, received: list[int]) -> bool:
+    """Sleeps `seconds`; False as soon as the launcher received a signal (then no restart)."""
+    deadline = time.monotonic() + seconds
+    while not received:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(_POLL_S, left))
+    return False
+
+
+def _attempt(
+    program, argv_command, configs, cpu_devices, restarts, progress_dir, received, output, grace_period
+) -> tuple[int, str | None]:
+    """Starts this node's workers once and waits for them: (exit status, the failure that a
+    restart may cure, described, or None: success, a signal to the launcher, or a program
+    that cannot be started)."""
+    workers: list[tuple[int, subprocess.Popen, str]] = []
     relays: list[threading.Thread] = []
     try:
         for config in configs:
             index = config["task"]["index"]
+            progress_file = os.path.join(progress_dir, f"worker-{index}")
+            launch_progress.create(progress_file)
+            env = worker_env(os.environ, config, cpu_devices, *restarts, progress_file=progress_file)
             try:
                 process = subprocess.Popen(
                     program,
-                    env=worker_env(os.environ, config, cpu_devices),
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -340,39 +387,39 @@ def launch(
                     "Check the program after '--' (a path, or a name on PATH, that is "
                     "executable)."
                 )
-                for _, started in workers:
+                for _, started, _ in workers:
                     _signal_group(started, signal.SIGKILL)
                     started.wait()
-                return code
-            workers.append((index, process))
+                return code, None
+            workers.append((index, process, progress_file))
             prefix = f"[worker {index}] "
             for pipe, stream in ((process.stdout, output.stdout), (process.stderr, output.stderr)):
-                relay = threading.Thread(target=_relay, args=(pipe, prefix, output, stream), daemon=True)
+                relay = threading.Thread(target=relay_lines, args=(pipe, prefix, output, stream), daemon=True)
                 relay.start()
                 relays.append(relay)
         return _supervise(workers, received, output, grace_period)
     finally:
-        for _, process in workers:  # only on an unexpected error: _supervise reaps them all
+        for _, process, _ in workers:  # only on an unexpected error: _supervise reaps them all
             _signal_group(process, signal.SIGKILL)
-        for signum, handler in previous_handlers.items():
-            signal.signal(signum, handler)
         drain_until = time.monotonic() + _DRAIN_S
         for relay in relays:
             relay.join(max(0.0, drain_until - time.monotonic()))
 
 
 def _supervise(
-    workers: list[tuple[int, subprocess.Popen]], received: list[int], output: _Output, grace_period: float
-) -> int:
-    """Polls the workers until all have exited; returns the launcher's exit status."""
+    workers: list[tuple[int, subprocess.Popen, str]], received: list[int], output: Output, grace_period: float
+) -> tuple[int, str | None]:
+    """Polls the workers until all have exited: (the exit status, the first failure described,
+    or None when none failed or the launcher was signalled first)."""
     failure: int | None = None
+    cause: str | None = None
     stop_signal: int | None = None
     forwarded = 0
     kill_at: float | None = None
     why_kill = f"still running {grace_period:g} s after being asked to stop"
     killed_at: float | None = None
     while True:
-        running = [(i, p) for i, p in workers if p.poll() is None]
+        running = [(i, p) for i, p, _ in workers if p.poll() is None]
         while forwarded < len(received):
             signum, forwarded = received[forwarded], forwarded + 1
             name = signal.Signals(signum).name
@@ -387,14 +434,13 @@ def _supervise(
                 kill_at = time.monotonic()
                 why_kill = f"still running at {name}, received while stopping"
         if failure is None and stop_signal is None:
-            failed = [(i, p.returncode) for i, p in workers if p.returncode not in (None, 0)]
+            failed = [(i, p.returncode, f) for i, p, f in workers if p.returncode not in (None, 0)]
             if failed:
-                index, returncode = failed[0]
+                index, returncode, progress_file = failed[0]
                 failure = exit_code(returncode)
-                output.message(
-                    f"worker {index} {_describe(returncode)}"
-                    + (f"; stopping the other {len(running)} worker(s)" if running else "")
-                )
+                where = launch_progress.describe(launch_progress.read(progress_file))
+                cause = f"worker {index} {_describe(returncode)}{where}"
+                output.message(cause + (f"; stopping the other {len(running)} worker(s)" if running else ""))
                 for _, process in running:
                     _signal_group(process, signal.SIGTERM)
                 kill_at = time.monotonic() + grace_period
@@ -414,7 +460,7 @@ def _supervise(
             break
         time.sleep(_POLL_S)
     if failure is not None:
-        return failure
+        return failure, cause
     if stop_signal is not None:
-        return 128 + stop_signal
-    return 0
+        return 128 + stop_signal, None
+    return 0, None

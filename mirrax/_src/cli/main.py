@@ -125,6 +125,7 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     grace_period = launch.GRACE_PERIOD_S if args.grace_period is None else args.grace_period
+    restart_delay = launch.RESTART_DELAY_S if args.restart_delay is None else args.restart_delay
     arguments = (
         program,
         args.nproc,
@@ -134,6 +135,8 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         args.node_rank,
         args.coordinator,
         grace_period,
+        args.max_restarts,
+        restart_delay,
     )
     try:
         launch.check_arguments(*arguments)

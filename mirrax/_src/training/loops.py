@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mirrax import errors
-from mirrax._src import argument_checks
+from mirrax._src import argument_checks, launch_progress
 from mirrax._src.distribute import values as values_lib
 from mirrax._src.training import callbacks as callbacks_lib
 from mirrax._src.training import data_adapter, local_executor, multi_step
@@ -63,6 +63,8 @@ def fit(model, compiled, args):
     executor.carry_state(not (batch_logs or cbs.needs_model_between_batches("train")))
     first_epoch, first_step = cbs.fit_start(args.initial_epoch, epochs, executor.steps_per_epoch)
     epoch_logs: dict = {}
+    # Under `mirrax launch`: where fit is, for the launcher to name if this worker dies.
+    progress = launch_progress.Progress.from_environment()
     try:
         for epoch in range(first_epoch, epochs):
             logs_lib.reset_metrics(model, compiled)
@@ -72,6 +74,8 @@ def fit(model, compiled, args):
             trained = 0
             for group in executor.groups(step, prefetch=batch_logs):
                 last = step + len(group) - 1
+                if progress is not None:
+                    progress.mark(epoch, step)
                 cbs.on_train_batch_begin(step)
                 executor.run(group)
                 cbs.on_train_batch_end(last, logs_lib.logs_of(model, compiled) if batch_logs else {})
@@ -98,6 +102,8 @@ def fit(model, compiled, args):
                 break
     finally:
         executor.close()
+    if progress is not None:
+        progress.clear()
     executor.end_fit()
     cbs.on_train_end(epoch_logs)
     return model.history
