@@ -115,6 +115,10 @@ def test_progress_reads_back_what_was_marked_and_nothing_after_clear(tmp_path):
     assert launch_progress.read(path) == (1, 1)
     progress.mark(6, 16)
     assert launch_progress.read(path) == (7, 17)
+    assert launch_progress.describe((7, 17)) == " at epoch 7, step 17"
+    progress.mark(7, -1)  # epoch index 7 begins
+    assert launch_progress.read(path) == (8, 0)
+    assert launch_progress.describe((8, 0)) == " at the start of epoch 8"
     progress.clear()
     assert launch_progress.read(path) is None
     assert launch_progress.read(str(tmp_path / "missing")) is None

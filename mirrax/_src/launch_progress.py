@@ -15,7 +15,7 @@ import struct
 
 ENV = "MIRRAX_LAUNCH_PROGRESS"
 # Two little-endian int64s: the epoch (1-based, as Keras prints it; 0 outside fit) and the step
-# of that epoch that was started (1-based).
+# of that epoch that was started (1-based; 0 at the epoch's start, before its first step).
 _FORMAT = struct.Struct("<qq")
 SIZE = _FORMAT.size
 
@@ -41,8 +41,12 @@ def read(path: str) -> tuple[int, int] | None:
 
 
 def describe(position: tuple[int, int] | None) -> str:
-    """ " at epoch E, step S" for a known position, else ""."""
-    return "" if position is None else f" at epoch {position[0]}, step {position[1]}"
+    """The words after a failed worker's cause: " at epoch E, step S", or " at the start of
+    epoch E" before its first step; "" for an unknown position."""
+    if position is None:
+        return ""
+    epoch, step = position
+    return f" at the start of epoch {epoch}" if step == 0 else f" at epoch {epoch}, step {step}"
 
 
 class Progress:
@@ -65,7 +69,8 @@ class Progress:
             return None
 
     def mark(self, epoch: int, step: int) -> None:
-        """Records that step `step` (0-based) of epoch index `epoch` (0-based) starts."""
+        """Records that step `step` (0-based; -1: the epoch's start) of epoch index `epoch`
+        (0-based) starts."""
         _FORMAT.pack_into(self._map, 0, epoch + 1, step + 1)
 
     def clear(self) -> None:

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from tests.multiworker import broadcast
+from tests.multiworker import broadcast, restarts
 
 
 def _write(out_dir, index, result) -> None:
@@ -816,6 +816,7 @@ SCENARIOS = {
     "sharded": sharded,
     "uneven": uneven,
     **broadcast.SCENARIOS,
+    **restarts.SCENARIOS,
     **_FILES_PROCS,
 }
 

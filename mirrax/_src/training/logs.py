@@ -41,6 +41,11 @@ def metric_keys(model, compiled) -> list:
     )
 
 
+def metric_objects(model, compiled) -> dict:
+    """{"loss": the loss tracker, <metric name>: metric} (`Model.metrics_state`)."""
+    return {"loss": compiled.tracker, **dict(zip(compiled.metric_names, model.metrics))}
+
+
 def reset_metrics(model, compiled):
     """Resets the loss tracker and every metric."""
     compiled.tracker.reset()

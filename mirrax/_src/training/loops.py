@@ -53,6 +53,8 @@ def fit(model, compiled, args):
     )
     model.stop_training = False
     executor.begin_epoch()
+    # Before on_train_begin, where BackupAndRestore may restore a mid-epoch backup's metrics.
+    logs_lib.reset_metrics(model, compiled)
     cbs.on_train_begin()
     # Asked after on_train_begin, which may set a hook on the instance. Reading the logs waits
     # for the step; do it per step only when a callback uses them.
@@ -67,10 +69,13 @@ def fit(model, compiled, args):
     progress = launch_progress.Progress.from_environment()
     try:
         for epoch in range(first_epoch, epochs):
-            logs_lib.reset_metrics(model, compiled)
+            step = first_step if epoch == first_epoch else 0
+            if step == 0:  # an epoch resumed mid-way goes on with the metrics restored with it
+                logs_lib.reset_metrics(model, compiled)
+            if progress is not None:
+                progress.mark(epoch, -1)
             cbs.on_epoch_begin(epoch)
             executor.begin_epoch()
-            step = first_step if epoch == first_epoch else 0
             trained = 0
             for group in executor.groups(step, prefetch=batch_logs):
                 last = step + len(group) - 1

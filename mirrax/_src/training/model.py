@@ -379,6 +379,13 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
         return logs_lib.logs_of(self, self._compiled)
 
     @property
+    def metrics_state(self) -> dict:
+        """{"loss": the loss tracker, <metric name>: the metric}: the NNX objects fit's logs are
+        read from (Keras 3's `metrics_variables`, as objects), e.g. for a `mirrax.Checkpoint`
+        (BackupAndRestore backs them up); {} before compile."""
+        return {} if self._compiled is None else logs_lib.metric_objects(self, self._compiled)
+
+    @property
     def metrics_names(self) -> list:
         """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
         return [] if self._compiled is None else logs_lib.metric_keys(self, self._compiled)

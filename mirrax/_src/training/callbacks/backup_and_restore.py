@@ -1,15 +1,20 @@
 """`BackupAndRestore`: resume an interrupted `fit` where its last backup left off (Keras 3).
 
 The backup is a `mirrax.CheckpointManager` directory (Orbax, atomic, newest one kept) holding a
-`mirrax.Checkpoint` of the model (module and optimizer state, so `optimizer.iterations` too)
-and the resume point: the epoch index and the number of that epoch's batches already done.
+`mirrax.Checkpoint` of the model (module and optimizer state, so `optimizer.iterations` too),
+the loss tracker's and metrics' state, the history so far (its JSON as bytes) and the resume
+point: the epoch index and the number of that epoch's batches already done. So a resumed fit
+logs and returns what the uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+
+import numpy as np
 
 from mirrax import errors
 from mirrax._src import argument_checks
@@ -19,6 +24,8 @@ from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 
 _LOG = logging.getLogger("mirrax")
+# The backup's history before the first save, and the restore target of a backup without one.
+_EMPTY_HISTORY = np.frombuffer(b"{}", np.uint8)
 
 
 def check_save_freq(save_freq, owner: str):
@@ -146,20 +153,30 @@ class BackupAndRestore(Callback):
         self._resume = (0, 0)
         self._restored = False
         self._epoch = 0
+        self._at_epoch_end = False
+        self._history: dict | None = None  # restored, set into model.history at the first epoch
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
-
-        self._checkpoint = checkpoint = Checkpoint(model=self.model, epoch=0, step=0)
+        metrics = {f"metrics_{i}": obj for i, obj in enumerate(self.model.metrics_state.values())}
+        self._checkpoint = checkpoint = Checkpoint(
+            model=self.model, epoch=0, step=0, history_bytes=0, history=_EMPTY_HISTORY, **metrics
+        )
         # Two kept: the previous backup stays until the next one is committed, and is the
         # fallback when the newest cannot be read (as Keras's `_latest.weights.h5`).
         self._manager = manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=2)
         self._counter = BatchCounter(self.save_freq) if self.save_freq != "epoch" else None
         self._resume = (0, 0)
         self._restored = False
+        self._history = None
+        self._at_epoch_end = False
         backups = manager.checkpoints
         for i, path in enumerate(reversed(backups)):
             try:
+                # The history's size first: a restore target has the stored shape.
+                size = Checkpoint(history_bytes=0)
+                size.restore(path)
+                checkpoint.history = np.zeros(max(size.history_bytes, _EMPTY_HISTORY.size), np.uint8)
                 checkpoint.restore(path)
             except errors.InvalidCheckpointError as error:
                 if i + 1 == len(backups):
@@ -172,6 +189,8 @@ class BackupAndRestore(Callback):
                 continue
             self._resume = (checkpoint.epoch, checkpoint.step)
             self._restored = True
+            if size.history_bytes:
+                self._history = json.loads(bytes(checkpoint.history))
             break
 
     def resume_point(self):
@@ -189,6 +208,11 @@ class BackupAndRestore(Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        history = getattr(self.model, "history", None)
+        if self._history is not None and history is not None:
+            # After History.on_train_begin (the last callback), which starts its epoch list.
+            history.history, history.epoch = self._history["history"], self._history["epoch"]
+        self._history = None
         if self._counter is not None:
             resumed_epoch, resumed_step = self._resume
             self._counter.start_epoch(resumed_step if epoch == resumed_epoch else 0)
@@ -196,16 +220,19 @@ class BackupAndRestore(Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Backs up after every `save_freq` batches (int `save_freq` only)."""
         if self._counter is not None and self._counter.due(batch):
-            epoch, step = self._epoch, batch + 1
-            if step == self.params.get("steps"):
-                # The epoch's last batch: resuming starts the next epoch.
-                epoch, step = epoch + 1, 0
-            self._save(epoch, step)
+            if batch + 1 == self.params.get("steps"):
+                # The epoch's last batch: backed up at the epoch's end, with its logs (and
+                # validation) in the history, resuming at the next epoch.
+                self._at_epoch_end = True
+            else:
+                self._save(self._epoch, batch + 1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        """Backs up with the next epoch as the resume point (`save_freq="epoch"`)."""
-        if self.save_freq == "epoch":
-            self._save(epoch + 1, 0)
+        """Backs up with the next epoch as the resume point (`save_freq="epoch"`, or a batch
+        backup that fell on the epoch's last batch)."""
+        if self.save_freq == "epoch" or self._at_epoch_end:
+            self._at_epoch_end = False
+            self._save(epoch + 1, 0, (epoch, logs or {}))
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Deletes the backup (`delete_checkpoint`): training finished."""
@@ -213,8 +240,22 @@ class BackupAndRestore(Callback):
         if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
             remove_directory(self.backup_dir)
 
-    def _save(self, epoch: int, step: int) -> None:
+    def _save(self, epoch: int, step: int, ended: tuple | None = None) -> None:
+        """Backs up with (epoch, step) as the resume point; `ended`: (index, logs) of the epoch
+        that just ended, which History (the last callback) has not recorded yet."""
         assert self._checkpoint is not None and self._manager is not None  # between train begin and end
         self._checkpoint.epoch = epoch
         self._checkpoint.step = step
+        history = getattr(self.model, "history", None)
+        record = {}
+        if history is not None:
+            logged = {key: list(values) for key, values in history.history.items()}
+            record = {"history": logged, "epoch": list(history.epoch)}
+            if ended is not None:
+                record["epoch"].append(ended[0])
+                for key, value in ended[1].items():
+                    record["history"].setdefault(key, []).append(value)
+        data = json.dumps(record, default=float).encode()
+        self._checkpoint.history = np.frombuffer(data, np.uint8)
+        self._checkpoint.history_bytes = len(data)
         self._manager.save()
