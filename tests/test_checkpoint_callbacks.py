@@ -8,6 +8,7 @@ moments make the comparison fail if the optimizer state were not restored. `iter
 
 import os
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -529,3 +530,17 @@ def test_model_checkpoint_into_a_directory_that_cannot_be_made_is_refused_before
     assert model.optimizer.iterations == 0
     assert (tmp_path / "blocker").read_text() == "x"
     assert os.listdir(tmp_path) == ["blocker"]  # no probe file left behind
+
+
+def test_a_restarted_job_without_a_backup_is_warned_about(tmp_path, monkeypatch):
+    # A worker of attempt 2 of `mirrax launch --max-restarts` whose backup_dir is empty (e.g. a
+    # node-local path): training from the beginning would repeat every epoch without a word.
+    monkeypatch.setenv("MIRRAX_LAUNCH_RESTART_COUNT", "1")
+    backup = str(tmp_path / "backup")
+    with pytest.warns(UserWarning, match=r"this is restart 1 of the job .* holds no backup"):
+        history = fit(make_model(), [BackupAndRestore(backup)])
+    assert history.epoch == list(range(10))  # trained from the beginning
+    monkeypatch.setenv("MIRRAX_LAUNCH_RESTART_COUNT", "0")  # the first attempt: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_model().fit(X, Y, batch_size=1, epochs=1, verbose=0, callbacks=[BackupAndRestore(backup)])

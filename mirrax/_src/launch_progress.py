@@ -14,6 +14,7 @@ import os
 import struct
 
 ENV = "MIRRAX_LAUNCH_PROGRESS"
+RESTART_COUNT_ENV = "MIRRAX_LAUNCH_RESTART_COUNT"
 # Two little-endian int64s: the epoch (1-based, as Keras prints it; 0 outside fit) and the step
 # of that epoch that was started (1-based; 0 at the epoch's start, before its first step).
 _FORMAT = struct.Struct("<qq")
@@ -38,6 +39,13 @@ def read(path: str) -> tuple[int, int] | None:
         return None
     epoch, step = _FORMAT.unpack(data)
     return (epoch, step) if epoch > 0 else None
+
+
+def restart_count() -> int:
+    """How many times `mirrax launch --max-restarts` restarted this worker's group before this
+    attempt (its `MIRRAX_LAUNCH_RESTART_COUNT`); 0 when not launched by it."""
+    text = os.environ.get(RESTART_COUNT_ENV, "")
+    return int(text) if text.isdigit() else 0
 
 
 def describe(position: tuple[int, int] | None) -> str:

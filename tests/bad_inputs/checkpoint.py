@@ -61,6 +61,21 @@ def _model(width: int = 2):
     return mirrax.Model(_linear(width=width))
 
 
+def _fit_with_backup(env, width: int, epochs: int):
+    """fit of a Linear(2, width) with BackupAndRestore(<tmp>/backup) keeping its backup."""
+    model = _model(width)
+    with env.strategy.scope():
+        model.compile("sgd", "mse")
+    x, y = np.ones((4, 2), np.float32), np.ones((4, width), np.float32)
+    backup = BackupAndRestore(str(env.tmp_path / "backup"), delete_checkpoint=False)
+    return model.fit(x, y, batch_size=2, epochs=epochs, verbose=0, callbacks=[backup])
+
+
+def _backup_of_another_model(env):
+    _fit_with_backup(env, width=2, epochs=1)
+    return _fit_with_backup(env, width=3, epochs=2)  # the same backup_dir, another model
+
+
 def _artifact(env, name: str = "artifact") -> str:
     path = env.tmp_path / name
     mirrax.export(lambda x: x * 2.0, path, _SIG, platforms=["cpu"])
@@ -496,6 +511,17 @@ CASES = [
         lambda env: BackupAndRestore(_file(env)),
         errors.ExistingPathError,
         ("is a file", "pass a directory path"),
+    ),
+    Case(
+        "fit resuming from a BackupAndRestore backup written by another model",
+        _backup_of_another_model,
+        errors.IncompatibleCheckpointError,
+        (
+            "BackupAndRestore: the backup in",
+            "was written by another model or compile",
+            "has shape (2,) in the checkpoint, (3,) in the model",
+            "Pass a backup_dir of this run's own, or delete",
+        ),
     ),
     # -- export / load_exported -----------------------------------------------------------------
     Case(

@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=_worker_count,
         default=1,
         metavar="N",
         help="worker processes on this node (default 1)",
@@ -354,6 +354,16 @@ def _non_negative_int(text: str) -> int:
 
 def _positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
+
+
+def _worker_count(text: str) -> int:
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"received {text!r}: an elastic width (MIN:MAX) is not supported; give one count. A "
+            "job started again with another --nproc resumes from its BackupAndRestore backup on "
+            "the new layout (docs/multi_worker.md, 'Restarts')"
+        )
+    return _positive_int(text)
 
 
 def _power_of_two(text: str) -> int:

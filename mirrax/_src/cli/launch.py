@@ -199,7 +199,7 @@ def worker_env(
     env["TF_CONFIG"] = json.dumps(config)
     env["MIRRAX_LAUNCH_RANK"] = str(config["task"]["index"])
     env["MIRRAX_LAUNCH_WORLD_SIZE"] = str(len(config["cluster"]["worker"]))
-    env["MIRRAX_LAUNCH_RESTART_COUNT"] = str(restart_count)
+    env[launch_progress.RESTART_COUNT_ENV] = str(restart_count)
     env["MIRRAX_LAUNCH_MAX_RESTARTS"] = str(max_restarts)
     if progress_file is not None:
         env[launch_progress.ENV] = progress_file

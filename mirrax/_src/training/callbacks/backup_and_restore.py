@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import shutil
+import warnings
 
 import numpy as np
 
 from mirrax import errors
-from mirrax._src import argument_checks
+from mirrax._src import argument_checks, launch_progress
 from mirrax._src.checkpointing.checkpoint import Checkpoint
 from mirrax._src.checkpointing.manager import CheckpointManager
 from mirrax._src.training.callbacks._chief import is_chief
@@ -48,6 +49,17 @@ def check_save_freq(save_freq, owner: str):
         f"{owner}: unrecognized save_freq: {save_freq!r}. Expected save_freq='epoch' (save at "
         "the end of every epoch) or a positive int (save every that many batches)."
     )
+
+
+def _history_bytes(path: str) -> int:
+    """The size of the history JSON in the backup at `path`; 0 in a backup without one (written
+    before mirrax backed up the history)."""
+    size = Checkpoint(history_bytes=0)
+    try:
+        size.restore(path)
+    except errors.IncompatibleCheckpointError:  # no `history_bytes` item
+        return 0
+    return size.history_bytes
 
 
 def remove_directory(path: str) -> None:
@@ -171,13 +183,26 @@ class BackupAndRestore(Callback):
         self._history = None
         self._at_epoch_end = False
         backups = manager.checkpoints
+        if not backups and launch_progress.restart_count() > 0:
+            warnings.warn(
+                f"BackupAndRestore: this is restart {launch_progress.restart_count()} of the job "
+                f"(mirrax launch --max-restarts), but {self.backup_dir} holds no backup, so fit "
+                "starts from the beginning. If an earlier attempt saved one, this is not the "
+                "directory it wrote: give every worker the same backup_dir, on a filesystem "
+                "all nodes share.",
+                stacklevel=2,
+            )
         for i, path in enumerate(reversed(backups)):
             try:
-                # The history's size first: a restore target has the stored shape.
-                size = Checkpoint(history_bytes=0)
-                size.restore(path)
-                checkpoint.history = np.zeros(max(size.history_bytes, _EMPTY_HISTORY.size), np.uint8)
+                history_bytes = _history_bytes(path)  # a restore target has the stored shape
+                checkpoint.history = np.zeros(max(history_bytes, _EMPTY_HISTORY.size), np.uint8)
                 checkpoint.restore(path)
+            except errors.IncompatibleCheckpointError as error:
+                raise errors.IncompatibleCheckpointError(
+                    f"BackupAndRestore: the backup in {self.backup_dir} was written by another "
+                    f"model or compile: {error} Pass a backup_dir of this run's own, or delete "
+                    f"{self.backup_dir} to train from the beginning."
+                ) from None
             except errors.InvalidCheckpointError as error:
                 if i + 1 == len(backups):
                     raise
@@ -189,7 +214,7 @@ class BackupAndRestore(Callback):
                 continue
             self._resume = (checkpoint.epoch, checkpoint.step)
             self._restored = True
-            if size.history_bytes:
+            if history_bytes:
                 self._history = json.loads(bytes(checkpoint.history))
             break
 
