@@ -4,14 +4,16 @@ A 2x2 job (2 workers x 2 CPU devices, Gloo on loopback) trains the tutorial CNN 
 with `BackupAndRestore(save_freq=5)`; in the first attempt worker 1 SIGKILLs itself at epoch 2,
 step 8. Each worker stamps the wall clock (one machine, one clock) at its start, after importing
 mirrax, after building the strategy (jax.distributed's start, every peer joined), after the
-backup's restore (on_train_begin of a callback after BackupAndRestore), and after the first
-step of the attempt (its loss read, so compiled and run). The phases of the restart:
+model's build, after the backup's restore (on_train_begin of a callback after
+BackupAndRestore), and after the attempt's first step (its loss read: compiled and run). The
+phases of the restart:
 
   detect+respawn: the kill -> the first restarted worker's start (the launcher's poll, SIGTERM
                   to the survivor and its exit, the new processes);
   import:         python and `import mirrax` (JAX);
   join:           MultiWorkerMirroredStrategy() (the coordination service, every peer);
-  restore:        the model built, compiled, the backup restored;
+  build:          the data loaded, the model built and compiled (`Model.compile`);
+  restore:        fit's start to the backup restored (BackupAndRestore.on_train_begin);
   compile+step:   the first step (tracing, XLA compilation, one step);
   redone:         the steps trained again (after the last backup), at the uninterrupted pace.
 
@@ -36,7 +38,7 @@ import time
 
 KILL_AT = (1, 7)  # (epoch index, batch index) of attempt 0 where worker 1 dies
 SAVE_FREQ = 5
-PHASES = ("detect+respawn", "import", "join", "restore", "compile+step", "redone")
+PHASES = ("detect+respawn", "import", "join", "build", "restore", "compile+step", "redone")
 
 
 def _stamp(out_dir: str, attempt: int, rank: int, event: str) -> None:
@@ -82,6 +84,7 @@ def _worker(out_dir: str) -> None:
         on_train_batch_end=on_batch_end,
     )
     backup = mirrax.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=SAVE_FREQ)
+    _stamp(out_dir, attempt, rank, "built")
     model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[backup, timer])
     pace = statistics.median(b - a for a, b in zip(steps[1:], steps[2:]))
     _stamp(out_dir, attempt, rank, f"pace {pace}")
@@ -133,7 +136,8 @@ def _one_job(cache: bool) -> dict:
         "detect+respawn": min(second["start"]) - first["kill"][0],
         "import": last("imported") - min(second["start"]),
         "join": last("strategy") - last("imported"),
-        "restore": last("restored") - last("strategy"),
+        "build": last("built") - last("strategy"),
+        "restore": last("restored") - last("built"),
         "compile+step": last("first_step") - last("restored"),
         "redone": redone * pace,
     }
