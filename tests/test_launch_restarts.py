@@ -83,6 +83,26 @@ def test_a_worker_that_fails_every_attempt_ends_the_job_with_its_status(tmp_path
     assert _starts(d) == ["start-0-0", "start-0-1", "start-1-0", "start-1-1"]
 
 
+def test_an_elastic_width_goes_on_without_a_slot_that_failed_twice_in_a_row(tmp_path):
+    d = str(tmp_path)
+    # Worker 1 fails whenever there are 2 workers (a lost slot); alone, worker 0 succeeds.
+    program = _script(
+        _FLAKY.format(dir=d, fail_until=99).replace(
+            "if attempt < 99:", 'if os.environ["MIRRAX_LAUNCH_WORLD_SIZE"] == "2":'
+        )
+    )
+    result = _run(["--nproc", "1:2", "--max-restarts", "3", "--restart-delay", "0", "--"] + program)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "attempt" in line] == [
+        "mirrax launch: attempt 1/4: worker 1 exited with code 3; restarting the group's 2 worker(s) "
+        "in 0 s (attempt 2/4)",
+        "mirrax launch: attempt 2/4: worker 1 exited with code 3, as in the attempt before; restarting "
+        "with 1 of --nproc 1:2 worker(s) in 0 s (attempt 3/4)",
+    ]
+    assert result.stdout.splitlines() == ["[worker 0] done 2"]
+    assert _starts(d) == ["start-0-0", "start-0-1", "start-1-0", "start-1-1", "start-2-0"]
+
+
 def test_the_failed_worker_is_named_with_the_epoch_and_step_fit_was_running():
     # What fit does (loops.py): mark (epoch index 2, step index 4) before the step, then die.
     # The module is loaded from its file, without the mirrax package (and JAX), to start fast.
@@ -183,6 +203,14 @@ def test_a_signal_to_the_launcher_is_never_followed_by_a_restart(tmp_path):
         (
             ["--restart-delay", "inf"],
             "--restart-delay must be a finite number of seconds >= 0; received inf.",
+        ),
+        (["--nproc", "3:2"], "--nproc MIN:MAX needs 1 <= MIN <= MAX; received 3:2."),
+        (["--nproc", "0:2"], "--nproc MIN:MAX needs 1 <= MIN <= MAX; received 0:2."),
+        (["--nproc", "a:2"], "--nproc: expected a positive integer or MIN:MAX (e.g. 2:4), received 'a:2'"),
+        (["--nproc", "0"], "argument --nproc: expected a positive integer, received '0'"),
+        (
+            ["--nproc", "1:2", "--nnodes", "2", "--coordinator", "h:1"],
+            "--nproc 1:2 with --nnodes 2: an elastic width works on one node only",
         ),
     ],
 )

@@ -1,7 +1,8 @@
 """A multi-worker fit that survives its workers (`mirrax launch --max-restarts`): killed mid-step,
-during a backup and between epochs, restarted, shrunk and grown, it ends with the same bits as a
-run that never failed (replica-invariant mode: the result does not depend on the layout, so the
-reference is one process with 4 devices). The worker program is tests/multiworker/restarts.py.
+during a backup and between epochs, restarted, shrunk (`--nproc MIN:MAX`) and grown, it ends with
+the same bits as a run that never failed (replica-invariant mode: the result does not depend on
+the layout, so the reference is one process with 4 devices). The worker program is
+tests/multiworker/restarts.py.
 """
 
 import json
@@ -71,13 +72,22 @@ def test_killed_mid_step_during_a_backup_and_between_epochs_it_restarts_to_the_s
     assert not (tmp_path / "backup").exists()  # the finished fit deleted it
 
 
-@pytest.mark.parametrize(
-    "before, after",
-    [((2, 2, "once"), (1, 4)), ((1, 2, "chief_once"), (2, 2))],
-    ids=["shrink_2x2_to_1x4", "grow_1x2_to_2x2"],
-)
-def test_a_job_resumed_on_another_layout_ends_with_the_same_bits(tmp_path, uninterrupted, before, after):
-    nproc, cpu_devices, plan = before
+def test_an_elastic_job_shrinks_from_2x2_to_1x2_and_ends_with_the_same_bits(tmp_path, uninterrupted):
+    # Worker 1 dies in attempts 1 and 2 (restarts.py's KILLS["twice"]): its slot is taken as
+    # lost, and attempt 3 runs worker 0 alone, with 2 replicas instead of 4.
+    launched = _launch(tmp_path, "1:2", 2, "twice", "--max-restarts", "2")
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    assert "as in the attempt before; restarting with 1 of --nproc 1:2 worker(s)" in launched.stderr
+    (report,) = _reports(tmp_path, 1)
+    # Killed in epoch index 2's batch 1 end hook, before its backup: the last one was taken at
+    # the end of epoch index 1.
+    assert report["attempt"] == 2 and report["seen"][0] == [2, 0]
+    assert {k: report[k] for k in COMPARED} == {k: uninterrupted[k] for k in COMPARED}
+
+
+def test_a_job_started_again_on_more_workers_ends_with_the_same_bits(tmp_path, uninterrupted):
+    # A 1x2 job dies; its operator starts it again as 2x2 (another allocation), same backup.
+    nproc, cpu_devices, plan, after = 1, 2, "chief_once", (2, 2)
     failed = _launch(tmp_path, nproc, cpu_devices, plan)  # no --max-restarts: the job ends
     assert failed.returncode == 128 + 9, failed.stderr[-4000:]
     assert (tmp_path / "backup").is_dir()

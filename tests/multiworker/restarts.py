@@ -22,6 +22,7 @@ EXAMPLES, BATCH, SAVE_FREQ = 32, 8, 2
 KILLS = {
     "three": {0: ("step", 1, 1, 2), 1: ("backup", 0, 2, 1), 2: ("epoch", 1, 3, 0)},
     "once": {0: ("step", 1, 1, 2)},
+    "twice": {0: ("step", 1, 1, 2), 1: ("step", 1, 2, 1)},
     "chief_once": {0: ("step", 0, 1, 2)},
     "plain": {},
 }

@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_worker_count,
         default=1,
         metavar="N",
-        help="worker processes on this node (default 1)",
+        help="worker processes on this node, or MIN:MAX: start MAX and, when a worker fails in "
+        "two attempts in a row (--max-restarts), go on with one fewer, down to MIN (default 1)",
     )
     launch.add_argument(
         "--cpu-devices",
@@ -356,14 +357,17 @@ def _positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
 
 
-def _worker_count(text: str) -> int:
-    if ":" in text:
+def _worker_count(text: str):
+    """N, or (MIN, MAX) for "MIN:MAX" (an elastic width; its order is checked by the launcher)."""
+    if ":" not in text:
+        return _positive_int(text)
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high)
+    except ValueError:
         raise argparse.ArgumentTypeError(
-            f"received {text!r}: an elastic width (MIN:MAX) is not supported; give one count. A "
-            "job started again with another --nproc resumes from its BackupAndRestore backup on "
-            "the new layout (docs/multi_worker.md, 'Restarts')"
-        )
-    return _positive_int(text)
+            f"expected a positive integer or MIN:MAX (e.g. 2:4), received {text!r}"
+        ) from None
 
 
 def _power_of_two(text: str) -> int:

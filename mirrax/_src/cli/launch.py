@@ -76,6 +76,7 @@ def check_arguments(
     grace_period: float,
     max_restarts: int = 0,
     restart_delay: float = RESTART_DELAY_S,
+    min_nproc: int | None = None,
 ) -> None:
     """Validates `launch`'s arguments (see there) without starting anything.
 
@@ -84,7 +85,8 @@ def check_arguments(
         [0, nnodes); nnodes > 1 without a coordinator; a coordinator that is not "host:port";
         both port and coordinator; a port outside [1, 65535] or whose worker ports
         port .. port + nnodes * nproc - 1 pass 65535; a negative or infinite grace period or
-        restart delay; max_restarts not an int >= 0.
+        restart delay; max_restarts not an int >= 0; min_nproc outside [1, nproc], or below
+        nproc with nnodes > 1.
     """
     if not argv_command:
         raise ValueError(
@@ -123,6 +125,16 @@ def check_arguments(
     for name, seconds in (("--grace-period", grace_period), ("--restart-delay", restart_delay)):
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"{name} must be a finite number of seconds >= 0; received {seconds}.")
+    if min_nproc is not None and not 1 <= min_nproc <= nproc:
+        raise ValueError(
+            f"--nproc MIN:MAX needs 1 <= MIN <= MAX; received {min_nproc}:{nproc}. Write e.g. "
+            "--nproc 2:4 (start 4 workers, go on with no fewer than 2)."
+        )
+    if min_nproc is not None and min_nproc < nproc and nnodes > 1:
+        raise ValueError(
+            f"--nproc {min_nproc}:{nproc} with --nnodes {nnodes}: an elastic width works on one "
+            "node only (the nodes' launchers do not agree on a width); give one count per node."
+        )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(
             f"--max-restarts must be an integer >= 0 (0: never restart); received {max_restarts!r}."
@@ -248,6 +260,7 @@ def launch(
     grace_period: float = GRACE_PERIOD_S,
     max_restarts: int = 0,
     restart_delay: float = RESTART_DELAY_S,
+    min_nproc: int | None = None,
 ) -> int:
     """Runs `argv_command` as this node's `nproc` workers of a multi-worker job; waits for them.
 
@@ -270,7 +283,10 @@ def launch(
     after `restart_delay` seconds, up to N times, each attempt's end in one line
     (`attempt 1/3: worker 1 was killed by signal SIGKILL at epoch 2, step 5; restarting ...`).
     The program resumes its own work (`BackupAndRestore` in fit: docs/multi_worker.md,
-    "Failures"). Without --port or --coordinator each attempt takes a new free port.
+    "Failures"). Without --port or --coordinator each attempt takes a new free port. With
+    `min_nproc` M < nproc (one node: an elastic width), a worker that fails in two attempts in
+    a row is taken as a lost slot: the next attempt runs one worker fewer, down to M (the
+    program resumes on the new layout; in replica-invariant mode with the same bits).
 
     Args:
       argv_command: the program and its arguments, e.g. ["python", "train.py", "--epochs", "2"].
@@ -283,6 +299,8 @@ def launch(
       grace_period: seconds between SIGTERM (or a forwarded signal) and SIGKILL (>= 0).
       max_restarts: times the group is started again after a failure (>= 0; 0: never).
       restart_delay: seconds between the end of a failed attempt and the next start (>= 0).
+      min_nproc: the fewest workers a restart may run (1 <= min_nproc <= nproc; one node only);
+        None: always nproc.
 
     Returns:
       The last attempt's exit status: 0 when every worker exited 0; else the first failed
@@ -304,6 +322,7 @@ def launch(
         grace_period,
         max_restarts,
         restart_delay,
+        min_nproc,
     )
     program = resolve_program(argv_command)
     output = Output(sys.stdout, sys.stderr)
@@ -315,26 +334,31 @@ def launch(
             previous_handlers[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
     progress_dir = tempfile.mkdtemp(prefix="mirrax-launch-")
     attempts = max_restarts + 1
+    width, failed_before = nproc, None
     try:
         for attempt in range(attempts):
             address = coordinator or f"{_LOCALHOST}:{port if port is not None else free_port()}"
-            configs = local_tf_configs(nproc, nnodes, node_rank, address)
+            configs = local_tf_configs(width, nnodes, node_rank, address)
             code, failure = _attempt(
                 program, argv_command, configs, cpu_devices, (attempt, max_restarts), progress_dir,
                 received, output, grace_period,
             )  # fmt: skip
             if failure is None or attempts == 1:
                 return code
+            failed, cause = failure
+            ended = f"attempt {attempt + 1}/{attempts}: {cause}"
             if attempt + 1 == attempts:
                 output.message(
-                    f"attempt {attempt + 1}/{attempts}: {failure}; no restart left "
-                    f"(--max-restarts {max_restarts}), exiting with status {code}"
+                    f"{ended}; no restart left (--max-restarts {max_restarts}), exiting with status {code}"
                 )
                 return code
-            output.message(
-                f"attempt {attempt + 1}/{attempts}: {failure}; restarting the group's "
-                f"{len(configs)} worker(s) in {restart_delay:g} s (attempt {attempt + 2}/{attempts})"
-            )
+            if failed == failed_before and min_nproc is not None and width > min_nproc:
+                width -= 1  # the same slot failed twice in a row: go on without it
+                ended += f", as in the attempt before; restarting with {width} of --nproc {min_nproc}:{nproc}"
+            else:
+                ended += f"; restarting the group's {width}"
+            failed_before = failed
+            output.message(f"{ended} worker(s) in {restart_delay:g} s (attempt {attempt + 2}/{attempts})")
             if not _sleep_unless_signalled(restart_delay, received):
                 name = signal.Signals(received[0]).name
                 output.message(f"received {name} before the restart; not restarting")
@@ -359,10 +383,10 @@ def _sleep_unless_signalled(seconds: float, received: list[int]) -> bool:
 
 def _attempt(
     program, argv_command, configs, cpu_devices, restarts, progress_dir, received, output, grace_period
-) -> tuple[int, str | None]:
+) -> tuple[int, tuple[int, str] | None]:
     """Starts this node's workers once and waits for them: (exit status, the failure that a
-    restart may cure, described, or None: success, a signal to the launcher, or a program
-    that cannot be started)."""
+    restart may cure as (the failed worker's index, its cause described), or None: success, a
+    signal to the launcher, or a program that cannot be started)."""
     workers: list[tuple[int, subprocess.Popen, str]] = []
     relays: list[threading.Thread] = []
     try:
@@ -408,11 +432,12 @@ def _attempt(
 
 def _supervise(
     workers: list[tuple[int, subprocess.Popen, str]], received: list[int], output: Output, grace_period: float
-) -> tuple[int, str | None]:
-    """Polls the workers until all have exited: (the exit status, the first failure described,
-    or None when none failed or the launcher was signalled first)."""
+) -> tuple[int, tuple[int, str] | None]:
+    """Polls the workers until all have exited: (the exit status, the first failure as (the
+    worker's index, its cause described), or None when none failed or the launcher was
+    signalled first)."""
     failure: int | None = None
-    cause: str | None = None
+    cause: tuple[int, str] | None = None
     stop_signal: int | None = None
     forwarded = 0
     kill_at: float | None = None
@@ -439,8 +464,10 @@ def _supervise(
                 index, returncode, progress_file = failed[0]
                 failure = exit_code(returncode)
                 where = launch_progress.describe(launch_progress.read(progress_file))
-                cause = f"worker {index} {_describe(returncode)}{where}"
-                output.message(cause + (f"; stopping the other {len(running)} worker(s)" if running else ""))
+                cause = (index, f"worker {index} {_describe(returncode)}{where}")
+                output.message(
+                    cause[1] + (f"; stopping the other {len(running)} worker(s)" if running else "")
+                )
                 for _, process in running:
                     _signal_group(process, signal.SIGTERM)
                 kill_at = time.monotonic() + grace_period

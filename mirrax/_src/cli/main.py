@@ -126,9 +126,10 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     grace_period = launch.GRACE_PERIOD_S if args.grace_period is None else args.grace_period
     restart_delay = launch.RESTART_DELAY_S if args.restart_delay is None else args.restart_delay
+    min_nproc, nproc = args.nproc if isinstance(args.nproc, tuple) else (None, args.nproc)
     arguments = (
         program,
-        args.nproc,
+        nproc,
         args.cpu_devices,
         args.port,
         args.nnodes,
@@ -137,6 +138,7 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         grace_period,
         args.max_restarts,
         restart_delay,
+        min_nproc,
     )
     try:
         launch.check_arguments(*arguments)
