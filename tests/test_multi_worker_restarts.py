@@ -85,9 +85,17 @@ def test_an_elastic_job_shrinks_from_2x2_to_1x2_and_ends_with_the_same_bits(tmp_
     assert {k: report[k] for k in COMPARED} == {k: uninterrupted[k] for k in COMPARED}
 
 
-def test_a_job_started_again_on_more_workers_ends_with_the_same_bits(tmp_path, uninterrupted):
-    # A 1x2 job dies; its operator starts it again as 2x2 (another allocation), same backup.
-    nproc, cpu_devices, plan, after = 1, 2, "chief_once", (2, 2)
+@pytest.mark.parametrize(
+    "before, after",
+    [((2, 2, "once"), (1, 4)), ((1, 2, "chief_once"), (2, 2))],
+    ids=["shrink_2x2_to_1x4", "grow_1x2_to_2x2"],
+)
+def test_a_job_started_again_on_another_layout_ends_with_the_same_bits(
+    tmp_path, uninterrupted, before, after
+):
+    # The job dies; its operator (or a scheduler, with another allocation) starts it again on
+    # another layout, from the same backup.
+    nproc, cpu_devices, plan = before
     failed = _launch(tmp_path, nproc, cpu_devices, plan)  # no --max-restarts: the job ends
     assert failed.returncode == 128 + 9, failed.stderr[-4000:]
     assert (tmp_path / "backup").is_dir()
