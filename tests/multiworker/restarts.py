@@ -70,7 +70,7 @@ def restarted(out_dir, index, plan):
     backup = mirrax.callbacks.BackupAndRestore(str(pathlib.Path(out_dir) / "backup"), save_freq=SAVE_FREQ)
     killer = mirrax.callbacks.LambdaCallback(on_epoch_begin=on_epoch_begin, on_train_batch_end=on_batch_end)
     history = model.fit(
-        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[killer, backup]
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=[killer, backup]
     )
     predictions = model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
     params = [np.asarray(model.module.l1.kernel[...]), np.asarray(model.module.l2.kernel[...])]

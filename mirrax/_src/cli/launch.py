@@ -394,7 +394,8 @@ def _attempt(
             index = config["task"]["index"]
             progress_file = os.path.join(progress_dir, f"worker-{index}")
             launch_progress.create(progress_file)
-            env = worker_env(os.environ, config, cpu_devices, *restarts, progress_file=progress_file)
+            restart_count, max_restarts = restarts
+            env = worker_env(os.environ, config, cpu_devices, restart_count, max_restarts, progress_file)
             try:
                 process = subprocess.Popen(
                     program,

@@ -11,7 +11,7 @@ The rooms: the loops in loops.py over the executors of local_executor.py and
 parameter_server_executor.py (the one-batch calls in batch_calls.py, the logs in logs.py), the
 steps in steps.py, inputs in data_adapter.py, array_inputs.py and dataset_batches.py, checks in
 fit_arguments.py, arguments.py, strategy_checks.py, optimizer.py, weights.py (the other weight
-methods in model_weights.py).
+methods in model_weights.py, the metrics' and the shuffling RNG's in model_state.py).
 """
 
 from __future__ import annotations
@@ -30,18 +30,24 @@ from mirrax._src.training import (
     mixed_precision,
     model_compile,
     model_glue,
+    model_state,
     model_steps,
     model_weights,
     step_binding,
     strategy_checks,
 )
-from mirrax._src.training import logs as logs_lib
 from mirrax._src.training import optimizer as optimizers
 from mirrax._src.training import steps as steps_lib
 from mirrax._src.training.fit_arguments import FitArguments
 
 
-class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchCalls, model_steps.ModelSteps):
+class Model(
+    model_glue.KerasGlue,
+    model_weights.ModelWeights,
+    batch_calls.BatchCalls,
+    model_steps.ModelSteps,
+    model_state.TrainingState,
+):
     """A Keras-style model around an `nnx.Module`, as `keras.Model` with a distribution strategy.
 
     `compile` picks the strategy in scope (or the default strategy); `fit`, `evaluate` and
@@ -366,29 +372,6 @@ class Model(model_glue.KerasGlue, model_weights.ModelWeights, batch_calls.BatchC
     def predict_on_batch(self, x):
         """The module's outputs for one batch of arrays, as NumPy (`keras.Model.predict_on_batch`)."""
         return self.predict(x, batch_size=batch_calls.one_batch_size("predict_on_batch", x), verbose=0)
-
-    def reset_metrics(self) -> None:
-        """Resets the loss tracker and every metric, as `keras.Model.reset_metrics`."""
-        self._check_compiled("reset_metrics")
-        logs_lib.reset_metrics(self, self._compiled)
-
-    def get_metrics_result(self) -> dict:
-        """{"loss": ..., <metric name>: ...} as Python floats, as `keras.Model.get_metrics_result`
-        (what fit logs; reading it waits for the last step)."""
-        self._check_compiled("get_metrics_result")
-        return logs_lib.logs_of(self, self._compiled)
-
-    @property
-    def metrics_state(self) -> dict:
-        """{"loss": the loss tracker, <metric name>: the metric}: the NNX objects fit's logs are
-        read from (Keras 3's `metrics_variables`, as objects), e.g. for a `mirrax.Checkpoint`
-        (BackupAndRestore backs them up); {} before compile."""
-        return {} if self._compiled is None else logs_lib.metric_objects(self, self._compiled)
-
-    @property
-    def metrics_names(self) -> list:
-        """["loss", <metric log names>...] as `evaluate` lists them (tf.keras's); [] uncompiled."""
-        return [] if self._compiled is None else logs_lib.metric_keys(self, self._compiled)
 
 
 def train_call(model: Model, what: str) -> tuple:

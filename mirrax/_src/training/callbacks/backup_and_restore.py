@@ -2,9 +2,10 @@
 
 The backup is a `mirrax.CheckpointManager` directory (Orbax, atomic, newest one kept) holding a
 `mirrax.Checkpoint` of the model (module and optimizer state, so `optimizer.iterations` too),
-the loss tracker's and metrics' state, the history so far (its JSON as bytes) and the resume
-point: the epoch index and the number of that epoch's batches already done. So a resumed fit
-logs and returns what the uninterrupted one would.
+the loss tracker's and metrics' state, the fit record (the history so far and the shuffling
+RNG's state, as JSON bytes: Orbax stores arrays) and the resume point: the epoch index and the
+number of that epoch's batches already done. So a resumed fit sees the batches, and logs and
+returns what the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from mirrax._src.training.callbacks._chief import is_chief
 from mirrax._src.training.callbacks.callback import Callback, overrides_batch_hooks
 
 _LOG = logging.getLogger("mirrax")
-# The backup's history before the first save, and the restore target of a backup without one.
-_EMPTY_HISTORY = np.frombuffer(b"{}", np.uint8)
+# The fit record before the first save, and the restore target of a backup without one.
+_EMPTY_RECORD = np.frombuffer(b"{}", np.uint8)
 
 
 def check_save_freq(save_freq, owner: str):
@@ -51,15 +52,15 @@ def check_save_freq(save_freq, owner: str):
     )
 
 
-def _history_bytes(path: str) -> int:
-    """The size of the history JSON in the backup at `path`; 0 in a backup without one (written
-    before mirrax backed up the history)."""
-    size = Checkpoint(history_bytes=0)
+def _record_bytes(path: str) -> int:
+    """The size of the fit record's JSON in the backup at `path`; 0 in a backup without one
+    (written before mirrax backed up the history and the shuffling RNG)."""
+    size = Checkpoint(record_bytes=0)
     try:
         size.restore(path)
-    except errors.IncompatibleCheckpointError:  # no `history_bytes` item
+    except errors.IncompatibleCheckpointError:  # no `record_bytes` item
         return 0
-    return size.history_bytes
+    return size.record_bytes
 
 
 def remove_directory(path: str) -> None:
@@ -167,12 +168,13 @@ class BackupAndRestore(Callback):
         self._epoch = 0
         self._at_epoch_end = False
         self._history: dict | None = None  # restored, set into model.history at the first epoch
+        self._epoch_rng: dict | None = None  # the shuffling RNG's state when the epoch began
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restores the backup, if there is one, and tells `fit` where to resume."""
         metrics = {f"metrics_{i}": obj for i, obj in enumerate(self.model.metrics_state.values())}
         self._checkpoint = checkpoint = Checkpoint(
-            model=self.model, epoch=0, step=0, history_bytes=0, history=_EMPTY_HISTORY, **metrics
+            model=self.model, epoch=0, step=0, record_bytes=0, record=_EMPTY_RECORD, **metrics
         )
         # Two kept: the previous backup stays until the next one is committed, and is the
         # fallback when the newest cannot be read (as Keras's `_latest.weights.h5`).
@@ -194,8 +196,8 @@ class BackupAndRestore(Callback):
             )
         for i, path in enumerate(reversed(backups)):
             try:
-                history_bytes = _history_bytes(path)  # a restore target has the stored shape
-                checkpoint.history = np.zeros(max(history_bytes, _EMPTY_HISTORY.size), np.uint8)
+                record_bytes = _record_bytes(path)  # a restore target has the stored shape
+                checkpoint.record = np.zeros(max(record_bytes, _EMPTY_RECORD.size), np.uint8)
                 checkpoint.restore(path)
             except errors.IncompatibleCheckpointError as error:
                 raise errors.IncompatibleCheckpointError(
@@ -214,8 +216,11 @@ class BackupAndRestore(Callback):
                 continue
             self._resume = (checkpoint.epoch, checkpoint.step)
             self._restored = True
-            if history_bytes:
-                self._history = json.loads(bytes(checkpoint.history))
+            record = json.loads(bytes(checkpoint.record)) if record_bytes else {}
+            self._history = record.get("history")
+            rng = self.model.shuffle_rng
+            if record.get("shuffle_rng") is not None and rng is not None:
+                rng.bit_generator.state = record["shuffle_rng"]
             break
 
     def resume_point(self):
@@ -238,6 +243,10 @@ class BackupAndRestore(Callback):
             # After History.on_train_begin (the last callback), which starts its epoch list.
             history.history, history.epoch = self._history["history"], self._history["epoch"]
         self._history = None
+        # Before this epoch's pass draws its permutation: a backup taken during the epoch
+        # restores this state, so the resumed pass draws the same order.
+        rng = self.model.shuffle_rng
+        self._epoch_rng = None if rng is None else rng.bit_generator.state
         if self._counter is not None:
             resumed_epoch, resumed_step = self._resume
             self._counter.start_epoch(resumed_step if epoch == resumed_epoch else 0)
@@ -272,15 +281,21 @@ class BackupAndRestore(Callback):
         self._checkpoint.epoch = epoch
         self._checkpoint.step = step
         history = getattr(self.model, "history", None)
-        record = {}
+        record: dict = {}
         if history is not None:
             logged = {key: list(values) for key, values in history.history.items()}
-            record = {"history": logged, "epoch": list(history.epoch)}
+            record["history"] = {"history": logged, "epoch": list(history.epoch)}
             if ended is not None:
-                record["epoch"].append(ended[0])
+                record["history"]["epoch"].append(ended[0])
                 for key, value in ended[1].items():
-                    record["history"].setdefault(key, []).append(value)
+                    logged.setdefault(key, []).append(value)
+        # Mid-epoch: the state before the epoch's permutation; at its end: the state now, before
+        # the next epoch's.
+        rng = self.model.shuffle_rng
+        record["shuffle_rng"] = (
+            self._epoch_rng if step else (None if rng is None else rng.bit_generator.state)
+        )
         data = json.dumps(record, default=float).encode()
-        self._checkpoint.history = np.frombuffer(data, np.uint8)
-        self._checkpoint.history_bytes = len(data)
+        self._checkpoint.record = np.frombuffer(data, np.uint8)
+        self._checkpoint.record_bytes = len(data)
         self._manager.save()
