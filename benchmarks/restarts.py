@@ -110,18 +110,9 @@ def _one_job(cache: bool) -> dict:
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
             )
-        command = [
-            sys.executable,
-            "-m",
-            "mirrax._src.cli.main",
-            "launch",
-            "--nproc",
-            "2",
-            "--cpu-devices",
-            "2",
-        ]
-        command += ["--max-restarts", "1", "--restart-delay", "0", "--"]
-        command += [sys.executable, "-m", "benchmarks.restarts", "--worker", out_dir]
+        launch = "mirrax._src.cli.main launch --nproc 2 --cpu-devices 2 --max-restarts 1 --restart-delay 0"
+        command = [sys.executable, "-m", *launch.split(), "--", sys.executable, "-m", "benchmarks.restarts"]
+        command += ["--worker", out_dir]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"the job failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -32,6 +32,10 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(LAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 # Worker 1 fails with code 3 in the attempts before FAIL_UNTIL; worker 0 waits to be stopped
 # there. In the attempts from FAIL_UNTIL on both exit 0. Every start is counted in a file.
 _FLAKY = """
@@ -149,16 +153,9 @@ def test_progress_reads_back_what_was_marked_and_nothing_after_clear(tmp_path):
 def test_a_signal_during_the_restart_delay_stops_the_job_without_a_restart(tmp_path):
     d = str(tmp_path)
     program = _script(_FLAKY.format(dir=d, fail_until=99))
-    launcher = subprocess.Popen(
-        LAUNCH + ["--nproc", "2", "--max-restarts", "2", "--restart-delay", "60", "--"] + program,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = _start(["--nproc", "2", "--max-restarts", "2", "--restart-delay", "60", "--"] + program)
     try:
-        lines = []
-        for line in launcher.stderr:
-            lines.append(line.rstrip("\n"))
+        for line in launcher.stderr:  # until the launcher waits for the restart
             if "restarting" in line:
                 break
         launcher.send_signal(signal.SIGTERM)
@@ -173,12 +170,7 @@ def test_a_signal_during_the_restart_delay_stops_the_job_without_a_restart(tmp_p
 def test_a_signal_to_the_launcher_is_never_followed_by_a_restart(tmp_path):
     d = str(tmp_path)
     program = _script(_FLAKY.format(dir=d, fail_until=99).replace('rank == "1"', "False"))
-    launcher = subprocess.Popen(
-        LAUNCH + ["--nproc", "2", "--max-restarts", "2", "--restart-delay", "0", "--"] + program,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = _start(["--nproc", "2", "--max-restarts", "2", "--restart-delay", "0", "--"] + program)
     try:
         while len(_starts(d)) < 2:
             assert launcher.poll() is None, launcher.communicate()
