@@ -87,24 +87,35 @@ def test_a_worker_that_fails_every_attempt_ends_the_job_with_its_status(tmp_path
     assert _starts(d) == ["start-0-0", "start-0-1", "start-1-0", "start-1-1"]
 
 
-def test_an_elastic_width_goes_on_without_a_slot_that_failed_twice_in_a_row(tmp_path):
+def test_an_elastic_width_goes_on_without_a_slot_killed_twice_in_a_row(tmp_path):
     d = str(tmp_path)
-    # Worker 1 fails whenever there are 2 workers (a lost slot); alone, worker 0 succeeds.
+    # Worker 1 is killed whenever there are 2 workers (a lost slot); alone, worker 0 succeeds.
     program = _script(
-        _FLAKY.format(dir=d, fail_until=99).replace(
-            "if attempt < 99:", 'if os.environ["MIRRAX_LAUNCH_WORLD_SIZE"] == "2":'
-        )
+        _FLAKY.format(dir=d, fail_until=99)
+        .replace("if attempt < 99:", 'if os.environ["MIRRAX_LAUNCH_WORLD_SIZE"] == "2":')
+        .replace("sys.exit(3)", "os.kill(os.getpid(), 9)")
     )
     result = _run(["--nproc", "1:2", "--max-restarts", "3", "--restart-delay", "0", "--"] + program)
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stderr.splitlines() if "attempt" in line] == [
-        "mirrax launch: attempt 1/4: worker 1 exited with code 3; restarting the group's 2 worker(s) "
-        "in 0 s (attempt 2/4)",
-        "mirrax launch: attempt 2/4: worker 1 exited with code 3, as in the attempt before; restarting "
-        "with 1 of --nproc 1:2 worker(s) in 0 s (attempt 3/4)",
+        "mirrax launch: attempt 1/4: worker 1 was killed by signal SIGKILL; restarting the group's 2 "
+        "worker(s) in 0 s (attempt 2/4)",
+        "mirrax launch: attempt 2/4: worker 1 was killed by signal SIGKILL, as in the attempt before; "
+        "restarting with 1 of --nproc 1:2 worker(s) in 0 s (attempt 3/4)",
     ]
     assert result.stdout.splitlines() == ["[worker 0] done 2"]
     assert _starts(d) == ["start-0-0", "start-0-1", "start-1-0", "start-1-1", "start-2-0"]
+
+
+def test_an_elastic_width_keeps_its_workers_when_one_exits_with_an_error(tmp_path):
+    # An exit status is the program's own error (every worker of a width would hit it: a bad
+    # backup, a bug), not a lost slot: the width stays.
+    d = str(tmp_path)
+    program = _script(_FLAKY.format(dir=d, fail_until=99))
+    result = _run(["--nproc", "1:2", "--max-restarts", "2", "--restart-delay", "0", "--"] + program)
+    assert result.returncode == 3
+    assert "as in the attempt before" not in result.stderr
+    assert _starts(d) == [f"start-{a}-{r}" for a in range(3) for r in range(2)]
 
 
 def test_the_failed_worker_is_named_with_the_epoch_and_step_fit_was_running():
@@ -188,13 +199,12 @@ def test_a_signal_to_the_launcher_is_never_followed_by_a_restart(tmp_path):
     [
         (["--max-restarts", "-1"], "argument --max-restarts: expected an integer >= 0, received '-1'"),
         (["--max-restarts", "two"], "argument --max-restarts: expected an integer >= 0, received 'two'"),
-        (
-            ["--restart-delay", "-1"],
-            "--restart-delay must be a finite number of seconds >= 0; received -1.0.",
-        ),
-        (
-            ["--restart-delay", "inf"],
-            "--restart-delay must be a finite number of seconds >= 0; received inf.",
+        *(
+            (
+                ["--restart-delay", text],
+                f"argument --restart-delay: expected a finite number >= 0 (e.g. 5), received '{text}'",
+            )
+            for text in ("-1", "inf", "abc")
         ),
         (["--nproc", "3:2"], "--nproc MIN:MAX needs 1 <= MIN <= MAX; received 3:2."),
         (["--nproc", "0:2"], "--nproc MIN:MAX needs 1 <= MIN <= MAX; received 0:2."),

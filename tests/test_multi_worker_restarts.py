@@ -106,3 +106,37 @@ def test_a_job_started_again_on_another_layout_ends_with_the_same_bits(
     for report in _reports(tmp_path, after[0]):
         assert report["seen"][0] == [1, 2] and len(report["seen"]) == 2 + 2 * 4
         assert {k: report[k] for k in COMPARED} == {k: uninterrupted[k] for k in COMPARED}
+
+
+def test_sys_exit_on_one_worker_ends_the_job_at_once_with_its_status(tmp_path):
+    # Without mirrax's sys.exit wrapper, worker 1 would wait in jax.distributed's shutdown
+    # barrier (300 s) for worker 0, which waits for it in the next collective; then JAX aborts
+    # worker 0 and the launcher blames it (SIGABRT), and the status 3 is lost.
+    launched = _launch(tmp_path, 2, 1, "exit_once")
+    assert launched.returncode == 3, launched.stderr[-4000:]
+    assert "mirrax launch: worker 1 exited with code 3 at epoch 2, step 3" in launched.stderr
+    assert (
+        "mirrax: worker 1 called sys.exit(3); exiting now with status 3" in launched.stdout + launched.stderr
+    )
+
+
+def test_the_sys_exit_wrapper_keeps_a_normal_exit_and_prints_a_message_status():
+    from mirrax._src.distribute import worker_exit
+
+    calls = []
+    wrapped = worker_exit.exit_at_once_on_failure(calls.append)
+    wrapped()
+    wrapped(0)
+    assert calls == [None, 0]  # a normal exit: the previous sys.exit, so the shutdown barrier
+    program = (
+        "import sys; from mirrax._src.distribute import worker_exit; "
+        "sys.exit = worker_exit.exit_at_once_on_failure(sys.exit); sys.exit('bad input file')"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    # As Python: a message status is printed and gives status 1.
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "bad input file",
+        "mirrax: worker 0 called sys.exit with a message; exiting now with status 1, so that no peer "
+        "waits for it in jax.distributed's shutdown barrier.",
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import sys
 
 import numpy as np
 
@@ -18,12 +19,14 @@ EXAMPLES, BATCH, SAVE_FREQ = 32, 8, 2
 # "step": in that batch's end hook, its step dispatched, the next backup not taken;
 # "backup": while the backup after that batch is written, as soon as Orbax's asynchronous save
 #   has started (only the chief, worker 0, writes);
-# "epoch": at the start of that epoch, after the previous one ended (between epochs).
+# "epoch": at the start of that epoch, after the previous one ended (between epochs);
+# "exit": sys.exit(3) where "step" kills.
 KILLS = {
     "three": {0: ("step", 1, 1, 2), 1: ("backup", 0, 2, 1), 2: ("epoch", 1, 3, 0)},
     "once": {0: ("step", 1, 1, 2)},
     "twice": {0: ("step", 1, 1, 2), 1: ("step", 1, 2, 1)},
     "chief_once": {0: ("step", 0, 1, 2)},
+    "exit_once": {0: ("exit", 1, 1, 2)},
     "plain": {},
 }
 
@@ -64,8 +67,11 @@ def restarted(out_dir, index, plan):
 
     def on_batch_end(batch, logs):
         seen.append([epoch_now[0], batch])
-        if dies and where == "step" and (epoch_now[0], batch) == (kill_epoch, kill_batch):
-            _die()
+        if dies and (epoch_now[0], batch) == (kill_epoch, kill_batch):
+            if where == "step":
+                _die()
+            if where == "exit":
+                sys.exit(3)
 
     backup = mirrax.callbacks.BackupAndRestore(str(pathlib.Path(out_dir) / "backup"), save_freq=SAVE_FREQ)
     killer = mirrax.callbacks.LambdaCallback(on_epoch_begin=on_epoch_begin, on_train_batch_end=on_batch_end)

@@ -26,6 +26,7 @@ import socket
 import jax
 
 from mirrax import errors
+from mirrax._src import launch_progress
 from mirrax._src.distribute import multihost
 
 _LOG = logging.getLogger("mirrax")
@@ -121,7 +122,8 @@ def _acquire(lock_path: str, what: str, target: str) -> str | None:
         os.close(fd)
     stale = _read(fd)
     if stale:
-        _LOG.warning(
+        # A group restarted by `mirrax launch` takes over its earlier attempt's lock by design.
+        (_LOG.info if launch_progress.restart_count() else _LOG.warning)(
             "mirrax: %s: took over %s from %s, which ended without releasing it (killed during a save?).",
             what,
             lock_path,

@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--restart-delay",
-        type=float,
+        type=_non_negative_float,
         default=None,
         metavar="SECONDS",
         help="seconds between a failed attempt's end and the restart (default 1)",

@@ -284,9 +284,9 @@ def launch(
     (`attempt 1/3: worker 1 was killed by signal SIGKILL at epoch 2, step 5; restarting ...`).
     The program resumes its own work (`BackupAndRestore` in fit: docs/multi_worker.md,
     "Failures"). Without --port or --coordinator each attempt takes a new free port. With
-    `min_nproc` M < nproc (one node: an elastic width), a worker that fails in two attempts in
-    a row is taken as a lost slot: the next attempt runs one worker fewer, down to M (the
-    program resumes on the new layout; in replica-invariant mode with the same bits).
+    `min_nproc` M < nproc (one node: an elastic width), a worker killed by a signal in two
+    attempts in a row is taken as a lost slot: the next attempt runs one worker fewer, down to
+    M (the program resumes on the new layout; in replica-invariant mode with the same bits).
 
     Args:
       argv_command: the program and its arguments, e.g. ["python", "train.py", "--epochs", "2"].
@@ -345,15 +345,17 @@ def launch(
             )  # fmt: skip
             if failure is None or attempts == 1:
                 return code
-            failed, cause = failure
+            failed, cause = failure  # (the worker and whether a signal killed it, the words)
             ended = f"attempt {attempt + 1}/{attempts}: {cause}"
             if attempt + 1 == attempts:
                 output.message(
                     f"{ended}; no restart left (--max-restarts {max_restarts}), exiting with status {code}"
                 )
                 return code
-            if failed == failed_before and min_nproc is not None and width > min_nproc:
-                width -= 1  # the same slot failed twice in a row: go on without it
+            if failed == failed_before and failed[1] and min_nproc is not None and width > min_nproc:
+                # The same worker killed by a signal twice in a row: a lost slot (a device, the
+                # OOM killer). An exit status is the program's own error, which every width hits.
+                width -= 1
                 ended += f", as in the attempt before; restarting with {width} of --nproc {min_nproc}:{nproc}"
             else:
                 ended += f"; restarting the group's {width}"
@@ -383,9 +385,10 @@ def _sleep_unless_signalled(seconds: float, received: list[int]) -> bool:
 
 def _attempt(
     program, argv_command, configs, cpu_devices, restarts, progress_dir, received, output, grace_period
-) -> tuple[int, tuple[int, str] | None]:
+) -> tuple[int, tuple[tuple[int, bool], str] | None]:
     """Starts this node's workers once and waits for them: (exit status, the failure that a
-    restart may cure as (the failed worker's index, its cause described), or None: success, a
+    restart may cure as ((the failed worker's index, whether a signal killed it), its cause
+    described), or None: success, a
     signal to the launcher, or a program that cannot be started)."""
     workers: list[tuple[int, subprocess.Popen, str]] = []
     relays: list[threading.Thread] = []
@@ -433,12 +436,12 @@ def _attempt(
 
 def _supervise(
     workers: list[tuple[int, subprocess.Popen, str]], received: list[int], output: Output, grace_period: float
-) -> tuple[int, tuple[int, str] | None]:
-    """Polls the workers until all have exited: (the exit status, the first failure as (the
-    worker's index, its cause described), or None when none failed or the launcher was
-    signalled first)."""
+) -> tuple[int, tuple[tuple[int, bool], str] | None]:
+    """Polls the workers until all have exited: (the exit status, the first failure as ((the
+    worker's index, whether a signal killed it), its cause described), or None when none failed
+    or the launcher was signalled first)."""
     failure: int | None = None
-    cause: tuple[int, str] | None = None
+    cause: tuple[tuple[int, bool], str] | None = None
     stop_signal: int | None = None
     forwarded = 0
     kill_at: float | None = None
@@ -465,7 +468,7 @@ def _supervise(
                 index, returncode, progress_file = failed[0]
                 failure = exit_code(returncode)
                 where = launch_progress.describe(launch_progress.read(progress_file))
-                cause = (index, f"worker {index} {_describe(returncode)}{where}")
+                cause = ((index, returncode < 0), f"worker {index} {_describe(returncode)}{where}")
                 output.message(
                     cause[1] + (f"; stopping the other {len(running)} worker(s)" if running else "")
                 )

@@ -28,7 +28,7 @@ import jax
 
 from mirrax import errors
 from mirrax._src import argument_checks
-from mirrax._src.distribute import _compat, invariant, multihost
+from mirrax._src.distribute import _compat, invariant, multihost, worker_exit
 from mirrax._src.distribute.cluster import ClusterResolver, TFConfigClusterResolver
 from mirrax._src.distribute.devices import tf_device_name
 from mirrax._src.distribute.strategy import Strategy, StrategyExtended
@@ -293,10 +293,10 @@ def _initialize(resolver: ClusterResolver, options: CommunicationOptions) -> Non
     finally:
         done.set()
     sys.excepthook = _exit_at_once(sys.excepthook)
+    sys.exit = worker_exit.exit_at_once_on_failure(sys.exit)
     if threading.current_thread() is threading.main_thread():
-        # jax.distributed's preemption notifier catches SIGTERM (and only logs it), so a
-        # scheduler's or `mirrax launch`'s SIGTERM would not stop the worker: restore the
-        # default action, termination.
+        # jax.distributed's preemption notifier catches SIGTERM and only logs it, so a scheduler's
+        # or `mirrax launch`'s SIGTERM would not stop the worker: restore termination.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
