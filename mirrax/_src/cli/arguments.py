@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_worker_count,
         default=1,
         metavar="N",
-        help="worker processes on this node, or MIN:MAX: start MAX and, when a worker fails in "
-        "two attempts in a row (--max-restarts), go on with one fewer, down to MIN (default 1)",
+        help="worker processes on this node, or MIN:MAX: start MAX and, when a worker is killed "
+        "by a signal in two attempts in a row (--max-restarts), go on with one fewer, down to MIN "
+        "(default 1)",
     )
     launch.add_argument(
         "--cpu-devices",

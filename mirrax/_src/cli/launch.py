@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from mirrax._src import launch_progress
 from mirrax._src.cli.worker_output import Output, relay_lines
@@ -345,21 +346,21 @@ def launch(
             )  # fmt: skip
             if failure is None or attempts == 1:
                 return code
-            failed, cause = failure  # (the worker and whether a signal killed it, the words)
-            ended = f"attempt {attempt + 1}/{attempts}: {cause}"
+            ended = f"attempt {attempt + 1}/{attempts}: {failure.cause}"
             if attempt + 1 == attempts:
                 output.message(
                     f"{ended}; no restart left (--max-restarts {max_restarts}), exiting with status {code}"
                 )
                 return code
-            if failed == failed_before and failed[1] and min_nproc is not None and width > min_nproc:
+            lost = failure.by_signal and failure.worker == failed_before
+            if lost and min_nproc is not None and width > min_nproc:
                 # The same worker killed by a signal twice in a row: a lost slot (a device, the
                 # OOM killer). An exit status is the program's own error, which every width hits.
                 width -= 1
                 ended += f", as in the attempt before; restarting with {width} of --nproc {min_nproc}:{nproc}"
             else:
                 ended += f"; restarting the group's {width}"
-            failed_before = failed
+            failed_before = failure.worker if failure.by_signal else None
             output.message(f"{ended} worker(s) in {restart_delay:g} s (attempt {attempt + 2}/{attempts})")
             if not _sleep_unless_signalled(restart_delay, received):
                 name = signal.Signals(received[0]).name
@@ -375,21 +376,25 @@ def launch(
 def _sleep_unless_signalled(seconds: float, received: list[int]) -> bool:
     """Sleeps `seconds`; False as soon as the launcher received a signal (then no restart)."""
     deadline = time.monotonic() + seconds
-    while not received:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return True
-        time.sleep(min(_POLL_S, left))
-    return False
+    while not received and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return not received
+
+
+class Failure(NamedTuple):
+    """An attempt's first failed worker, whether a signal killed it, and the words printed."""
+
+    worker: int
+    by_signal: bool
+    cause: str
 
 
 def _attempt(
     program, argv_command, configs, cpu_devices, restarts, progress_dir, received, output, grace_period
-) -> tuple[int, tuple[tuple[int, bool], str] | None]:
-    """Starts this node's workers once and waits for them: (exit status, the failure that a
-    restart may cure as ((the failed worker's index, whether a signal killed it), its cause
-    described), or None: success, a
-    signal to the launcher, or a program that cannot be started)."""
+) -> tuple[int, Failure | None]:
+    """Starts this node's workers once and waits for them: (exit status, the failure a restart
+    may cure, or None: success, a signal to the launcher, a program that cannot be started)."""
+    restart_count, max_restarts = restarts
     workers: list[tuple[int, subprocess.Popen, str]] = []
     relays: list[threading.Thread] = []
     try:
@@ -397,7 +402,6 @@ def _attempt(
             index = config["task"]["index"]
             progress_file = os.path.join(progress_dir, f"worker-{index}")
             launch_progress.create(progress_file)
-            restart_count, max_restarts = restarts
             env = worker_env(os.environ, config, cpu_devices, restart_count, max_restarts, progress_file)
             try:
                 process = subprocess.Popen(
@@ -436,12 +440,11 @@ def _attempt(
 
 def _supervise(
     workers: list[tuple[int, subprocess.Popen, str]], received: list[int], output: Output, grace_period: float
-) -> tuple[int, tuple[tuple[int, bool], str] | None]:
-    """Polls the workers until all have exited: (the exit status, the first failure as ((the
-    worker's index, whether a signal killed it), its cause described), or None when none failed
-    or the launcher was signalled first)."""
+) -> tuple[int, Failure | None]:
+    """Polls the workers until all have exited: (the exit status, the first failure, or None
+    when none failed or the launcher was signalled first)."""
     failure: int | None = None
-    cause: tuple[tuple[int, bool], str] | None = None
+    cause: Failure | None = None
     stop_signal: int | None = None
     forwarded = 0
     kill_at: float | None = None
@@ -468,9 +471,9 @@ def _supervise(
                 index, returncode, progress_file = failed[0]
                 failure = exit_code(returncode)
                 where = launch_progress.describe(launch_progress.read(progress_file))
-                cause = ((index, returncode < 0), f"worker {index} {_describe(returncode)}{where}")
+                cause = Failure(index, returncode < 0, f"worker {index} {_describe(returncode)}{where}")
                 output.message(
-                    cause[1] + (f"; stopping the other {len(running)} worker(s)" if running else "")
+                    cause.cause + (f"; stopping the other {len(running)} worker(s)" if running else "")
                 )
                 for _, process in running:
                     _signal_group(process, signal.SIGTERM)
