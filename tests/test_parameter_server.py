@@ -201,7 +201,7 @@ def test_an_error_is_raised_once_and_a_function_in_flight_then_does_not_fail_the
 
     queue = closures.Queue()
     first, second, third, fourth, fifth = (
-        closures.Closure(b"", remote_values.RemoteValue()) for _ in range(5)
+        closures.Closure(b"", (), remote_values.RemoteValue()) for _ in range(5)
     )
     for closure in (first, second, third):
         queue.put(closure)

@@ -21,6 +21,7 @@ from flax import nnx
 import mirrax
 from mirrax import errors
 from mirrax._src.parameter_server import remote_values
+from mirrax._src.parameter_server.closures import WorkerConstant
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
 
@@ -228,6 +229,65 @@ def test_a_function_sent_again_is_the_same_function_on_the_worker(small):
     answers = [coordinator.schedule(step).fetch() for _ in range(3)]
     assert len({identity for identity, _ in answers}) == 1
     assert [value for _, value in answers] == [2.0, 2.0, 2.0]
+
+
+class Holder(WorkerConstant):
+    """A constant that reaches a held module, as a Model's compiled steps reach its module."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+def test_a_function_pickled_once_still_pulls_what_it_names_and_sees_assignments(small):
+    """A function is pickled once and a constant sent once; the held objects named inside
+    them are still pulled by every later function, so each sees the value just assigned."""
+    strategy, coordinator = small
+    model = Line()
+    holder = Holder(model)
+
+    def read():
+        return float(model.w[...][0])
+
+    def read_through(h):
+        return float(h.module.w[...][0])
+
+    for value in (1.0, 2.0, 3.0):
+        model.w.set_value(jnp.array([value]))  # written to the servers at the next schedule
+        assert coordinator.schedule(read_through, args=(holder,)).fetch() == value
+        assert coordinator.schedule(read).fetch() == value
+    # A closure over a list may change without changing identity: pickled at every schedule.
+    scale = [2.0]
+
+    def scaled():
+        return scale[0] * 3.0
+
+    assert coordinator.schedule(scaled).fetch() == 6.0  # 2 * 3
+    scale[0] = 5.0
+    assert coordinator.schedule(scaled).fetch() == 15.0  # 5 * 3
+
+
+class Wide(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros((250,)))  # 250 float32: 1000 bytes
+
+
+def test_a_function_moves_only_the_bytes_of_the_objects_it_names(small):
+    strategy, coordinator = small
+    narrow, wide = Line(), Wide()  # Line: w and b, one float32 each: 8 bytes
+    coordinator.schedule(lambda a, b: None, args=(narrow, wide)).fetch()  # both held from here
+    start = len(coordinator.transferred_bytes)
+
+    def bump(m):
+        m.w.set_value(m.w[...] + 1.0)
+
+    coordinator.schedule(bump, args=(narrow,)).fetch()
+    coordinator.schedule(lambda m: float(m.w[...][0]), args=(wide,)).fetch()
+    coordinator.schedule(lambda: None).fetch()
+    # bump pulls Line's 8 bytes and pushes w's difference (4 bytes); reading Wide pulls its
+    # 1000 bytes and pushes nothing; a function that names no held object moves nothing.
+    assert coordinator.transferred_bytes[start:] == [(8, 4), (1000, 0), (0, 0)]
+    coordinator.join()
+    assert float(narrow.w[...][0]) == 1.0
 
 
 class TwoArgumentError(Exception):

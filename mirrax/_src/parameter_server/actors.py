@@ -36,8 +36,11 @@ class ParameterServer:
         for key, value in values.items():
             self.values[key] = np.array(value)
 
-    def pull(self) -> tuple[int, dict]:
-        return self.version, self.values
+    def pull(self, keys=None) -> tuple[int, dict]:
+        """(pushes applied, values): every value, or those of `keys` (a list of keys)."""
+        if keys is None:
+            return self.version, self.values
+        return self.version, {key: self.values[key] for key in keys}
 
     def push(self, adds: dict, assigns: dict) -> int:
         """Adds `adds` and stores `assigns`; returns the number of pushes before this one."""
@@ -80,7 +83,7 @@ class Worker:
         self.state.create_dataset(dataset_id, dataset_fn)
 
     def run(self, payload: dict) -> tuple:
-        """Runs one scheduled function: ("ok", pickled result, staleness), ("error", pickled
+        """Runs one scheduled function: ("ok", pickled result, staleness, (bytes pulled, bytes pushed)), ("error", pickled
         error) for an error the function raised, ("lost", message) when a parameter server
         is lost, or ("restarted",) when this is a restarted process not yet attached (the
         function did not run)."""

@@ -17,10 +17,12 @@ class WorkerConstant:
 
 
 class Closure:
-    """One scheduled function: its pickled (fn, args, kwargs) and its RemoteValue."""
+    """One scheduled function: its pickled (fn, args, kwargs), the indices of the held objects
+    it names, and its RemoteValue."""
 
-    def __init__(self, payload: bytes, value):
+    def __init__(self, payload: bytes, objects: tuple, value):
         self.payload = payload
+        self.objects = objects
         self.value = value
         self.deaths = 0  # times a worker died while running it
         self.generation = 0  # the queue's error generation when it was scheduled
@@ -46,13 +48,15 @@ class Queue:
             self.waiting.append(closure)
             self.cond.notify_all()
 
-    def take(self) -> Closure | None:
+    def take(self, block: bool = True) -> Closure | None:
+        """The next closure to run (counted as running); None when stopped, or, without
+        `block`, when none is waiting."""
         with self.cond:
             # As TF's coordinator, queued functions keep running after one fails, until
             # join/done/schedule raises its error and cancels those still waiting.
-            while not self.waiting and not self.stopped:
+            while block and not self.waiting and not self.stopped:
                 self.cond.wait(0.5)
-            if self.stopped:
+            if self.stopped or not self.waiting:
                 return None
             self.running += 1
             return self.waiting.popleft()

@@ -12,6 +12,7 @@ are cancelled), as TF; a lost parameter server is raised by every later call.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -37,6 +38,8 @@ WORKER_RESTART_TIMEOUT_S = 300.0
 # Runs of one function that may end with its worker dead before the function is given up
 # (at-least-once, but not forever: a function that kills every worker would never finish).
 MAX_WORKER_DEATHS = 3
+# Functions sent to one worker before the oldest is answered.
+IN_FLIGHT = 2
 
 
 class ClusterCoordinator:
@@ -57,6 +60,10 @@ class ClusterCoordinator:
       update_staleness: mirrax's own: per completed function that changed something, the
         number of pushes other workers made between its pull and its push (0: it updated
         the values it read), in completion order.
+      transferred_bytes: mirrax's own: per completed function, (bytes pulled, bytes pushed)
+        between its worker and the parameter servers, in completion order. A function pulls
+        the variables of the held objects it names (all of them the first time a worker runs
+        one, to build its copies) and pushes those it changed.
 
     Raises:
       TypeError: `strategy` is not a ParameterServerStrategy.
@@ -88,12 +95,12 @@ class ClusterCoordinator:
         self._datasets: dict = {}  # dataset id -> pickled dataset_fn
         self._dataset_ids = itertools.count()
         self._sent_version = [None] * len(self._cluster.workers)
-        self._constants: dict = {}  # id -> (the object, kept alive; its pickled bytes)
-        self._constants_lock = threading.Lock()
-        self._sent_constants: list[set] = [set() for _ in self._cluster.workers]
+        self._sent = payloads.SendOnce(len(self._cluster.workers))  # functions and constants
+        self._pickles = payloads.PickleCache()
         self._lost_workers: set = set()
         self._register_lock = threading.Lock()
         self.update_staleness: list = []
+        self.transferred_bytes: list = []
         self._threads = [
             threading.Thread(target=self._serve, args=(w,), daemon=True, name=f"mirrax-worker-{w}")
             for w in range(len(self._cluster.workers))
@@ -141,25 +148,22 @@ class ClusterCoordinator:
                 "ClusterCoordinator.schedule: kwargs must be a dict or None; received "
                 f"{type(kwargs).__name__}."
             )
-        payload = self._pickle(fn, tuple(args), dict(kwargs or {}))
         value = RemoteValue()
-        self._queue.put(Closure(payload, value))
+        with self._register_lock:  # one schedule at a time numbers the new held objects
+            payload, objects = self._pickle(fn, tuple(args), dict(kwargs or {}))
+        self._queue.put(Closure(payload, objects, value))
         return value
 
-    def _pickle(self, fn, args: tuple, kwargs: dict) -> bytes:
-        with self._register_lock:  # one schedule at a time numbers the new held objects
-            return self._pickle_now(fn, args, kwargs)
-
-    def _pickle_now(self, fn, args: tuple, kwargs: dict) -> bytes:
-        payload, new_roots = payloads.pickle_scheduled(
-            self, self._store, self._constants, self._constants_lock, fn, args, kwargs
+    def _pickle(self, fn, args: tuple, kwargs: dict) -> tuple[bytes, tuple]:
+        payload, new_roots, objects = payloads.pickle_scheduled(
+            self, self._store, self._sent, self._pickles, fn, args, kwargs
         )
         if new_roots:
             self._drain()
             self._store.add(new_roots)
         else:
             self._store.write_assigned()  # also refuses a changed structure
-        return payload
+        return payload, objects
 
     def _drain(self) -> None:
         """Waits until no function runs (new objects change the parameter servers' layout)."""
@@ -272,18 +276,29 @@ class ClusterCoordinator:
     def _serve(self, w: int) -> None:
         ray = import_ray()
         worker = self._cluster.workers[w]
+        # Sent to the worker and not answered yet, oldest first: Ray queues the next one at the
+        # worker while it runs one, so the round trip between them costs the worker nothing.
+        flight: collections.deque = collections.deque()
         while True:
-            closure = self._queue.take()
-            if closure is None:
-                return
-            try:
+            while len(flight) < IN_FLIGHT:
+                closure = self._queue.take(block=not flight)
+                if closure is None:
+                    break
                 payload = self._payload(w, closure)
-                answer = ray.get(worker.run.remote(payload))
+                flight.append((closure, worker.run.remote(payload)))
+            if not flight:
+                return  # stopped
+            closure, ref = flight.popleft()
+            try:
+                answer = ray.get(ref)
             except ray.exceptions.RayActorError:
-                if self._queue.stopped:  # killed by shutdown(): the function is dropped
-                    remote_values.reject(closure.value, self._queue.fatal)
-                    self._queue.finish(closure)
+                if self._queue.stopped:  # killed by shutdown(): the functions are dropped
+                    for dropped, _ in [(closure, ref), *flight]:
+                        remote_values.reject(dropped.value, self._queue.fatal)
+                        self._queue.finish(dropped)
                     return
+                self._give_back(flight)  # sent after the one that was running: not run
+                flight.clear()
                 closure.deaths += 1
                 if closure.deaths < MAX_WORKER_DEATHS:
                     self._queue.finish(closure, give_back=True)
@@ -300,28 +315,40 @@ class ClusterCoordinator:
                     return
                 continue
             except Exception as e:  # noqa: BLE001 - raised by join, as the function's error
+                # The call failed in Ray: what its payload carried may not have arrived.
+                self._sent_version[w] = None
+                self._sent.forget(w)
                 remote_values.reject(closure.value, e)
                 self._queue.finish(closure, e)
                 continue
             if answer[0] == "restarted":  # died between functions: this one did not run
+                self._give_back(flight)  # nor those sent after it (answered "restarted" too)
+                flight.clear()
                 self._queue.finish(closure, give_back=True)
                 if not self._recover(w):
                     return
                 continue
-            self._sent_version[w] = payload["version"]
-            self._sent_constants[w].update(payload["constants"])
             self._settle(closure, answer)
+
+    def _give_back(self, flight) -> None:
+        """Returns closures sent but not run to the front of the queue, in their order."""
+        for closure, _ in reversed(flight):
+            self._queue.finish(closure, give_back=True)
 
     def _payload(self, w: int, closure: Closure) -> dict:
         """What worker `w` gets: the function, and what it has not seen yet (the held
         objects' structure after a change, the constants)."""
-        payload = {"version": self._store.version, "closure": closure.payload, "structure": None}
-        if self._sent_version[w] != self._store.version:
+        version = self._store.version
+        payload = {
+            "version": version,
+            "closure": closure.payload,
+            "objects": closure.objects,
+            "structure": None,
+            "sent": self._sent.unsent(w),
+        }
+        if self._sent_version[w] != version:
             payload["structure"] = self._store.structure()
-        with self._constants_lock:
-            payload["constants"] = {
-                key: data for key, (_, data) in self._constants.items() if key not in self._sent_constants[w]
-            }
+            self._sent_version[w] = version
         return payload
 
     def _settle(self, closure: Closure, answer: tuple) -> None:
@@ -340,6 +367,7 @@ class ClusterCoordinator:
             remote_values.resolve(closure.value, result)
             if answer[2] is not None:
                 self.update_staleness.append(answer[2])
+            self.transferred_bytes.append(answer[3])
             self._queue.finish(closure)
         elif status == "error":
             error = serialization.unpack_error(answer[1])
@@ -370,7 +398,7 @@ class ClusterCoordinator:
         except ray.exceptions.RayError:
             return self._recover(w) if time.monotonic() < deadline else self._give_up(w)
         self._sent_version[w] = None
-        self._sent_constants[w] = set()
+        self._sent.forget(w)
         return True
 
     def _give_up(self, w: int) -> bool:

@@ -1,13 +1,22 @@
 """What `ClusterCoordinator` sends to its workers: a scheduled function with its arguments, or a
 dataset function, pickled with tokens for what each worker has its own copy of (the strategy,
 `WorkerConstant`s, functions by content, per-worker iterators and datasets, held NNX objects),
-and the argument that cannot be sent named in the error."""
+and the argument that cannot be sent named in the error.
+
+Functions and constants travel once per worker (`SendOnce`): a payload names them by token, and
+carries the bytes only of those its worker has not received yet. A function whose pickle cannot
+change while what it captures stays the same objects is pickled once (`PickleCache`).
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import operator
+import threading
 import types
 
+import jax
 from flax import nnx
 
 from mirrax import errors
@@ -19,13 +28,146 @@ from mirrax._src.parameter_server.remote_values import (
     RemoteValue,
 )
 
+# Functions whose pickles are kept (the least recently scheduled dropped first).
+PICKLE_CACHE_SIZE = 256
+# Values whose pickle is their identity's: immutable, or replaced by a token that names them.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, type, types.ModuleType, jax.Array)
+_MISSING = object()
 
-def pickle_scheduled(coordinator, store, constants: dict, constants_lock, fn, args: tuple, kwargs: dict):
-    """(payload, new roots): `(fn, args, kwargs)` pickled for a worker of `coordinator`, and the
-    NNX objects it reaches that `store` does not hold yet (their tokens number them from
-    `store.count` on, in this order: the caller adds them to `store`). A `WorkerConstant` seen
-    for the first time is pickled into `constants` (id -> (the object, its bytes), under
-    `constants_lock`).
+
+class SendOnce:
+    """The bytes each worker receives once, by token: functions (`("function", digest)`) and
+    `WorkerConstant`s (`("constant", id)`, the object kept alive so its id stays its own)."""
+
+    def __init__(self, num_workers: int):
+        self._lock = threading.Lock()
+        self._data: dict = {}  # token -> bytes
+        self._objects: dict = {}  # token -> the indices of the held objects named inside
+        self._kept: list = []
+        self._sent: list[set] = [set() for _ in range(num_workers)]
+
+    def __contains__(self, token) -> bool:
+        return token in self._data
+
+    def add(self, token, data: bytes, objects=(), keep=None) -> None:
+        with self._lock:
+            if token not in self._data:
+                self._data[token] = data
+                self._objects[token] = frozenset(objects)
+                if keep is not None:
+                    self._kept.append(keep)
+
+    def objects(self, token) -> frozenset:
+        """The indices of the held objects named inside what `token` stands for."""
+        return self._objects[token]
+
+    def unsent(self, worker: int) -> dict:
+        """{token: bytes} of what `worker` has not received, marked as received (the caller
+        sends it with the worker's next payload; `forget` after a restart)."""
+        with self._lock:
+            sent = self._sent[worker]
+            new = {token: data for token, data in self._data.items() if token not in sent}
+            sent.update(new)
+            return new
+
+    def forget(self, worker: int) -> None:
+        """`worker` holds nothing any more (it was restarted)."""
+        with self._lock:
+            self._sent[worker] = set()
+
+
+class _Entry:
+    __slots__ = ("function", "captured", "token", "objects")
+
+    def __init__(self, function, captured, token, objects):
+        self.function, self.captured, self.token, self.objects = function, captured, token, objects
+
+
+class PickleCache:
+    """Per function object, its token and the held objects it names, while everything its pickle
+    depends on (its code, closure cells, defaults, the globals it names, and so for the
+    functions among them) is the same objects, each immutable or sent as a token."""
+
+    def __init__(self):
+        self._entries: dict = {}  # id(function) -> _Entry
+
+    def get(self, function, stable) -> _Entry | None:
+        entry = self._entries.get(id(function))
+        if entry is None or entry.function is not function:
+            return None
+        now = _captured(function, stable)
+        if now is None or len(now) != len(entry.captured) or not all(map(operator.is_, now, entry.captured)):
+            del self._entries[id(function)]
+            return None
+        self._entries[id(function)] = self._entries.pop(id(function))  # most recent last
+        return entry
+
+    def put(self, function, stable, token, objects) -> None:
+        captured = _captured(function, stable)
+        if captured is None:
+            return
+        if len(self._entries) >= PICKLE_CACHE_SIZE:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[id(function)] = _Entry(function, captured, token, frozenset(objects))
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple:
+    """The names `code` and the code objects nested in it may read as globals."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return tuple(dict.fromkeys(names))
+
+
+def _captured(function, stable, seen=None) -> list | None:
+    """What `function`'s pickle depends on, its nested functions' included, as a flat list to
+    compare by identity; None when any of it may change without changing identity (a list,
+    an array, an object that is not sent as a token: `stable(value)` says)."""
+    seen = set() if seen is None else seen
+    if id(function) in seen:
+        return []
+    seen.add(id(function))
+    if function.__dict__ or function.__kwdefaults__:
+        return None
+    try:
+        cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    except ValueError:  # an empty cell (a name bound later)
+        return None
+    found = [function.__code__, function.__defaults__]
+    g = function.__globals__
+    values = (
+        cells
+        + list(function.__defaults__ or ())
+        + [g.get(n, _MISSING) for n in _global_names(function.__code__)]
+    )
+    for value in values:
+        found.append(value)
+        if isinstance(value, types.FunctionType):
+            nested = _captured(value, stable, seen)
+            if nested is None:
+                return None
+            found.extend(nested)
+        elif not _stable_value(value, stable):
+            return None
+    return found
+
+
+def _stable_value(value, stable) -> bool:
+    if value is _MISSING or isinstance(value, _IMMUTABLE) or isinstance(value, types.BuiltinFunctionType):
+        return True
+    if type(value) in (tuple, frozenset):
+        return all(_stable_value(v, stable) and not isinstance(v, types.FunctionType) for v in value)
+    return stable(value)
+
+
+def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn, args: tuple, kwargs: dict):
+    """(payload, new roots, objects): `(fn, args, kwargs)` pickled for a worker of `coordinator`;
+    the NNX objects it reaches that `store` does not hold yet (their tokens number them from
+    `store.count` on, in this order: the caller adds them to `store`); and the indices of the
+    held objects it names (what the worker pulls). The functions and `WorkerConstant`s it
+    reaches go to `sent`, the payload holding their tokens.
 
     Raises:
       InvalidArgumentTypeError: a part of the call cannot be pickled (named), or is refused
@@ -34,8 +176,22 @@ def pickle_scheduled(coordinator, store, constants: dict, constants_lock, fn, ar
     """
     new_roots: list = []
     base = store.count
+    used: set = set()
+    # The functions and constants being pickled now, outermost first, with the objects each names.
+    pickling: list = []
+    naming: list[set] = [used]
 
-    pickling: list = []  # the functions and constants being pickled now, outermost first
+    def name(indices) -> None:
+        for names in naming:
+            names.update(indices)
+
+    def stable(value) -> bool:
+        return (
+            value is coordinator.strategy
+            or isinstance(value, (PerWorkerIterator, PerWorkerDataset))
+            or (isinstance(value, WorkerConstant) and ("constant", id(value)) in sent)
+            or (isinstance(value, nnx.Pytree) and store.holds(value))
+        )
 
     def token_of(obj):
         if obj is coordinator.strategy:
@@ -43,17 +199,26 @@ def pickle_scheduled(coordinator, store, constants: dict, constants_lock, fn, ar
         if any(obj is busy for busy in pickling):
             return None  # pickled inline (cloudpickle's memo handles the recursion)
         if isinstance(obj, WorkerConstant):
-            if id(obj) not in constants:
-                data = _dumps_nested(obj, token_of, pickling)
-                with constants_lock:
-                    constants[id(obj)] = (obj, data)
-            return ("constant", id(obj))
+            constant: tuple = ("constant", id(obj))
+            if constant not in sent:
+                data, objects = _dumps_nested(obj, token_of, pickling, naming)
+                sent.add(constant, data, objects, keep=obj)
+            name(sent.objects(constant))
+            return constant
         if isinstance(obj, types.FunctionType):
+            entry = cache.get(obj, stable)
+            if entry is not None:
+                name(entry.objects)
+                return entry.token
             # By content: the worker keeps the function it unpickled for these bytes, so
             # a function sent again is the same object there and `strategy.run` reuses
             # its compiled program instead of compiling one per scheduled function.
-            data = _dumps_nested(obj, token_of, pickling)
-            return ("function", hashlib.sha256(data).digest(), data)
+            data, objects = _dumps_nested(obj, token_of, pickling, naming)
+            token = ("function", hashlib.sha256(data).digest())
+            sent.add(token, data, objects)
+            if not new_roots:  # the objects' tokens are final once they are held
+                cache.put(obj, stable, token, objects)
+            return token
         if isinstance(obj, RemoteValue):
             # TF passes a RemoteValue on as its value: wait for it here.
             return ("value", obj.get())
@@ -65,12 +230,14 @@ def pickle_scheduled(coordinator, store, constants: dict, constants_lock, fn, ar
         if isinstance(obj, nnx.Pytree):
             store.check_not_held_elsewhere(obj)
             if store.holds(obj):
-                return ("object", store.index(obj))
-            for i, root in enumerate(new_roots):
-                if root is obj:
-                    return ("object", base + i)
-            new_roots.append(obj)
-            return ("object", base + len(new_roots) - 1)
+                index = store.index(obj)
+            else:
+                index = next((base + i for i, root in enumerate(new_roots) if root is obj), None)
+                if index is None:
+                    new_roots.append(obj)
+                    index = base + len(new_roots) - 1
+            name((index,))
+            return ("object", index)
         serialization.refuse(obj)
         return None
 
@@ -85,7 +252,7 @@ def pickle_scheduled(coordinator, store, constants: dict, constants_lock, fn, ar
             "its arguments are pickled: pass arrays, numbers, NNX objects and "
             "per-worker iterators, and create other objects inside the function."
         ) from None
-    return payload, new_roots
+    return payload, new_roots, tuple(sorted(used))
 
 
 def pickle_dataset_fn(strategy, dataset_fn) -> bytes:
@@ -113,13 +280,17 @@ def pickle_dataset_fn(strategy, dataset_fn) -> bytes:
         ) from None
 
 
-def _dumps_nested(obj, token_of, pickling: list) -> bytes:
-    """`obj` pickled on its own (its own token's payload), `token_of` applied inside it."""
+def _dumps_nested(obj, token_of, pickling: list, naming: list) -> tuple[bytes, set]:
+    """`obj` pickled on its own (its own token's payload), `token_of` applied inside it, and
+    the held objects' indices named inside it."""
+    objects: set = set()
     pickling.append(obj)
+    naming.append(objects)
     try:
-        return serialization.dumps(obj, token_of)
+        return serialization.dumps(obj, token_of), objects
     finally:
         pickling.pop()
+        naming.pop()
 
 
 def _check_mine(coordinator, owner, what: str) -> None:

@@ -128,7 +128,7 @@ class VariableStore:
           UnsupportedArgumentError: a held object's variables were added or removed.
         """
         with self._lock:
-            if not self._holdings.roots or self._detached:
+            if not self._holdings.roots or self._detached or self._holdings.unchanged():
                 return
             assigned = self._holdings.assigned(self._holdings.current_leaves())
             if all(a is None for a in assigned):

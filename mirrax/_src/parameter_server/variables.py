@@ -16,12 +16,16 @@ new values when they changed.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import numpy as np
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.distribute import prng_keys
+from mirrax._src.distribute import _compat, prng_keys
+from mirrax._src.distribute.run.arguments import is_variable
+from mirrax._src.distribute.run.nodes import NodeCache
 from mirrax._src.parameter_server import partitioners as partitioners_lib
 
 
@@ -33,8 +37,11 @@ class Layout:
     """Where each leaf's shards live: for leaf i, a list of (parameter server, start, stop)
     along axis 0 (start, stop None for a scalar kept whole), and whether updates add."""
 
-    def __init__(self, leaves: list, paths: list, num_ps: int, partitioner):
+    def __init__(self, leaves: list, paths: list, num_ps: int, partitioner, root_leaves=None):
         self.paths = list(paths)
+        # Per held object, the indices of the leaves it reaches (a Variable two objects share
+        # is a leaf of both): what a function that names only some objects pulls and pushes.
+        self.root_leaves: list = list(root_leaves) if root_leaves is not None else []
         self.signatures: list = []  # per leaf: (shape, dtype) as it travels
         self.shards: list[list] = []
         self.additive: list[bool] = []
@@ -61,6 +68,20 @@ class Layout:
             self.shards.append(cuts)
             self.additive.append(key is None and _additive(host.dtype))
 
+    def leaves_of(self, objects) -> list[int]:
+        """The sorted indices of the leaves the held objects `objects` (indices) reach."""
+        if len(objects) == len(self.root_leaves):
+            return list(range(len(self.shards)))
+        return sorted({i for o in objects for i in self.root_leaves[o]})
+
+    def shard_keys(self, indices: list) -> list[list]:
+        """Per parameter server, the (leaf, shard) keys of the leaves `indices`."""
+        out: list[list] = [[] for _ in range(self.num_ps)]
+        for i in indices:
+            for s, (ps, _, _) in enumerate(self.shards[i]):
+                out[ps].append((i, s))
+        return out
+
     def split(self, host_leaves: list) -> list[dict]:
         """One dict per parameter server, {(leaf, shard): array} (views, not copies)."""
         out: list[dict] = [{} for _ in range(self.num_ps)]
@@ -71,19 +92,23 @@ class Layout:
                 out[ps][(i, s)] = leaf if start is None else leaf[start:stop]
         return out
 
-    def join(self, per_ps: list[dict]) -> list:
-        """The whole host leaves from the parameter servers' dicts (as `split` cut them)."""
+    def join(self, per_ps: list[dict], indices=None) -> list:
+        """The whole host leaves (those of `indices`, default all) from the parameter servers'
+        dicts (as `split` cut them)."""
         leaves = []
-        for i, cuts in enumerate(self.shards):
+        for i in range(len(self.shards)) if indices is None else indices:
+            cuts = self.shards[i]
             parts = [per_ps[ps][(i, s)] for s, (ps, _, _) in enumerate(cuts)]
             leaves.append(
                 parts[0] if len(parts) == 1 and cuts[0][1] is None else np.concatenate(parts, axis=0)
             )
         return leaves
 
-    def device_leaves(self, host_leaves: list) -> list:
-        """Host leaves as JAX values, PRNG keys re-wrapped as typed keys."""
-        return prng_keys.from_data(list(host_leaves), self.keys)
+    def device_leaves(self, host_leaves: list, indices=None) -> list:
+        """Host leaves (those of `indices`, default all) as JAX values, PRNG keys re-wrapped
+        as typed keys."""
+        keys = self.keys if indices is None else [self.keys[i] for i in indices]
+        return prng_keys.from_data(list(host_leaves), keys)
 
     def updates(self, pulled: list, new: list) -> list:
         """What a worker pushes, per leaf: ("add", new - pulled) for a numeric leaf,
@@ -132,6 +157,23 @@ def _path_name(path) -> str:
     return f"objects[{keys[0]}]" + "".join(f".{k}" for k in keys[1:])
 
 
+def _reached(root, leaves: list) -> tuple:
+    """The indices of `leaves` (the held objects' joint leaves) whose arrays `root`'s Variables
+    hold; all of them when one of its arrays is not found among `leaves`."""
+    where: dict = {}
+    for i, leaf in enumerate(leaves):
+        where.setdefault(id(leaf), []).append(i)
+    found: set = set()
+    for variable in jax.tree.leaves(root, is_leaf=is_variable):
+        if not is_variable(variable):
+            continue
+        for array in jax.tree.leaves(_compat.raw_value(variable)):
+            if id(array) not in where:
+                return tuple(range(len(leaves)))
+            found.update(where[id(array)])
+    return tuple(sorted(found))
+
+
 def _shape_of(leaf) -> tuple:
     return (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else ((), type(leaf).__name__)
 
@@ -154,6 +196,29 @@ class Holdings:
         self.layout: Layout | None = None
         self.paths: list = []
         self._seen: list = []
+        # The Variables and their values at the last sync, found again by an identity check
+        # of the objects' graph (`NodeCache`), so that a schedule that changed nothing on the
+        # coordinator costs microseconds, not a split of every held object.
+        self._nodes = NodeCache(size=1)
+        self._synced: tuple | None = None
+
+    def unchanged(self) -> bool:
+        """True when nothing of the held objects was assigned or restructured on the
+        coordinator since the last sync (False may also mean: not known cheaply)."""
+        synced = self._synced
+        if synced is None:
+            return False
+        state = self._nodes.lookup(list(self.roots))
+        values = synced[1]
+        return (
+            state is synced[0]
+            and len(state.variables) == len(values)
+            and all(map(operator.is_, map(_compat.raw_value, state.variables), values))
+        )
+
+    def _sync(self) -> None:
+        state = self._nodes.lookup(list(self.roots))
+        self._synced = (state, [_compat.raw_value(v) for v in state.variables])
 
     def holds(self, obj) -> bool:
         return any(obj is root for root in self.roots)
@@ -169,12 +234,15 @@ class Holdings:
         current values (the caller has written the parameter servers' values into them)."""
         roots = self.roots + list(new_roots)
         graphdef, treedef, leaves, paths = split_roots(tuple(roots))
-        layout = Layout(leaves, paths, self.num_ps, self.partitioner)  # may refuse: nothing changed
+        layout = Layout(  # may refuse: nothing changed
+            leaves, paths, self.num_ps, self.partitioner, [_reached(root, leaves) for root in roots]
+        )
         self.roots, self.graphdef, self.treedef, self.paths = roots, graphdef, treedef, paths
         self.layout = layout
         self.shapes = [_shape_of(leaf) for leaf in leaves]
         self.version += 1
         self._seen = [leaf for leaf in leaves]
+        self._sync()
         return layout.split([host_value(leaf) for leaf in leaves])
 
     def current_leaves(self) -> list:
@@ -209,6 +277,7 @@ class Holdings:
 
     def mark_seen(self) -> None:
         self._seen = self.current_leaves()
+        self._sync()
 
     def write_back(self, host_leaves: list) -> None:
         """Writes the parameter servers' values into the coordinator's objects."""
@@ -217,3 +286,4 @@ class Holdings:
         leaves = [jax.numpy.asarray(leaf) if not prng_keys.is_key(leaf) else leaf for leaf in leaves]
         nnx.update(tuple(self.roots), state_of(self.treedef, leaves))
         self._seen = self.current_leaves()
+        self._sync()

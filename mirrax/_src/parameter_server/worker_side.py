@@ -81,7 +81,10 @@ class WorkerState:
         self.version = None
         self.structure: tuple | None = None  # (graphdef, treedef, layout) of the held objects
         self.roots: Any = None  # the held objects (a tuple of NNX objects), made from structure
-        self.constant_bytes: dict = {}
+        # Their leaves as this worker last pulled or changed them (host arrays), in the
+        # structure's order: a function that names some objects pulls only theirs.
+        self.leaves: list = []
+        self.sent: dict = {}  # token -> bytes: the functions and constants received
         self.constants: dict = {}  # unpickled on first use, against the current roots
         self.functions: collections.OrderedDict = collections.OrderedDict()  # by content
 
@@ -107,27 +110,34 @@ class WorkerState:
         if kind == "value":
             return token[1]
         if kind == "function":
-            _, key, data = token
-            if key in self.functions:
-                self.functions.move_to_end(key)
+            if token in self.functions:
+                self.functions.move_to_end(token)
             else:
-                self.functions[key] = serialization.loads(data, self._resolve)
+                self.functions[token] = serialization.loads(self.sent[token], self._resolve)
                 if len(self.functions) > FUNCTION_CACHE_SIZE:
                     self.functions.popitem(last=False)
-            return self.functions[key]
+            return self.functions[token]
         if kind == "constant":
-            if token[1] not in self.constants:
-                self.constants[token[1]] = serialization.loads(self.constant_bytes[token[1]], self._resolve)
-            return self.constants[token[1]]
+            if token not in self.constants:
+                self.constants[token] = serialization.loads(self.sent[token], self._resolve)
+            return self.constants[token]
         raise errors.InvalidArgumentError(f"unknown token {token!r}")
 
-    def _pull(self) -> tuple[int, list]:
+    def _pull(self, layout, indices: list) -> tuple[list, dict, list]:
+        """(servers asked, their push counts by server, the leaves `indices`' host values)."""
+        keys = layout.shard_keys(indices)
+        asked = [ps for ps, k in enumerate(keys) if k]
         answers = call_servers(
-            self.parameter_servers, "pull", [()] * len(self.parameter_servers), PARAMETER_SERVER_TIMEOUT_S
+            [self.parameter_servers[ps] for ps in asked],
+            "pull",
+            [(keys[ps],) for ps in asked],
+            PARAMETER_SERVER_TIMEOUT_S,
         )
-        assert self.structure is not None  # the first payload carried it
-        _, _, layout = self.structure
-        return answers[0][0], layout.join([values for _, values in answers])
+        per_ps: list[dict] = [{} for _ in keys]
+        for ps, (_, values) in zip(asked, answers):
+            per_ps[ps] = values
+        versions = {ps: version for ps, (version, _) in zip(asked, answers)}
+        return asked, versions, layout.join(per_ps, indices)
 
     def run(self, payload: dict) -> tuple:
         if not self.parameter_servers:
@@ -140,7 +150,7 @@ class WorkerState:
             self.roots = None
             self.constants = {}
             self.functions.clear()  # they may hold the old roots
-        self.constant_bytes.update(payload["constants"])
+        self.sent.update(payload["sent"])
         try:
             return self._run(payload)
         except LostParameterServer as e:
@@ -149,16 +159,24 @@ class WorkerState:
     def _run(self, payload: dict) -> tuple:
         assert self.structure is not None  # the first payload carried it
         graphdef, treedef, layout = self.structure
-        pulled_version = 0
+        indices: list = []
         if layout is not None:
-            pulled_version, pulled = self._pull()
+            # The leaves of the objects the function names (all of them to build the copies).
+            indices = (
+                list(range(len(layout.shards)))
+                if self.roots is None
+                else layout.leaves_of(payload["objects"])
+            )
+        if indices:
+            asked, versions, pulled = self._pull(layout, indices)
+            if self.roots is None:
+                self.leaves = [None] * len(layout.shards)
             # Writable copies: the pulled arrays are Ray's read-only buffers (an in-place
             # write, `v[...] = ...` outside strategy.run, would fail on them), and they stay
             # apart from what the function changes in place, which the push compares them to.
-            state = variables.state_of(
-                treedef,
-                [leaf if prng_keys.is_key(leaf) else np.array(leaf) for leaf in layout.device_leaves(pulled)],
-            )
+            for i, leaf in zip(indices, layout.device_leaves(pulled, indices)):
+                self.leaves[i] = leaf if prng_keys.is_key(leaf) else np.array(leaf)
+            state = variables.state_of(treedef, self.leaves)
             if self.roots is None:
                 self.roots = nnx.merge(graphdef, state)
             else:
@@ -175,7 +193,7 @@ class WorkerState:
                         "dataset endless (repeat it), or schedule fewer steps."
                     ) from None
             data = _result_bytes(result)
-            new = self._new_leaves(treedef, layout) if layout is not None else None
+            new = self._new_leaves(treedef, layout, indices) if indices else None
         except LostParameterServer:
             raise
         except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
@@ -185,12 +203,14 @@ class WorkerState:
             self.constants = {}
             self.functions.clear()
             return ("error", serialization.pack_error(e))
-        staleness = None
-        if layout is not None:
-            staleness = self._push(layout, pulled, new, pulled_version)
-        return ("ok", data, staleness)
+        staleness, pushed = None, 0
+        if new is not None:
+            staleness, pushed = self._push(layout, indices, pulled, new, asked, versions)
+        moved = (sum(leaf.nbytes for leaf in pulled) if indices else 0, pushed)
+        return ("ok", data, staleness, moved)
 
-    def _new_leaves(self, treedef, layout) -> list:
+    def _new_leaves(self, treedef, layout, indices: list) -> list:
+        """The host values of the leaves `indices` after the function."""
         _, state = nnx.split(self.roots)
         leaves, now = jax.tree.flatten(state)
         if now != treedef:
@@ -199,8 +219,9 @@ class WorkerState:
                 "ParameterServerStrategy holds (it added, removed or replaced a variable or "
                 "submodule). Build them completely on the coordinator, before scheduling."
             )
-        host = [variables.host_value(leaf) for leaf in leaves]
-        for path, leaf, (shape, dtype) in zip(layout.paths, host, layout.signatures):
+        host = [variables.host_value(leaves[i]) for i in indices]
+        for i, leaf in zip(indices, host):
+            path, (shape, dtype) = layout.paths[i], layout.signatures[i]
             if (leaf.shape, leaf.dtype) != (shape, dtype):
                 raise errors.UnsupportedArgumentError(
                     f"A scheduled function changed {path} from shape {shape} and dtype {dtype} "
@@ -210,16 +231,28 @@ class WorkerState:
                 )
         return host
 
-    def _push(self, layout, pulled: list, new: list, pulled_version: int) -> int | None:
+    def _push(self, layout, indices: list, pulled: list, new: list, asked: list, versions: dict):
+        """Pushes what changed among the leaves `indices` to the servers `asked` at the pull;
+        returns the pushes other workers made meanwhile (None: nothing changed) and the bytes
+        pushed."""
+        for i, leaf in zip(indices, new):
+            self.leaves[i] = leaf
         updates = layout.updates(pulled, new)
         if all(kind is None for kind, _ in updates):
-            return None  # nothing changed: no push (and no staleness to report)
-        adds = layout.split([u if kind == "add" else None for kind, u in updates])
-        assigns = layout.split([u if kind == "assign" else None for kind, u in updates])
+            return None, 0  # nothing changed: no push (and no staleness to report)
+        adds: list = [None] * len(layout.shards)
+        assigns: list = [None] * len(layout.shards)
+        for i, (kind, update) in zip(indices, updates):
+            if kind is not None:
+                (adds if kind == "add" else assigns)[i] = update
+        adds, assigns = layout.split(adds), layout.split(assigns)
         before = call_servers(
-            self.parameter_servers, "push", list(zip(adds, assigns)), PARAMETER_SERVER_TIMEOUT_S
+            [self.parameter_servers[ps] for ps in asked],
+            "push",
+            [(adds[ps], assigns[ps]) for ps in asked],
+            PARAMETER_SERVER_TIMEOUT_S,
         )
-        return before[0] - pulled_version
+        return before[0] - versions[asked[0]], sum(u.nbytes for kind, u in updates if kind is not None)
 
 
 def _result_bytes(result) -> bytes:
