@@ -83,8 +83,8 @@ class Worker:
         self.state.create_dataset(dataset_id, dataset_fn)
 
     def run(self, payload: dict) -> tuple:
-        """Runs one scheduled function: ("ok", pickled result, staleness, (bytes pulled, bytes pushed)), ("error", pickled
-        error) for an error the function raised, ("lost", message) when a parameter server
-        is lost, or ("restarted",) when this is a restarted process not yet attached (the
-        function did not run)."""
+        """Runs one scheduled function: ("ok", pickled result, staleness, (bytes pulled,
+        bytes pushed)), ("error", pickled error) for an error the function raised, ("lost",
+        message) when a parameter server is lost, or ("restarted",) when this is a restarted
+        process not yet attached (the function did not run)."""
         return self.state.run(payload)
