@@ -11,8 +11,10 @@ repeated) and returns `strategy.reduce("sum", loss)`. `--warmup` functions per w
 scheduled and joined (compilation, the first layout), then `--steps` more: steps/s is steps
 / (wall time of scheduling them all + join). Staleness (`coordinator.update_staleness`) is
 the number of pushes by other workers between a function's pull and its push, over those
-steps. Then as many `lambda: None` are timed alike: a worker still pulls and pushes the whole
-held state for each, so no-op fn/s is the round trip's ceiling without a step.
+steps. Then as many `lambda: None` are timed alike: it names no held object, so it pulls and
+pushes nothing, and no-op fn/s is the round trip's ceiling. Also reported: the coordinator
+thread's CPU time per `schedule` (`time.thread_time` over the scheduling loop) and the mean
+bytes each function pulled and pushed (`coordinator.transferred_bytes`).
 
 `train_step` is a function of this importable module, sent by reference: every scheduled
 function hands the worker's `strategy.run` the same function. `--closure` gives it
@@ -96,13 +98,20 @@ def _staleness(values: list) -> dict:
 
 
 def _timed(coordinator, fn, args, steps: int) -> tuple:
-    """(seconds of scheduling `steps` calls + join, the last RemoteValue, their staleness)."""
+    """(seconds of scheduling `steps` calls + join, the last RemoteValue, their staleness,
+    the coordinator thread's CPU ms per `schedule`, the mean (bytes pulled, bytes pushed) per
+    function)."""
     before = len(coordinator.update_staleness)
+    moved = len(coordinator.transferred_bytes)
     start = time.perf_counter()
+    cpu = time.thread_time()
     values = [coordinator.schedule(fn, args=args) for _ in range(steps)]
+    schedule_ms = 1e3 * (time.thread_time() - cpu) / steps
     coordinator.join()
     seconds = time.perf_counter() - start
-    return seconds, values[-1], coordinator.update_staleness[before:]
+    transfers = coordinator.transferred_bytes[moved:]
+    mean_moved = tuple(statistics.fmean(t[k] for t in transfers) for k in (0, 1))
+    return seconds, values[-1], coordinator.update_staleness[before:], schedule_ms, mean_moved
 
 
 def _model(builder: str):
@@ -141,9 +150,9 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
             loss = strategy.run(step_fn, args=(model, optimizer, next(iterator)))
             return strategy.reduce("sum", loss)
 
-        warmup_s, _, _ = _timed(coordinator, step, (iterator,), args.warmup * workers)
-        seconds, last, staleness = _timed(coordinator, step, (iterator,), args.steps)
-        noop_s, _, _ = _timed(coordinator, lambda: None, (), args.steps)
+        warmup_s = _timed(coordinator, step, (iterator,), args.warmup * workers)[0]
+        seconds, last, staleness, schedule_ms, moved = _timed(coordinator, step, (iterator,), args.steps)
+        noop_s, _, _, noop_schedule_ms, noop_moved = _timed(coordinator, lambda: None, (), args.steps)
         row = {
             "workload": label,
             "batch": batch,
@@ -154,6 +163,10 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
             "steps_per_s": args.steps / seconds,
             "ms_per_step": 1e3 * seconds / args.steps,
             "noop_per_s": args.steps / noop_s,
+            "schedule_ms": schedule_ms,
+            "noop_schedule_ms": noop_schedule_ms,
+            "moved_kib": [b / 1024 for b in moved],
+            "noop_moved_kib": [b / 1024 for b in noop_moved],
             "staleness": _staleness(staleness),
             "start_s": start_s,
             "warmup_s": warmup_s,
@@ -256,6 +269,8 @@ def _markdown(result: dict) -> str:
                 "",
                 "",
                 "",
+                "",
+                "",
             ]
         s = r["staleness"]
         return [
@@ -266,6 +281,8 @@ def _markdown(result: dict) -> str:
             f"{r['ms_per_step']:.2f}",
             f"{r['ratio_to_mirrored']:.2f}",
             f"{r['noop_per_s']:.1f}",
+            f"{r['schedule_ms']:.3f} / {r['noop_schedule_ms']:.3f}",
+            "{:.0f} / {:.0f} ({:.0f} / {:.0f})".format(*r["moved_kib"], *r["noop_moved_kib"]),
             f"{s['mean']:.2f}",
             f"{s['median']:g}",
             s["max"],
@@ -281,13 +298,15 @@ def _markdown(result: dict) -> str:
             "ms/step",
             "PS / mirrored",
             "no-op fn/s",
+            "schedule ms (step / no-op)",
+            "KiB pulled / pushed per step (no-op)",
             "staleness mean",
             "median",
             "max",
             "fraction 0",
         ],
         [cells(r) for r in result["rows"]],
-        ["l", "r", "l"] + ["r"] * 8,
+        ["l", "r", "l"] + ["r"] * 10,
     )
     held = ", ".join(
         f"{r['workload']} {r['held_bytes'] / 2**20:.2f} MiB"
@@ -300,8 +319,9 @@ def _markdown(result: dict) -> str:
         f"{env.environment_note(result['environment'])} {result['steps']} timed "
         f"steps per row after {result['warmup_per_worker']} warm-up steps per worker; "
         "workers (one CPU device each), parameter servers and the coordinator share the "
-        f"host's cores. strategy.run is given {how}. Held state (model and Adam), pulled "
-        f"and pushed (as differences) by every function: {held}. Staleness: pushes by "
+        f"host's cores. strategy.run is given {how}. Held state (model and Adam): {held}; "
+        "a step pulls it and pushes its differences, a no-op names no held object and moves "
+        "nothing. schedule ms: the coordinator thread's CPU time per `schedule` call. Staleness: pushes by "
         "other workers between a function's pull and its push.",
     ]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +265,19 @@ def test_a_function_pickled_once_still_pulls_what_it_names_and_sees_assignments(
     assert coordinator.schedule(scaled).fetch() == 6.0  # 2 * 3
     scale[0] = 5.0
     assert coordinator.schedule(scaled).fetch() == 15.0  # 5 * 3
+    # So does a closure over a bound built-in method (its list may change) or over a module
+    # made at run time (cloudpickle sends it by value, with its attributes).
+    data = [1]
+    first = data.__getitem__
+    config = types.ModuleType("config")
+    config.rate = 1
+
+    def read_both():
+        return first(0), config.rate
+
+    assert coordinator.schedule(read_both).fetch() == (1, 1)
+    data[0], config.rate = 99, 5
+    assert coordinator.schedule(read_both).fetch() == (99, 5)
 
 
 class Wide(nnx.Module):

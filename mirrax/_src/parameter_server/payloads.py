@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import operator
+import sys
 import threading
 import types
 
@@ -30,8 +31,11 @@ from mirrax._src.parameter_server.remote_values import (
 
 # Functions whose pickles are kept (the least recently scheduled dropped first).
 PICKLE_CACHE_SIZE = 256
-# Values whose pickle is their identity's: immutable, or replaced by a token that names them.
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, type, types.ModuleType, jax.Array)
+# Bytes of functions kept to send once; past it, a new function travels inside each payload
+# (as a function that captures something mutable always does), so nothing grows without bound.
+MAX_SENT_BYTES = 64 * 2**20
+# Values whose pickle is their identity's.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, jax.Array)
 _MISSING = object()
 
 
@@ -45,17 +49,26 @@ class SendOnce:
         self._objects: dict = {}  # token -> the indices of the held objects named inside
         self._kept: list = []
         self._sent: list[set] = [set() for _ in range(num_workers)]
+        self._function_bytes = 0
 
     def __contains__(self, token) -> bool:
         return token in self._data
 
-    def add(self, token, data: bytes, objects=(), keep=None) -> None:
+    def add(self, token, data: bytes, objects=(), keep=None) -> bool:
+        """Keeps `data` to send under `token`; False (not kept) for a function past
+        `MAX_SENT_BYTES`."""
         with self._lock:
-            if token not in self._data:
-                self._data[token] = data
-                self._objects[token] = frozenset(objects)
-                if keep is not None:
-                    self._kept.append(keep)
+            if token in self._data:
+                return True
+            if token[0] == "function":
+                if self._function_bytes + len(data) > MAX_SENT_BYTES:
+                    return False
+                self._function_bytes += len(data)
+            self._data[token] = data
+            self._objects[token] = frozenset(objects)
+            if keep is not None:
+                self._kept.append(keep)
+            return True
 
     def objects(self, token) -> frozenset:
         """The indices of the held objects named inside what `token` stands for."""
@@ -95,23 +108,38 @@ class PickleCache:
         entry = self._entries.get(id(function))
         if entry is None or entry.function is not function:
             return None
-        now = _captured(function, stable)
+        now = captured(function, stable)
         if now is None or len(now) != len(entry.captured) or not all(map(operator.is_, now, entry.captured)):
             del self._entries[id(function)]
             return None
         self._entries[id(function)] = self._entries.pop(id(function))  # most recent last
         return entry
 
-    def put(self, function, stable, token, objects) -> None:
-        captured = _captured(function, stable)
-        if captured is None:
-            return
+    def put(self, function, captured: list, token, objects) -> None:
+        """Keeps `function`'s token while `captured` (its `captured(...)` now) holds."""
         if len(self._entries) >= PICKLE_CACHE_SIZE:
             self._entries.pop(next(iter(self._entries)))
         self._entries[id(function)] = _Entry(function, captured, token, frozenset(objects))
 
 
 @functools.lru_cache(maxsize=1024)
+def _imported(module) -> bool:
+    """Whether `module` pickles by reference (it is imported under its name)."""
+    return sys.modules.get(module.__name__) is module
+
+
+def _importable(cls) -> bool:
+    """Whether the class `cls` pickles by reference (found by its module and qualified name),
+    not by value with its methods (and the globals they read) as `__main__`'s classes do."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or cls.__module__ == "__main__":
+        return False
+    found: object = module
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
 def _global_names(code: types.CodeType) -> tuple:
     """The names `code` and the code objects nested in it may read as globals."""
     names = list(code.co_names)
@@ -121,7 +149,7 @@ def _global_names(code: types.CodeType) -> tuple:
     return tuple(dict.fromkeys(names))
 
 
-def _captured(function, stable, seen=None) -> list | None:
+def captured(function, stable, seen=None) -> list | None:
     """What `function`'s pickle depends on, its nested functions' included, as a flat list to
     compare by identity; None when any of it may change without changing identity (a list,
     an array, an object that is not sent as a token: `stable(value)` says)."""
@@ -145,7 +173,7 @@ def _captured(function, stable, seen=None) -> list | None:
     for value in values:
         found.append(value)
         if isinstance(value, types.FunctionType):
-            nested = _captured(value, stable, seen)
+            nested = captured(value, stable, seen)
             if nested is None:
                 return None
             found.extend(nested)
@@ -155,8 +183,15 @@ def _captured(function, stable, seen=None) -> list | None:
 
 
 def _stable_value(value, stable) -> bool:
-    if value is _MISSING or isinstance(value, _IMMUTABLE) or isinstance(value, types.BuiltinFunctionType):
+    if value is _MISSING or isinstance(value, _IMMUTABLE):
         return True
+    if isinstance(value, types.ModuleType):
+        return _imported(value)
+    if isinstance(value, type):
+        return _importable(value)
+    if isinstance(value, types.BuiltinFunctionType):  # `len`, not a bound `list.append`
+        owner = value.__self__
+        return owner is None or (isinstance(owner, types.ModuleType) and _imported(owner))
     if type(value) in (tuple, frozenset):
         return all(_stable_value(v, stable) and not isinstance(v, types.FunctionType) for v in value)
     return stable(value)
@@ -215,10 +250,12 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
             # its compiled program instead of compiling one per scheduled function.
             data, objects = _dumps_nested(obj, token_of, pickling, naming)
             token = ("function", hashlib.sha256(data).digest())
-            sent.add(token, data, objects)
-            if not new_roots:  # the objects' tokens are final once they are held
-                cache.put(obj, stable, token, objects)
-            return token
+            # The objects' tokens are final once they are held.
+            now = None if new_roots else captured(obj, stable)
+            if now is not None and sent.add(token, data, objects):
+                cache.put(obj, now, token, objects)
+                return token
+            return token + (data,)  # may change: sent with the payload, kept nowhere
         if isinstance(obj, RemoteValue):
             # TF passes a RemoteValue on as its value: wait for it here.
             return ("value", obj.get())

@@ -110,13 +110,16 @@ class WorkerState:
         if kind == "value":
             return token[1]
         if kind == "function":
-            if token in self.functions:
-                self.functions.move_to_end(token)
+            # ("function", digest) was sent once; ("function", digest, bytes) comes with its payload.
+            key = token[:2]
+            if key in self.functions:
+                self.functions.move_to_end(key)
             else:
-                self.functions[token] = serialization.loads(self.sent[token], self._resolve)
+                data = token[2] if len(token) > 2 else self.sent[key]
+                self.functions[key] = serialization.loads(data, self._resolve)
                 if len(self.functions) > FUNCTION_CACHE_SIZE:
                     self.functions.popitem(last=False)
-            return self.functions[token]
+            return self.functions[key]
         if kind == "constant":
             if token not in self.constants:
                 self.constants[token] = serialization.loads(self.sent[token], self._resolve)
