@@ -62,8 +62,8 @@ class ClusterCoordinator:
         the values it read), in completion order.
       transferred_bytes: mirrax's own: per completed function, (bytes pulled, bytes pushed)
         between its worker and the parameter servers, in completion order. A function pulls
-        the variables of the held objects it names (all of them the first time a worker runs
-        one, to build its copies) and pushes those it changed.
+        the variables of the held objects it names (all of them when its worker builds its
+        copies: its first function, and after one failed there) and pushes those it changed.
 
     Raises:
       TypeError: `strategy` is not a ParameterServerStrategy.

@@ -122,7 +122,6 @@ class PickleCache:
         self._entries[id(function)] = _Entry(function, captured, token, frozenset(objects))
 
 
-@functools.lru_cache(maxsize=1024)
 def _imported(module) -> bool:
     """Whether `module` pickles by reference (it is imported under its name)."""
     return sys.modules.get(module.__name__) is module
@@ -140,6 +139,7 @@ def _importable(cls) -> bool:
     return found is cls
 
 
+@functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple:
     """The names `code` and the code objects nested in it may read as globals."""
     names = list(code.co_names)
