@@ -755,6 +755,73 @@ def test_terminate_on_nan_stops_at_the_epoch_end_when_batch_hooks_get_no_logs(sm
     assert "Epoch 0: Invalid loss, terminating training" in capsys.readouterr().out
 
 
+def test_evaluate_shows_a_progress_bar_and_calls_the_test_batch_hooks_once_per_group(small, capsys):
+    # 40 examples in batches of 4: 10 batches, dealt to 1 worker in groups of
+    # ceil(10 / (1 worker * 4 groups per worker)) = 3, so the groups end at batches 2, 5, 8, 9.
+    strategy, _ = small
+    with strategy.scope():
+        model = mirrax.Model(Line())
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.linspace(-1, 1, 40, dtype=np.float32)[:, None]
+    seen = []
+    hooks = mirrax.callbacks.LambdaCallback(
+        on_test_batch_begin=lambda batch, logs: seen.append(("begin", batch)),
+        on_test_batch_end=lambda batch, logs: seen.append(("end", batch, sorted(logs))),
+    )
+    loss = model.evaluate(x, 2 * x, batch_size=4, verbose=1, callbacks=[hooks])
+    groups = [(0, 2), (3, 5), (6, 8), (9, 9)]
+    assert seen == [e for first, last in groups for e in (("begin", first), ("end", last, ["loss"]))]
+    # The weights are 0: the loss is the mean of (2x)^2 over the 40 points.
+    np.testing.assert_allclose(loss, np.mean((2 * x) ** 2), rtol=1e-6)
+    assert "10/10" in capsys.readouterr().out  # the bar reached the last batch
+    model.evaluate(x, 2 * x, batch_size=4, verbose=0)
+    assert "10/10" not in capsys.readouterr().out
+
+
+def test_a_keras_model_trains_under_the_strategy_as_under_mirrored_strategy(small):
+    # One worker, SGD, the batches in order (shuffle=False): the steps are MirroredStrategy's.
+    # Within 1e-6: the parameter server adds new - pulled to pulled, a rounding of its own.
+    keras = pytest.importorskip("keras")
+    strategy, _ = small
+    x = np.linspace(-1, 1, 32, dtype=np.float32)[:, None]
+
+    def train(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = mirrax.Model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        history = model.fit(x, 3 * x + 2, batch_size=8, epochs=2, steps_per_epoch=4, shuffle=False, verbose=0)
+        return history.history["loss"], model.get_weights()
+
+    ps_losses, ps_weights = train(strategy)
+    losses, weights = train(mirrax.MirroredStrategy(["cpu:0"]))
+    assert ps_losses[1] < ps_losses[0]
+    np.testing.assert_allclose(ps_losses, losses, rtol=1e-6)
+    for a, b in zip(ps_weights, weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_starting_a_local_ray_cluster_prints_no_banner():
+    import subprocess
+
+    code = "import mirrax; r = mirrax.RayClusterResolver(1, 1); r.connect(); r.shutdown(); print('done')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    for banner in ("Started a local Ray instance", "Token authentication is enabled"):
+        assert banner not in done.stderr, done.stderr
+
+
+def test_a_worker_that_crashes_while_starting_is_named_with_its_stderr():
+    # XLA aborts the worker at its first JAX call; Ray restarts it again and again. The
+    # strategy stops at the second death (not after START_TIMEOUT_S) and quotes XLA's line.
+    resolver = mirrax.RayClusterResolver(1, 1, worker_env={"XLA_FLAGS": "--no_such_xla_flag"})
+    box = _within(120, lambda: mirrax.ParameterServerStrategy(resolver))
+    assert isinstance(box.get("error"), errors.UnresponsivePeerError), box
+    message = str(box["error"])
+    assert "worker task(s) [0] did not start" in message and "died while starting" in message
+    assert "Unknown flag in XLA_FLAGS: --no_such_xla_flag" in message
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 

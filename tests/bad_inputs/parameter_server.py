@@ -18,6 +18,13 @@ _NO_PS = json.dumps(
     }
 )
 
+_AS_WORKER = json.dumps(
+    {
+        "cluster": {"worker": ["localhost:2223"], "ps": ["localhost:2224"]},
+        "task": {"type": "worker", "index": 0},
+    }
+)
+
 CASES = [
     Case(
         "FixedShardsPartitioner(0)",
@@ -96,6 +103,12 @@ CASES = [
         lambda env: mirrax.ParameterServerStrategy(mirrax.TFConfigClusterResolver(tf_config=_NO_PS)),
         errors.InvalidArgumentError,
         ("has no 'ps' tasks", "needs 'ps' and 'worker' jobs"),
+    ),
+    Case(
+        "TF_CONFIG naming this process worker:0",
+        lambda env: mirrax.ParameterServerStrategy(mirrax.TFConfigClusterResolver(tf_config=_AS_WORKER)),
+        errors.InvalidArgumentError,
+        ("says this process is worker:0", "made only by the coordinator", "only as the chief"),
     ),
     Case(
         "ClusterCoordinator(MirroredStrategy())",

@@ -23,11 +23,13 @@ import weakref
 from mirrax import errors
 from mirrax._src import argument_checks
 from mirrax._src.distribute.cluster import ClusterResolver
-from mirrax._src.parameter_server import actors
+from mirrax._src.parameter_server import actors, start_logs
 from mirrax._src.parameter_server.ray_calls import import_ray
 
 # Seconds to wait for every actor of a new strategy to start (a worker imports JAX).
 START_TIMEOUT_S = 180.0
+# Seconds between two looks at the starting tasks (and at the logs of any that died).
+START_POLL_S = 1.0
 # Seconds `strategy.shutdown()` waits for Ray to give the killed actors' resources back to a
 # local cluster (`ray.kill` returns at once; Ray frees them when the processes have ended).
 RELEASE_TIMEOUT_S = 30.0
@@ -136,9 +138,10 @@ class RayClusterResolver:
     def connect(self):
         """Starts or joins the Ray cluster (once); returns the `ray` module.
 
-        Ray's notice that a new local cluster uses token authentication (printed at every
-        start, with nothing to do about it) is left out; its warning that a cluster has no
-        authentication is not.
+        Ray's start-up banner ("Started a local Ray instance", "Connected to Ray cluster") and
+        its notice that a new local cluster uses token authentication (printed at every start,
+        with nothing to do about it) are left out; its warnings (a cluster without
+        authentication) are not.
         """
         ray = import_ray()
         if not ray.is_initialized():
@@ -154,7 +157,7 @@ class RayClusterResolver:
                     )
                     self._started_here = True
                 else:
-                    ray.init(address=self.address, include_dashboard=False)
+                    ray.init(address=self.address, include_dashboard=False, configure_logging=False)
         return ray
 
     def shutdown(self) -> None:
@@ -180,6 +183,15 @@ class _TaskSpec:
 def _from_tf_cluster(resolver: ClusterResolver) -> tuple[RayClusterResolver, list, list]:
     """A TF-style cluster as Ray tasks: each 'worker' and 'ps' address names the host its
     actor is pinned to (localhost: this machine); the coordinator is this process."""
+    if resolver.task_type not in (None, "chief"):
+        raise errors.InvalidArgumentError(
+            f"ParameterServerStrategy: the cluster resolver says this process is "
+            f"{resolver.task_type}:{resolver.task_id}, but the strategy is made only by the "
+            "coordinator (task type 'chief', or no task). Under mirrax the 'worker' and 'ps' "
+            "tasks are Ray actors the coordinator starts on their hosts: run the script only as "
+            'the chief (TF_CONFIG\'s task {"type": "chief", "index": 0}), and start a Ray '
+            "node on each worker and ps host instead (`ray start --address=...`)."
+        )
     cluster = resolver.cluster_spec()
     jobs = cluster.jobs
     for job in ("ps", "worker"):
@@ -259,6 +271,7 @@ class Cluster:
         runtime_env = dict(self.resolver.runtime_env)
         runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
         worker_env = dict(runtime_env, env_vars={**runtime_env["env_vars"], **self.resolver.worker_env})
+        since = time.time()
         server_cls = ray.remote(actors.ParameterServer)
         self.parameter_servers = [
             server_cls.options(
@@ -284,8 +297,8 @@ class Cluster:
         self.before_stop: list = []
         self.after_stop: list = []
         try:
-            self.ps_pids = self._wait("parameter server", self.parameter_servers)
-            self.worker_pids = self._wait("worker", self.workers, self.parameter_servers)
+            self.ps_pids = self._wait("parameter server", self.parameter_servers, since=since)
+            self.worker_pids = self._wait("worker", self.workers, self.parameter_servers, since=since)
         except BaseException:
             self.stop()  # a failed start leaves no actor holding the cluster's resources
             raise
@@ -311,13 +324,36 @@ class Cluster:
             )
 
     @staticmethod
-    def _wait(kind: str, handles: list, servers: list | None = None) -> list:
+    def _wait(kind: str, handles: list, servers: list | None = None, since: float = 0.0) -> list:
+        """The answers of `handles`' first call (ping, or attach to `servers`), once all have
+        started; `since` (a `time.time()`): when they were created, to find their crashes.
+
+        Raises:
+          UnresponsivePeerError: a task did not start within START_TIMEOUT_S, its process died
+            twice while starting (with the first lines of its stderr), or it failed to start.
+        """
         ray = import_ray()
         refs = [h.ping.remote() if servers is None else h.attach.remote(servers) for h in handles]
         deadline = time.monotonic() + START_TIMEOUT_S
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        ready: list = []
+        crashes: list = []
+        while len(ready) < len(refs) and time.monotonic() < deadline:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(START_POLL_S, START_TIMEOUT_S))
+            # Ray restarts a worker that dies, forever: two deaths while starting are a crash.
+            crashes = start_logs.crashes_since(ray, since)
+            if len(ready) < len(refs) and len(crashes) >= 2:
+                break
         if len(ready) < len(refs):
             late = [i for i, r in enumerate(refs) if r not in ready]
+            if crashes:
+                pid, lines = crashes[-1]
+                raise errors.UnresponsivePeerError(
+                    f"ParameterServerStrategy: {kind} task(s) {late} did not start: "
+                    f"{len(crashes)} process(es) of this job died while starting (Ray restarts a "
+                    f"worker that dies). The last (pid {pid}) wrote to its stderr:\n  "
+                    + "\n  ".join(lines)
+                    + "\nFix the cause (e.g. RayClusterResolver's worker_env) and make the strategy again."
+                )
             raise errors.UnresponsivePeerError(
                 f"ParameterServerStrategy: {kind} task(s) {late} did not start within "
                 f"{START_TIMEOUT_S:.0f} s. Check the Ray cluster's resources (`ray status`) and "

@@ -172,18 +172,10 @@ class ParameterServerExecutor:
     def validate(self, cbs) -> dict:
         """The validation data evaluated on the workers (on_test_* hooks of `cbs`); its logs."""
         vx, vy, vw = self.args.validation_arrays()
-        return evaluate_loop(
-            self.model,
-            self.compiled,
-            self.steps,
-            vx,
-            vy,
-            vw,
-            self.args.validation_batch(),
-            self.args.validation_steps,
-            cbs,
-            "fit(validation_data=...)",
+        batches = _evaluation_batches(
+            vx, vy, vw, self.args.validation_batch(), self.args.validation_steps, "fit(validation_data=...)"
         )
+        return evaluate_loop(self.model, self.compiled, self.steps, batches, cbs)
 
     def close(self) -> None:
         """Ends fit (done or raised): the scheduled functions stay the coordinator's."""
@@ -205,12 +197,11 @@ class ParameterServerExecutor:
     def evaluate(model, compiled, x, y, batch_size, verbose, sample_weight, steps, callbacks) -> dict:
         """`Model.evaluate`'s logs on the workers (the arguments checked by `loops.evaluate`)."""
         x, y, sample_weight = (array_inputs.as_arrays(v) for v in (x, y, sample_weight))
+        batches = _evaluation_batches(x, y, sample_weight, batch_size, steps, "evaluate")
         cbs = callbacks_lib.CallbackList(
-            callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1, steps=steps
+            callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1, steps=len(batches)
         )
-        return evaluate_loop(
-            model, compiled, Steps(model, compiled), x, y, sample_weight, batch_size, steps, cbs, "evaluate"
-        )
+        return evaluate_loop(model, compiled, Steps(model, compiled), batches, cbs)
 
 
 def _evaluation_batches(x, y, sample_weight, batch_size, steps, what) -> list:
@@ -251,25 +242,26 @@ def _takes_argument(fn) -> bool:
         return False
 
 
-def evaluate_loop(model, compiled, steps, x, y, sample_weight, batch_size, max_steps, cbs, what) -> dict:
-    """Evaluates on the workers: the batches dealt out in groups, each group's metric sums
-    added once into the coordinator's loss tracker and metrics."""
+def evaluate_loop(model, compiled, steps, batches: list, cbs) -> dict:
+    """Evaluates `batches` on the workers: dealt out in groups, each group's metric sums added
+    once into the coordinator's loss tracker and metrics. The test-batch hooks of `cbs` (the
+    progress bar among them) are called once per group, in order, with the logs of the
+    batches so far: `on_test_batch_begin(first)` and `on_test_batch_end(last, logs)`."""
     coordinator = ClusterCoordinator(model.distribute_strategy)
-    batches = _evaluation_batches(x, y, sample_weight, batch_size, max_steps, what)
     workers = len(model.distribute_strategy.extended.cluster.workers)
     size = max(1, math.ceil(len(batches) / (workers * _EVALUATION_GROUPS_PER_WORKER)))
     cbs.on_test_begin()
-    results = [
-        coordinator.schedule(steps.evaluate, args=(batches[i : i + size],))
-        for i in range(0, len(batches), size)
-    ]
-    totals = None
-    for result in results:
+    starts = range(0, len(batches), size)
+    results = [coordinator.schedule(steps.evaluate, args=(batches[i : i + size],)) for i in starts]
+    totals, logs = None, {}
+    accumulators = _accumulators(compiled, model)
+    for first, result in zip(starts, results):
+        cbs.on_test_batch_begin(first)
         sums = result.fetch()
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
-    accumulators = _accumulators(compiled, model)
-    nnx.replace_by_pure_dict(accumulators, totals)
-    nnx.update((compiled.tracker, model.metrics), accumulators)
-    logs = logs_lib.logs_of(model, compiled)
+        nnx.replace_by_pure_dict(accumulators, totals)
+        nnx.update((compiled.tracker, model.metrics), accumulators)
+        logs = logs_lib.logs_of(model, compiled)
+        cbs.on_test_batch_end(min(first + size, len(batches)) - 1, logs)
     cbs.on_test_end(logs)
     return logs
