@@ -30,7 +30,7 @@ _LAZY_OK = {
     ("mirrax._src.parameter_server.cluster", "ray.util.scheduling_strategies"): (
         "ray (optional), when an actor is placed on a given host"
     ),
-    ("mirrax._src.parameter_server.serialization", "ray"): "ray's cloudpickle (optional)",
+    ("mirrax._src.parameter_server.wire", "ray"): "ray's cloudpickle (optional)",
     ("mirrax._src.parameter_server.actors", "mirrax._src.parameter_server.worker_side"): (
         "a worker's JAX side, in the worker process only"
     ),

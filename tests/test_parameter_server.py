@@ -138,7 +138,7 @@ def test_a_function_capturing_a_keras_model_is_sent_as_keras_pickles_it():
     # iterator or dataset of the coordinator) cannot be read on a worker").
     pytest.importorskip("ray", reason="the coordinator pickles with Ray's cloudpickle")
     keras = pytest.importorskip("keras")
-    from mirrax._src.parameter_server import serialization
+    from mirrax._src.parameter_server import wire
 
     keras_model = keras.Sequential(
         [keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")]
@@ -149,14 +149,14 @@ def test_a_function_capturing_a_keras_model_is_sent_as_keras_pickles_it():
         return [np.asarray(keras_model(x))]
 
     def token_of(obj):
-        serialization.refuse(obj)
+        wire.refuse(obj)
         return None
 
-    copy = serialization.loads(serialization.dumps(dataset_fn, token_of))
+    copy = wire.loads(wire.dumps(dataset_fn, token_of))
     assert copy()[0].tolist() == [[3.0]]  # 1 * 1 + 1 * 2
     generator = (i for i in [1])
     with pytest.raises(errors.InvalidArgumentTypeError, match="a generator .* cannot be read"):
-        serialization.dumps(lambda: next(generator), token_of)  # still refused
+        wire.dumps(lambda: next(generator), token_of)  # still refused
 
 
 def test_shutdown_names_what_ray_has_not_freed(monkeypatch):

@@ -21,7 +21,6 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
-from mirrax._src.parameter_server import remote_values
 from mirrax._src.parameter_server.closures import WorkerConstant
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
@@ -857,8 +856,8 @@ def test_a_killed_worker_is_restarted_and_every_function_completes(pair):
     victim = coordinator.schedule(os.getpid).fetch()
     values = [coordinator.schedule(count, args=(iterator,)) for _ in range(40)]
     deadline = time.monotonic() + 60
-    while sum(remote_values.is_ready(v) for v in values) < 6:
-        assert time.monotonic() < deadline, [v for v in values if remote_values.is_ready(v)]
+    while sum(v.is_ready() for v in values) < 6:
+        assert time.monotonic() < deadline, [v for v in values if v.is_ready()]
         time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
     result = _within(120, coordinator.join)

@@ -8,7 +8,6 @@ import collections
 import threading
 
 from mirrax import errors
-from mirrax._src.parameter_server import remote_values
 
 
 class WorkerConstant:
@@ -65,7 +64,7 @@ class Queue:
         with self.cond:
             self.running -= 1
             if give_back and closure.generation != self.generation:
-                remote_values.reject(closure.value, _cancelled())  # its batch failed meanwhile
+                closure.value.set_error(_cancelled())  # its batch failed meanwhile
             elif give_back:
                 self.waiting.appendleft(closure)
             elif error is not None and self.error is None and closure.generation == self.generation:
@@ -81,10 +80,7 @@ class Queue:
 
     def _cancel(self, reason: BaseException | None = None) -> None:
         while self.waiting:
-            remote_values.reject(
-                self.waiting.popleft().value,
-                reason or _cancelled(),
-            )
+            self.waiting.popleft().value.set_error(reason or _cancelled())
 
     def stop(self, error: BaseException) -> int:
         """Stops the dispatchers; fails the waiting functions with `error`; returns how many

@@ -21,7 +21,7 @@ import warnings
 import jax
 
 from mirrax import errors
-from mirrax._src.parameter_server import payloads, remote_values, serialization
+from mirrax._src.parameter_server import payloads, wire
 from mirrax._src.parameter_server.closures import Closure, Queue
 from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers, import_ray
 from mirrax._src.parameter_server.remote_values import (
@@ -294,7 +294,7 @@ class ClusterCoordinator:
             except ray.exceptions.RayActorError:
                 if self._queue.stopped:  # killed by shutdown(): the functions are dropped
                     for dropped, _ in [(closure, ref), *flight]:
-                        remote_values.reject(dropped.value, self._queue.fatal)
+                        dropped.value.set_error(self._queue.fatal)
                         self._queue.finish(dropped)
                     return
                 self._give_back(flight)  # sent after the one that was running: not run
@@ -309,7 +309,7 @@ class ClusterCoordinator:
                         "kills its process (out of memory, a crash in native code, os._exit). "
                         "Check the workers' logs (/tmp/ray/session_latest/logs)."
                     )
-                    remote_values.reject(closure.value, error)
+                    closure.value.set_error(error)
                     self._queue.finish(closure, error)
                 if not self._recover(w):
                     return
@@ -318,7 +318,7 @@ class ClusterCoordinator:
                 # The call failed in Ray: what its payload carried may not have arrived.
                 self._sent_version[w] = None
                 self._sent.forget(w)
-                remote_values.reject(closure.value, e)
+                closure.value.set_error(e)
                 self._queue.finish(closure, e)
                 continue
             if answer[0] == "restarted":  # died between functions: this one did not run
@@ -355,27 +355,27 @@ class ClusterCoordinator:
         status = answer[0]
         if status == "ok":
             try:
-                result = serialization.loads(answer[1])
+                result = wire.loads(answer[1])
             except Exception as e:  # noqa: BLE001 - the function ran; its result is unreadable
                 error: BaseException = errors.InvalidArgumentTypeError(
                     "A scheduled function's result could not be unpickled on the coordinator "
                     f"({type(e).__name__}: {e}). Return arrays, numbers and containers of them."
                 )
-                remote_values.reject(closure.value, error)
+                closure.value.set_error(error)
                 self._queue.finish(closure, error)
                 return
-            remote_values.resolve(closure.value, result)
+            closure.value.set_value(result)
             if answer[2] is not None:
                 self.update_staleness.append(answer[2])
             self.transferred_bytes.append(answer[3])
             self._queue.finish(closure)
         elif status == "error":
-            error = serialization.unpack_error(answer[1])
-            remote_values.reject(closure.value, error)
+            error = wire.unpack_error(answer[1])
+            closure.value.set_error(error)
             self._queue.finish(closure, error)
         else:
             error = self.strategy.extended.lost_server(answer[1])
-            remote_values.reject(closure.value, error)
+            closure.value.set_error(error)
             self._queue.finish(closure)
             self._queue.fail_all(error)
 

@@ -11,7 +11,6 @@ change while what it captures stays the same objects is pickled once (`PickleCac
 from __future__ import annotations
 
 import functools
-import hashlib
 import operator
 import sys
 import threading
@@ -21,7 +20,7 @@ import jax
 from flax import nnx
 
 from mirrax import errors
-from mirrax._src.parameter_server import serialization
+from mirrax._src.parameter_server import wire
 from mirrax._src.parameter_server.closures import WorkerConstant
 from mirrax._src.parameter_server.remote_values import (
     PerWorkerDataset,
@@ -206,7 +205,7 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
 
     Raises:
       InvalidArgumentTypeError: a part of the call cannot be pickled (named), or is refused
-        (`serialization.refuse`).
+        (`wire.refuse`).
       MixedStrategyError: a per-worker iterator of another coordinator.
     """
     new_roots: list = []
@@ -230,11 +229,11 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
 
     def token_of(obj):
         if obj is coordinator.strategy:
-            return ("strategy",)
+            return wire.STRATEGY
         if any(obj is busy for busy in pickling):
             return None  # pickled inline (cloudpickle's memo handles the recursion)
         if isinstance(obj, WorkerConstant):
-            constant: tuple = ("constant", id(obj))
+            constant = wire.constant(obj)
             if constant not in sent:
                 data, objects = _dumps_nested(obj, token_of, pickling, naming)
                 sent.add(constant, data, objects, keep=obj)
@@ -245,25 +244,21 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
             if entry is not None:
                 name(entry.objects)
                 return entry.token
-            # By content: the worker keeps the function it unpickled for these bytes, so
-            # a function sent again is the same object there and `strategy.run` reuses
-            # its compiled program instead of compiling one per scheduled function.
             data, objects = _dumps_nested(obj, token_of, pickling, naming)
-            token = ("function", hashlib.sha256(data).digest())
+            token = wire.function(data)
             # The objects' tokens are final once they are held.
             now = None if new_roots else captured(obj, stable)
             if now is not None and sent.add(token, data, objects):
                 cache.put(obj, now, token, objects)
                 return token
-            return token + (data,)  # may change: sent with the payload, kept nowhere
+            return wire.with_bytes(token, data)  # may change: sent with the payload, kept nowhere
         if isinstance(obj, RemoteValue):
-            # TF passes a RemoteValue on as its value: wait for it here.
-            return ("value", obj.get())
+            return wire.value(obj)
         if isinstance(obj, PerWorkerIterator):
             _check_mine(coordinator, obj.coordinator, "a PerWorkerIterator")
-            return ("iterator", obj.iterator_id, obj.dataset_id)
+            return wire.iterator(obj)
         if isinstance(obj, PerWorkerDataset):
-            return ("dataset", obj.dataset_id)
+            return wire.dataset(obj)
         if isinstance(obj, nnx.Pytree):
             store.check_not_held_elsewhere(obj)
             if store.holds(obj):
@@ -274,17 +269,17 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
                     new_roots.append(obj)
                     index = base + len(new_roots) - 1
             name((index,))
-            return ("object", index)
-        serialization.refuse(obj)
+            return wire.held_object(index)
+        wire.refuse(obj)
         return None
 
     try:
-        payload = serialization.dumps((fn, args, kwargs), token_of)
+        payload = wire.dumps((fn, args, kwargs), token_of)
     except errors.MirraxError:
         raise
     except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
         raise errors.InvalidArgumentTypeError(
-            f"ClusterCoordinator.schedule: {serialization.culprit(fn, args, kwargs, token_of)} cannot "
+            f"ClusterCoordinator.schedule: {wire.culprit(fn, args, kwargs, token_of)} cannot "
             f"be sent to a worker ({type(e).__name__}: {e}). A scheduled function and "
             "its arguments are pickled: pass arrays, numbers, NNX objects and "
             "per-worker iterators, and create other objects inside the function."
@@ -302,12 +297,12 @@ def pickle_dataset_fn(strategy, dataset_fn) -> bytes:
 
     def token_of(obj):
         if obj is strategy:
-            return ("strategy",)
-        serialization.refuse(obj)
+            return wire.STRATEGY
+        wire.refuse(obj)
         return None
 
     try:
-        return serialization.dumps(dataset_fn, token_of)
+        return wire.dumps(dataset_fn, token_of)
     except errors.MirraxError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -324,7 +319,7 @@ def _dumps_nested(obj, token_of, pickling: list, naming: list) -> tuple[bytes, s
     pickling.append(obj)
     naming.append(objects)
     try:
-        return serialization.dumps(obj, token_of), objects
+        return wire.dumps(obj, token_of), objects
     finally:
         pickling.pop()
         naming.pop()

@@ -35,27 +35,26 @@ class RemoteValue:
         """As `get`, with every array leaf as a NumPy array (TF's `fetch`)."""
         return jax.device_get(self.get())
 
+    def is_ready(self) -> bool:
+        """Whether the function has finished (a result or an error), without waiting (mirrax's
+        own)."""
+        return self._ready.is_set()
+
+    def set_value(self, value) -> None:
+        """Hands the function's result to this RemoteValue: the coordinator's side, once (its
+        dispatcher calls it when the worker answers); `get` returns it."""
+        self._value = value
+        self._ready.set()
+
+    def set_error(self, error: BaseException) -> None:
+        """Hands the function's error (it failed, was given up or cancelled) to this
+        RemoteValue: the coordinator's side, once; `get` raises it."""
+        self._error = error
+        self._ready.set()
+
     def __repr__(self) -> str:
-        state = "ready" if is_ready(self) else "pending"
+        state = "ready" if self.is_ready() else "pending"
         return f"RemoteValue({state})"
-
-
-def is_ready(remote_value: RemoteValue) -> bool:
-    """Whether `remote_value`'s function has finished (a result or an error), without waiting."""
-    return remote_value._ready.is_set()
-
-
-def resolve(remote_value: RemoteValue, value) -> None:
-    """Hands `value` to `remote_value` (the coordinator's side: the function returned it)."""
-    remote_value._value = value
-    remote_value._ready.set()
-
-
-def reject(remote_value: RemoteValue, error: BaseException) -> None:
-    """Hands `error` to `remote_value` (the coordinator's side: the function failed or was
-    cancelled); `get` raises it."""
-    remote_value._error = error
-    remote_value._ready.set()
 
 
 class PerWorkerDataset:

@@ -18,12 +18,11 @@ _RAY_HEADERS = (":job_id:", ":actor_name:", ":task_name:")
 QUOTED_LINES = 5
 
 
-def _logs_dir(ray) -> str | None:
-    try:
-        # Ray has no public accessor for the node's log directory.
-        return ray._private.worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - not started here, or Ray's internals moved
-        return None
+def _logs_dir() -> str | None:
+    """The log directory of the newest Ray session of this machine, where Ray documents it
+    (Ray has no public accessor for it): $RAY_TMPDIR or /tmp, then ray/session_latest/logs."""
+    logs = os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "session_latest", "logs")
+    return logs if os.path.isdir(logs) else None
 
 
 def _alive(pid: int) -> bool:
@@ -41,7 +40,7 @@ def crashes_since(ray, since: float, exclude_pids=()) -> list[tuple[int, list[st
     `since` (a `time.time()`), has died, and wrote something to stderr; oldest first.
 
     `exclude_pids`: processes known not to be start-up crashes (tasks already answering)."""
-    logs = _logs_dir(ray)
+    logs = _logs_dir()
     if logs is None:
         return []
     try:

@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from mirrax import errors
-from mirrax._src.parameter_server import serialization, variables
+from mirrax._src.parameter_server import variables, wire
 from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers
 
 # Seconds the coordinator waits for the parameter servers to answer a read or a write.
@@ -73,7 +73,7 @@ class VariableStore:
         with self._lock:
             if self._structure is None:
                 h = self._holdings
-                self._structure = serialization.dumps((h.graphdef, h.treedef, h.layout))
+                self._structure = wire.dumps((h.graphdef, h.treedef, h.layout))
             return self._structure
 
     def check_not_held_elsewhere(self, obj) -> None:

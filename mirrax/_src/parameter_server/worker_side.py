@@ -18,7 +18,7 @@ from mirrax._src.distribute import prng_keys
 from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
-from mirrax._src.parameter_server import serialization, variables
+from mirrax._src.parameter_server import variables, wire
 from mirrax._src.parameter_server.ray_calls import (
     PARAMETER_SERVER_TIMEOUT_S,
     LostParameterServer,
@@ -89,42 +89,39 @@ class WorkerState:
         self.functions: collections.OrderedDict = collections.OrderedDict()  # by content
 
     def create_dataset(self, dataset_id: int, dataset_fn: bytes) -> None:
-        fn = serialization.loads(dataset_fn, self._resolve)
+        fn = wire.loads(dataset_fn, self._resolve)
         self.datasets[dataset_id] = call_dataset_fn(fn, self.strategy)
 
-    def _iterator(self, iterator_id: int, dataset_id: int):
+    def _resolve(self, token):
+        return wire.resolve(token, self)
+
+    # -- what the tokens stand for here (wire.Receiver) ------------------------------------
+
+    def held(self, index: int):
+        return self.roots[index]
+
+    def iterator(self, iterator_id: int, dataset_id: int):
         if iterator_id not in self.iterators:
             self.iterators[iterator_id] = iter(self.datasets[dataset_id])
         return self.iterators[iterator_id]
 
-    def _resolve(self, token):
-        kind = token[0]
-        if kind == "strategy":
-            return self.strategy
-        if kind == "object":
-            return self.roots[token[1]]
-        if kind == "iterator":
-            return self._iterator(token[1], token[2])
-        if kind == "dataset":
-            return self.datasets[token[1]]
-        if kind == "value":
-            return token[1]
-        if kind == "function":
-            # ("function", digest) was sent once; ("function", digest, bytes) comes with its payload.
-            key = token[:2]
-            if key in self.functions:
-                self.functions.move_to_end(key)
-            else:
-                data = token[2] if len(token) > 2 else self.sent[key]
-                self.functions[key] = serialization.loads(data, self._resolve)
-                if len(self.functions) > FUNCTION_CACHE_SIZE:
-                    self.functions.popitem(last=False)
-            return self.functions[key]
-        if kind == "constant":
-            if token not in self.constants:
-                self.constants[token] = serialization.loads(self.sent[token], self._resolve)
-            return self.constants[token]
-        raise errors.InvalidArgumentError(f"unknown token {token!r}")
+    def dataset(self, dataset_id: int):
+        return self.datasets[dataset_id]
+
+    def function(self, key: tuple, data: bytes | None):
+        """The function sent once under `key`, or with its payload (`data`), unpickled once."""
+        if key in self.functions:
+            self.functions.move_to_end(key)
+        else:
+            self.functions[key] = wire.loads(self.sent[key] if data is None else data, self._resolve)
+            if len(self.functions) > FUNCTION_CACHE_SIZE:
+                self.functions.popitem(last=False)
+        return self.functions[key]
+
+    def constant(self, token: tuple):
+        if token not in self.constants:
+            self.constants[token] = wire.loads(self.sent[token], self._resolve)
+        return self.constants[token]
 
     def _pull(self, layout, indices: list) -> tuple[list, dict, list]:
         """(servers asked, their push counts by server, the leaves `indices`' host values)."""
@@ -148,7 +145,7 @@ class WorkerState:
             # between two functions): nothing was attached or created here yet.
             return ("restarted",)
         if payload["structure"] is not None:
-            self.structure = serialization.loads(payload["structure"])
+            self.structure = wire.loads(payload["structure"])
             self.version = payload["version"]
             self.roots = None
             self.constants = {}
@@ -185,7 +182,7 @@ class WorkerState:
             else:
                 nnx.update(self.roots, state)
         try:
-            fn, args, kwargs = serialization.loads(payload["closure"], self._resolve)
+            fn, args, kwargs = wire.loads(payload["closure"], self._resolve)
             with self.strategy.scope():
                 try:
                     result = fn(*args, **kwargs)
@@ -205,7 +202,7 @@ class WorkerState:
             self.roots = None
             self.constants = {}
             self.functions.clear()
-            return ("error", serialization.pack_error(e))
+            return ("error", wire.pack_error(e))
         staleness, pushed = None, 0
         if new is not None:
             staleness, pushed = self._push(layout, indices, pulled, new, asked, versions)
@@ -260,7 +257,7 @@ class WorkerState:
 
 def _result_bytes(result) -> bytes:
     try:
-        return serialization.dumps(_to_host(result))
+        return wire.dumps(_to_host(result))
     except Exception as e:  # noqa: BLE001 - name what cannot travel
         raise errors.InvalidArgumentTypeError(
             f"A scheduled function's result cannot be sent to the coordinator ({type(e).__name__}"

@@ -1,20 +1,119 @@
-"""How a scheduled function travels from the coordinator to a worker: cloudpickle, with the
-coordinator's own objects (the strategy, the held NNX objects, per-worker iterators) replaced
-by tokens that each worker resolves to its local counterpart."""
+"""The one wire between the coordinator and a worker: cloudpickle, with the coordinator's own
+objects replaced by tokens that each worker resolves to its local counterpart. Every token
+kind is made and read here, side by side (the coordinator's `payloads` decides which objects
+become which token, and what travels once; the worker's `worker_side` holds what they stand
+for):
+
+| token | made for, on the coordinator | read as, on a worker |
+| --- | --- | --- |
+| `("strategy",)` | the ParameterServerStrategy | the worker's `WorkerStrategy` |
+| `("object", i)` | the i-th held NNX object | the worker's copy of it |
+| `("iterator", it, ds)` | a `PerWorkerIterator` | this worker's iterator `it` over its dataset `ds` |
+| `("dataset", ds)` | a `PerWorkerDataset` | this worker's dataset `ds` |
+| `("value", v)` | a `RemoteValue` (waited for) | its value `v` |
+| `("function", digest)` | a function sent once, by content | the function unpickled once for those bytes |
+| `("function", digest, bytes)` | a function that may change, in its payload | the same, kept by content |
+| `("constant", id)` | a `WorkerConstant`, sent once | it, unpickled once per layout |
+
+Also here: an error raised on a worker, packed with its traceback, and unpacked on the
+coordinator.
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import pickle
 import traceback
 import types
+from typing import Protocol
 
 from flax import nnx
 
 from mirrax import errors
 from mirrax._src.distribute.input import DistributedInput, DistributedIterator
 from mirrax._src.parameter_server.ray_calls import import_ray
+
+STRATEGY = ("strategy",)
+
+
+def held_object(index: int) -> tuple:
+    """The token of the `index`-th held object."""
+    return ("object", index)
+
+
+def iterator(per_worker_iterator) -> tuple:
+    """The token of a `PerWorkerIterator`."""
+    return ("iterator", per_worker_iterator.iterator_id, per_worker_iterator.dataset_id)
+
+
+def dataset(per_worker_dataset) -> tuple:
+    """The token of a `PerWorkerDataset`."""
+    return ("dataset", per_worker_dataset.dataset_id)
+
+
+def value(remote_value) -> tuple:
+    """The token of a `RemoteValue` passed to a scheduled function: its value (waited for), as
+    TF passes it on."""
+    return ("value", remote_value.get())
+
+
+def function(data: bytes) -> tuple:
+    """The token of a function whose pickle is `data`: by content, so that a function sent
+    again is the same function on the worker (and `strategy.run` reuses its program)."""
+    return ("function", hashlib.sha256(data).digest())
+
+
+def with_bytes(token: tuple, data: bytes) -> tuple:
+    """A function's token carrying its pickle (a function that may change, kept nowhere)."""
+    return token + (data,)
+
+
+def constant(obj) -> tuple:
+    """The token of a `WorkerConstant` (the coordinator keeps it alive, so its id stays its own)."""
+    return ("constant", id(obj))
+
+
+class Receiver(Protocol):
+    """What a worker resolves tokens against (`worker_side.WorkerState`)."""
+
+    @property
+    def strategy(self) -> object: ...
+
+    def held(self, index: int): ...
+
+    def iterator(self, iterator_id: int, dataset_id: int): ...
+
+    def dataset(self, dataset_id: int): ...
+
+    def function(self, key: tuple, data: bytes | None): ...
+
+    def constant(self, token: tuple): ...
+
+
+def resolve(token: tuple, receiver: Receiver):
+    """The worker's object a token stands for.
+
+    Raises:
+      InvalidArgumentError: an unknown token kind.
+    """
+    kind = token[0]
+    if kind == "strategy":
+        return receiver.strategy
+    if kind == "object":
+        return receiver.held(token[1])
+    if kind == "iterator":
+        return receiver.iterator(token[1], token[2])
+    if kind == "dataset":
+        return receiver.dataset(token[1])
+    if kind == "value":
+        return token[1]
+    if kind == "function":
+        return receiver.function(token[:2], token[2] if len(token) > 2 else None)
+    if kind == "constant":
+        return receiver.constant(token)
+    raise errors.InvalidArgumentError(f"unknown token {token!r}")
 
 
 @functools.cache
