@@ -125,13 +125,15 @@ def _model(builder: str):
     return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
-def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
+def _parameter_server(key: str, workers: int, ps: int, args, update: str) -> dict:
     import mirrax
     from benchmarks._harness import models
 
     label, builder, features, batch = WORKLOADS[key]
     started = time.perf_counter()
-    strategy = mirrax.ParameterServerStrategy(mirrax.RayClusterResolver(workers, ps, worker_env=ONE_DEVICE))
+    strategy = mirrax.ParameterServerStrategy(
+        mirrax.RayClusterResolver(workers, ps, worker_env=ONE_DEVICE), update=update
+    )
     start_s = time.perf_counter() - started
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
@@ -159,6 +161,7 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
             "strategy": "parameter server",
             "workers": workers,
             "ps": ps,
+            "update": update,
             "steps": args.steps,
             "steps_per_s": args.steps / seconds,
             "ms_per_step": 1e3 * seconds / args.steps,
@@ -176,7 +179,7 @@ def _parameter_server(key: str, workers: int, ps: int, args) -> dict:
         strategy.shutdown()
     s = row["staleness"]
     env.log(
-        f"  {label}, {workers} worker(s), {ps} ps: {row['steps_per_s']:.1f} steps/s, "
+        f"  {label}, {workers} worker(s), {ps} ps, {update}: {row['steps_per_s']:.1f} steps/s, "
         f"no-op {row['noop_per_s']:.1f}/s, staleness mean {s['mean']:.2f} max {s['max']} "
         f"(start {start_s:.1f} s, warm-up {warmup_s:.1f} s)"
     )
@@ -240,9 +243,10 @@ def _measure(args) -> dict:
             rows.append(reference)
             for workers in args.worker_counts:
                 for ps in args.ps_counts:
-                    row = _parameter_server(key, workers, ps, args)
-                    row["ratio_to_mirrored"] = row["ms_per_step"] / reference["ms_per_step"]
-                    rows.append(row)
+                    for update in args.rules:  # interleaved: the rules' rows minutes apart at most
+                        row = _parameter_server(key, workers, ps, args, update)
+                        row["ratio_to_mirrored"] = row["ms_per_step"] / reference["ms_per_step"]
+                        rows.append(row)
     finally:
         cluster.shutdown()
     return {
@@ -276,7 +280,7 @@ def _markdown(result: dict) -> str:
         return [
             r["workload"],
             r["batch"],
-            f"PS {r['workers']} worker(s), {r['ps']} ps",
+            f"PS {r['workers']} worker(s), {r['ps']} ps, {r.get('update', 'differences')}",
             f"{r['steps_per_s']:.1f}",
             f"{r['ms_per_step']:.2f}",
             f"{r['ratio_to_mirrored']:.2f}",
@@ -320,7 +324,9 @@ def _markdown(result: dict) -> str:
         f"steps per row after {result['warmup_per_worker']} warm-up steps per worker; "
         "workers (one CPU device each), parameter servers and the coordinator share the "
         f"host's cores. strategy.run is given {how}. Held state (model and Adam): {held}; "
-        "a step pulls it and pushes its differences, a no-op names no held object and moves "
+        "under 'differences' a step pulls it and pushes its differences, under 'gradients' it pulls "
+        "the parameters and the optimizer's scalars and pushes the gradients; a no-op names no held "
+        "object and moves "
         "nothing. schedule ms: the coordinator thread's CPU time per `schedule` call. Staleness: pushes by "
         "other workers between a function's pull and its push.",
     ]
@@ -341,11 +347,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--closure", action="store_true", help="give strategy.run a closure (pickled by value) instead"
     )
+    parser.add_argument(
+        "--update",
+        default="differences,gradients",
+        help="comma-separated update rules of ParameterServerStrategy (default both)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     args = parser.parse_args(argv)
     args.worker_counts = _counts(parser, "--workers", args.workers)
     args.ps_counts = _counts(parser, "--ps", args.ps)
     args.workloads = env.names_option(parser, "--workloads", args.workloads, list(WORKLOADS))
+    args.rules = env.names_option(parser, "--update", args.update, ["differences", "gradients"])
     if not args.workloads or args.steps < 1 or args.warmup < 1:
         parser.error("--workloads needs a name; --steps and --warmup must be >= 1")
     env.check_json_path(args.json)

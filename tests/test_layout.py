@@ -31,6 +31,9 @@ _LAZY_OK = {
         "ray (optional), when an actor is placed on a given host"
     ),
     ("mirrax._src.parameter_server.wire", "ray"): "ray's cloudpickle (optional)",
+    ("mirrax._src.parameter_server.actors", "mirrax._src.parameter_server.gradient_rule"): (
+        "JAX in a parameter server only under update='gradients'"
+    ),
     ("mirrax._src.parameter_server.actors", "mirrax._src.parameter_server.worker_side"): (
         "a worker's JAX side, in the worker process only"
     ),

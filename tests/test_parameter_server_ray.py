@@ -39,9 +39,9 @@ def ray_cluster():
     resolver.shutdown()
 
 
-def _strategy(num_workers, num_ps, partitioner=None):
+def _strategy(num_workers, num_ps, partitioner=None, update="differences"):
     return mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner
+        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner, update=update
     )
 
 
@@ -777,6 +777,30 @@ def test_evaluate_shows_a_progress_bar_and_calls_the_test_batch_hooks_once_per_g
     assert "10/10" not in capsys.readouterr().out
 
 
+def test_fit_after_evaluating_one_batch_and_a_failed_remote_value_as_an_argument(small):
+    # One evaluation group: its sums (Ray's read-only arrays) were kept as the metrics' own,
+    # and fit's reset_metrics then wrote into them ("assignment destination is read-only").
+    strategy, coordinator = small
+    with strategy.scope():
+        model = mirrax.Model(Line())
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.linspace(-1, 1, 8, dtype=np.float32)[:, None]
+    model.evaluate(x, x, batch_size=100, verbose=0)
+    history = model.fit(x, x, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+    assert len(history.history["loss"]) == 1
+
+    def failing(x):
+        raise ValueError(f"boom {x}")
+
+    failed = coordinator.schedule(failing, args=(2,))
+    with pytest.raises(ValueError, match="boom 2"):
+        coordinator.join()
+    # As TF: a function given it fails with its error (the worker's traceback as the cause).
+    with pytest.raises(ValueError, match="boom 2") as raised:
+        coordinator.schedule(lambda v: v, args=(failed,))
+    assert "in failing" in str(raised.value.__cause__)
+
+
 def test_a_keras_model_trains_under_the_strategy_as_under_mirrored_strategy(small):
     # One worker, SGD, the batches in order (shuffle=False): the steps are MirroredStrategy's.
     # Within 1e-6: the parameter server adds new - pulled to pulled, a rounding of its own.
@@ -813,12 +837,25 @@ def test_starting_a_local_ray_cluster_prints_no_banner():
 def test_a_worker_that_crashes_while_starting_is_named_with_its_stderr():
     # XLA aborts the worker at its first JAX call; Ray restarts it again and again. The
     # strategy stops at the second death (not after START_TIMEOUT_S) and quotes XLA's line.
-    resolver = mirrax.RayClusterResolver(1, 1, worker_env={"XLA_FLAGS": "--no_such_xla_flag"})
+    # It asks for every free CPU, so that the corrected strategy below fits only once Ray has
+    # freed the failed one's.
+    cpus = ray.available_resources()["CPU"] - 1  # the parameter server's
+    resolver = mirrax.RayClusterResolver(
+        1, 1, num_cpus_per_worker=cpus, worker_env={"XLA_FLAGS": "--no_such_xla_flag"}
+    )
     box = _within(120, lambda: mirrax.ParameterServerStrategy(resolver))
     assert isinstance(box.get("error"), errors.UnresponsivePeerError), box
     message = str(box["error"])
     assert "worker task(s) [0] did not start" in message and "died while starting" in message
-    assert "Unknown flag in XLA_FLAGS: --no_such_xla_flag" in message
+    assert "Unknown flag in XLA_FLAGS: --no_such_xla_flag" in message and "\x1b" not in message
+    # The failed start returned once Ray had freed its CPUs: a corrected one starts at once.
+    strategy = mirrax.ParameterServerStrategy(
+        mirrax.RayClusterResolver(1, 1, num_cpus_per_worker=cpus, worker_env=ONE_DEVICE)
+    )
+    try:
+        assert mirrax.ClusterCoordinator(strategy).schedule(lambda: 3).fetch() == 3
+    finally:
+        strategy.shutdown()
 
 
 # -- failures ------------------------------------------------------------------------------------
@@ -905,8 +942,9 @@ def test_a_worker_killed_between_functions_and_restarted_unseen_runs_the_next_on
 # When the loss surfaces at a schedule, the functions scheduled before it are still pending
 # at shutdown, which says so: expected here.
 @pytest.mark.filterwarnings("ignore:ParameterServerStrategy shut down with:RuntimeWarning")
-def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path):
-    strategy = _strategy(num_workers=1, num_ps=2)
+@pytest.mark.parametrize("update", ["differences", "gradients"])
+def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path, update):
+    strategy = _strategy(num_workers=1, num_ps=2, update=update)
     model = Line()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     try:
@@ -931,7 +969,7 @@ def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path
             coordinator.join()
 
         result = _within(60, schedule_then_join)
-        assert isinstance(result["error"], errors.LostParameterServerError)
+        assert isinstance(result["error"], errors.LostParameterServerError), result
         assert "restore the last checkpoint" in str(result["error"])
         with pytest.raises(errors.LostParameterServerError):
             coordinator.done()
@@ -940,7 +978,7 @@ def test_a_killed_parameter_server_is_an_error_and_a_checkpoint_resumes(tmp_path
     finally:
         strategy.shutdown()
 
-    strategy = _strategy(num_workers=1, num_ps=2)
+    strategy = _strategy(num_workers=1, num_ps=2, update=update)
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
         model = Line()

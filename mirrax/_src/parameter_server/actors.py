@@ -24,6 +24,7 @@ class ParameterServer:
         self.index = index
         self.values: dict = {}
         self.version = 0
+        self.optimizers: dict = {}  # group -> its ServerOptimizer (update="gradients")
 
     def ping(self) -> int:
         return os.getpid()
@@ -42,12 +43,28 @@ class ParameterServer:
             return self.version, self.values
         return self.version, {key: self.values[key] for key in keys}
 
-    def push(self, adds: dict, assigns: dict) -> int:
-        """Adds `adds` and stores `assigns`; returns the number of pushes before this one."""
+    def configure(self, txs: list, groups: list) -> None:
+        """Takes the optimizers whose updates this server applies (update="gradients"): per
+        group its optax transformation and what this server holds of it (None: nothing), as
+        `Layout.server_groups` describes it. Imports JAX: only under that rule."""
+        from mirrax._src.parameter_server import gradient_rule
+
+        self.optimizers = {
+            g: gradient_rule.ServerOptimizer(tx, *held)
+            for g, (tx, held) in enumerate(zip(txs, groups))
+            if held
+        }
+
+    def push(self, adds: dict, assigns: dict, gradients: dict | None = None) -> int:
+        """Adds `adds`, stores `assigns`, and applies `gradients` ({group: (updates, {key: sum
+        of their gradients})}) with the groups' optimizers; returns the number of pushes
+        before this one."""
         for key, delta in adds.items():
             self.values[key] += delta
         for key, value in assigns.items():
             self.values[key] = np.array(value)
+        for group, (count, sums) in (gradients or {}).items():
+            self.optimizers[group].apply(self.values, sums, count)
         self.version += 1
         return self.version - 1
 

@@ -187,7 +187,7 @@ def _from_tf_cluster(resolver: ClusterResolver) -> tuple[RayClusterResolver, lis
         raise errors.InvalidArgumentError(
             f"ParameterServerStrategy: the cluster resolver says this process is "
             f"{resolver.task_type}:{resolver.task_id}, but the strategy is made only by the "
-            "coordinator (task type 'chief', or no task). Under mirrax the 'worker' and 'ps' "
+            "coordinator (task type 'chief'). Under mirrax the 'worker' and 'ps' "
             "tasks are Ray actors the coordinator starts on their hosts: run the script only as "
             'the chief (TF_CONFIG\'s task {"type": "chief", "index": 0}), and start a Ray '
             "node on each worker and ps host instead (`ray start --address=...`)."
@@ -272,6 +272,11 @@ class Cluster:
         runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
         worker_env = dict(runtime_env, env_vars={**runtime_env["env_vars"], **self.resolver.worker_env})
         since = time.time()
+        local = self.resolver.address is None
+        free_before = ray.available_resources() if local else None
+        requested = {"CPU": len(worker_specs) * self.resolver.num_cpus_per_worker + len(ps_specs)}
+        if self.resolver.num_gpus_per_worker:
+            requested["GPU"] = len(worker_specs) * self.resolver.num_gpus_per_worker
         server_cls = ray.remote(actors.ParameterServer)
         self.parameter_servers = [
             server_cls.options(
@@ -296,11 +301,18 @@ class Cluster:
         # after (to wait for those threads): the strategy's and the coordinator's.
         self.before_stop: list = []
         self.after_stop: list = []
+        self.ps_pids: list = []
+        self.worker_pids: list = []
         try:
             self.ps_pids = self._wait("parameter server", self.parameter_servers, since=since)
             self.worker_pids = self._wait("worker", self.workers, self.parameter_servers, since=since)
         except BaseException:
-            self.stop()  # a failed start leaves no actor holding the cluster's resources
+            # A failed start leaves no actor holding the cluster's resources, and returns once
+            # Ray has freed them (as shutdown() does), so a corrected strategy can start at once.
+            self.stop()
+            if free_before is not None:
+                with contextlib.suppress(errors.UnresponsivePeerError):
+                    self.wait_released(ray, requested, free_before)
             raise
         self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
         if not _live:
@@ -367,7 +379,7 @@ class Cluster:
                 failed = failed or e
         if failed is not None:
             raise errors.UnresponsivePeerError(
-                f"ParameterServerStrategy: a {kind} task failed to start: {failed}"
+                f"ParameterServerStrategy: a {kind} task failed to start: {start_logs.plain(str(failed))}"
             )
         return answers
 

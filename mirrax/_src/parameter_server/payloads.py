@@ -207,6 +207,7 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
       InvalidArgumentTypeError: a part of the call cannot be pickled (named), or is refused
         (`wire.refuse`).
       MixedStrategyError: a per-worker iterator of another coordinator.
+      the error of a function whose RemoteValue is an argument, when that function failed.
     """
     new_roots: list = []
     base = store.count
@@ -253,7 +254,10 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
                 return token
             return wire.with_bytes(token, data)  # may change: sent with the payload, kept nowhere
         if isinstance(obj, RemoteValue):
-            return wire.value(obj)
+            try:
+                return wire.value(obj)
+            except Exception as e:  # noqa: BLE001 - raised as it is, not as a pickling error
+                raise _FailedInput(e) from None
         if isinstance(obj, PerWorkerIterator):
             _check_mine(coordinator, obj.coordinator, "a PerWorkerIterator")
             return wire.iterator(obj)
@@ -275,6 +279,10 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
 
     try:
         payload = wire.dumps((fn, args, kwargs), token_of)
+    except _FailedInput as failed:
+        # As TF: a function given the RemoteValue of one that failed fails with its error
+        # (whose cause, the worker's traceback, is kept).
+        raise failed.error  # noqa: B904
     except errors.MirraxError:
         raise
     except Exception as e:  # noqa: BLE001 - any pickling failure: name the argument
@@ -285,6 +293,14 @@ def pickle_scheduled(coordinator, store, sent: SendOnce, cache: PickleCache, fn,
             "per-worker iterators, and create other objects inside the function."
         ) from None
     return payload, new_roots, tuple(sorted(used))
+
+
+class _FailedInput(Exception):
+    """A RemoteValue argument whose function failed: its `error`, carried out of the pickler."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def pickle_dataset_fn(strategy, dataset_fn) -> bytes:

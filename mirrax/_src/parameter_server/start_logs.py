@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 # Lines Ray itself writes at the top of a task process's stderr.
 _RAY_HEADERS = (":job_id:", ":actor_name:", ":task_name:")
 # The first lines of a crash that a message quotes.
 QUOTED_LINES = 5
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """`text` without terminal colour codes (Ray colours what it writes)."""
+    return _ANSI.sub("", text)
 
 
 def _logs_dir() -> str | None:
@@ -61,7 +68,9 @@ def crashes_since(ray, since: float, exclude_pids=()) -> list[tuple[int, list[st
             continue
         try:
             with open(path, errors="replace") as f:
-                lines = [line.rstrip() for line in f if line.strip() and not line.startswith(_RAY_HEADERS)]
+                lines = [
+                    plain(line).rstrip() for line in f if line.strip() and not line.startswith(_RAY_HEADERS)
+                ]
         except OSError:
             continue
         if lines:

@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from mirrax import errors
-from mirrax._src.parameter_server import variables, wire
+from mirrax._src.parameter_server import gradient_rule, variables, wire
 from mirrax._src.parameter_server.ray_calls import LostParameterServer, call_servers
 
 # Seconds the coordinator waits for the parameter servers to answer a read or a write.
@@ -43,9 +43,9 @@ class VariableStore:
       lost: (reason) -> the `LostParameterServerError` to raise when a server is lost.
     """
 
-    def __init__(self, parameter_servers: list, partitioner, lost):
+    def __init__(self, parameter_servers: list, partitioner, lost, update: str = gradient_rule.DIFFERENCES):
         self._servers = parameter_servers
-        self._holdings = variables.Holdings(len(parameter_servers), partitioner)
+        self._holdings = variables.Holdings(len(parameter_servers), partitioner, update)
         self._lost = lost  # (message) -> LostParameterServerError, raised by the caller
         self._lock = threading.RLock()
         self._structure: bytes | None = None
@@ -118,6 +118,11 @@ class VariableStore:
             per_server = self._holdings.relayout(list(new_roots))
             self._structure = None
             self._call("replace", [(values,) for values in per_server])
+            layout = self._holdings.layout
+            assert layout is not None  # relayout made it
+            if layout.groups:  # update="gradients": each server applies its slice's updates
+                txs = [group.tx for group in layout.groups]
+                self._call("configure", [(txs, layout.server_groups(ps)) for ps in range(len(self._servers))])
             for root in new_roots:
                 _stores[root] = self
 

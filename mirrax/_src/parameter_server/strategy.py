@@ -15,6 +15,7 @@ import jax
 from mirrax import errors
 from mirrax._src.distribute.strategy import Strategy, StrategyExtended
 from mirrax._src.parameter_server import cluster as cluster_lib
+from mirrax._src.parameter_server import gradient_rule
 from mirrax._src.parameter_server.remote_values import RemoteValue
 from mirrax._src.parameter_server.store import VariableStore
 
@@ -33,10 +34,12 @@ class ParameterServerExtended(StrategyExtended):
         `worker_pids` at start).
       variable_store: the coordinator's record of the held objects.
       coordinator: the strategy's `ClusterCoordinator`, once made.
+      update: the update rule, "differences" or "gradients".
     """
 
     def __init__(self, strategy):
         super().__init__(strategy)
+        self.update = strategy._update
         self.cluster = strategy._cluster
         self.variable_store = strategy._store
         self.coordinator = None
@@ -70,10 +73,12 @@ class ParameterServerStrategy(Strategy):
     the current values when a function starts and pushes what the function changed when it
     ends, without waiting for the other workers. Use it with a `ClusterCoordinator`.
 
-    Updates are pushed as differences (new - pulled), which a parameter server adds to its
-    current values: for SGD this is exactly TF's gradient application; an optimizer with
-    state (Adam) computes its step from the state the worker pulled. See
-    docs/parameter_server.md.
+    Two update rules (docs/parameter_server.md, "Update rules"): "differences" pushes what
+    the step changed (new - pulled), which a parameter server adds to its current values (for
+    SGD exactly TF's gradient application; Adam computes its step from the state the worker
+    pulled); "gradients" is TF's: `optimizer.update` records the gradients, the worker pushes
+    them, and each parameter server runs the optax update on the parameters it holds with the
+    optimizer state it holds (the worker neither pulls nor pushes that state).
 
     Args:
       cluster_resolver: a `mirrax.RayClusterResolver`, or a TF-style resolver
@@ -82,6 +87,8 @@ class ParameterServerStrategy(Strategy):
         one).
       variable_partitioner: None (no variable is cut) or a partitioner from
         `mirrax.partitioners` (or any callable with their contract).
+      update: "differences" (the default) or "gradients" (TF's rule; make the optimizers
+        after the strategy, under its scope, so that each one's model is known).
 
     Attributes:
       num_replicas_in_sync: the replicas of one worker (its local devices): the replicas that
@@ -89,14 +96,20 @@ class ParameterServerStrategy(Strategy):
 
     Raises:
       TypeError: `cluster_resolver` or `variable_partitioner` is of the wrong type.
-      ValueError: the cluster has no 'ps' or no 'worker' tasks.
+      ValueError: the cluster has no 'ps' or no 'worker' tasks, or `update` is not a rule.
       MissingDependencyError: Ray is not installed.
       UnresponsivePeerError: a task did not start within 180 s.
     """
 
     extended: ParameterServerExtended  # made by _new_extended
 
-    def __init__(self, cluster_resolver, variable_partitioner=None):
+    def __init__(self, cluster_resolver, variable_partitioner=None, update: str = gradient_rule.DIFFERENCES):
+        if not isinstance(update, str) or update not in gradient_rule.RULES:
+            raise errors.InvalidArgumentError(
+                f"ParameterServerStrategy: update must be one of {list(gradient_rule.RULES)} "
+                f"(how a worker's step reaches the parameter servers; docs/parameter_server.md, "
+                f"'Update rules'); received {update!r}."
+            )
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise errors.InvalidArgumentTypeError(
                 "ParameterServerStrategy: variable_partitioner must be None or a partitioner "
@@ -104,12 +117,16 @@ class ParameterServerStrategy(Strategy):
                 f"{type(variable_partitioner).__name__}."
             )
         self._cluster = cluster_lib.Cluster(cluster_resolver)
+        if update == gradient_rule.GRADIENTS:
+            gradient_rule.watch_optimizers()  # before the optimizers are made, under scope()
         self._store = VariableStore(
             self._cluster.parameter_servers,
             variable_partitioner,
             lambda reason: self.extended.lost_server(reason),
+            update,
         )
         self._variable_partitioner = variable_partitioner
+        self._update = update
         self._cluster.before_stop.append(self._store.detach)
         super().__init__([jax.devices()[0]])
 
@@ -128,7 +145,7 @@ class ParameterServerStrategy(Strategy):
         return (
             f"ParameterServerStrategy(num_workers={len(self._cluster.workers)}, "
             f"num_ps={len(self._cluster.parameter_servers)}, "
-            f"variable_partitioner={self._variable_partitioner!r})"
+            f"variable_partitioner={self._variable_partitioner!r}, update={self._update!r})"
         )
 
     def __reduce__(self):

@@ -26,6 +26,7 @@ from mirrax import errors
 from mirrax._src.distribute import _compat, prng_keys
 from mirrax._src.distribute.run.arguments import is_variable
 from mirrax._src.distribute.run.nodes import NodeCache
+from mirrax._src.parameter_server import gradient_rule
 from mirrax._src.parameter_server import partitioners as partitioners_lib
 
 
@@ -37,8 +38,12 @@ class Layout:
     """Where each leaf's shards live: for leaf i, a list of (parameter server, start, stop)
     along axis 0 (start, stop None for a scalar kept whole), and whether updates add."""
 
-    def __init__(self, leaves: list, paths: list, num_ps: int, partitioner, root_leaves=None):
+    def __init__(self, leaves: list, paths: list, num_ps: int, partitioner, root_leaves=None, groups=()):
         self.paths = list(paths)
+        # The optimizers whose updates the servers apply (update="gradients"), and the servers
+        # besides its own that hold a copy of a scalar state leaf (each server of its group).
+        self.groups: list = list(groups)
+        self.copies: dict[int, list[int]] = {}
         # Per held object, the indices of the leaves it reaches (a Variable two objects share
         # is a leaf of both): what a function that names only some objects pulls and pushes.
         self.root_leaves: list = list(root_leaves) if root_leaves is not None else []
@@ -67,6 +72,36 @@ class Layout:
                     turn += 1
             self.shards.append(cuts)
             self.additive.append(key is None and _additive(host.dtype))
+        for group in self.groups:
+            self._colocate(group)
+
+    def _colocate(self, group) -> None:
+        """Lays a group's state out with its parameters, as TF places slot variables: a leaf
+        mirroring a parameter in its shards, a scalar on every server of the group."""
+        servers = list(dict.fromkeys(ps for i in group.params for ps, _, _ in self.shards[i])) or [0]
+        for j, param, _ in group.mirrored:
+            self.shards[j] = list(self.shards[param])
+        for j in [j for j, _ in group.scalars] + [group.step]:
+            self.shards[j] = [(servers[0], None, None)]
+            self.copies[j] = servers[1:]
+
+    def server_groups(self, ps: int) -> list:
+        """Per group, what parameter server `ps` holds of it, as `ServerOptimizer`'s arguments
+        without the transformation (None for a group it holds none of)."""
+        out: list = []
+        for group in self.groups:
+            params = [(i, s) for i in group.params for s, (at, _, _) in enumerate(self.shards[i]) if at == ps]
+            if not params:
+                out.append(None)
+                continue
+            mirrored: dict = {key: [] for key in params}
+            for j, param, prefix in group.mirrored:
+                for s, (at, _, _) in enumerate(self.shards[j]):
+                    if at == ps:
+                        mirrored[(param, s)].append((prefix, (j, s)))
+            scalars = [(prefix, (j, 0)) for j, prefix in group.scalars]
+            out.append((params, mirrored, scalars, (group.step, 0)))
+        return out
 
     def leaves_of(self, objects) -> list[int]:
         """The sorted indices of the leaves the held objects `objects` (indices) reach."""
@@ -90,6 +125,8 @@ class Layout:
                 continue
             for s, (ps, start, stop) in enumerate(cuts):
                 out[ps][(i, s)] = leaf if start is None else leaf[start:stop]
+            for ps in self.copies.get(i, ()):
+                out[ps][(i, 0)] = leaf
         return out
 
     def join(self, per_ps: list[dict], indices=None) -> list:
@@ -187,9 +224,10 @@ class Holdings:
     """The coordinator's record of the held objects: roots, layout, and the identity of the
     arrays it last wrote into them (a changed identity means the user assigned a new value)."""
 
-    def __init__(self, num_ps: int, partitioner):
+    def __init__(self, num_ps: int, partitioner, update: str = gradient_rule.DIFFERENCES):
         self.num_ps = num_ps
         self.partitioner = partitioner
+        self.update = update
         self.roots: list = []
         self.version = 0
         self.graphdef = self.treedef = None
@@ -234,8 +272,13 @@ class Holdings:
         current values (the caller has written the parameter servers' values into them)."""
         roots = self.roots + list(new_roots)
         graphdef, treedef, leaves, paths = split_roots(tuple(roots))
+        groups = (
+            gradient_rule.groups_of(tuple(roots), leaves, paths)
+            if self.update == gradient_rule.GRADIENTS
+            else ()
+        )
         layout = Layout(  # may refuse: nothing changed
-            leaves, paths, self.num_ps, self.partitioner, [_reached(root, leaves) for root in roots]
+            leaves, paths, self.num_ps, self.partitioner, [_reached(root, leaves) for root in roots], groups
         )
         self.roots, self.graphdef, self.treedef, self.paths = roots, graphdef, treedef, paths
         self.layout = layout

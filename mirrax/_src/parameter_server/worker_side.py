@@ -18,7 +18,7 @@ from mirrax._src.distribute import prng_keys
 from mirrax._src.distribute.input_options import InputContext
 from mirrax._src.distribute.mirrored import MirroredStrategy
 from mirrax._src.distribute.values import is_distributed
-from mirrax._src.parameter_server import variables, wire
+from mirrax._src.parameter_server import gradient_rule, variables, wire
 from mirrax._src.parameter_server.ray_calls import (
     PARAMETER_SERVER_TIMEOUT_S,
     LostParameterServer,
@@ -80,6 +80,7 @@ class WorkerState:
         self.iterators: dict = {}
         self.version = None
         self.structure: tuple | None = None  # (graphdef, treedef, layout) of the held objects
+        self.treedef: Any = None  # the structure of this worker's copies (tagged under "gradients")
         self.roots: Any = None  # the held objects (a tuple of NNX objects), made from structure
         # Their leaves as this worker last pulled or changed them (host arrays), in the
         # structure's order: a function that names some objects pulls only theirs.
@@ -159,28 +160,37 @@ class WorkerState:
     def _run(self, payload: dict) -> tuple:
         assert self.structure is not None  # the first payload carried it
         graphdef, treedef, layout = self.structure
+        groups = layout.groups if layout is not None else []
+        # update="gradients": the servers own their optimizers' state mirroring parameters
+        # (never pulled or pushed here) and their scalars (pulled to be read, not pushed).
+        owned = {j for g in groups for j, _, _ in g.mirrored}
         indices: list = []
         if layout is not None:
             # The leaves of the objects the function names (all of them to build the copies).
-            indices = (
-                list(range(len(layout.shards)))
-                if self.roots is None
-                else layout.leaves_of(payload["objects"])
-            )
+            named = range(len(layout.shards)) if self.roots is None else layout.leaves_of(payload["objects"])
+            indices = [i for i in named if i not in owned]
         if indices:
             asked, versions, pulled = self._pull(layout, indices)
             if self.roots is None:
                 self.leaves = [None] * len(layout.shards)
+                for j in owned:
+                    shape, dtype = layout.signatures[j]
+                    self.leaves[j] = np.zeros(shape, dtype)
             # Writable copies: the pulled arrays are Ray's read-only buffers (an in-place
             # write, `v[...] = ...` outside strategy.run, would fail on them), and they stay
             # apart from what the function changes in place, which the push compares them to.
             for i, leaf in zip(indices, layout.device_leaves(pulled, indices)):
                 self.leaves[i] = leaf if prng_keys.is_key(leaf) else np.array(leaf)
-            state = variables.state_of(treedef, self.leaves)
             if self.roots is None:
+                state = variables.state_of(treedef, self.leaves)
+                if groups:
+                    gradient_rule.tag(state, list(range(len(self.leaves))))
+                self.treedef = jax.tree.structure(state)  # with the tags: nnx.update keeps them
                 self.roots = nnx.merge(graphdef, state)
+                if groups:
+                    gradient_rule.attach(self.roots, groups, self.leaves)
             else:
-                nnx.update(self.roots, state)
+                nnx.update(self.roots, variables.state_of(self.treedef, self.leaves))
         try:
             fn, args, kwargs = wire.loads(payload["closure"], self._resolve)
             with self.strategy.scope():
@@ -193,7 +203,8 @@ class WorkerState:
                         "dataset endless (repeat it), or schedule fewer steps."
                     ) from None
             data = _result_bytes(result)
-            new = self._new_leaves(treedef, layout, indices) if indices else None
+            new = self._new_leaves(layout, indices) if indices else None
+            gradients = gradient_rule.collect(self.roots, groups) if groups and indices else {}
         except LostParameterServer:
             raise
         except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
@@ -205,15 +216,15 @@ class WorkerState:
             return ("error", wire.pack_error(e))
         staleness, pushed = None, 0
         if new is not None:
-            staleness, pushed = self._push(layout, indices, pulled, new, asked, versions)
+            staleness, pushed = self._push(layout, indices, pulled, new, asked, versions, gradients)
         moved = (sum(leaf.nbytes for leaf in pulled) if indices else 0, pushed)
         return ("ok", data, staleness, moved)
 
-    def _new_leaves(self, treedef, layout, indices: list) -> list:
+    def _new_leaves(self, layout, indices: list) -> list:
         """The host values of the leaves `indices` after the function."""
-        _, state = nnx.split(self.roots)
+        state = nnx.state(self.roots, nnx.Not(gradient_rule.GradientSum))
         leaves, now = jax.tree.flatten(state)
-        if now != treedef:
+        if now != self.treedef:
             raise errors.UnsupportedArgumentError(
                 "A scheduled function changed the structure of the objects the "
                 "ParameterServerStrategy holds (it added, removed or replaced a variable or "
@@ -231,14 +242,20 @@ class WorkerState:
                 )
         return host
 
-    def _push(self, layout, indices: list, pulled: list, new: list, asked: list, versions: dict):
-        """Pushes what changed among the leaves `indices` to the servers `asked` at the pull;
-        returns the pushes other workers made meanwhile (None: nothing changed) and the bytes
-        pushed."""
+    def _push(
+        self, layout, indices: list, pulled: list, new: list, asked: list, versions: dict, gradients: dict
+    ):
+        """Pushes what changed among the leaves `indices`, and the optimizers' recorded
+        `gradients` (`gradient_rule.collect`), to the servers that hold them; returns the
+        pushes other workers made meanwhile on the first server asked at the pull (None:
+        nothing was pushed) and the bytes pushed."""
         for i, leaf in zip(indices, new):
             self.leaves[i] = leaf
-        updates = layout.updates(pulled, new)
-        if all(kind is None for kind, _ in updates):
+        read_only = {j for g in layout.groups for j, _ in g.scalars} | {g.step for g in layout.groups}
+        updates = [
+            (None, None) if i in read_only else u for i, u in zip(indices, layout.updates(pulled, new))
+        ]
+        if not gradients and all(kind is None for kind, _ in updates):
             return None, 0  # nothing changed: no push (and no staleness to report)
         adds: list = [None] * len(layout.shards)
         assigns: list = [None] * len(layout.shards)
@@ -246,13 +263,21 @@ class WorkerState:
             if kind is not None:
                 (adds if kind == "add" else assigns)[i] = update
         adds, assigns = layout.split(adds), layout.split(assigns)
+        sums: list[dict] = [{} for _ in range(layout.num_ps)]
+        for g, (count, by_leaf) in gradients.items():
+            for ps, part in enumerate(layout.split([by_leaf.get(i) for i in range(len(layout.shards))])):
+                if part:
+                    sums[ps][g] = (count, part)
+        targets = sorted(set(asked) | {ps for ps in range(layout.num_ps) if sums[ps]})
         before = call_servers(
-            [self.parameter_servers[ps] for ps in asked],
+            [self.parameter_servers[ps] for ps in targets],
             "push",
-            [(adds[ps], assigns[ps]) for ps in asked],
+            [(adds[ps], assigns[ps], sums[ps]) for ps in targets],
             PARAMETER_SERVER_TIMEOUT_S,
         )
-        return before[0] - versions[asked[0]], sum(u.nbytes for kind, u in updates if kind is not None)
+        pushed = sum(u.nbytes for _, u in updates if u is not None)
+        pushed += sum(a.nbytes for _, by_leaf in gradients.values() for a in by_leaf.values())
+        return before[targets.index(asked[0])] - versions[asked[0]], pushed
 
 
 def _result_bytes(result) -> bytes:

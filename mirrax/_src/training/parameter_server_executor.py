@@ -258,7 +258,9 @@ def evaluate_loop(model, compiled, steps, batches: list, cbs) -> dict:
     for first, result in zip(starts, results):
         cbs.on_test_batch_begin(first)
         sums = result.fetch()
-        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+        # Copies: the arrays Ray hands over are read-only, and the metrics' sums are written
+        # in place later (reset_metrics).
+        totals = jax.tree.map(np.array, sums) if totals is None else jax.tree.map(np.add, totals, sums)
         nnx.replace_by_pure_dict(accumulators, totals)
         nnx.update((compiled.tracker, model.metrics), accumulators)
         logs = logs_lib.logs_of(model, compiled)

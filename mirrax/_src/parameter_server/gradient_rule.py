@@ -1,0 +1,327 @@
+"""`ParameterServerStrategy(update="gradients")`, TF's update rule: a worker's
+`optimizer.update(model, grads)` records the gradients instead of applying them, the worker
+pushes them, and each parameter server runs the optimizer's optax update on the parameters it
+holds, with the optimizer state it holds then (as TF's servers apply gradients with their slot
+variables).
+
+The three sides of the rule, side by side:
+- the coordinator finds each held `nnx.Optimizer`'s group (`groups_of`): the model it was
+  made for (`watch_optimizers` records it when the optimizer is made), the model's parameters
+  it updates, the state leaves that mirror each parameter (Adam's moments: laid out with their
+  parameter, same servers, same rows) and the scalar state (counts, hyperparameters, `step`:
+  one copy on each server of the group);
+- a worker tags each held Variable with its leaf index and gives each group's optimizer
+  gradient sums (`Recorder`); `optimizer.update` adds to them;
+- a parameter server applies a group's gradients to its slice (`ServerOptimizer`).
+
+A function that calls `optimizer.update` k times pushes the k gradients' sum and k; the server
+applies k updates with their mean (exactly TF's for SGD and k = 1; with k > 1 the k steps all
+read the parameters pulled at the function's start). A transformation that reduces across
+parameters (`clip_by_global_norm`) sees one server's slice, as in TF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mirrax import errors
+from mirrax._src.distribute import _compat
+from mirrax._src.distribute.run.arguments import is_variable
+
+GRADIENTS = "gradients"
+DIFFERENCES = "differences"
+RULES = (DIFFERENCES, GRADIENTS)
+_TAG = "mirrax_leaf"
+
+# Each nnx.Optimizer made since the first strategy with update="gradients" -> its model.
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def watch_optimizers() -> None:
+    """Records the model of every `nnx.Optimizer` made from now on (once per process)."""
+    original = nnx.Optimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, model, *args, **kwargs):
+        original(self, model, *args, **kwargs)
+        try:
+            _models[self] = weakref.ref(model)
+        except TypeError:  # a model that takes no weak reference: found as not watched
+            pass
+
+    nnx.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _rel(path) -> tuple:
+    keys = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One held optimizer under the gradient rule (leaf indices of the joint held state).
+
+    Attributes:
+      tx: its optax transformation.
+      params: the parameters it updates, in its model's state order.
+      mirrored: (state leaf, parameter leaf, prefix): a state leaf that mirrors a parameter
+        (its path in the optimizer state is `prefix` + the parameter's path in the model).
+      scalars: (state leaf, prefix) of the state that mirrors no parameter (scalars).
+      step: the leaf of `optimizer.step`.
+    """
+
+    tx: Any
+    params: tuple
+    mirrored: tuple
+    scalars: tuple
+    step: int
+
+    @property
+    def state(self) -> tuple:
+        """Every state leaf of the group: mirrored, scalar, step."""
+        return tuple(j for j, _, _ in self.mirrored) + tuple(j for j, _ in self.scalars) + (self.step,)
+
+
+def _key(i: int) -> str:
+    return f"p{i}"
+
+
+def groups_of(roots: tuple, leaves: list, paths: list) -> list[Group]:
+    """The group of every `nnx.Optimizer` the held `roots` reach (their joint state's
+    `leaves`, named `paths` in errors).
+
+    Raises:
+      UnsupportedArgumentError: an optimizer made before the strategy (its model unknown), one
+        whose model is not held with it, or whose state does not mirror its parameters.
+    """
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+
+    def leaf_of(variable) -> int:
+        return index[id(_compat.raw_value(variable))]
+
+    found, seen = [], set()
+    for _, node in nnx.iter_graph(roots):
+        if not isinstance(node, nnx.Optimizer) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        ref = _models.get(node)
+        model = ref() if ref is not None else None
+        where = paths[leaf_of(node.step)].rsplit(".step", 1)[0]
+        if model is None:
+            raise errors.UnsupportedArgumentError(
+                f"ParameterServerStrategy(update='gradients'): the nnx.Optimizer {where} was "
+                "made before the strategy, so the model it updates is not known. Make the "
+                "optimizer after the strategy (under strategy.scope(), as TF makes it), or use "
+                "update='differences'."
+            )
+        params = []
+        for path, variable in nnx.to_flat_state(nnx.state(model, node.wrt)):
+            if id(_compat.raw_value(variable)) not in index:
+                raise errors.UnsupportedArgumentError(
+                    f"ParameterServerStrategy(update='gradients'): the optimizer {where} is held "
+                    "but its model is not: schedule a function that uses both (the parameter "
+                    "servers apply the optimizer to the model's parameters)."
+                )
+            params.append((_rel(path), leaf_of(variable)))
+        found.append(_group(node, params, leaves, leaf_of, where))
+    return found
+
+
+def _group(optimizer, params: list, leaves: list, leaf_of, where: str) -> Group:
+    by_path = dict(params)
+    shapes = {_key(i): jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for _, i in params}
+    template = jax.eval_shape(optimizer.tx.init, shapes)
+    prefixes = set()
+    scalar_paths = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
+        rel = _rel(path)
+        if rel and rel[-1] in {_key(i) for _, i in params}:
+            prefixes.add(rel[:-1])
+        else:
+            scalar_paths.add(rel)
+    mirrored, scalars = [], []
+    for path, variable in nnx.to_flat_state(nnx.state(optimizer.opt_state)):
+        rel = _rel(path)
+        match = next(
+            (
+                (by_path[rel[len(p) :]], p)
+                for p in prefixes
+                if rel[: len(p)] == p and rel[len(p) :] in by_path
+            ),
+            None,
+        )
+        if match is not None and np.shape(_compat.raw_value(variable)) == np.shape(leaves[match[0]]):
+            mirrored.append((leaf_of(variable), match[0], match[1]))
+        elif rel in scalar_paths and np.ndim(_compat.raw_value(variable)) == 0:
+            scalars.append((leaf_of(variable), rel))
+        else:
+            raise errors.UnsupportedArgumentError(
+                f"ParameterServerStrategy(update='gradients'): the state {'.'.join(rel)} of the "
+                f"optimizer {where} neither mirrors one of its model's parameters nor is a "
+                "scalar, so no parameter server can hold its part of it. Use "
+                "update='differences' for this optimizer's transformation."
+            )
+    return Group(
+        optimizer.tx, tuple(i for _, i in params), tuple(mirrored), tuple(scalars), leaf_of(optimizer.step)
+    )
+
+
+# -- a parameter server's side -------------------------------------------------------------------
+
+
+class ServerOptimizer:
+    """One group's update on one parameter server: its slice of the parameters (keys
+    `(leaf, shard)` of the server's values), the mirrored state beside each, and its copy of
+    the scalars.
+
+    Args:
+      tx: the optax transformation.
+      params: the parameter keys on this server.
+      mirrored: {parameter key: [(prefix, state key), ...]}.
+      scalars: [(prefix, state key), ...]; step: the key of `optimizer.step`.
+    """
+
+    def __init__(self, tx, params: list, mirrored: dict, scalars: list, step):
+        self._params = list(params)
+        self._step = step
+        names = {key: _key(n) for n, key in enumerate(self._params)}
+        self._names = [names[key] for key in self._params]
+        by_path = {prefix + (names[p],): key for p, pairs in mirrored.items() for prefix, key in pairs}
+        by_path.update({prefix: key for prefix, key in scalars})
+        self._tx = tx
+        self._template_def = None
+        self._sources: list = []
+        self._by_path = by_path
+        self._update = jax.jit(self._one_update)
+
+    def _one_update(self, grads, state, params):
+        updates, state = self._tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def _sources_for(self, values: dict) -> None:
+        shapes = {
+            name: jax.ShapeDtypeStruct(values[key].shape, values[key].dtype)
+            for name, key in zip(self._names, self._params)
+        }
+        template = jax.eval_shape(self._tx.init, shapes)
+        with_paths, self._template_def = jax.tree_util.tree_flatten_with_path(template)
+        self._sources = [self._by_path[_rel(path)] for path, _ in with_paths]
+
+    def apply(self, values: dict, gradient_sums: dict, count: int) -> None:
+        """Applies `count` updates with the mean of `gradient_sums` ({parameter key: sum of
+        `count` gradients}) to `values` (the server's dict), in place."""
+        if self._template_def is None:
+            self._sources_for(values)
+        params = {name: values[key] for name, key in zip(self._names, self._params)}
+        grads = {
+            name: np.asarray(gradient_sums[key]) / np.asarray(count, gradient_sums[key].dtype)
+            for name, key in zip(self._names, self._params)
+        }
+        state = jax.tree.unflatten(self._template_def, [values[key] for key in self._sources])
+        for _ in range(count):
+            params, state = self._update(grads, state, params)
+        for name, key in zip(self._names, self._params):
+            values[key] = np.array(params[name])
+        for key, leaf in zip(self._sources, jax.tree.leaves(state)):
+            values[key] = np.array(leaf)
+        values[self._step] = values[self._step] + np.asarray(count, values[self._step].dtype)
+
+
+# -- a worker's side --------------------------------------------------------------------------------
+
+
+class GradientSum(nnx.OptState):
+    """A worker's sum of the gradients its optimizer's `update` received during one function
+    (an `OptState`, so a float16 step skipped for overflow rolls it back too)."""
+
+
+def tag(state, indices: list) -> None:
+    """Marks each Variable of `state` (the held objects' joint state) with its leaf index."""
+    for i, variable in zip(indices, jax.tree.leaves(state, is_leaf=is_variable)):
+        variable.set_metadata(**{_TAG: i})
+
+
+def attach(roots: tuple, groups: list, leaves: list) -> None:
+    """Gives each group's optimizer (found by its step's tag) zeroed gradient sums for its
+    parameters, and makes `nnx.Optimizer.update` record into them (in this process)."""
+    _record_updates()
+    by_step = {g.step: g for g in groups}
+    for _, node in nnx.iter_graph(roots):
+        if isinstance(node, nnx.Optimizer):
+            group = by_step.get(node.step.get_metadata().get(_TAG))
+            if group is not None:
+                sums = {
+                    _key(i): GradientSum(jnp.zeros(np.shape(leaves[i]), leaves[i].dtype))
+                    for i in group.params
+                }
+                # Attributes of the worker's copy only (flax's Optimizer declares no such field).
+                node.mirrax_gradients = nnx.data(sums)  # type: ignore[attr-defined]
+                node.mirrax_updates = GradientSum(jnp.zeros((), jnp.int32))  # type: ignore[attr-defined]
+
+
+def collect(roots: tuple, groups: list) -> dict:
+    """{group index: (updates recorded, {parameter leaf: host gradient sum})} of the groups
+    whose optimizer recorded any during the function; their sums are zeroed."""
+    position = {g.step: n for n, g in enumerate(groups)}
+    out = {}
+    for _, node in nnx.iter_graph(roots):
+        sums = getattr(node, "mirrax_gradients", None) if isinstance(node, nnx.Optimizer) else None
+        if sums is None:
+            continue
+        count = int(node.mirrax_updates[...])
+        if count == 0:
+            continue
+        group = groups[position[node.step.get_metadata()[_TAG]]]
+        out[position[group.step]] = (
+            count,
+            {i: np.asarray(jax.device_get(sums[_key(i)][...])) for i in group.params},
+        )
+        for i in group.params:
+            sums[_key(i)].set_value(jnp.zeros_like(sums[_key(i)][...]))
+        node.mirrax_updates.set_value(jnp.zeros((), jnp.int32))
+    return out
+
+
+@functools.cache
+def _record_updates() -> None:
+    original = nnx.Optimizer.update
+
+    @functools.wraps(original)
+    def update(self, model, grads, /, **kwargs):
+        sums = getattr(self, "mirrax_gradients", None)
+        if sums is None:
+            return original(self, model, grads, **kwargs)
+        if kwargs:
+            raise errors.UnsupportedArgumentError(
+                "optimizer.update(model, grads, **kwargs) under ParameterServerStrategy("
+                f"update='gradients'): the parameter servers run the optax update without "
+                f"{sorted(kwargs)}. Use update='differences' for a transformation that takes them."
+            )
+        given = dict(nnx.to_flat_state(nnx.state(grads, self.wrt)))
+        for path, variable in nnx.to_flat_state(nnx.state(model, self.wrt)):
+            total = sums.get(_key(variable.get_metadata().get(_TAG, -1)))
+            if total is None or path not in given:
+                raise errors.InvalidArgumentError(
+                    "optimizer.update(model, grads) under ParameterServerStrategy(update="
+                    f"'gradients'): {'.'.join(map(str, path))} is not a parameter of the model "
+                    "this optimizer was made for, or grads has no gradient for it. Pass the "
+                    "optimizer's own model and its gradients."
+                )
+            gradient = given[path]
+            gradient = gradient.get_value() if isinstance(gradient, nnx.Variable) else gradient
+            total.set_value(total[...] + jnp.asarray(gradient, total[...].dtype))
+        self.mirrax_updates.set_value(self.mirrax_updates[...] + 1)
+        self.step.set_value(self.step[...] + 1)
+        return None
+
+    nnx.Optimizer.update = update  # type: ignore[method-assign]
