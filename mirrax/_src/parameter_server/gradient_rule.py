@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -98,11 +99,12 @@ def _key(i: int) -> str:
 
 def groups_of(roots: tuple, leaves: list, paths: list) -> list[Group]:
     """The group of every `nnx.Optimizer` the held `roots` reach (their joint state's
-    `leaves`, named `paths` in errors).
+    `leaves`, named `paths` in warnings) whose update the servers can apply.
 
-    Raises:
-      UnsupportedArgumentError: an optimizer made before the strategy (its model unknown), one
-        whose model is not held with it, or whose state does not mirror its parameters.
+    The others' state travels as differences, as under update="differences": an optimizer
+    whose model is not held (yet: it forms its group when it is), and, with a
+    `RuntimeWarning` saying why, one made before the strategy (its model is not known) or
+    whose state does not mirror its model's parameters (`optax.lbfgs`'s memory).
     """
     index = {id(leaf): i for i, leaf in enumerate(leaves)}
 
@@ -118,26 +120,35 @@ def groups_of(roots: tuple, leaves: list, paths: list) -> list[Group]:
         model = ref() if ref is not None else None
         where = paths[leaf_of(node.step)].rsplit(".step", 1)[0]
         if model is None:
-            raise errors.UnsupportedArgumentError(
-                f"ParameterServerStrategy(update='gradients'): the nnx.Optimizer {where} was "
-                "made before the strategy, so the model it updates is not known. Make the "
-                "optimizer after the strategy (under strategy.scope(), as TF makes it), or use "
-                "update='differences'."
+            _fall_back(
+                where,
+                "was made before the strategy, so the model it updates is not known. Make it "
+                "after the strategy (under strategy.scope(), as TF makes it)",
             )
-        params = []
-        for path, variable in nnx.to_flat_state(nnx.state(model, node.wrt)):
-            if id(_compat.raw_value(variable)) not in index:
-                raise errors.UnsupportedArgumentError(
-                    f"ParameterServerStrategy(update='gradients'): the optimizer {where} is held "
-                    "but its model is not: schedule a function that uses both (the parameter "
-                    "servers apply the optimizer to the model's parameters)."
-                )
-            params.append((_rel(path), leaf_of(variable)))
-        found.append(_group(node, params, leaves, leaf_of, where))
+            continue
+        state = nnx.to_flat_state(nnx.state(model, node.wrt))
+        if any(id(_compat.raw_value(variable)) not in index for _, variable in state):
+            continue  # its model is not held yet
+        group = _group(node, [(_rel(path), leaf_of(v)) for path, v in state], leaves, leaf_of)
+        if isinstance(group, str):
+            _fall_back(where, group)
+        else:
+            found.append(group)
     return found
 
 
-def _group(optimizer, params: list, leaves: list, leaf_of, where: str) -> Group:
+def _fall_back(where: str, why: str) -> None:
+    warnings.warn(
+        f"ParameterServerStrategy(update='gradients'): the nnx.Optimizer {where} {why}; its "
+        "updates travel as differences (the worker computes them with the state it pulled), "
+        "as under update='differences'.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _group(optimizer, params: list, leaves: list, leaf_of) -> Group | str:
+    """The optimizer's group, or why the servers cannot apply its update."""
     by_path = dict(params)
     shapes = {_key(i): jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for _, i in params}
     template = jax.eval_shape(optimizer.tx.init, shapes)
@@ -165,11 +176,9 @@ def _group(optimizer, params: list, leaves: list, leaf_of, where: str) -> Group:
         elif rel in scalar_paths and np.ndim(_compat.raw_value(variable)) == 0:
             scalars.append((leaf_of(variable), rel))
         else:
-            raise errors.UnsupportedArgumentError(
-                f"ParameterServerStrategy(update='gradients'): the state {'.'.join(rel)} of the "
-                f"optimizer {where} neither mirrors one of its model's parameters nor is a "
-                "scalar, so no parameter server can hold its part of it. Use "
-                "update='differences' for this optimizer's transformation."
+            return (
+                f"has state ({'.'.join(rel)}) that neither mirrors one of its model's parameters "
+                "nor is a scalar, so no parameter server can hold its part of it"
             )
     return Group(
         optimizer.tx, tuple(i for _, i in params), tuple(mirrored), tuple(scalars), leaf_of(optimizer.step)
@@ -282,14 +291,19 @@ def collect(roots: tuple, groups: list) -> dict:
         if count == 0:
             continue
         group = groups[position[node.step.get_metadata()[_TAG]]]
-        out[position[group.step]] = (
-            count,
-            {i: np.asarray(jax.device_get(sums[_key(i)][...])) for i in group.params},
-        )
-        for i in group.params:
-            sums[_key(i)].set_value(jnp.zeros_like(sums[_key(i)][...]))
-        node.mirrax_updates.set_value(jnp.zeros((), jnp.int32))
+        totals = [sums[_key(i)] for i in group.params]
+        out[position[group.step]] = (count, dict(zip(group.params, jax.device_get([t[...] for t in totals]))))
+        # Zeroed by one compiled call (an eager zeros per leaf cost as much as the rest of the
+        # push); new arrays each time, since a step may donate the old ones.
+        zeros = _zeros_like([t[...] for t in totals] + [node.mirrax_updates[...]])
+        for total, zero in zip(totals + [node.mirrax_updates], zeros):
+            total.set_value(zero)
     return out
+
+
+@jax.jit
+def _zeros_like(arrays: list) -> list:
+    return [jnp.zeros_like(a) for a in arrays]
 
 
 @functools.cache

@@ -73,12 +73,13 @@ class ParameterServerStrategy(Strategy):
     the current values when a function starts and pushes what the function changed when it
     ends, without waiting for the other workers. Use it with a `ClusterCoordinator`.
 
-    Two update rules (docs/parameter_server.md, "Update rules"): "differences" pushes what
+    Two update rules (docs/parameter_server.md, "Update rules"): "gradients", the default,
+    is TF's: `optimizer.update` records the gradients, the worker pushes them, and each
+    parameter server runs the optax update on the parameters it holds with the optimizer
+    state it holds (the worker neither pulls nor pushes that state); "differences" pushes what
     the step changed (new - pulled), which a parameter server adds to its current values (for
     SGD exactly TF's gradient application; Adam computes its step from the state the worker
-    pulled); "gradients" is TF's: `optimizer.update` records the gradients, the worker pushes
-    them, and each parameter server runs the optax update on the parameters it holds with the
-    optimizer state it holds (the worker neither pulls nor pushes that state).
+    pulled). Every other held state (metrics, batch statistics) travels as differences.
 
     Args:
       cluster_resolver: a `mirrax.RayClusterResolver`, or a TF-style resolver
@@ -87,8 +88,9 @@ class ParameterServerStrategy(Strategy):
         one).
       variable_partitioner: None (no variable is cut) or a partitioner from
         `mirrax.partitioners` (or any callable with their contract).
-      update: "differences" (the default) or "gradients" (TF's rule; make the optimizers
-        after the strategy, under its scope, so that each one's model is known).
+      update: "gradients" (the default: TF's rule, which trains better under staleness,
+        BENCHMARKS.md; make the optimizers after the strategy, under its scope, so that each
+        one's model is known) or "differences".
 
     Attributes:
       num_replicas_in_sync: the replicas of one worker (its local devices): the replicas that
@@ -103,7 +105,7 @@ class ParameterServerStrategy(Strategy):
 
     extended: ParameterServerExtended  # made by _new_extended
 
-    def __init__(self, cluster_resolver, variable_partitioner=None, update: str = gradient_rule.DIFFERENCES):
+    def __init__(self, cluster_resolver, variable_partitioner=None, update: str = gradient_rule.GRADIENTS):
         if not isinstance(update, str) or update not in gradient_rule.RULES:
             raise errors.InvalidArgumentError(
                 f"ParameterServerStrategy: update must be one of {list(gradient_rule.RULES)} "
