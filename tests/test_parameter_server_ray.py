@@ -214,6 +214,23 @@ def test_values_assigned_on_the_coordinator_reach_the_servers(small):
     assert coordinator.schedule(lambda: float(model.w[...][0])).fetch() == 5.0
 
 
+def test_a_static_attribute_changed_on_the_coordinator_reaches_the_workers(small):
+    # model.eval() sets Dropout's `deterministic`, a plain attribute, not a Variable: the
+    # workers kept the graph of the first schedule and went on dropping (before the fix).
+    strategy, coordinator = small
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    x = np.ones((1, 64), np.float32)
+    trained = coordinator.schedule(lambda: np.asarray(dropout(x))).fetch()
+    assert set(np.unique(trained)) == {0.0, 2.0}  # kept values scaled by 1 / (1 - 0.5)
+    dropout.eval()
+    np.testing.assert_array_equal(coordinator.schedule(lambda: np.asarray(dropout(x))).fetch(), x)
+    model = Line()
+    model.scale = 1.0
+    assert coordinator.schedule(lambda: model.scale).fetch() == 1.0
+    model.scale = 5.0
+    assert coordinator.schedule(lambda: model.scale).fetch() == 5.0
+
+
 def test_a_function_sent_again_is_the_same_function_on_the_worker(small):
     """A function pickled by value (a closure, a lambda, a script's function) is unpickled
     once per worker, so `strategy.run` there compiles it once, not once per schedule."""

@@ -311,8 +311,11 @@ class Cluster:
             # Ray has freed them (as shutdown() does), so a corrected strategy can start at once.
             self.stop()
             if free_before is not None:
+                # Free again as before the actors were made: `requested` on top of what was
+                # free without them.
+                without = {name: free_before.get(name, 0.0) - amount for name, amount in requested.items()}
                 with contextlib.suppress(errors.UnresponsivePeerError):
-                    self.wait_released(ray, requested, free_before)
+                    self.wait_released(ray, requested, without)
             raise
         self.num_replicas = ray.get(self.workers[0].num_replicas.remote())
         if not _live:

@@ -127,7 +127,9 @@ class VariableStore:
                 _stores[root] = self
 
     def write_assigned(self) -> None:
-        """Writes the values the user replaced on the coordinator to the parameter servers.
+        """Writes the values the user replaced on the coordinator to the parameter servers, and
+        takes a static attribute the user changed there (`model.eval()`) as a new structure for
+        the workers.
 
         Raises:
           UnsupportedArgumentError: a held object's variables were added or removed.
@@ -136,7 +138,10 @@ class VariableStore:
             if not self._holdings.roots or self._detached or self._holdings.unchanged():
                 return
             assigned = self._holdings.assigned(self._holdings.current_leaves())
+            if self._holdings.take_graphdef():
+                self._structure = None  # the workers take the new graph with the next function
             if all(a is None for a in assigned):
+                self._holdings.sync()
                 return
             layout = self._holdings.layout
             assert layout is not None  # made with the first held object

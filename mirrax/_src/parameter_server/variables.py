@@ -231,6 +231,7 @@ class Holdings:
         self.roots: list = []
         self.version = 0
         self.graphdef = self.treedef = None
+        self._latest_graphdef = None  # the held objects' graph at the last current_leaves
         self.layout: Layout | None = None
         self.paths: list = []
         self._seen: list = []
@@ -295,7 +296,8 @@ class Holdings:
           UnsupportedArgumentError: their structure changed since they were laid out (a
             variable added, removed or replaced by one of another shape or dtype).
         """
-        _, treedef, leaves, paths = split_roots(tuple(self.roots))
+        graphdef, treedef, leaves, paths = split_roots(tuple(self.roots))
+        self._latest_graphdef = graphdef
         if treedef != self.treedef:
             raise errors.UnsupportedArgumentError(
                 "ParameterServerStrategy: the variables of an object it holds changed (they "
@@ -312,6 +314,21 @@ class Holdings:
                     "each variable's shape: assign values of the same shape and dtype."
                 )
         return leaves
+
+    def take_graphdef(self) -> bool:
+        """Whether a static attribute of a held object changed (`model.eval()`, a plain
+        attribute) as of the last `current_leaves`; if so its graph is taken as a new version,
+        from which the workers rebuild their copies."""
+        latest = self._latest_graphdef
+        if latest is None or latest == self.graphdef:
+            return False
+        self.graphdef = latest
+        self.version += 1
+        return True
+
+    def sync(self) -> None:
+        """Records the held objects as they are now as seen (nothing was assigned)."""
+        self._sync()
 
     def assigned(self, leaves: list) -> list:
         """The host values of `leaves` (the current ones) that the user replaced since the
