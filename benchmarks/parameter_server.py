@@ -25,7 +25,9 @@ instead of 7).
 
 Reference: the same step and batch in this process on `MirroredStrategy(["cpu:0"])`, each
 step's loss read before the next (as a worker reads each result); "PS / mirrored" is the
-ratio of ms/step.
+ratio of ms/step. And Ray's floor, no mirrax code: plain actors, one holding the model's
+parameters as NumPy arrays and one that pulls them and pushes as many bytes back (what a step
+moves under update="gradients", without the step), and a no-op actor call, two calls in flight.
 
 Usage:
   python -m benchmarks.parameter_server                      # ~1-2 minutes on 2 cores
@@ -226,6 +228,85 @@ def _mirrored(key: str, args) -> dict:
     }
 
 
+def _ray_floor(key: str, args) -> dict:
+    """Ray's floor for the workload, no mirrax code: plain actors, one holding the model's
+    parameters as NumPy arrays, one that pulls them, copies them and pushes as many bytes
+    back (a step under update="gradients" without the step), and a no-op call; two calls in
+    flight, as the coordinator keeps per worker."""
+    import collections
+
+    import jax
+    import numpy as np
+    import ray
+    from flax import nnx
+
+    label, builder, _, batch = WORKLOADS[key]
+    model, _ = _model(builder)
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+    class Server:
+        def __init__(self, shapes):
+            self.values = {i: np.zeros(shape, np.float32) for i, shape in enumerate(shapes)}
+
+        def pull(self):
+            return self.values
+
+        def push(self, adds):
+            for i, delta in adds.items():
+                self.values[i] += delta
+            return 0
+
+    class Caller:
+        def __init__(self, server):
+            self.server = server
+
+        def step(self):
+            values = ray.get(self.server.pull.remote())
+            return ray.get(self.server.push.remote({i: np.array(v) for i, v in values.items()}))
+
+        def noop(self):
+            return None
+
+    free = ray.available_resources().get("CPU", 0.0)
+    server = ray.remote(num_cpus=1)(Server).remote(shapes)
+    caller = ray.remote(num_cpus=1)(Caller).remote(server)
+
+    def timed(method, count: int) -> float:
+        flight: collections.deque = collections.deque()
+        start = time.perf_counter()
+        for _ in range(count):
+            flight.append(method.remote())
+            if len(flight) == 2:
+                ray.get(flight.popleft())
+        ray.get(list(flight))
+        return time.perf_counter() - start
+
+    try:
+        timed(caller.step, args.warmup)
+        seconds = timed(caller.step, args.steps)
+        noop_s = timed(caller.noop, args.steps)
+    finally:
+        ray.kill(caller)
+        ray.kill(server)
+        deadline = time.monotonic() + 30  # Ray frees the CPUs once the processes have ended
+        while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
+            time.sleep(0.05)
+    kib = sum(int(np.prod(shape)) * 4 for shape in shapes) / 1024
+    env.log(
+        f"  {label}, Ray's floor: {args.steps / seconds:.1f} pull+push/s, no-op {args.steps / noop_s:.1f}/s"
+    )
+    return {
+        "workload": label,
+        "batch": batch,
+        "strategy": "ray floor",
+        "steps": args.steps,
+        "steps_per_s": args.steps / seconds,
+        "ms_per_step": 1e3 * seconds / args.steps,
+        "noop_per_s": args.steps / noop_s,
+        "moved_kib": [kib, kib],
+    }
+
+
 def _measure(args) -> dict:
     import jax
 
@@ -241,6 +322,7 @@ def _measure(args) -> dict:
         for key in args.workloads:
             reference = _mirrored(key, args)
             rows.append(reference)
+            rows.append(_ray_floor(key, args))
             for workers in args.worker_counts:
                 for ps in args.ps_counts:
                     for update in args.rules:  # interleaved: the rules' rows minutes apart at most
@@ -260,6 +342,11 @@ def _measure(args) -> dict:
 
 def _markdown(result: dict) -> str:
     def cells(r):
+        if r["strategy"] == "ray floor":
+            floor = "Ray's floor: plain actors, pull + push"
+            return [r["workload"], r["batch"], floor, f"{r['steps_per_s']:.1f}", f"{r['ms_per_step']:.2f}",
+                    "", f"{r['noop_per_s']:.1f}", "", "{:.0f} / {:.0f}".format(*r["moved_kib"]),
+                    "", "", "", ""]  # fmt: skip
         if r["strategy"] == "mirrored":
             return [
                 r["workload"],

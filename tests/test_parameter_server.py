@@ -226,3 +226,26 @@ def test_an_error_is_raised_once_and_a_function_in_flight_then_does_not_fail_the
     with pytest.raises(errors.CancelledFunctionError):
         fourth.value.fetch()
     assert not queue.waiting
+
+
+def test_a_lambda_made_anew_for_each_schedule_is_pickled_once():
+    # A scheduling loop's `lambda` is a new function object per iteration, of the same code:
+    # the same captured objects give the same pickle, so the entry is shared; a lambda that
+    # captures another value, or one renamed, is pickled anew.
+    from mirrax._src.parameter_server import payloads
+
+    cache = payloads.PickleCache()
+    always = lambda value: True  # noqa: E731 - every captured value counts as unchanging
+
+    def make(x):
+        return lambda: x
+
+    first = make(1)
+    cache.put(first, payloads.captured(first, always), ("function", b"1"), ())
+    again = make(1)  # small ints are one object each: the same captured value
+    assert again is not first and cache.get(again, always).token == ("function", b"1")
+    assert cache.get(make(2), always) is None  # another value: another pickle
+    cache.put(first, payloads.captured(first, always), ("function", b"1"), ())
+    renamed = make(1)
+    renamed.__qualname__ = "other"
+    assert cache.get(renamed, always) is None

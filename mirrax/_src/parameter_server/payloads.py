@@ -96,29 +96,44 @@ class _Entry:
 
 
 class PickleCache:
-    """Per function object, its token and the held objects it names, while everything its pickle
+    """Per function code, its token and the held objects it names, while everything its pickle
     depends on (its code, closure cells, defaults, the globals it names, and so for the
-    functions among them) is the same objects, each immutable or sent as a token."""
+    functions among them) is the same objects, each immutable or sent as a token. A new
+    function object of the same code and the same captured objects (a `lambda` written in a
+    scheduling loop: one per iteration) pickles to the same bytes, so it shares the entry."""
 
     def __init__(self):
-        self._entries: dict = {}  # id(function) -> _Entry
+        self._entries: dict = {}  # id(function.__code__) -> _Entry (its function keeps the code alive)
 
     def get(self, function, stable) -> _Entry | None:
-        entry = self._entries.get(id(function))
-        if entry is None or entry.function is not function:
+        key = id(function.__code__)
+        entry = self._entries.get(key)
+        if entry is None or not _same_function(entry.function, function):
             return None
         now = captured(function, stable)
         if now is None or len(now) != len(entry.captured) or not all(map(operator.is_, now, entry.captured)):
-            del self._entries[id(function)]
+            del self._entries[key]
             return None
-        self._entries[id(function)] = self._entries.pop(id(function))  # most recent last
+        self._entries[key] = self._entries.pop(key)  # most recent last
         return entry
 
     def put(self, function, captured: list, token, objects) -> None:
         """Keeps `function`'s token while `captured` (its `captured(...)` now) holds."""
         if len(self._entries) >= PICKLE_CACHE_SIZE:
             self._entries.pop(next(iter(self._entries)))
-        self._entries[id(function)] = _Entry(function, captured, token, frozenset(objects))
+        self._entries[id(function.__code__)] = _Entry(function, captured, token, frozenset(objects))
+
+
+def _same_function(kept, function) -> bool:
+    """Whether `function` pickles as `kept` does when what they capture is the same: the same
+    code, globals, names and documentation (cloudpickle writes these besides the captures)."""
+    return function is kept or (
+        function.__code__ is kept.__code__
+        and function.__globals__ is kept.__globals__
+        and (function.__name__, function.__qualname__, function.__module__, function.__doc__)
+        == (kept.__name__, kept.__qualname__, kept.__module__, kept.__doc__)
+        and function.__annotations__ == kept.__annotations__
+    )
 
 
 def _imported(module) -> bool:
