@@ -449,13 +449,7 @@ def main(argv=None) -> int:
         parser.error("--workloads needs a name; --steps and --warmup must be >= 1")
     env.check_json_path(args.json)
     env.configure_jax_environment("cpu", 1)  # the coordinator: one CPU device, as each worker
-    start = time.perf_counter()
-    with env.bench_lock():
-        result = _measure(args)
-    print(_markdown(result))
-    env.log(f"(total {time.perf_counter() - start:.0f} s)")
-    env.write_json(args.json, [result])
-    return 0
+    return env.run_in_process(args, _measure, _markdown)
 
 
 if __name__ == "__main__":

@@ -188,13 +188,7 @@ def main(argv=None) -> int:
         parser.error("--workers needs counts >= 1 like 2,4; --epochs and --repeats must be >= 1")
     env.check_json_path(args.json)
     env.configure_jax_environment("cpu", 1)
-    start = time.perf_counter()
-    with env.bench_lock():
-        result = _measure(args)
-    print(_markdown(result))
-    env.log(f"(total {time.perf_counter() - start:.0f} s)")
-    env.write_json(args.json, [result])
-    return 0
+    return env.run_in_process(args, _measure, _markdown)
 
 
 if __name__ == "__main__":

@@ -17,26 +17,29 @@ from flax import nnx
 
 import mirrax
 from mirrax import errors
+from tests import ray_cluster as cluster
+from tests.ray_cluster import ray, ray_cluster  # noqa: F401 - the module's cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
 
-ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
-
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    resolver = mirrax.RayClusterResolver(num_workers=4, num_ps=4)
-    resolver.connect()
-    yield
-    resolver.shutdown()
-
 
 def _strategy(num_workers, num_ps, partitioner=None):
-    return mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner, update="gradients"
-    )
+    return cluster.strategy(num_workers, num_ps, partitioner, update="gradients")
+
+
+def _training(strategy, coordinator, batches, pause_s=0.0):
+    """A model, its Adam made under the strategy's scope, and a scheduled step over `batches`
+    (each worker's dataset), with the iterator to pass it."""
+    with strategy.scope():
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches)))
+
+    def step(iterator):
+        time.sleep(pause_s)
+        return strategy.reduce("sum", strategy.run(train_step, args=(model, optimizer, next(iterator))))
+
+    return model, optimizer, step, iterator
 
 
 class MLP(nnx.Module):
@@ -75,14 +78,7 @@ def test_one_synchronous_worker_with_adam_equals_mirrored_strategy_and_moves_no_
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
         batches = _batches(10)
-        with strategy.scope():
-            model = MLP(nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
-        iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches * 2)))
-
-        def step(iterator):
-            return strategy.reduce("sum", strategy.run(train_step, args=(model, optimizer, next(iterator))))
-
+        model, optimizer, step, iterator = _training(strategy, coordinator, batches * 2)
         losses = [float(coordinator.schedule(step, args=(iterator,)).fetch()) for _ in batches]
         coordinator.join()
         # The moments live with their parameter, in its shards; the scalars on both servers.
@@ -199,16 +195,7 @@ def test_a_killed_worker_under_the_gradients_rule_loses_no_update():
     strategy = _strategy(2, 1)
     try:
         coordinator = mirrax.ClusterCoordinator(strategy)
-        batches = _batches(4)
-        with strategy.scope():
-            model = MLP(nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
-        iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(batches * 100)))
-
-        def step(iterator):
-            time.sleep(0.05)
-            return strategy.reduce("sum", strategy.run(train_step, args=(model, optimizer, next(iterator))))
-
+        model, optimizer, step, iterator = _training(strategy, coordinator, _batches(4) * 100, pause_s=0.05)
         victim = coordinator.schedule(os.getpid).fetch()
         values = [coordinator.schedule(step, args=(iterator,)) for _ in range(30)]
         while sum(v.is_ready() for v in values) < 5:

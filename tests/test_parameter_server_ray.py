@@ -22,27 +22,10 @@ from flax import nnx
 import mirrax
 from mirrax import errors
 from mirrax._src.parameter_server.closures import WorkerConstant
+from tests.ray_cluster import ONE_DEVICE, ray, ray_cluster  # noqa: F401 - the module's cluster
+from tests.ray_cluster import strategy as _strategy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
-
-ray = pytest.importorskip("ray", reason="ParameterServerStrategy needs Ray: pip install 'mirrax[ray]'")
-
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # One local cluster for the module; each strategy below starts its own actors on it.
-    resolver = mirrax.RayClusterResolver(num_workers=6, num_ps=6)
-    resolver.connect()
-    yield
-    resolver.shutdown()
-
-
-def _strategy(num_workers, num_ps, partitioner=None, update="differences"):
-    return mirrax.ParameterServerStrategy(
-        mirrax.RayClusterResolver(num_workers, num_ps, worker_env=ONE_DEVICE), partitioner, update=update
-    )
 
 
 def _live_pids(strategy):

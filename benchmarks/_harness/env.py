@@ -240,3 +240,15 @@ def bench_lock():
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_in_process(args, measure, markdown) -> int:
+    """A benchmark that measures in this process: `measure(args)` under the lock, its
+    `markdown(result)` printed, the total time logged, the JSON written (--json)."""
+    start = time.perf_counter()
+    with bench_lock():
+        result = measure(args)
+    print(markdown(result))
+    log(f"(total {time.perf_counter() - start:.0f} s)")
+    write_json(args.json, [result])
+    return 0
