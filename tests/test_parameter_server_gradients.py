@@ -19,6 +19,8 @@ import mirrax
 from mirrax import errors
 from tests import ray_cluster as cluster
 from tests.ray_cluster import ray, ray_cluster  # noqa: F401 - the module's cluster
+from tests.test_parameter_server_ray import MLP
+from tests.test_parameter_server_ray import sgd_step as train_step
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("parameter_server_ray")]
 
@@ -40,26 +42,6 @@ def _training(strategy, coordinator, batches, pause_s=0.0):
         return strategy.reduce("sum", strategy.run(train_step, args=(model, optimizer, next(iterator))))
 
     return model, optimizer, step, iterator
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.out = nnx.Linear(8, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
-
-
-def train_step(model, optimizer, batch):
-    x, y = batch
-
-    def loss_fn(m):
-        return mirrax.compute_average_loss(jnp.mean((m(x) - y) ** 2, axis=-1))
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
 
 
 def _batches(count):
