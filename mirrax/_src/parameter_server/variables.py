@@ -11,7 +11,8 @@ the last leaf's, as TF places variables and their shards. A parameter server sto
 Updates travel as differences: a worker pulls the leaves, runs its step on them, and pushes
 new - pulled, which the parameter server adds to what it holds now (so updates other workers
 pushed meanwhile are kept). Leaves that cannot be added (booleans, PRNG keys) are pushed as
-new values when they changed.
+new values when they changed. Under update="gradients" an optimizer's state is laid out with
+the parameters it mirrors and its updates are the servers' (`gradient_rule.py`).
 """
 
 from __future__ import annotations
