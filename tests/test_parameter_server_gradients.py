@@ -191,3 +191,45 @@ def test_a_killed_worker_under_the_gradients_rule_loses_no_update():
         assert int(optimizer.step[...]) == int(optimizer.opt_state[0].count[...])
     finally:
         strategy.shutdown()
+
+
+def test_after_a_masked_optimizer_the_next_one_trains_and_the_servers_state_is_not_written_on_a_worker(
+    single,
+):
+    # optax.masked's state holds MaskedNode Variables, which have no array: each worker tag
+    # after them was shifted, so an optimizer held later found no group and trained on its own.
+    strategy, coordinator = single
+    batch = _batches(1)[0]
+    with strategy.scope():
+        masked_model = MLP(nnx.Rngs(0))
+        masked = nnx.Optimizer(
+            masked_model,
+            optax.masked(optax.adam(0.01), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)),
+            wrt=nnx.Param,
+        )
+    coordinator.schedule(lambda: strategy.run(train_step, args=(masked_model, masked, batch))).fetch()
+    with strategy.scope():
+        model = MLP(nnx.Rngs(1))
+        optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    seen = [
+        coordinator.schedule(
+            lambda: (strategy.run(train_step, args=(model, optimizer, batch)), int(optimizer.step[...]))[1]
+        ).fetch()
+        for _ in range(3)
+    ]
+    coordinator.join()
+    # The worker reads the step its servers hold (0, 1, 2 before its own update: + 1).
+    assert seen == [1, 2, 3]
+    assert int(optimizer.step[...]) == 3 and int(optimizer.opt_state[0].count[...]) == 3
+    assert int(masked.step[...]) == 1
+
+    # Adam's moments are the servers' (a worker's copy is zeros): assigning them there is refused.
+    def reset_moment():
+        optimizer.opt_state[0].mu["out"]["bias"][...] = jnp.full((1,), 5.0)
+
+    coordinator.schedule(reset_moment)
+    with pytest.raises(
+        errors.UnsupportedArgumentError, match=r"assigned objects\[\d+\]\.opt_state\.0\.mu\.out\.bias"
+    ):
+        coordinator.join()
+    assert int(coordinator.schedule(lambda: int(optimizer.step[...])).fetch()) == 3  # nothing pushed

@@ -151,7 +151,12 @@ def _group(optimizer, params: list, leaves: list, leaf_of) -> Group | str:
     """The optimizer's group, or why the servers cannot apply its update."""
     by_path = dict(params)
     shapes = {_key(i): jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for _, i in params}
-    template = jax.eval_shape(optimizer.tx.init, shapes)
+    try:
+        template = jax.eval_shape(optimizer.tx.init, shapes)
+    except Exception as e:  # noqa: BLE001 - e.g. a mask given as a tree of the model's paths
+        return (
+            f"has a transformation that cannot start on a slice of its parameters ({type(e).__name__}: {e})"
+        )
     prefixes = set()
     scalar_paths = set()
     for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
@@ -162,6 +167,8 @@ def _group(optimizer, params: list, leaves: list, leaf_of) -> Group | str:
             scalar_paths.add(rel)
     mirrored, scalars = [], []
     for path, variable in nnx.to_flat_state(nnx.state(optimizer.opt_state)):
+        if not jax.tree.leaves(_compat.raw_value(variable)):
+            continue  # no array (optax.masked's MaskedNode): nothing to hold
         rel = _rel(path)
         match = next(
             (
@@ -254,10 +261,26 @@ class GradientSum(nnx.OptState):
     (an `OptState`, so a float16 step skipped for overflow rolls it back too)."""
 
 
-def tag(state, indices: list) -> None:
-    """Marks each Variable of `state` (the held objects' joint state) with its leaf index."""
-    for i, variable in zip(indices, jax.tree.leaves(state, is_leaf=is_variable)):
-        variable.set_metadata(**{_TAG: i})
+def tag(state) -> None:
+    """Marks each Variable of `state` (the held objects' joint state) with the index of its
+    first leaf; a Variable that holds no array (optax.masked's `MaskedNode`) is counted as
+    none, so the Variables after it keep their own index."""
+    position = 0
+    for variable in jax.tree.leaves(state, is_leaf=is_variable):
+        count = len(jax.tree.leaves(_compat.raw_value(variable)))
+        if count:
+            variable.set_metadata(**{_TAG: position})
+        position += count
+
+
+def assigned_owned(state_leaves: list, groups: list, paths: list) -> str | None:
+    """The path of the first state leaf the servers own (a mirrored one, never pulled: the
+    worker's copy is zeros) that a scheduled function assigned, or None."""
+    for group in groups:
+        for j, _, _ in group.mirrored:
+            if np.any(np.asarray(jax.device_get(state_leaves[j]))):
+                return paths[j]
+    return None
 
 
 def attach(roots: tuple, groups: list, leaves: list) -> None:

@@ -184,7 +184,7 @@ class WorkerState:
             if self.roots is None:
                 state = variables.state_of(treedef, self.leaves)
                 if groups:
-                    gradient_rule.tag(state, list(range(len(self.leaves))))
+                    gradient_rule.tag(state)
                 self.treedef = jax.tree.structure(state)  # with the tags: nnx.update keeps them
                 self.roots = nnx.merge(graphdef, state)
                 if groups:
@@ -229,6 +229,15 @@ class WorkerState:
                 "A scheduled function changed the structure of the objects the "
                 "ParameterServerStrategy holds (it added, removed or replaced a variable or "
                 "submodule). Build them completely on the coordinator, before scheduling."
+            )
+        written = gradient_rule.assigned_owned(leaves, layout.groups, layout.paths)
+        if written is not None:
+            raise errors.UnsupportedArgumentError(
+                f"A scheduled function assigned {written}, optimizer state that the parameter "
+                "servers hold and update under update='gradients' (a worker neither pulls nor "
+                "pushes it: there it reads as zeros). Assign it on the coordinator (it reaches "
+                "the servers with the next function), or use update='differences'. Nothing of "
+                "this function was pushed."
             )
         host = [variables.host_value(leaves[i]) for i in indices]
         for i, leaf in zip(indices, host):
