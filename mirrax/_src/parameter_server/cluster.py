@@ -348,41 +348,51 @@ class Cluster:
             twice while starting (with the first lines of its stderr), or it failed to start.
         """
         ray = import_ray()
-        refs = [h.ping.remote() if servers is None else h.attach.remote(servers) for h in handles]
+
+        def call(handle):
+            return handle.ping.remote() if servers is None else handle.attach.remote(servers)
+
+        refs = [call(h) for h in handles]
+        answers: list = [None] * len(refs)
+        done = [False] * len(refs)
         deadline = time.monotonic() + START_TIMEOUT_S
-        ready: list = []
         crashes: list = []
-        while len(ready) < len(refs) and time.monotonic() < deadline:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(START_POLL_S, START_TIMEOUT_S))
+        failed = None
+        while not all(done) and time.monotonic() < deadline:
+            pending = [r for r, d in zip(refs, done) if not d]
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=START_POLL_S)
+            for i, ref in enumerate(refs):
+                if done[i] or ref not in ready:
+                    continue
+                try:  # each one read (an error no one reads, Ray prints again)
+                    answers[i], done[i] = ray.get(ref), True
+                except ray.exceptions.ActorUnavailableError:
+                    refs[i] = call(handles[i])  # its process is being restarted: ask it again
+                except ray.exceptions.RayActorError as e:
+                    failed, done[i] = failed or e, True
             # Ray restarts a worker that dies, forever: two deaths while starting are a crash.
             crashes = start_logs.crashes_since(ray, since)
-            if len(ready) < len(refs) and len(crashes) >= 2:
+            if not all(done) and len(crashes) >= 2:
                 break
-        if len(ready) < len(refs):
-            late = [i for i, r in enumerate(refs) if r not in ready]
-            if crashes:
-                pid, lines = crashes[-1]
-                raise errors.UnresponsivePeerError(
-                    f"ParameterServerStrategy: {kind} task(s) {late} did not start: "
-                    f"{len(crashes)} process(es) of this job died while starting (Ray restarts a "
-                    f"worker that dies). The last (pid {pid}) wrote to its stderr:\n  "
-                    + "\n  ".join(lines)
-                    + "\nFix the cause (e.g. RayClusterResolver's worker_env) and make the strategy again."
-                )
+        late = [i for i, d in enumerate(done) if not d]
+        if crashes and (late or failed is not None):
+            pid, lines = crashes[-1]
+            raise errors.UnresponsivePeerError(
+                f"ParameterServerStrategy: {kind} task(s) {late or 'of this job'} did not start: "
+                f"{len(crashes)} process(es) of this job died while starting (Ray restarts a "
+                f"worker that dies). The last (pid {pid}) wrote to its stderr:\n  "
+                + "\n  ".join(lines)
+                + "\nFix the cause (e.g. RayClusterResolver's worker_env) and make the strategy again."
+            )
+        if failed is not None:
+            raise errors.UnresponsivePeerError(
+                f"ParameterServerStrategy: a {kind} task failed to start: {start_logs.plain(str(failed))}"
+            )
+        if late:
             raise errors.UnresponsivePeerError(
                 f"ParameterServerStrategy: {kind} task(s) {late} did not start within "
                 f"{START_TIMEOUT_S:.0f} s. Check the Ray cluster's resources (`ray status`) and "
                 "the tasks' logs (/tmp/ray/session_latest/logs)."
-            )
-        answers, failed = [], None
-        for ref in refs:  # each one read (an error no one reads, Ray prints again)
-            try:
-                answers.append(ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
-            except ray.exceptions.RayActorError as e:
-                failed = failed or e
-        if failed is not None:
-            raise errors.UnresponsivePeerError(
-                f"ParameterServerStrategy: a {kind} task failed to start: {start_logs.plain(str(failed))}"
             )
         return answers
 
