@@ -283,15 +283,18 @@ def assigned_owned(state_leaves: list, groups: list, paths: list) -> str | None:
     return None
 
 
-def attach(roots: tuple, groups: list, leaves: list) -> None:
+def attach(roots: tuple, groups: list, leaves: list) -> list:
     """Gives each group's optimizer (found by its step's tag) zeroed gradient sums for its
-    parameters, and makes `nnx.Optimizer.update` record into them (in this process)."""
+    parameters, and makes `nnx.Optimizer.update` record into them (in this process); returns
+    the (optimizer, group) pairs, for `collect` (no walk of the graph per function)."""
     _record_updates()
     by_step = {g.step: g for g in groups}
+    found = []
     for _, node in nnx.iter_graph(roots):
         if isinstance(node, nnx.Optimizer):
             group = by_step.get(node.step.get_metadata().get(_TAG))
             if group is not None:
+                found.append((node, groups.index(group)))
                 sums = {
                     _key(i): GradientSum(jnp.zeros(np.shape(leaves[i]), leaves[i].dtype))
                     for i in group.params
@@ -299,23 +302,21 @@ def attach(roots: tuple, groups: list, leaves: list) -> None:
                 # Attributes of the worker's copy only (flax's Optimizer declares no such field).
                 node.mirrax_gradients = nnx.data(sums)  # type: ignore[attr-defined]
                 node.mirrax_updates = GradientSum(jnp.zeros((), jnp.int32))  # type: ignore[attr-defined]
+    return found
 
 
-def collect(roots: tuple, groups: list) -> dict:
+def collect(recorders: list, groups: list) -> dict:
     """{group index: (updates recorded, {parameter leaf: host gradient sum})} of the groups
-    whose optimizer recorded any during the function; their sums are zeroed."""
-    position = {g.step: n for n, g in enumerate(groups)}
+    whose optimizer (`recorders`: `attach`'s pairs) recorded any during the function; their
+    sums are zeroed."""
     out = {}
-    for _, node in nnx.iter_graph(roots):
-        sums = getattr(node, "mirrax_gradients", None) if isinstance(node, nnx.Optimizer) else None
-        if sums is None:
-            continue
+    for node, position in recorders:
         count = int(node.mirrax_updates[...])
         if count == 0:
             continue
-        group = groups[position[node.step.get_metadata()[_TAG]]]
-        totals = [sums[_key(i)] for i in group.params]
-        out[position[group.step]] = (count, dict(zip(group.params, jax.device_get([t[...] for t in totals]))))
+        group = groups[position]
+        totals = [node.mirrax_gradients[_key(i)] for i in group.params]
+        out[position] = (count, dict(zip(group.params, jax.device_get([t[...] for t in totals]))))
         # Zeroed by one compiled call (an eager zeros per leaf cost as much as the rest of the
         # push); new arrays each time, since a step may donate the old ones.
         zeros = _zeros_like([t[...] for t in totals] + [node.mirrax_updates[...]])

@@ -81,6 +81,7 @@ class WorkerState:
         self.version = None
         self.structure: tuple | None = None  # (graphdef, treedef, layout) of the held objects
         self.treedef: Any = None  # the structure of this worker's copies (tagged under "gradients")
+        self.recorders: list = []  # (optimizer copy, group) recording gradients (gradient_rule.attach)
         self.roots: Any = None  # the held objects (a tuple of NNX objects), made from structure
         # Their leaves as this worker last pulled or changed them (host arrays), in the
         # structure's order: a function that names some objects pulls only theirs.
@@ -187,8 +188,7 @@ class WorkerState:
                     gradient_rule.tag(state)
                 self.treedef = jax.tree.structure(state)  # with the tags: nnx.update keeps them
                 self.roots = nnx.merge(graphdef, state)
-                if groups:
-                    gradient_rule.attach(self.roots, groups, self.leaves)
+                self.recorders = gradient_rule.attach(self.roots, groups, self.leaves) if groups else []
             else:
                 nnx.update(self.roots, variables.state_of(self.treedef, self.leaves))
         try:
@@ -204,7 +204,7 @@ class WorkerState:
                     ) from None
             data = _result_bytes(result)
             new = self._new_leaves(layout, indices) if indices else None
-            gradients = gradient_rule.collect(self.roots, groups) if groups and indices else {}
+            gradients = gradient_rule.collect(self.recorders, groups) if groups and indices else {}
         except LostParameterServer:
             raise
         except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
